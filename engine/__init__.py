@@ -1,0 +1,23 @@
+"""tandem's model side: configs, weights, the Llama model, KV cache, runner, sampler, engine.
+
+The public names load lazily so that importing one submodule (say engine.sampler) does not
+pull in the whole engine.
+"""
+from importlib import import_module
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.engine",
+    "EngineConfig": "engine.engine",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "SamplingParams": "scheduler.request",
+    "ParamError": "scheduler.request",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

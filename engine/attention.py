@@ -1,0 +1,102 @@
+"""Attention: per-batch metadata, packed varlen prefill through SDPA, and paged decode backends.
+
+Decode attention goes through `DecodeAttentionBackend` so the C++ CPU kernel (kernels/cpu) and
+GPU kernels plug in behind one interface; `TorchPagedDecode` is the plain reference.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one packed batch: prefill tokens first, then one token
+    per decoding sequence. Built by the runner, passed explicitly (no globals)."""
+
+    prefill_seq_lens: list[int]  # tokens of each prefill sequence, in batch order
+    num_prefill_tokens: int
+    slot_blocks: torch.Tensor  # [num_tokens] int64: block each token's K/V goes to
+    slot_offsets: torch.Tensor  # [num_tokens] int64: offset inside that block
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int32, including the new token
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode_context_lens is None else int(self.decode_context_lens.shape[0])
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
+                      scale: float) -> torch.Tensor:
+    """Causal attention over packed sequences, each through SDPA on its own tokens (no padding).
+
+    q [num_tokens, num_heads, head_dim], k/v [num_tokens, kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]
+    """
+    out = torch.empty_like(q)
+    start = 0
+    for length in seq_lens:
+        end = start + length
+        # SDPA wants [batch, heads, tokens, head_dim]
+        out[start:end] = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1).unsqueeze(0),
+            k[start:end].transpose(0, 1).unsqueeze(0),
+            v[start:end].transpose(0, 1).unsqueeze(0),
+            is_causal=True, scale=scale, enable_gqa=True,
+        ).squeeze(0).transpose(0, 1)
+        start = end
+    return out
+
+
+class DecodeAttentionBackend(ABC):
+    """Attention of one new query token per sequence over its paged K/V."""
+
+    name: str
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """query [batch, num_heads, head_dim]; key/value_cache [blocks, kv_heads, block_size, head_dim];
+        block_tables [batch, max_blocks] int32; context_lens [batch] int32 -> [batch, num_heads, head_dim]."""
+
+
+class TorchPagedDecode(DecodeAttentionBackend):
+    """Reference: gather each sequence's blocks, pad to the longest, masked softmax in fp32."""
+
+    name = "torch"
+
+    def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale):
+        batch, num_heads, head_dim = query.shape
+        _, num_kv_heads, block_size, _ = key_cache.shape
+        group = num_heads // num_kv_heads
+        tables = block_tables.long()
+        max_blocks = tables.shape[1]
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:
+            # [batch, max_blocks, kv_heads, block_size, head_dim] -> [batch, kv_heads, ctx, head_dim]
+            return cache[tables].transpose(1, 2).reshape(batch, num_kv_heads, max_blocks * block_size, head_dim)
+
+        keys, values = gather(key_cache).float(), gather(value_cache).float()
+        q = query.float().view(batch, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [batch, kv_heads, group, ctx]
+        positions = torch.arange(max_blocks * block_size, device=query.device)
+        mask = positions[None, :] >= context_lens.long()[:, None]  # [batch, ctx]
+        scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [batch, kv_heads, group, head_dim]
+        return out.view(batch, num_heads, head_dim).to(query.dtype)
+
+
+_DECODE_BACKENDS: dict[str, Callable[[], DecodeAttentionBackend]] = {"torch": TorchPagedDecode}
+
+
+def register_decode_backend(name: str, factory: Callable[[], DecodeAttentionBackend]) -> None:
+    _DECODE_BACKENDS[name] = factory
+
+
+def create_decode_backend(name: str) -> DecodeAttentionBackend:
+    if name not in _DECODE_BACKENDS:
+        raise ValueError(f"unknown decode attention backend {name!r}; known: {sorted(_DECODE_BACKENDS)}")
+    return _DECODE_BACKENDS[name]()

@@ -1,0 +1,186 @@
+"""Model and engine configuration: frozen dataclasses, validated once.
+
+`ModelConfig` is read from a Hugging Face `config.json`, from GGUF metadata, or from a
+shape preset in `configs/models/` (presets are written as HF config dicts, so one reader
+serves both).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+
+# HF architectures names -> our family names. All are the Llama block with small variations.
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+# GGUF `general.architecture` values we can run.
+_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+
+class ConfigError(ValueError):
+    """A model or engine configuration that cannot be served."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style frequency-dependent RoPE scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on Q, K and V projections (Qwen2)
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
+            if getattr(self, attr) <= 0:
+                raise ConfigError(f"{attr} must be positive, got {getattr(self, attr)}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], name: str = "") -> "ModelConfig":
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        arch = _ARCHITECTURES.get(archs[0])
+        if arch is None:
+            raise ConfigError(f"unsupported architecture {archs[0]!r}; supported: {sorted(_ARCHITECTURES)}")
+        num_heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(d.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            rope_scaling=_parse_rope_scaling(d.get("rope_scaling") or d.get("rope_parameters")),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name or str(d.get("_name_or_path", "")),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"{cfg_path}: no config.json in the model directory")
+        try:
+            d = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from e
+        return cls.from_hf_dict(d, name=Path(path).name)
+
+    @classmethod
+    def from_preset(cls, name: str) -> "ModelConfig":
+        path = PRESET_DIR / f"{name}.json"
+        if not path.is_file():
+            raise ConfigError(f"unknown model preset {name!r}; known: {list_presets()}")
+        return cls.from_hf_dict(json.loads(path.read_text()), name=name)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], name: str = "") -> "ModelConfig":
+        """Build from GGUF key/values already decoded to Python values."""
+        arch_name = meta.get("general.architecture")
+        arch = _GGUF_ARCHITECTURES.get(arch_name)
+        if arch is None:
+            raise ConfigError(f"unsupported GGUF architecture {arch_name!r}; supported: {sorted(_GGUF_ARCHITECTURES)}")
+
+        def get(key: str, default: Any = None) -> Any:
+            return meta.get(f"{arch_name}.{key}", default)
+
+        num_heads = int(get("attention.head_count"))
+        hidden = int(get("embedding_length"))
+        vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        scaling = None
+        if get("rope.scaling.type") == "llama3" or get("rope.freq_factors") is not None:
+            raise ConfigError("GGUF llama3 rope scaling is stored as rope_freqs; use the safetensors checkpoint")
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=int(get("attention.key_length", hidden // num_heads)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(get("context_length", 2048)),
+            # tied unless the file carries output.weight; the GGUF loader overrides this
+            tie_word_embeddings=True,
+            attention_bias=arch == "qwen2",
+            rope_scaling=scaling,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(int(eos),) if eos is not None else (),
+            name=name or str(meta.get("general.name", "")),
+        )
+
+
+def _parse_rope_scaling(d: Mapping[str, Any] | None) -> RopeScaling | None:
+    if not d:
+        return None
+    rope_type = d.get("rope_type", d.get("type"))
+    if rope_type in (None, "default"):
+        return None
+    if rope_type != "llama3":
+        raise ConfigError(f"unsupported rope_scaling type {rope_type!r}; supported: 'llama3'")
+    return RopeScaling(
+        factor=float(d["factor"]),
+        low_freq_factor=float(d["low_freq_factor"]),
+        high_freq_factor=float(d["high_freq_factor"]),
+        original_max_position_embeddings=int(d["original_max_position_embeddings"]),
+    )
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))

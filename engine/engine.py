@@ -1,0 +1,242 @@
+"""LLMEngine: one iteration at a time — schedule, execute, update, detokenize.
+
+The engine is synchronous; the server runs `step()` in its own loop apart from the event
+loop. `add_request` validates input (ParamError names the field) before anything is queued,
+so bad input never reaches the model.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from engine.runner import ModelRunner
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.weights import create_loader
+from scheduler.request import ParamError, Request, RequestStatus, SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# Measured by benchmarks/offline.py on the CPU hosts we run (README, "Compute dtype").
+CPU_DEFAULT_DTYPE = "float32"
+# Without an explicit max_model_len, contexts are capped here to keep prefill buffers sane.
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "cpu"
+    seed: int = 0  # dummy weights and the shared generator of unseeded requests
+    max_model_len: int | None = None  # None: the model's, capped by DEFAULT_MAX_MODEL_LEN_CAP and the cache
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None  # None: from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 1.0
+    decode_attention: str = "torch"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        name = CPU_DEFAULT_DTYPE if self.dtype == "auto" else self.dtype
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+
+
+@dataclass
+class _Sequence:
+    """One of a request's n samples, with its text state."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+    metrics: RequestMetrics
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loader = create_loader(config.model, config.load_format, seed=config.seed)
+        self.model_config: ModelConfig = loader.config
+        self.tokenizer = Tokenizer.from_source(loader.tokenizer_source) if loader.tokenizer_source else None
+        dtype = config.torch_dtype
+        num_blocks = config.num_blocks or max(1, int(
+            config.kv_cache_memory_gib * 2**30 // KVCache.bytes_per_block(self.model_config, config.block_size, dtype)))
+        self.max_model_len = self._resolve_max_model_len(num_blocks)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens))
+        self.runner = ModelRunner(
+            self.model_config, loader, dtype=dtype, device=config.device, num_blocks=num_blocks,
+            block_size=config.block_size, max_model_len=self.max_model_len,
+            decode_backend=config.decode_attention, seed=config.seed)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        self.eos_token_ids = tuple(dict.fromkeys((*eos, *self.model_config.eos_token_ids)))
+        self._groups: dict[str, _Group] = {}
+        self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # by child request id
+        self._ids = itertools.count()
+
+    def _resolve_max_model_len(self, num_blocks: int) -> int:
+        capacity = num_blocks * self.config.block_size
+        if self.config.max_model_len is not None:
+            return self.config.max_model_len  # the scheduler config reports it if it cannot fit
+        length = min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP, capacity)
+        return length
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raises ParamError (naming the field) for input the engine cannot serve."""
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._groups:
+            raise ParamError("request_id", f"request id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self._tokenize_prompt(prompt)
+        params = self._check_lengths(prompt_ids, params)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ParamError("logit_bias", f"logit_bias has token ids outside the vocabulary (size {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ParamError("stop_token_ids", f"stop_token_ids has ids outside the vocabulary (size {vocab})")
+
+        group = _Group(request_id, prompt_text, prompt_ids, [], RequestMetrics(arrival_time=time.monotonic()))
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:  # each sample its own stream; seeded ones stay reproducible
+                child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(child_id, list(prompt_ids), child_params, eos_token_ids=self.eos_token_ids,
+                              arrival_time=group.metrics.arrival_time)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params) if self.tokenizer else None
+            seq = _Sequence(index, request, detok, logprobs=[] if params.logprobs is not None else None)
+            group.sequences.append(seq)
+            self._sequences[child_id] = (group, seq)
+        self._groups[request_id] = group
+        for seq in group.sequences:
+            self.scheduler.add_request(seq.request)
+        return request_id
+
+    def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ParamError("prompt", "this model has no tokenizer (dummy weights): pass token ids")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            ids = list(prompt)
+            text = None
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise ParamError("prompt", "the prompt is empty")
+        return text, ids
+
+    def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        limit = self.max_model_len
+        if len(prompt_ids) >= limit:
+            raise ParamError("prompt", f"the prompt has {len(prompt_ids)} tokens; this model's context "
+                                       f"length is {limit}, leaving no room to generate")
+        if params.max_tokens is None:
+            return replace(params, max_tokens=limit - len(prompt_ids))
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ParamError("max_tokens", f"this model's context length is {limit} tokens, but "
+                                           f"{len(prompt_ids)} prompt tokens + {params.max_tokens} max_tokens "
+                                           f"= {len(prompt_ids) + params.max_tokens}")
+        return params
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request and free its blocks now; no further output for it."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.sequences:
+            self._sequences.pop(seq.request.request_id, None)
+        self.scheduler.abort_requests(seq.request.request_id for seq in group.sequences)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the iteration ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        now = time.monotonic()
+        for seq in plan.prefills:
+            group, _ = self._sequences[seq.request.request_id]
+            group.metrics.first_scheduled_time = group.metrics.first_scheduled_time or now
+        output = self.runner.execute(plan)
+        updated = {id(r) for r in self.scheduler.update(plan, output.sampled_token_ids)}
+        sampled = output.sampled
+        touched: dict[str, _Group] = {}
+        now = time.monotonic()
+        for row, scheduled in enumerate(plan.scheduled):
+            request = scheduled.request
+            if id(request) not in updated:
+                continue
+            group, seq = self._sequences[request.request_id]
+            token_id = request.output_token_ids[-1]
+            seq.delta_token_ids.append(token_id)
+            if seq.logprobs is not None:
+                entry = TokenLogprob(token_id, sampled.logprobs[row], sampled.top_logprobs[row] or [])
+                seq.logprobs.append(entry)
+                seq.delta_logprobs.append(entry)
+            if seq.detokenizer is not None:
+                seq.delta_text += seq.detokenizer.add(token_id)
+                if seq.detokenizer.stop_string is not None and not request.finished:
+                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED,
+                                                  stop_reason=seq.detokenizer.stop_string)
+                elif request.finished:
+                    seq.delta_text += seq.detokenizer.finish()
+            group.metrics.first_token_time = group.metrics.first_token_time or now
+            group.metrics.num_preemptions = sum(s.request.num_preemptions for s in group.sequences)
+            touched[group.request_id] = group
+        return [self._make_output(group, now) for group in touched.values()]
+
+    def _make_output(self, group: _Group, now: float) -> RequestOutput:
+        outputs = []
+        for seq in group.sequences:
+            request = seq.request
+            seq.text += seq.delta_text
+            outputs.append(CompletionOutput(
+                index=seq.index, text=seq.text, token_ids=list(request.output_token_ids),
+                finish_reason=request.status.value if request.finished else None,
+                stop_reason=request.stop_reason, logprobs=seq.logprobs,
+                delta_text=seq.delta_text, delta_token_ids=seq.delta_token_ids,
+                delta_logprobs=seq.delta_logprobs if seq.logprobs is not None else None,
+            ))
+            seq.delta_text, seq.delta_token_ids, seq.delta_logprobs = "", [], []
+        finished = all(seq.request.finished for seq in group.sequences)
+        if finished:
+            group.metrics.finished_time = now
+            del self._groups[group.request_id]
+            for seq in group.sequences:
+                del self._sequences[seq.request.request_id]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
+                             group.metrics)

@@ -1,0 +1,155 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2, SmolLM) as explicit stages.
+
+`pre_layer` (embed) -> per layer `pre_proj` (norm, QKV, RoPE) -> `attention` -> `post_proj`
+(O-proj, residual, norm, SwiGLU MLP) -> `post_layer` (final norm, LM head on the last position
+of each sequence). The sequential `forward` strings them together; later pipelines interleave
+two sub-batches stage by stage with the very same functions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, DecodeAttentionBackend, prefill_attention
+from engine.config import ModelConfig, RopeScaling
+from engine.kv_cache import KVCache
+from engine.weights import WeightLoader
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden], Q, K and V fused into one matmul
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    o_proj: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden], gate and up fused
+    down: torch.Tensor  # [hidden, intermediate]
+
+    @classmethod
+    def from_loaded(cls, w: dict[str, torch.Tensor]) -> "LayerWeights":
+        bias = None
+        if "q_bias" in w:
+            bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])
+        return cls(
+            input_norm=w["input_layernorm"],
+            qkv=torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]),
+            qkv_bias=bias,
+            o_proj=w["o_proj"],
+            post_norm=w["post_attention_layernorm"],
+            gate_up=torch.cat([w["gate_proj"], w["up_proj"]]),
+            down=w["down_proj"],
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # In fp32 as HF does, then back to the compute dtype before the weight multiply.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype,
+                 device: torch.device | str, max_model_len: int, decode_backend: DecodeAttentionBackend) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.decode_backend = decode_backend
+        self.scale = config.head_dim ** -0.5
+
+        globals_ = {k: v.to(self.device) for k, v in loader.load_globals(dtype).items()}
+        self.embed_tokens = globals_["embed_tokens"]  # [vocab, hidden]
+        self.final_norm = globals_["norm"]
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else globals_["lm_head"]
+        self.layers = [
+            LayerWeights.from_loaded({k: v.to(self.device) for k, v in loader.load_layer(i, dtype).items()})
+            for i in range(config.num_layers)
+        ]
+        # cos/sin per position, fp32, rotate-half layout: [max_model_len, head_dim]
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.rope_cos = emb.cos().to(self.device)
+        self.rope_sin = emb.sin().to(self.device)
+
+    # ---- stages ---------------------------------------------------------------------------
+    def pre_layer(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [num_tokens] -> hidden [num_tokens, hidden]"""
+        return F.embedding(token_ids, self.embed_tokens)
+
+    def pre_proj(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor):
+        """RMSNorm, fused QKV projection and RoPE.
+        -> q [num_tokens, num_heads, head_dim], k and v [num_tokens, kv_heads, head_dim]"""
+        cfg, w = self.config, self.layers[layer]
+        qkv = F.linear(rms_norm(hidden, w.input_norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        cos = self.rope_cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Store the new K/V, attend. -> [num_tokens, num_heads * head_dim]"""
+        kv_cache.write(layer, k, v, meta.slot_blocks, meta.slot_offsets)
+        num_prefill = meta.num_prefill_tokens
+        out = torch.empty_like(q)
+        if num_prefill:
+            out[:num_prefill] = prefill_attention(
+                q[:num_prefill], k[:num_prefill], v[:num_prefill], meta.prefill_seq_lens, self.scale)
+        if meta.num_decodes:
+            out[num_prefill:] = self.decode_backend.forward(
+                q[num_prefill:], kv_cache.key[layer], kv_cache.value[layer],
+                meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        return out.view(q.shape[0], -1)
+
+    def post_proj(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """O-proj, residual, RMSNorm, SwiGLU MLP, residual. -> hidden [num_tokens, hidden]"""
+        w = self.layers[layer]
+        hidden = hidden + F.linear(attn_out, w.o_proj)
+        gate, up = F.linear(rms_norm(hidden, w.post_norm, self.config.rms_norm_eps), w.gate_up).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, w.down)
+
+    def post_layer(self, hidden: torch.Tensor, last_indices: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on each sequence's last token. -> logits [num_seqs, vocab] fp32"""
+        last = rms_norm(hidden[last_indices], self.final_norm, self.config.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata, last_indices: torch.Tensor) -> torch.Tensor:
+        hidden = self.pre_layer(token_ids)
+        for layer in range(self.config.num_layers):
+            q, k, v = self.pre_proj(layer, hidden, positions)
+            attn_out = self.attention(layer, q, k, v, kv_cache, meta)
+            hidden = self.post_proj(layer, hidden, attn_out)
+        return self.post_layer(hidden, last_indices)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # rotate-half convention (HF): pairs are (i, i + head_dim/2); math in fp32
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)

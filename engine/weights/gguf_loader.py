@@ -1,0 +1,191 @@
+"""GGUF files (llama.cpp's format), read through the `gguf` package's memory-mapped reader.
+
+Quantized tensors are dequantized with `gguf.quants` when a layer is loaded; the engine then
+holds them in the requested dtype. Tensor names, types, shapes and byte ranges are all
+checked when the loader is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from engine.config import ConfigError, ModelConfig
+from engine.weights.base import (
+    WeightLoader,
+    WeightLoadError,
+    global_shapes,
+    layer_shapes,
+    register_loader,
+    required_shapes,
+    shape_error,
+)
+
+SUPPORTED_TYPES = frozenset(
+    {
+        GGMLQuantizationType.F32,
+        GGMLQuantizationType.F16,
+        GGMLQuantizationType.BF16,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+    }
+)
+
+_GLOBAL_NAMES = {
+    "embed_tokens": "token_embd.weight",
+    "norm": "output_norm.weight",
+    "lm_head": "output.weight",
+}
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm.weight",
+    "q_proj": "attn_q.weight",
+    "k_proj": "attn_k.weight",
+    "v_proj": "attn_v.weight",
+    "o_proj": "attn_output.weight",
+    "post_attention_layernorm": "ffn_norm.weight",
+    "gate_proj": "ffn_gate.weight",
+    "up_proj": "ffn_up.weight",
+    "down_proj": "ffn_down.weight",
+    "q_bias": "attn_q.bias",
+    "k_bias": "attn_k.bias",
+    "v_bias": "attn_v.bias",
+}
+# llama.cpp's converter reorders the Q/K rows of these architectures for its interleaved
+# RoPE; Qwen2 files keep Hugging Face's order.
+_PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
+
+
+def layer_tensor_name(index: int, key: str) -> str:
+    return f"blk.{index}.{_LAYER_NAMES[key]}"
+
+
+@register_loader("gguf")
+class GGUFLoader(WeightLoader):
+    def __init__(self, model: str, seed: int = 0) -> None:
+        self.path = Path(model)
+        if not self.path.is_file():
+            raise WeightLoadError(f"{model}: GGUF file not found")
+        self.source = str(self.path)
+        self.tokenizer_source = str(self.path)
+        self._reader = _open_reader(self.path)
+        self.metadata = _decode_metadata(self._reader, self.path)
+        self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+        try:
+            config = ModelConfig.from_gguf_metadata(self.metadata)
+        except (ConfigError, KeyError, TypeError, ValueError) as e:
+            raise WeightLoadError(f"{self.path}: cannot build the model config from GGUF metadata ({e})") from e
+        if _GLOBAL_NAMES["lm_head"] in self._tensors:
+            config = dataclasses.replace(config, tie_word_embeddings=False)
+        self.config = config
+        self._check_tensors()
+
+    def load_globals(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return {key: self._load(_GLOBAL_NAMES[key], dtype) for key in global_shapes(self.config)}
+
+    def load_layer(self, index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        self._check_layer_index(index)
+        weights = {key: self._load(layer_tensor_name(index, key), dtype) for key in layer_shapes(self.config)}
+        if self.config.architecture in _PERMUTED_ARCHITECTURES:
+            for key, num_heads in (("q", self.config.num_heads), ("k", self.config.num_kv_heads)):
+                weights[f"{key}_proj"] = _unpermute_rows(weights[f"{key}_proj"], num_heads)
+                if f"{key}_bias" in weights:
+                    weights[f"{key}_bias"] = _unpermute_rows(weights[f"{key}_bias"], num_heads)
+        return weights
+
+    def _check_tensors(self) -> None:
+        """Every tensor the config needs is present, of a supported type, and the config's shape."""
+        for name, shape in required_shapes(self.config, _GLOBAL_NAMES, layer_tensor_name).items():
+            tensor = self._tensors.get(name)
+            if tensor is None:
+                raise WeightLoadError(f"{self.path}: tensor {name!r} missing")
+            if tensor.tensor_type not in SUPPORTED_TYPES:
+                supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+                raise WeightLoadError(
+                    f"{self.path}: tensor {name!r} has type {tensor.tensor_type.name}; supported: {supported}"
+                )
+            got = _hf_shape(tensor)
+            if got != shape:
+                raise shape_error(self.path, name, shape, got)
+
+    def _load(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        tensor = self._tensors[name]
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type).reshape(_hf_shape(tensor))  # float32
+        except (ValueError, NotImplementedError, OSError) as e:
+            raise WeightLoadError(f"{self.path}: cannot read tensor {name!r} ({e})") from e
+        if not values.flags.writeable:  # a view of the read-only memory map (F32 tensors)
+            values = values.copy()
+        return torch.from_numpy(values).to(dtype)
+
+
+class _CheckedReader(GGUFReader):
+    """A GGUFReader that names the tensor when the file ends before that tensor's data.
+
+    The stock reader builds a numpy view of every tensor while parsing and, on a short file,
+    fails with a reshape error naming nothing. This override checks the byte ranges first; it
+    relies on the reader's tensor-info field layout (name length, name, n_dims, dims, type,
+    offset), stable since gguf 0.6.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        super().__init__(path)
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        file_size = len(self.data)
+        for field in fields:
+            _, name_data, _, dims, raw_type, offset = field.parts
+            sizes = GGML_QUANT_SIZES.get(_quant_type(int(raw_type[0])))
+            if sizes is None:  # unknown type: the stock reader reports it
+                continue
+            block_size, type_size = sizes
+            num_bytes = int(np.prod(dims, dtype=np.uint64)) * type_size // block_size
+            end = start_offs + int(offset[0]) + num_bytes
+            if end > file_size:
+                name = bytes(name_data).decode("utf-8", errors="replace")
+                raise WeightLoadError(
+                    f"{self.path}: truncated; tensor {name!r} needs bytes up to {end}, the file has {file_size}"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def _quant_type(raw: int) -> GGMLQuantizationType | None:
+    try:
+        return GGMLQuantizationType(raw)
+    except ValueError:
+        return None
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    try:
+        return _CheckedReader(path)
+    except WeightLoadError:
+        raise
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise WeightLoadError(f"{path}: not a readable GGUF file, truncated or corrupt ({e})") from e
+
+
+def _decode_metadata(reader: GGUFReader, path: Path) -> dict[str, Any]:
+    try:
+        return {name: field.contents() for name, field in reader.fields.items()}
+    except (ValueError, UnicodeDecodeError, IndexError) as e:
+        raise WeightLoadError(f"{path}: corrupt GGUF metadata ({e})") from e
+
+
+def _hf_shape(tensor: Any) -> tuple[int, ...]:
+    # GGUF lists dimensions innermost first: [in_features, out_features] for a linear.
+    return tuple(int(n) for n in reversed(tensor.shape))
+
+
+def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order: within each head it interleaves the two rotary halves
+    as [head_dim/2, 2]; Hugging Face's rotate-half keeps them as [2, head_dim/2]."""
+    head_dim = weight.shape[0] // num_heads
+    grouped = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return grouped.transpose(1, 2).reshape(weight.shape)
