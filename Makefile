@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: install
-	$(PY) -m engine.cli serve
+	$(PY) -m server.cli serve
 
 test: install
 	$(PY) -m pytest tests

@@ -24,10 +24,10 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
+from engine.dtype_choice import auto_dtype
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-# Measured by benchmarks/offline.py on the CPU hosts we run (README, "Compute dtype").
-CPU_DEFAULT_DTYPE = "float32"
 # Without an explicit max_model_len, contexts are capped here to keep prefill buffers sane.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
@@ -36,7 +36,7 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192
 class EngineConfig:
     model: str = "smollm2-135m"
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (measured: engine/dtype_choice.py) | float32 | bfloat16 | float16
     device: str = "cpu"
     seed: int = 0  # dummy weights and the shared generator of unseeded requests
     max_model_len: int | None = None  # None: the model's, capped by DEFAULT_MAX_MODEL_LEN_CAP and the cache
@@ -46,13 +46,35 @@ class EngineConfig:
     num_blocks: int | None = None  # None: from kv_cache_memory_gib
     kv_cache_memory_gib: float = 1.0
     decode_attention: str = "torch"
+    show_progress: bool = False  # a progress bar while the weights load
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        name = CPU_DEFAULT_DTYPE if self.dtype == "auto" else self.dtype
-        if name not in _DTYPES:
+        if self.dtype == "auto":
+            return auto_dtype(self.device)
+        if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
-        return _DTYPES[name]
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class IterationStats:
+    """What the last step did, for metrics."""
+
+    num_prompt_tokens: int = 0  # prefill tokens computed (recomputation included)
+    num_batched_tokens: int = 0  # every token the forward computed
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
 
 
 @dataclass
@@ -94,12 +116,13 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model_config, loader, dtype=dtype, device=config.device, num_blocks=num_blocks,
             block_size=config.block_size, max_model_len=self.max_model_len,
-            decode_backend=config.decode_attention, seed=config.seed)
+            decode_backend=config.decode_attention, seed=config.seed, show_progress=config.show_progress)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.eos_token_ids = tuple(dict.fromkeys((*eos, *self.model_config.eos_token_ids)))
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # by child request id
         self._ids = itertools.count()
+        self.stats = IterationStats()
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         capacity = num_blocks * self.config.block_size
@@ -109,13 +132,10 @@ class LLMEngine:
         return length
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; raises ParamError (naming the field) for input the engine cannot serve."""
+    def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> "PreparedRequest":
+        """Tokenize and validate without touching engine state (safe from another thread).
+        Raises ParamError naming the field the engine cannot serve."""
         params = params or SamplingParams()
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._groups:
-            raise ParamError("request_id", f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._tokenize_prompt(prompt)
         params = self._check_lengths(prompt_ids, params)
         vocab = self.model_config.vocab_size
@@ -123,8 +143,17 @@ class LLMEngine:
             raise ParamError("logit_bias", f"logit_bias has token ids outside the vocabulary (size {vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ParamError("stop_token_ids", f"stop_token_ids has ids outside the vocabulary (size {vocab})")
+        return PreparedRequest(prompt_text, prompt_ids, params)
 
-        group = _Group(request_id, prompt_text, prompt_ids, [], RequestMetrics(arrival_time=time.monotonic()))
+    def add_request(self, prompt: "str | list[int] | PreparedRequest", params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (raw, or prepared by prepare_request); returns its id."""
+        prepared = prompt if isinstance(prompt, PreparedRequest) else self.prepare_request(prompt, params)
+        params, prompt_ids = prepared.params, prepared.prompt_token_ids
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._groups:
+            raise ParamError("request_id", f"request id {request_id!r} is already in use")
+        group = _Group(request_id, prepared.prompt, prompt_ids, [], RequestMetrics(arrival_time=time.monotonic()))
         for index in range(params.n):
             child_params = params
             if params.n > 1:  # each sample its own stream; seeded ones stay reproducible
@@ -185,6 +214,12 @@ class LLMEngine:
     # ---- the iteration ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.stats = IterationStats(
+            num_prompt_tokens=sum(s.num_new_tokens for s in plan.prefills),
+            num_batched_tokens=plan.num_batched_tokens,
+            num_generation_tokens=len(plan.scheduled), num_preemptions=len(plan.preempted),
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.scheduler.block_pool.usage)
         if plan.is_empty:
             return []
         now = time.monotonic()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from engine.attention import AttentionMetadata, DecodeAttentionBackend, prefill_attention
 from engine.config import ModelConfig, RopeScaling
@@ -70,7 +71,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype,
-                 device: torch.device | str, max_model_len: int, decode_backend: DecodeAttentionBackend) -> None:
+                 device: torch.device | str, max_model_len: int, decode_backend: DecodeAttentionBackend,
+                 show_progress: bool = False) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -83,7 +85,7 @@ class LlamaModel:
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else globals_["lm_head"]
         self.layers = [
             LayerWeights.from_loaded({k: v.to(self.device) for k, v in loader.load_layer(i, dtype).items()})
-            for i in range(config.num_layers)
+            for i in tqdm(range(config.num_layers), desc="loading layers", unit="layer", disable=not show_progress)
         ]
         # cos/sin per position, fp32, rotate-half layout: [max_model_len, head_dim]
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -102,13 +104,13 @@ class LlamaModel:
         -> q [num_tokens, num_heads, head_dim], k and v [num_tokens, kv_heads, head_dim]"""
         cfg, w = self.config, self.layers[layer]
         qkv = F.linear(rms_norm(hidden, w.input_norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
         cos = self.rope_cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.rope_sin[positions].unsqueeze(1)
-        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+        # Q and K heads rotated in one pass: [num_tokens, num_heads + kv_heads, head_dim]
+        qk = _apply_rope(qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        return q, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

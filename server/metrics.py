@@ -1,0 +1,90 @@
+"""Prometheus metrics, named like vLLM V1's under the `tandem:` prefix so dashboards carry over."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from engine.engine import LLMEngine
+from engine.outputs import RequestOutput
+
+disable_created_metrics()  # the *_created series only clutter dashboards (vLLM turns them off too)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(f"tandem:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(f"tandem:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"tandem:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the decode runqueue.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be prefilled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of served requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
+        self._success = Counter("tandem:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.",
+                                             _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.",
+                                             _LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.",
+                                             _LATENCY_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.",
+                                            _LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine iteration.",
+                                          _TOKEN_BUCKETS)
+        self._last_token_time: dict[str, float] = {}
+
+    def request_success(self, finished_reason: str):
+        return self._success.labels(self._model_name, finished_reason)
+
+    def record_iteration(self, engine: LLMEngine, outputs: list[RequestOutput], _elapsed: float) -> None:
+        """Called on the engine thread after every step."""
+        stats = engine.stats
+        now = time.monotonic()
+        self.num_requests_running.set(engine.scheduler.num_running)
+        self.num_requests_waiting.set(engine.scheduler.num_waiting)
+        self.kv_cache_usage_perc.set(engine.scheduler.block_pool.usage)
+        self.num_preemptions.inc(stats.num_preemptions)
+        self.iteration_tokens.observe(stats.num_batched_tokens)
+        for output in outputs:
+            new_tokens = sum(len(c.delta_token_ids) for c in output.outputs)
+            self.generation_tokens.inc(new_tokens)
+            m = output.metrics
+            last = self._last_token_time.get(output.request_id)
+            if last is None:
+                self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
+                if m.first_scheduled_time is not None:
+                    self.request_queue_time.observe(m.first_scheduled_time - m.arrival_time)
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+            else:
+                self.inter_token_latency.observe(now - last)
+            self._last_token_time[output.request_id] = now
+            if output.finished:
+                del self._last_token_time[output.request_id]
+                self.e2e_request_latency.observe(now - m.arrival_time)
+                for completion in output.outputs:
+                    self.request_success(completion.finish_reason).inc()
+
+    def forget(self, request_id: str) -> None:
+        """Drop timing state of an aborted request."""
+        self._last_token_time.pop(request_id, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

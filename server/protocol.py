@@ -1,0 +1,150 @@
+"""Request bodies of the OpenAI API (pydantic v2) and their mapping onto SamplingParams."""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from scheduler.request import ParamError, SamplingParams
+from server.errors import APIError, bad_request
+
+# Parameters of the OpenAI API that tandem does not implement: refused, never ignored.
+UNSUPPORTED_PARAMS = {
+    "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
+    "function_call": "function calling", "parallel_tool_calls": "tool calling",
+    "response_format": "structured output", "best_of": "best_of", "suffix": "suffix (insertion)",
+    "audio": "audio output", "modalities": "output modalities", "prediction": "predicted outputs",
+    "web_search_options": "web search", "reasoning_effort": "reasoning effort",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Map onto SamplingParams; a ParamError names the request field."""
+        bias = None
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not key.lstrip("-").isdigit():
+                    raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+                bias[int(key)] = value
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "stream_options is only allowed when stream is true")
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, logit_bias=bias,
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(model_cls: type[BaseModel], body: object) -> BaseModel:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    for key in body:
+        if key in UNSUPPORTED_PARAMS:
+            raise bad_request(f"'{key}' ({UNSUPPORTED_PARAMS[key]}) is not supported by this server", param=key,
+                              code="unsupported_parameter")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        # union members add their type names to the location; keep the user's field path
+        path = [str(p) for p in error["loc"] if not _is_type_tag(p)]
+        param = ".".join(path) or None
+        if error["type"] == "extra_forbidden":
+            raise bad_request(f"unknown parameter '{param}'", param=param, code="unknown_parameter") from None
+        if error["type"] == "missing":
+            raise bad_request(f"'{param}' is required", param=param) from None
+        raise bad_request(f"invalid '{param}': {error['msg']}", param=param) from None
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "none"})
+
+
+def param_error(exc: ParamError, renames: dict[str, str] | None = None) -> APIError:
+    param = (renames or {}).get(exc.param, exc.param)
+    return bad_request(exc.message, param=param)
