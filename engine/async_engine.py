@@ -48,8 +48,9 @@ class QueueBounds:
 class RequestStream:
     """Outputs of one request as the engine produces them."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, num_sequences: int = 1) -> None:
         self.request_id = request_id
+        self.num_sequences = num_sequences  # the request's n
         self._queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
 
@@ -68,10 +69,12 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, bounds: QueueBounds = QueueBounds(),
-                 on_iteration: Callable[[LLMEngine, list[RequestOutput], float], None] | None = None) -> None:
+                 on_iteration: Callable[[LLMEngine, list[RequestOutput], float], None] | None = None,
+                 on_abort: Callable[[LLMEngine, str, int], None] | None = None) -> None:
         self.engine = engine
         self.bounds = bounds
         self._on_iteration = on_iteration
+        self._on_abort = on_abort  # (engine, request_id, num_sequences) of each request aborted unfinished
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
@@ -105,7 +108,7 @@ class AsyncEngine:
             if self._pending_tokens and waiting_tokens + num_tokens > self.bounds.max_waiting_tokens:
                 raise QueueFullError(f"{waiting_tokens} prompt tokens are already waiting "
                                      f"(limit {self.bounds.max_waiting_tokens})", self.bounds.retry_after_s)
-            stream = RequestStream(request_id)
+            stream = RequestStream(request_id, prepared.params.n)
             self._streams[request_id] = (stream, asyncio.get_running_loop())
             self._pending_tokens[request_id] = num_tokens
         self._commands.put(("add", request_id, prepared))
@@ -144,9 +147,10 @@ class AsyncEngine:
                     logger.exception("engine step failed; failing the requests in flight")
                     self._fail_all(RequestFailedError(f"internal error in the engine: {exc!r}"))
                     continue
-                self._deliver(outputs)
+                # metrics first: once a client has its output, /metrics already counts it
                 if self._on_iteration is not None:
                     self._on_iteration(self.engine, outputs, time.perf_counter() - start)
+                self._deliver(outputs)
         except BaseException as exc:  # the loop itself broke: report it and fail everyone
             logger.exception("engine loop died")
             self.dead_reason = f"the engine loop died: {exc!r}"
@@ -173,8 +177,12 @@ class AsyncEngine:
             else:
                 self.engine.abort_request(request_id)
                 with self._lock:
-                    self._streams.pop(request_id, None)
+                    entry = self._streams.pop(request_id, None)
                     self._pending_tokens.pop(request_id, None)
+                # decided here, on the engine thread: a request that finished or failed before its
+                # abort arrived has no stream left and is not counted as aborted
+                if entry is not None and self._on_abort is not None:
+                    self._on_abort(self.engine, request_id, entry[0].num_sequences)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._lock:

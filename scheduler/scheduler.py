@@ -112,11 +112,15 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
-        """Finish the given requests as aborted and free their blocks; unknown ids are ignored."""
+        """Finish the given requests as aborted and free their blocks; unknown ids are ignored.
+        One pass over the queues, however many requests go."""
         wanted = set(request_ids)
         aborted = [r for r in (*self.waiting, *self.running) if r.request_id in wanted]
-        for request in aborted:
-            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        if aborted:
+            self.waiting = deque(r for r in self.waiting if r.request_id not in wanted)
+            self.running = [r for r in self.running if r.request_id not in wanted]
+            for request in aborted:
+                self._release(request, RequestStatus.FINISHED_ABORTED)
         return aborted
 
     def finish_request(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
@@ -127,6 +131,9 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self._release(request, status, stop_reason)
+
+    def _release(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         self.block_pool.free(request.block_ids)
         request.block_ids = []
         request.status = status

@@ -19,6 +19,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from engine.outputs import RequestOutput, TokenLogprob
@@ -54,7 +55,9 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
         async_engine.shutdown()
 
     app = FastAPI(title="tandem", version=VERSION, lifespan=lifespan)
-    if settings.cors_origins:
+    if settings.api_keys:
+        app.add_middleware(_AuthMiddleware, api_keys=settings.api_keys)
+    if settings.cors_origins:  # outermost, so a 401 carries CORS headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
 
@@ -62,25 +65,15 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        """Unknown routes and wrong methods answer in OpenAI's shape too."""
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
     @app.exception_handler(Exception)
     async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return APIError(500, f"internal server error: {exc!r}", type="internal_error").response()
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if settings.api_keys and request.url.path not in ("/health", "/metrics", "/version") \
-                and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            # compare against every key so timing reveals nothing about which one matched
-            ok = False
-            for key in settings.api_keys:
-                ok |= hmac.compare_digest(token.encode(), key.encode())
-            if not ok:
-                return APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
-                                type="authentication_error", code="invalid_api_key").response()
-        return await call_next(request)
 
     # ---- helpers ------------------------------------------------------------------------
     async def read_json(request: Request) -> object:
@@ -138,8 +131,6 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
         for request_id, stream in zip(request_ids, streams):
             if not stream.finished:
                 async_engine.abort(request_id)
-                metrics.forget(request_id)
-                metrics.request_success("abort").inc()
 
     async def collect(request: Request, request_ids: list[str], streams: list[RequestStream]) -> list[RequestOutput]:
         """Final outputs of every stream; aborts them all if the client disconnects first."""
@@ -410,6 +401,32 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
         return {"version": VERSION}
 
     return app
+
+
+class _AuthMiddleware:
+    """Bearer-key check as a plain ASGI middleware. (Starlette's BaseHTTPMiddleware would hide
+    client disconnects from request.is_disconnected(), and non-streaming aborts rely on it.)"""
+
+    _OPEN_PATHS = ("/health", "/metrics", "/version")
+
+    def __init__(self, app, api_keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.api_keys = [key.encode() for key in api_keys]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self._OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            # compare against every key so timing reveals nothing about which one matched
+            ok = False
+            for key in self.api_keys:
+                ok |= hmac.compare_digest(token, key)
+            if not ok:
+                response = APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                                    type="authentication_error", code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _normalize_prompts(prompt) -> list:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 API_KEY_ENV = "TANDEM_API_KEY"  # one key, or several separated by commas
@@ -62,7 +63,7 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     metrics = Metrics(name)
     async_engine = AsyncEngine(engine, QueueBounds(args.max_waiting_requests, args.max_waiting_tokens),
-                               on_iteration=metrics.record_iteration)
+                               on_iteration=metrics.record_iteration, on_abort=metrics.record_abort)
     settings = ServerSettings(served_model_name=name, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes,
                               cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))
     app = create_app(async_engine, settings, metrics)
@@ -75,8 +76,16 @@ def serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again for the handler
+    # it found; with the default one the process would die by the signal instead of exiting 0
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _shutdown_already_done)
     uvicorn.Server(config).run()
     return 0
+
+
+def _shutdown_already_done(_signum: int, _frame) -> None:
+    """The handler uvicorn re-raises its shutdown signal to: nothing is left to do."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,9 +58,6 @@ class Metrics:
         """Called on the engine thread after every step."""
         stats = engine.stats
         now = time.monotonic()
-        self.num_requests_running.set(engine.scheduler.num_running)
-        self.num_requests_waiting.set(engine.scheduler.num_waiting)
-        self.kv_cache_usage_perc.set(engine.scheduler.block_pool.usage)
         self.num_preemptions.inc(stats.num_preemptions)
         self.iteration_tokens.observe(stats.num_batched_tokens)
         for output in outputs:
@@ -81,10 +78,20 @@ class Metrics:
                 self.e2e_request_latency.observe(now - m.arrival_time)
                 for completion in output.outputs:
                     self.request_success(completion.finish_reason).inc()
+        self._record_state(engine)  # last: idle gauges imply the counters are complete
 
-    def forget(self, request_id: str) -> None:
-        """Drop timing state of an aborted request."""
+    def _record_state(self, engine: LLMEngine) -> None:
+        """Set the gauges from the scheduler."""
+        self.num_requests_running.set(engine.scheduler.num_running)
+        self.num_requests_waiting.set(engine.scheduler.num_waiting)
+        self.kv_cache_usage_perc.set(engine.scheduler.block_pool.usage)
+
+    def record_abort(self, engine: LLMEngine, request_id: str, num_sequences: int) -> None:
+        """Called on the engine thread for a request aborted before it finished. An abort that
+        empties the engine is followed by no iteration, so the gauges are refreshed here too."""
         self._last_token_time.pop(request_id, None)
+        self.request_success("abort").inc(num_sequences)
+        self._record_state(engine)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,10 +16,13 @@ UNSUPPORTED_PARAMS = {
     "audio": "audio output", "modalities": "output modalities", "prediction": "predicted outputs",
     "web_search_options": "web search", "reasoning_effort": "reasoning effort",
 }
+# OpenAI's bound on n; also keeps one request from queueing an unbounded number of sequences
+MAX_N = 128
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: a wrong JSON type is an error, not coerced (true is not n=1, "0.5" is not a temperature)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Strict):
@@ -52,6 +55,8 @@ class _SamplingFields(_Strict):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Map onto SamplingParams; a ParamError names the request field."""
+        if self.n > MAX_N:
+            raise ParamError("n", f"n must be at most {MAX_N}, got {self.n}")
         bias = None
         if self.logit_bias:
             bias = {}

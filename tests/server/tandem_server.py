@@ -1,0 +1,118 @@
+"""Helpers for the server tests: a `tandem serve` subprocess, /metrics scraping, error shape."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m"
+STARTUP_TIMEOUT_S = 120.0  # imports + weight load take 10-20 s; slow CI machines get headroom
+STOP_TIMEOUT_S = 20.0
+IDLE_TIMEOUT_S = 20.0
+REQUEST_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A `tandem serve` subprocess; `start()` returns once /health answers 200."""
+
+    def __init__(self, log_path: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.flags = ("--port", str(self.port), "--dtype", "float32", *flags)
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ServerProcess":
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", *self.flags], cwd=ROOT,
+                                         env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"tandem serve not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(STOP_TIMEOUT_S)
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+
+# ---- /metrics -----------------------------------------------------------------------------
+def scrape(http: httpx.Client) -> dict[tuple, float]:
+    """Samples of /metrics keyed by (name, sorted labels other than model_name)."""
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            samples[(sample.name, labels)] = sample.value
+    return samples
+
+
+def metric(samples: dict[tuple, float], name: str, **labels: str) -> float:
+    return samples.get((f"tandem:{name}", tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_idle(http: httpx.Client, timeout: float = IDLE_TIMEOUT_S) -> dict[tuple, float]:
+    """Poll /metrics until nothing runs or waits and every KV block is free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(http)
+        busy = {name: metric(samples, name) for name in
+                ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
+        if not any(busy.values()):
+            return samples
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout} s: {busy}")
+        time.sleep(0.1)
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    """The body is OpenAI's error shape; returns the inner error object."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
