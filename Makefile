@@ -6,10 +6,17 @@ PIP    := $(PY) -m pip
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 STAMP  := $(VENV)/.installed
+# The C++ CPU attention kernel, compiled for this host (runtime ISA dispatch inside).
+CPU_KERNEL := kernels/cpu/.built
+CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
 .PHONY: install serve test bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(CPU_KERNEL)
+
+$(CPU_KERNEL): $(STAMP) $(CPU_KERNEL_SRC)
+	$(PY) -m kernels.cpu.build
+	touch $@
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +33,8 @@ test: install
 	$(PY) -m pytest tests
 
 bench: install
+	$(PY) benchmarks/cpu_attention.py
 	$(PY) benchmarks/offline.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(CPU_KERNEL) kernels/cpu/*.so

@@ -89,14 +89,48 @@ class TorchPagedDecode(DecodeAttentionBackend):
         return out.view(batch, num_heads, head_dim).to(query.dtype)
 
 
-_DECODE_BACKENDS: dict[str, Callable[[], DecodeAttentionBackend]] = {"torch": TorchPagedDecode}
+class CpuPagedDecode(DecodeAttentionBackend):
+    """The C++ SIMD kernel of kernels/cpu: GQA-shared K/V reads, flash-decoding split over threads."""
+
+    name = "cpu"
+
+    def __init__(self, num_threads: int | None = None) -> None:
+        from kernels import cpu
+
+        if not cpu.is_available():
+            raise RuntimeError(f"the CPU attention kernel is not built; run `make install` "
+                               f"(or `{cpu.BUILD_COMMAND}`)")
+        self._kernel = cpu.paged_decode_attention
+        self.num_threads = num_threads
+
+    def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale):
+        return self._kernel(query.contiguous(), key_cache, value_cache, block_tables, context_lens, scale,
+                            num_threads=self.num_threads)
+
+
+_DECODE_BACKENDS: dict[str, Callable[[], DecodeAttentionBackend]] = {
+    "torch": TorchPagedDecode,
+    "cpu": CpuPagedDecode,
+}
 
 
 def register_decode_backend(name: str, factory: Callable[[], DecodeAttentionBackend]) -> None:
     _DECODE_BACKENDS[name] = factory
 
 
-def create_decode_backend(name: str) -> DecodeAttentionBackend:
+def default_decode_backend(device: str) -> str:
+    """`auto`: the C++ kernel for KV on the CPU when it is built, else the torch reference."""
+    if torch.device(device).type == "cpu":
+        from kernels import cpu
+
+        if cpu.is_available():
+            return "cpu"
+    return "torch"
+
+
+def create_decode_backend(name: str, device: str = "cpu") -> DecodeAttentionBackend:
+    if name == "auto":
+        name = default_decode_backend(device)
     if name not in _DECODE_BACKENDS:
         raise ValueError(f"unknown decode attention backend {name!r}; known: {sorted(_DECODE_BACKENDS)}")
     return _DECODE_BACKENDS[name]()

@@ -45,7 +45,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: from kv_cache_memory_gib
     kv_cache_memory_gib: float = 1.0
-    decode_attention: str = "torch"
+    decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
     show_progress: bool = False  # a progress bar while the weights load
 
     @property

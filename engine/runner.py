@@ -28,12 +28,12 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, config: ModelConfig, loader: WeightLoader, *, dtype: torch.dtype,
                  device: str, num_blocks: int, block_size: int, max_model_len: int,
-                 decode_backend: str = "torch", seed: int | None = None, show_progress: bool = False) -> None:
+                 decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False) -> None:
         self.config = config
         self.device = torch.device(device)
         self.block_size = block_size
         self.model = LlamaModel(config, loader, dtype, self.device, max_model_len,
-                                create_decode_backend(decode_backend), show_progress=show_progress)
+                                create_decode_backend(decode_backend, device), show_progress=show_progress)
         self.kv_cache = KVCache(config, num_blocks, block_size, dtype, self.device)
         self.sampler = Sampler(config.vocab_size, seed=seed)
 

@@ -11,7 +11,7 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 BLOCK_SIZE = 4
 TOLERANCE = 1e-4
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
             max_position_embeddings=256, rms_norm_eps=1e-5)
 CASES = {
     "llama31-rope-scaling-gqa4-untied": (transformers.LlamaConfig, dict(
@@ -46,11 +46,12 @@ def hf_logits(hf_model, token_ids):
     return hf_model(torch.tensor([token_ids])).logits[0].float()  # [tokens, vocab]
 
 
-def test_prefill_and_paged_decode_logits_match_hf(tiny_model):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_prefill_and_paged_decode_logits_match_hf(tiny_model, backend):
     hf_model, path = tiny_model
     loader = create_loader(path)
     runner = ModelRunner(loader.config, loader, dtype=torch.float32, device="cpu", num_blocks=64,
-                         block_size=BLOCK_SIZE, max_model_len=128)
+                         block_size=BLOCK_SIZE, max_model_len=128, decode_backend=backend)
     sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=128))
     gen = torch.Generator().manual_seed(1)
     requests = [Request(str(i), torch.randint(0, 256, (n,), generator=gen).tolist(), SamplingParams(max_tokens=20))

@@ -1,0 +1,167 @@
+"""CPU paged decode attention: kernel time, effective bandwidth, and speed-up over torch.
+
+For each batch size and context length (Llama-3-8B attention shape: 32 query
+heads, 8 kv heads of 128, bf16 KV in blocks of 16) this times the kernel and the
+plain torch reference, and compares the kernel's effective bandwidth (KV bytes
+read / time) with the machine's read bandwidth measured in the same run by a
+large-tensor torch.sum on the kernel's thread count.
+
+Calls rotate over enough layers' caches that the KV touched between two visits
+to one layer exceeds the last-level cache many times over, as in an engine
+walking its layers, so the numbers are from DRAM, not cache.
+
+    .venv/bin/python benchmarks/cpu_attention.py [--quick]
+Prints a markdown table and writes benchmarks/results/cpu_attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kernels import cpu
+from kernels.cpu import reference
+
+NUM_HEADS = 32
+NUM_KV_HEADS = 8
+HEAD_DIM = 128
+BLOCK_SIZE = 16
+KV_DTYPE = torch.bfloat16
+QUERY_DTYPE = torch.bfloat16
+BATCHES = [1, 8, 32, 128]
+CONTEXTS = [256, 1024, 2048, 4096, 8192]
+# Largest single-layer KV (K + V) a configuration may use; bigger ones are skipped.
+MAX_KV_BYTES = 2 << 30
+# KV touched between two calls on the same layer's cache, well past any LLC.
+ROTATION_BYTES = 512 << 20
+BANDWIDTH_TENSOR_BYTES = 2 << 30
+KERNEL_REPS = 9
+REFERENCE_REPS = 3
+RESULTS = Path(__file__).resolve().parent / "results" / "cpu_attention.json"
+
+
+def median_time(fn, reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def read_bandwidth(num_threads: int) -> float:
+    """Bytes/s of torch.sum over a tensor far larger than the caches."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        data = torch.ones(BANDWIDTH_TENSOR_BYTES // 4, dtype=torch.float32)
+        seconds = median_time(data.sum, reps=5)
+        return data.numel() * 4 / seconds
+    finally:
+        torch.set_num_threads(previous)
+
+
+def bench_config(batch: int, context: int, num_threads: int, reference_reps: int) -> dict:
+    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    layer_shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    layer_bytes = 2 * math.prod(layer_shape) * KV_DTYPE.itemsize
+    num_layers = max(1, math.ceil(ROTATION_BYTES / layer_bytes))
+    # [layers, blocks, kv_heads, block_size, head_dim], as the engine holds it.
+    key_cache = torch.empty((num_layers, *layer_shape), dtype=KV_DTYPE).uniform_(-1, 1)
+    value_cache = torch.empty((num_layers, *layer_shape), dtype=KV_DTYPE).uniform_(-1, 1)
+    block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(batch, blocks_per_seq)
+    context_lens = torch.full((batch,), context, dtype=torch.int32)
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM).to(QUERY_DTYPE)
+    out = torch.empty_like(query)
+    scale = 1 / math.sqrt(HEAD_DIM)
+    layer = 0
+
+    def run_kernel():
+        nonlocal layer
+        cpu.paged_decode_attention(query, key_cache[layer], value_cache[layer], block_tables, context_lens,
+                                   scale, out=out, num_threads=num_threads)
+        layer = (layer + 1) % num_layers
+
+    kernel_s = median_time(run_kernel, KERNEL_REPS, warmup=num_layers)
+    expected = reference.paged_decode_attention(query, key_cache[0], value_cache[0], block_tables,
+                                                context_lens, scale)
+    cpu.paged_decode_attention(query, key_cache[0], value_cache[0], block_tables, context_lens, scale,
+                               out=out, num_threads=num_threads)
+    max_error = (out.float() - expected.float()).abs().max().item()
+    reference_s = None
+    if reference_reps:
+        torch.set_num_threads(num_threads)
+        reference_s = median_time(
+            lambda: reference.paged_decode_attention(query, key_cache[0], value_cache[0], block_tables,
+                                                     context_lens, scale),
+            reference_reps, warmup=0)
+    kv_bytes_read = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
+    return {
+        "batch": batch,
+        "context": context,
+        "kv_mib": kv_bytes_read / 2**20,
+        "kernel_ms": kernel_s * 1e3,
+        "kernel_gbps": kv_bytes_read / kernel_s / 1e9,
+        "reference_ms": None if reference_s is None else reference_s * 1e3,
+        "speedup": None if reference_s is None else reference_s / kernel_s,
+        "max_abs_error_vs_reference": max_error,
+        "layers_rotated": num_layers,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer configurations (smoke test)")
+    parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: calibrated)")
+    args = parser.parse_args()
+    if not cpu.is_available():
+        raise SystemExit(f"the CPU attention extension is not built; run `{cpu.BUILD_COMMAND}`")
+
+    num_threads = args.threads or cpu.default_num_threads()
+    batches, contexts = ([1, 32], [256, 2048]) if args.quick else (BATCHES, CONTEXTS)
+    bandwidth = read_bandwidth(num_threads)
+    print(f"isa {cpu.usable_isas()[0]}, {num_threads} kernel threads (cores available: "
+          f"{len(os.sched_getaffinity(0))}), read bandwidth (torch.sum, {num_threads} threads): "
+          f"{bandwidth / 1e9:.1f} GB/s\n")
+    rows = []
+    header = ("| batch | context | KV MiB | kernel ms | GB/s | % of read BW | torch ref ms | speed-up |\n"
+              "|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(header)
+    for batch in batches:
+        for context in contexts:
+            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
+            if kv_bytes > MAX_KV_BYTES:
+                continue
+            row = bench_config(batch, context, num_threads, REFERENCE_REPS if kv_bytes <= 256 << 20 else 1)
+            row["percent_of_read_bandwidth"] = 100 * row["kernel_gbps"] * 1e9 / bandwidth
+            rows.append(row)
+            print(f"| {batch} | {context} | {row['kv_mib']:.0f} | {row['kernel_ms']:.3f} | "
+                  f"{row['kernel_gbps']:.1f} | {row['percent_of_read_bandwidth']:.0f}% | "
+                  f"{row['reference_ms']:.1f} | {row['speedup']:.1f}x |", flush=True)
+
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "machine": {"processor": platform.processor() or platform.machine(),
+                    "cores": len(os.sched_getaffinity(0)), "isa": cpu.usable_isas()[0]},
+        "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                  "block_size": BLOCK_SIZE, "kv_dtype": str(KV_DTYPE), "query_dtype": str(QUERY_DTYPE)},
+        "kernel_threads": num_threads,
+        "read_bandwidth_gbps": bandwidth / 1e9,
+        "rows": rows,
+    }, indent=2) + "\n")
+    print(f"\nwrote {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

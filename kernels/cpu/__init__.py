@@ -1,0 +1,173 @@
+"""CPU paged decode attention: a C++ SIMD kernel for the decode step's attention.
+
+The compiled extension (`_cpu_attention`) is built by `python -m kernels.cpu.build`.
+KV caches are per layer `[num_blocks, num_kv_heads, block_size, head_dim]`, fp32,
+bf16 or fp16; arithmetic is fp32. kernels.cpu.reference holds the torch ground truth.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import torch
+
+BUILD_COMMAND = ".venv/bin/python -m kernels.cpu.build"
+
+try:
+    from kernels.cpu import _cpu_attention as _ext
+
+    _IMPORT_ERROR: ImportError | None = None
+except ImportError as exc:
+    _ext = None
+    _IMPORT_ERROR = exc
+
+# Codes of tandem::DType in attention.h.
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# Calibration problem for default_num_threads: a Llama-3-8B layer (8 kv heads
+# of 128, 4 query heads each) over 16 x 1024 tokens of bf16 KV, 64 MiB, larger
+# than the last-level caches of common CPUs so it measures memory, not cache.
+_CALIBRATION_BATCH = 16
+_CALIBRATION_CONTEXT = 1024
+_CALIBRATION_KV_HEADS = 8
+_CALIBRATION_GROUP = 4
+_CALIBRATION_HEAD_DIM = 128
+_CALIBRATION_BLOCK = 16
+_CALIBRATION_REPS = 3
+# More threads must be at least this much faster to be preferred over fewer.
+_CALIBRATION_MARGIN = 0.05
+
+
+def is_available() -> bool:
+    """Whether the compiled extension imports."""
+    return _ext is not None
+
+
+def _extension():
+    if _ext is None:
+        raise RuntimeError(f"the CPU attention extension is not built ({_IMPORT_ERROR}); run `{BUILD_COMMAND}`")
+    return _ext
+
+
+def usable_isas() -> list[str]:
+    """Kernel instruction sets compiled in and supported by this CPU, best first."""
+    return list(_extension().usable_isas())
+
+
+def _check_tensor(name: str, tensor, ndim: int, dtypes) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {tensor.device}")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if tensor.dtype not in dtypes:
+        raise ValueError(f"{name} dtype must be one of {[str(d) for d in dtypes]}, got {tensor.dtype}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_shape(name: str, tensor: torch.Tensor, shape: tuple) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+
+
+def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, *, out=None,
+                           new_key=None, new_value=None, num_threads=None, isa=None) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged KV cache.
+
+    query [batch, num_heads, head_dim] fp32/bf16/fp16; key_cache, value_cache
+    [num_blocks, num_kv_heads, block_size, head_dim] fp32/bf16/fp16 (head_dim a
+    multiple of 16); block_tables int32 [batch, max_blocks_per_seq]; context_lens
+    int32 [batch], counting the new token. With new_key/new_value [batch,
+    num_kv_heads, head_dim] (cache dtype) the new token's K/V is first written at
+    position context_lens - 1. Returns out [batch, num_heads, head_dim] in the
+    query's dtype. num_threads defaults to default_num_threads(); isa forces one
+    of usable_isas() (default: the best). Raises ValueError on malformed input.
+    The GIL is released while the kernel runs.
+    """
+    ext = _extension()
+    _check_tensor("query", query, 3, _DTYPE_CODES)
+    _check_tensor("key_cache", key_cache, 4, _DTYPE_CODES)
+    _check_tensor("value_cache", value_cache, 4, (key_cache.dtype,))
+    _check_shape("value_cache", value_cache, tuple(key_cache.shape))
+    batch, num_heads, head_dim = query.shape
+    num_blocks, num_kv_heads, block_size, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"key_cache head_dim {cache_head_dim} does not match query head_dim {head_dim}")
+    if block_size < 1:
+        raise ValueError("key_cache block_size must be at least 1")
+    _check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must have {batch} rows (the batch), got {block_tables.shape[0]}")
+    _check_tensor("context_lens", context_lens, 1, (torch.int32,))
+    _check_shape("context_lens", context_lens, (batch,))
+    if out is None:
+        out = torch.empty_like(query)
+    else:
+        _check_tensor("out", out, 3, (query.dtype,))
+        _check_shape("out", out, tuple(query.shape))
+    if (new_key is None) != (new_value is None):
+        raise ValueError("new_key and new_value must be given together")
+    if new_key is not None:
+        for name, tensor in (("new_key", new_key), ("new_value", new_value)):
+            _check_tensor(name, tensor, 3, (key_cache.dtype,))
+            _check_shape(name, tensor, (batch, num_kv_heads, head_dim))
+    if num_threads is None:
+        num_threads = default_num_threads()
+    ext.paged_decode_attention(
+        query.data_ptr(), out.data_ptr(), _DTYPE_CODES[query.dtype],
+        key_cache.data_ptr(), value_cache.data_ptr(), _DTYPE_CODES[key_cache.dtype], num_blocks,
+        block_tables.data_ptr(), context_lens.data_ptr(), batch, block_tables.shape[1],
+        num_heads, num_kv_heads, head_dim, block_size, float(scale),
+        0 if new_key is None else new_key.data_ptr(), 0 if new_value is None else new_value.data_ptr(),
+        int(num_threads), isa or "",
+    )
+    return out
+
+
+def _thread_candidates(num_cores: int) -> list[int]:
+    """1, 2, 4, ... up to num_cores, and num_cores itself."""
+    candidates = {num_cores}
+    count = 1
+    while count < num_cores:
+        candidates.add(count)
+        count *= 2
+    return sorted(candidates)
+
+
+@functools.cache
+def default_num_threads() -> int:
+    """The thread count that ran a memory-bound calibration problem fastest.
+
+    Measured once per process (about a tenth of a second) over the cores this
+    process may run on; a count wins only if it beats every smaller count by
+    _CALIBRATION_MARGIN, since extra threads cost wake-ups and steal cores from
+    whatever runs beside the kernel.
+    """
+    num_cores = len(os.sched_getaffinity(0))
+    if num_cores == 1 or not is_available():
+        return 1
+    blocks_per_seq = _CALIBRATION_CONTEXT // _CALIBRATION_BLOCK
+    num_blocks = _CALIBRATION_BATCH * blocks_per_seq
+    shape = (num_blocks, _CALIBRATION_KV_HEADS, _CALIBRATION_BLOCK, _CALIBRATION_HEAD_DIM)
+    key_cache = torch.randn(shape, dtype=torch.bfloat16)
+    value_cache = torch.randn(shape, dtype=torch.bfloat16)
+    query = torch.randn(_CALIBRATION_BATCH, _CALIBRATION_KV_HEADS * _CALIBRATION_GROUP, _CALIBRATION_HEAD_DIM)
+    block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(_CALIBRATION_BATCH, blocks_per_seq)
+    context_lens = torch.full((_CALIBRATION_BATCH,), _CALIBRATION_CONTEXT, dtype=torch.int32)
+    out = torch.empty_like(query)
+    best_threads, best_time = 1, float("inf")
+    for threads in _thread_candidates(num_cores):
+        times = []
+        for _ in range(_CALIBRATION_REPS + 1):  # the first call warms the pool and caches
+            start = time.perf_counter()
+            paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, 1.0, out=out,
+                                   num_threads=threads)
+            times.append(time.perf_counter() - start)
+        elapsed = min(times[1:])
+        if elapsed < best_time * (1 - _CALIBRATION_MARGIN):
+            best_threads, best_time = threads, elapsed
+    return best_threads

@@ -1,0 +1,254 @@
+// Python entry point of the CPU paged decode-attention kernel: picks the
+// instruction set, validates the block tables, splits the work over threads,
+// and merges split sequences. Tensors arrive as raw pointers; kernels/cpu/__init__.py
+// checks dtypes, shapes and contiguity before calling in.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attention.h"
+#include "thread_pool.h"
+
+namespace py = pybind11;
+
+namespace tandem {
+namespace {
+
+constexpr int kMaxThreads = 1024;
+// Per-thread scratch is padded to whole cache lines so threads never share one.
+constexpr size_t kCacheLineFloats = 16;
+
+bool cpu_supports(const std::string& isa) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (isa == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }
+  if (isa == "avx2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+#endif
+  return isa == "neon" || isa == "scalar";  // neon is compiled only where it is baseline
+}
+
+// Compiled and runnable here, best first.
+std::vector<const KernelTable*> usable_kernels() {
+  std::vector<const KernelTable*> usable;
+  for (const KernelTable* table : {avx512_kernels(), avx2_kernels(), neon_kernels(), scalar_kernels()}) {
+    if (table != nullptr && cpu_supports(table->name)) usable.push_back(table);
+  }
+  return usable;
+}
+
+const KernelTable& select_kernels(const std::string& isa) {
+  static const std::vector<const KernelTable*> usable = usable_kernels();
+  if (isa.empty()) return *usable.front();
+  std::string names;
+  for (const KernelTable* table : usable) {
+    if (isa == table->name) return *table;
+    names += names.empty() ? table->name : std::string(", ") + table->name;
+  }
+  throw std::invalid_argument("isa '" + isa + "' is not usable on this CPU/build; usable: " + names);
+}
+
+size_t dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+int num_logical_blocks(int context_len, int block_size) {
+  return (context_len + block_size - 1) / block_size;
+}
+
+std::string block_error(const Problem& p, int seq, int block) {
+  return "block_tables[" + std::to_string(seq) + "][" + std::to_string(block) + "] = " +
+         std::to_string(p.block_tables[static_cast<size_t>(seq) * p.max_blocks_per_seq + block]) +
+         " is outside [0, num_blocks=" + std::to_string(p.num_blocks) + ")";
+}
+
+void check_context_lens(const Problem& p, bool appending) {
+  const int64_t capacity = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
+  const int lowest = appending ? 1 : 0;
+  for (int s = 0; s < p.batch; ++s) {
+    const int len = p.context_lens[s];
+    if (len < lowest || len > capacity) {
+      throw std::invalid_argument("context_lens[" + std::to_string(s) + "] = " + std::to_string(len) +
+                                  " is outside [" + std::to_string(lowest) +
+                                  ", max_blocks_per_seq * block_size = " + std::to_string(capacity) +
+                                  "]" + (appending ? " (fused append needs at least 1)" : ""));
+    }
+  }
+}
+
+// Writes each sequence's new K/V row at position context_len - 1.
+void append_tokens(const Problem& p, const void* new_key, const void* new_value) {
+  const size_t row_bytes = p.head_dim * dtype_size(p.kv_dtype);
+  for (int s = 0; s < p.batch; ++s) {
+    const int position = p.context_lens[s] - 1;
+    const int block = position / p.block_size;
+    const int64_t physical = p.block_tables[static_cast<size_t>(s) * p.max_blocks_per_seq + block];
+    if (physical < 0 || physical >= p.num_blocks) throw std::invalid_argument(block_error(p, s, block));
+    for (int h = 0; h < p.num_kv_heads; ++h) {
+      const size_t slot = (static_cast<size_t>(physical) * p.num_kv_heads + h) * p.block_size +
+                          position % p.block_size;
+      const size_t source = static_cast<size_t>(s) * p.num_kv_heads + h;
+      std::memcpy(static_cast<char*>(const_cast<void*>(p.key_cache)) + slot * row_bytes,
+                  static_cast<const char*>(new_key) + source * row_bytes, row_bytes);
+      std::memcpy(static_cast<char*>(const_cast<void*>(p.value_cache)) + slot * row_bytes,
+                  static_cast<const char*>(new_value) + source * row_bytes, row_bytes);
+    }
+  }
+}
+
+// Where one thread left a partial softmax state.
+struct PartialRecord {
+  int seq = -1;
+  int kv_head = -1;
+};
+
+void run_attention(const Problem& p, const KernelTable& kernels, int num_threads) {
+  const int group_size = p.group_size();
+  // Work units are (sequence, kv head, logical block), numbered sequence-major.
+  std::vector<int64_t> first_unit(p.batch + 1, 0);
+  for (int s = 0; s < p.batch; ++s) {
+    first_unit[s + 1] = first_unit[s] +
+                        static_cast<int64_t>(num_logical_blocks(p.context_lens[s], p.block_size)) * p.num_kv_heads;
+  }
+  const size_t row_bytes = p.head_dim * dtype_size(p.query_dtype);
+  for (int s = 0; s < p.batch; ++s) {
+    if (p.context_lens[s] == 0) {  // nothing to attend to: a zero row, not garbage
+      std::memset(static_cast<char*>(p.out) + static_cast<size_t>(s) * p.num_heads * row_bytes, 0,
+                  p.num_heads * row_bytes);
+    }
+  }
+  const int64_t total_units = first_unit[p.batch];
+  if (total_units == 0) return;
+  const int threads = static_cast<int>(std::min<int64_t>(num_threads, total_units));
+
+  const size_t state_floats = static_cast<size_t>(group_size) * (p.head_dim + 2);
+  const size_t thread_floats =
+      (segment_scratch_floats(p) + 2 * state_floats + kCacheLineFloats - 1) / kCacheLineFloats * kCacheLineFloats;
+  std::unique_ptr<float[]> scratch(new float[thread_floats * threads]);
+  std::vector<PartialRecord> records(2 * static_cast<size_t>(threads));
+  std::atomic<int64_t> bad_block{-1};  // seq * max_blocks_per_seq + block of an invalid entry
+
+  auto state_at = [&](int thread, int slot) {
+    float* base = scratch.get() + thread_floats * thread + segment_scratch_floats(p) + slot * state_floats;
+    return PartialState{base, base + group_size, base + 2 * group_size};
+  };
+
+  const std::function<void(int)> task = [&](int thread) {
+    const int64_t begin = total_units * thread / threads;
+    const int64_t end = total_units * (thread + 1) / threads;
+    float* thread_scratch = scratch.get() + thread_floats * thread;
+    int seq = static_cast<int>(std::upper_bound(first_unit.begin(), first_unit.end(), begin) - first_unit.begin()) - 1;
+    int num_segments = 0;
+    for (int64_t unit = begin; unit < end;) {
+      while (first_unit[seq + 1] <= unit) ++seq;
+      const int num_blocks = num_logical_blocks(p.context_lens[seq], p.block_size);
+      const int64_t local = unit - first_unit[seq];
+      Segment segment{seq, static_cast<int>(local / num_blocks), static_cast<int>(local % num_blocks), 0};
+      segment.block_end = static_cast<int>(std::min<int64_t>(num_blocks, segment.block_begin + (end - unit)));
+      unit += segment.block_end - segment.block_begin;
+
+      const int32_t* table = p.block_tables + static_cast<size_t>(seq) * p.max_blocks_per_seq;
+      bool valid = true;
+      for (int b = segment.block_begin; b < segment.block_end; ++b) {
+        if (table[b] < 0 || table[b] >= p.num_blocks) {
+          int64_t none = -1;
+          bad_block.compare_exchange_strong(none, static_cast<int64_t>(seq) * p.max_blocks_per_seq + b);
+          valid = false;
+          break;
+        }
+      }
+      const bool whole = segment.block_begin == 0 && segment.block_end == num_blocks;
+      // Only a thread's first and last segment can be cut; middle ones are whole.
+      const int slot = num_segments++ == 0 ? 0 : 1;
+      if (!valid) continue;
+      if (whole) {
+        kernels.attend_segment(p, segment, thread_scratch, nullptr);
+      } else {
+        const PartialState state = state_at(thread, slot);
+        kernels.attend_segment(p, segment, thread_scratch, &state);
+        records[2 * thread + slot] = PartialRecord{segment.seq, segment.kv_head};
+      }
+    }
+  };
+  ThreadPool::instance().run(threads, task);
+
+  const int64_t bad = bad_block.load();
+  if (bad >= 0) {
+    throw std::invalid_argument(block_error(p, static_cast<int>(bad / p.max_blocks_per_seq),
+                                            static_cast<int>(bad % p.max_blocks_per_seq)));
+  }
+  // Records are in unit order, so the pieces of one (seq, kv head) are adjacent.
+  std::vector<PartialState> parts;
+  for (size_t i = 0; i < records.size();) {
+    if (records[i].seq < 0) {
+      ++i;
+      continue;
+    }
+    parts.clear();
+    size_t j = i;
+    for (; j < records.size(); ++j) {
+      if (records[j].seq < 0) continue;
+      if (records[j].seq != records[i].seq || records[j].kv_head != records[i].kv_head) break;
+      parts.push_back(state_at(static_cast<int>(j / 2), static_cast<int>(j % 2)));
+    }
+    kernels.merge_partials(p, records[i].seq, records[i].kv_head, parts.data(), static_cast<int>(parts.size()));
+    i = j;
+  }
+}
+
+void paged_decode_attention(uintptr_t query, uintptr_t out, int query_dtype, uintptr_t key_cache,
+                            uintptr_t value_cache, int kv_dtype, int64_t num_blocks,
+                            uintptr_t block_tables, uintptr_t context_lens, int batch,
+                            int max_blocks_per_seq, int num_heads, int num_kv_heads, int head_dim,
+                            int block_size, double scale, uintptr_t new_key, uintptr_t new_value,
+                            int num_threads, const std::string& isa) {
+  if (num_threads < 1 || num_threads > kMaxThreads) {
+    throw std::invalid_argument("num_threads must be in [1, " + std::to_string(kMaxThreads) +
+                                "], got " + std::to_string(num_threads));
+  }
+  if (head_dim <= 0 || head_dim % kHeadDimMultiple != 0 || head_dim > kMaxHeadDim) {
+    throw std::invalid_argument("head_dim must be a positive multiple of " + std::to_string(kHeadDimMultiple) +
+                                " up to " + std::to_string(kMaxHeadDim) + ", got " + std::to_string(head_dim));
+  }
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) {
+    throw std::invalid_argument("num_heads must be a multiple of num_kv_heads");
+  }
+  const KernelTable& kernels = select_kernels(isa);
+  const Problem p{reinterpret_cast<const void*>(query), reinterpret_cast<void*>(out), static_cast<DType>(query_dtype),
+                  reinterpret_cast<const void*>(key_cache), reinterpret_cast<const void*>(value_cache),
+                  static_cast<DType>(kv_dtype), reinterpret_cast<const int32_t*>(block_tables),
+                  reinterpret_cast<const int32_t*>(context_lens), num_blocks, batch, max_blocks_per_seq,
+                  num_heads, num_kv_heads, head_dim, block_size, static_cast<float>(scale)};
+  const bool appending = new_key != 0;
+  check_context_lens(p, appending);
+  if (appending) append_tokens(p, reinterpret_cast<const void*>(new_key), reinterpret_cast<const void*>(new_value));
+  run_attention(p, kernels, num_threads);
+}
+
+std::vector<std::string> usable_isas() {
+  std::vector<std::string> names;
+  for (const KernelTable* table : usable_kernels()) names.emplace_back(table->name);
+  return names;
+}
+
+}  // namespace
+}  // namespace tandem
+
+PYBIND11_MODULE(_cpu_attention, m) {
+  m.doc() = "CPU paged decode attention (see kernels/cpu/__init__.py for the Python API)";
+  m.def("paged_decode_attention", &tandem::paged_decode_attention,
+        "Raw-pointer entry; use kernels.cpu.paged_decode_attention instead.",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("usable_isas", &tandem::usable_isas, "Instruction sets compiled in and supported here, best first.");
+}

@@ -1,0 +1,86 @@
+"""Compiles the CPU attention extension in place: `python -m kernels.cpu.build`.
+
+Each instruction set's kernel is its own translation unit with its own -m flags,
+so the binary runs on any CPU of the build machine's architecture and picks the
+best path at runtime. Exits non-zero with the compiler's message on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODULE_NAME = "_cpu_attention"
+COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra"]
+X86_ISA_FLAGS = {
+    # GCC 12's avx512 headers trip false (maybe-)uninitialized warnings (_mm512_undefined_*);
+    # the same kernel code is checked warning-free in the other translation units.
+    "isa_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+                       "-Wno-maybe-uninitialized", "-Wno-uninitialized"],
+    "isa_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+}
+SOURCES = ["bindings.cpp", "thread_pool.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_neon.cpp", "isa_scalar.cpp"]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def output_path() -> Path:
+    return HERE / (MODULE_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
+
+
+def _include_flags() -> list[str]:
+    try:
+        import pybind11
+    except ImportError as exc:
+        raise BuildError("pybind11 is not installed: pip install pybind11") from exc
+    return ["-I" + pybind11.get_include(), "-I" + sysconfig.get_paths()["include"], "-I" + str(HERE)]
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise BuildError(f"command failed ({result.returncode}): {shlex.join(command)}\n{result.stderr}")
+    if result.stderr.strip():
+        print(result.stderr, file=sys.stderr)
+
+
+def build(compiler: str | None = None) -> Path:
+    compiler = compiler or os.environ.get("CXX", "g++")
+    includes = _include_flags()
+    is_x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    target = output_path()
+    with tempfile.TemporaryDirectory(prefix="tandem-cpu-build-") as build_dir:
+        objects = []
+        for source in SOURCES:
+            obj = os.path.join(build_dir, source.replace(".cpp", ".o"))
+            isa_flags = X86_ISA_FLAGS.get(source, []) if is_x86 else []
+            _run([compiler, *COMMON_FLAGS, *isa_flags, *includes, "-c", str(HERE / source), "-o", obj])
+            objects.append(obj)
+        # Link to a temporary name first so a failed build never leaves a half-written module.
+        partial = target.with_suffix(".tmp")
+        _run([compiler, "-shared", "-pthread", *objects, "-o", str(partial)])
+        os.replace(partial, target)
+    return target
+
+
+def main() -> int:
+    try:
+        target = build()
+    except (BuildError, OSError) as exc:
+        print(f"error: building the CPU attention kernel failed:\n{exc}", file=sys.stderr)
+        return 1
+    print(f"built {target.relative_to(HERE.parent.parent)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+// AVX2 + FMA + F16C instantiation of the kernel (8 fp32 lanes). Compiled with
+// -mavx2 -mfma -mf16c; only called after the runtime check in bindings.cpp.
+#include "attention.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+namespace tandem {
+namespace {
+
+struct Isa {
+  using Vec = __m256;
+  static constexpr int kWidth = 8;
+
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec set1(float x) { return _mm256_set1_ps(x); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  // bf16 is the upper half of an fp32: widen and shift.
+  static Vec load(const BFloat16* p) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
+  static Vec load(const Float16* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  // Round to nearest even; NaNs stay NaN (quiet bit forced so rounding cannot make them inf).
+  static void store(BFloat16* p, Vec v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+    const __m256i shifted = _mm256_srli_epi32(rounded, 16);
+    // Pack 8 x 32-bit to 8 x 16-bit (values are < 2^16, so unsigned saturation is exact).
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(shifted),
+                                            _mm256_extracti128_si256(shifted, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  static void store(Float16* p, Vec v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  static Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static float reduce_add(Vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static float reduce_max(Vec v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+  // e^x: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (about 1 ulp),
+  // scaled by 2^n through the exponent bits. Inputs below the fp32 range
+  // (including -inf) give exactly 0.
+  static Vec exp(Vec x) {
+    const Vec underflow = _mm256_cmp_ps(x, _mm256_set1_ps(kExpMin), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpMin)), _mm256_set1_ps(kExpMax));
+    const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    Vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+    Vec poly = _mm256_set1_ps(kExpC6);
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(kExpC5));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(kExpC4));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(kExpC3));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(kExpC2));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
+    const __m256i exponent =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const Vec result = _mm256_mul_ps(poly, _mm256_castsi256_ps(exponent));
+    return _mm256_andnot_ps(underflow, result);
+  }
+  static float exp_scalar(float x) { return _mm256_cvtss_f32(exp(_mm256_set1_ps(x))); }
+
+  // Horizontal sums of 8 vectors at once with a hadd tree.
+  static void reduce8(Vec v0, Vec v1, Vec v2, Vec v3, Vec v4, Vec v5, Vec v6, Vec v7, float* out) {
+    const __m256 s01 = _mm256_hadd_ps(v0, v1);
+    const __m256 s23 = _mm256_hadd_ps(v2, v3);
+    const __m256 s45 = _mm256_hadd_ps(v4, v5);
+    const __m256 s67 = _mm256_hadd_ps(v6, v7);
+    // Per 128-bit lane: partial sums of inputs 0..3 and 4..7.
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23);
+    const __m256 s4567 = _mm256_hadd_ps(s45, s67);
+    const __m256 low = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+    const __m256 high = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+    _mm256_storeu_ps(out, _mm256_add_ps(low, high));
+  }
+
+ private:
+  static constexpr float kExpMin = -87.33654f;  // below: e^x is not a normal fp32
+  static constexpr float kExpMax = 88.0f;        // keeps 2^n below the exponent limit
+  static constexpr float kLog2e = 1.44269504f;
+  static constexpr float kLn2Hi = 0.693359375f;  // ln 2 split so n * kLn2Hi is exact
+  static constexpr float kLn2Lo = -2.12194440e-4f;
+  static constexpr float kExpC2 = 1.0f / 2.0f;
+  static constexpr float kExpC3 = 1.0f / 6.0f;
+  static constexpr float kExpC4 = 1.0f / 24.0f;
+  static constexpr float kExpC5 = 1.0f / 120.0f;
+  static constexpr float kExpC6 = 1.0f / 720.0f;
+};
+
+}  // namespace
+}  // namespace tandem
+
+#include "attention_impl.h"
+
+namespace tandem {
+const KernelTable* avx2_kernels() {
+  static const KernelTable table{"avx2", attend_segment, merge_partials};
+  return &table;
+}
+}  // namespace tandem
+
+#else
+
+namespace tandem {
+const KernelTable* avx2_kernels() { return nullptr; }
+}  // namespace tandem
+
+#endif

@@ -1,0 +1,123 @@
+// AVX-512 instantiation of the kernel (16 fp32 lanes). Compiled with
+// -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c; only called
+// after the runtime check in bindings.cpp.
+#include "attention.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+namespace tandem {
+namespace {
+
+struct Isa {
+  using Vec = __m512;
+  static constexpr int kWidth = 16;
+
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec set1(float x) { return _mm512_set1_ps(x); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  // bf16 is the upper half of an fp32: widen and shift.
+  static Vec load(const BFloat16* p) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+  static Vec load(const Float16* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  // Round to nearest even; NaNs stay NaN (quiet bit forced so rounding cannot make them inf).
+  static void store(BFloat16* p, Vec v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+    const __m256i out = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
+  }
+  static void store(Float16* p, Vec v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+  static Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
+  static float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+  // e^x: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (about 1 ulp),
+  // scaled by 2^n. Inputs below the fp32 range (including -inf) give exactly 0.
+  static Vec exp(Vec x) {
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMin), _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpMin)), _mm512_set1_ps(kExpMax));
+    const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    Vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+    Vec poly = _mm512_set1_ps(kExpC6);
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(kExpC5));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(kExpC4));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(kExpC3));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(kExpC2));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(poly, n));
+  }
+  static float exp_scalar(float x) { return _mm512_cvtss_f32(exp(_mm512_set1_ps(x))); }
+
+  // Horizontal sums of 8 vectors at once: a transpose-and-add tree costs about
+  // 3 instructions per vector instead of 8 for separate reductions.
+  static Vec fold_halves(Vec a, Vec b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  static Vec fold_quarters(Vec a, Vec b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  static void reduce8(Vec v0, Vec v1, Vec v2, Vec v3, Vec v4, Vec v5, Vec v6, Vec v7, float* out) {
+    // Fold 512 -> 256 bits, two inputs per result: [v0 | v1] halves summed.
+    // Then 256 -> 128 bits: each 128-bit lane now belongs to one input.
+    const __m512 g0 = fold_quarters(fold_halves(v0, v1), fold_halves(v2, v3));
+    const __m512 g1 = fold_quarters(fold_halves(v4, v5), fold_halves(v6, v7));
+    // Fold within 128-bit lanes: lane k holds inputs k (from g0) and 4 + k (from g1).
+    const __m512 h = _mm512_add_ps(_mm512_unpacklo_ps(g0, g1), _mm512_unpackhi_ps(g0, g1));
+    const __m512 s = _mm512_add_ps(h, _mm512_permute_ps(h, 0x4E));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, s)));
+  }
+
+ private:
+  static constexpr float kExpMin = -87.33654f;  // below: e^x is not a normal fp32
+  static constexpr float kExpMax = 88.0f;
+  static constexpr float kLog2e = 1.44269504f;
+  static constexpr float kLn2Hi = 0.693359375f;  // ln 2 split so n * kLn2Hi is exact
+  static constexpr float kLn2Lo = -2.12194440e-4f;
+  static constexpr float kExpC2 = 1.0f / 2.0f;
+  static constexpr float kExpC3 = 1.0f / 6.0f;
+  static constexpr float kExpC4 = 1.0f / 24.0f;
+  static constexpr float kExpC5 = 1.0f / 120.0f;
+  static constexpr float kExpC6 = 1.0f / 720.0f;
+};
+
+}  // namespace
+}  // namespace tandem
+
+#include "attention_impl.h"
+
+namespace tandem {
+const KernelTable* avx512_kernels() {
+  static const KernelTable table{"avx512", attend_segment, merge_partials};
+  return &table;
+}
+}  // namespace tandem
+
+#else
+
+namespace tandem {
+const KernelTable* avx512_kernels() { return nullptr; }
+}  // namespace tandem
+
+#endif

@@ -1,0 +1,71 @@
+"""Plain torch paged decode attention: the ground truth for tests and benchmarks.
+
+Same signature as kernels.cpu.paged_decode_attention. Blocks are gathered into a
+dense [batch, kv_heads, tokens, head_dim] tensor and softmax runs in fp32 with
+positions past each context length masked out. Sequences are processed in
+chunks so the fp32 copy of the gathered KV stays bounded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Upper bound on the fp32 gathered K plus V of one chunk of sequences.
+GATHER_BYTES = 256 << 20
+
+
+def append_kv(key_cache, value_cache, block_tables, context_lens, new_key, new_value) -> None:
+    """Writes new_key/new_value [batch, kv_heads, head_dim] at position context_lens - 1."""
+    block_size = key_cache.shape[2]
+    positions = context_lens.long() - 1  # [batch]
+    rows = torch.arange(block_tables.shape[0])
+    blocks = block_tables[rows, positions // block_size].long()  # [batch]
+    key_cache[blocks, :, positions % block_size] = new_key
+    value_cache[blocks, :, positions % block_size] = new_value
+
+
+def _attend_chunk(query, key_cache, value_cache, block_tables, context_lens, scale):
+    # query [batch, num_heads, head_dim]; returns fp32 [batch, num_heads, head_dim]
+    batch, num_heads, head_dim = query.shape
+    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    group_size = num_heads // num_kv_heads
+    num_seq_blocks = int((context_lens.max().item() + block_size - 1) // block_size)
+    # Entries past a sequence's length may be anything; point them at block 0 and mask.
+    ids = block_tables[:, :num_seq_blocks].long()  # [batch, blocks]
+    used = torch.arange(num_seq_blocks) * block_size < context_lens.long()[:, None]
+    ids = torch.where(used, ids, torch.zeros_like(ids))
+
+    def gather(cache):  # -> [batch, kv_heads, blocks * block_size, head_dim] fp32
+        dense = cache[ids].float()  # [batch, blocks, kv_heads, block_size, head_dim]
+        return dense.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)
+
+    keys, values = gather(key_cache), gather(value_cache)
+    q = query.float().view(batch, num_kv_heads, group_size, head_dim) * scale
+    scores = q @ keys.transpose(-1, -2)  # [batch, kv_heads, group_size, tokens]
+    positions = torch.arange(scores.shape[-1])
+    mask = positions[None, :] >= context_lens.long()[:, None]  # [batch, tokens]
+    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    result = (probs @ values).view(batch, num_heads, head_dim)
+    return torch.where((context_lens > 0)[:, None, None], result, torch.zeros_like(result))
+
+
+def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, *, out=None,
+                           new_key=None, new_value=None, num_threads=None) -> torch.Tensor:
+    """Reference attention of one decode step; num_threads is accepted and ignored."""
+    del num_threads
+    if new_key is not None:
+        append_kv(key_cache, value_cache, block_tables, context_lens, new_key, new_value)
+    if out is None:
+        out = torch.empty_like(query)
+    batch = query.shape[0]
+    if batch == 0:
+        return out
+    num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
+    bytes_per_seq = 2 * 4 * num_kv_heads * head_dim * max(int(context_lens.max().item()), 1)
+    chunk = max(1, GATHER_BYTES // bytes_per_seq)
+    for start in range(0, batch, chunk):
+        rows = slice(start, start + chunk)
+        out[rows] = _attend_chunk(query[rows], key_cache, value_cache, block_tables[rows], context_lens[rows],
+                                  scale).to(out.dtype)
+    return out
