@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ConfigError, ModelConfig
 from engine.kv_cache import KVCache
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from engine.runner import ModelRunner
@@ -126,10 +126,13 @@ class LLMEngine:
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         capacity = num_blocks * self.config.block_size
+        trained = self.model_config.max_position_embeddings
         if self.config.max_model_len is not None:
-            return self.config.max_model_len  # the scheduler config reports it if it cannot fit
-        length = min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP, capacity)
-        return length
+            if self.config.max_model_len > trained:
+                raise ConfigError(f"max_model_len ({self.config.max_model_len}) exceeds the model's context "
+                                  f"length ({trained})")
+            return self.config.max_model_len  # the scheduler config reports it if the cache cannot hold it
+        return min(trained, DEFAULT_MAX_MODEL_LEN_CAP, capacity)
 
     # ---- requests -------------------------------------------------------------------------
     def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> "PreparedRequest":

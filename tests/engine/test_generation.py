@@ -136,3 +136,15 @@ def test_bad_input_names_the_field(llm):
             llm.engine.add_request(prompt, params)
         assert info.value.param == field
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_dummy_preset_generates_from_token_ids():
+    llm = LLM("qwen2-0.5b", load_format="dummy", dtype="bfloat16", max_model_len=128, kv_cache_memory_gib=0.1)
+    assert llm.tokenizer is None and llm.engine.model_config.attention_bias
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    again = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    with pytest.raises(ParamError) as info:
+        llm.engine.add_request("text needs a tokenizer")
+    assert info.value.param == "prompt"
