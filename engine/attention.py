@@ -20,8 +20,9 @@ class AttentionMetadata:
 
     prefill_seq_lens: list[int]  # tokens of each prefill sequence, in batch order
     num_prefill_tokens: int
-    slot_blocks: torch.Tensor  # [num_tokens] int64: block each token's K/V goes to
-    slot_offsets: torch.Tensor  # [num_tokens] int64: offset inside that block
+    # where each prefill token's K/V goes; decode tokens are appended by the decode backend
+    slot_blocks: torch.Tensor  # [num_prefill_tokens] int64: block
+    slot_offsets: torch.Tensor  # [num_prefill_tokens] int64: offset inside that block
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor | None  # [num_decodes] int32, including the new token
 
@@ -58,9 +59,13 @@ class DecodeAttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """query [batch, num_heads, head_dim]; key/value_cache [blocks, kv_heads, block_size, head_dim];
-        block_tables [batch, max_blocks] int32; context_lens [batch] int32 -> [batch, num_heads, head_dim]."""
+                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                new_key: torch.Tensor, new_value: torch.Tensor) -> torch.Tensor:
+        """Append each sequence's new K/V at position context_len - 1 (fused, as Neo does), then attend.
+
+        query [batch, num_heads, head_dim]; key/value_cache [blocks, kv_heads, block_size, head_dim];
+        block_tables [batch, max_blocks] int32; context_lens [batch] int32 (with the new token);
+        new_key/new_value [batch, kv_heads, head_dim] -> [batch, num_heads, head_dim]."""
 
 
 class TorchPagedDecode(DecodeAttentionBackend):
@@ -68,12 +73,16 @@ class TorchPagedDecode(DecodeAttentionBackend):
 
     name = "torch"
 
-    def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale):
+    def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale, new_key, new_value):
         batch, num_heads, head_dim = query.shape
         _, num_kv_heads, block_size, _ = key_cache.shape
         group = num_heads // num_kv_heads
         tables = block_tables.long()
         max_blocks = tables.shape[1]
+        last = context_lens.long() - 1
+        slot_blocks = tables.gather(1, (last // block_size)[:, None]).squeeze(1)
+        key_cache[slot_blocks, :, last % block_size] = new_key
+        value_cache[slot_blocks, :, last % block_size] = new_value
 
         def gather(cache: torch.Tensor) -> torch.Tensor:
             # [batch, max_blocks, kv_heads, block_size, head_dim] -> [batch, kv_heads, ctx, head_dim]
@@ -103,8 +112,9 @@ class CpuPagedDecode(DecodeAttentionBackend):
         self._kernel = cpu.paged_decode_attention
         self.num_threads = num_threads
 
-    def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale):
+    def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale, new_key, new_value):
         return self._kernel(query.contiguous(), key_cache, value_cache, block_tables, context_lens, scale,
+                            new_key=new_key.contiguous(), new_value=new_value.contiguous(),
                             num_threads=self.num_threads)
 
 

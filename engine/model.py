@@ -114,17 +114,19 @@ class LlamaModel:
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """Store the new K/V, attend. -> [num_tokens, num_heads * head_dim]"""
-        kv_cache.write(layer, k, v, meta.slot_blocks, meta.slot_offsets)
+        """Store the new K/V (prefill here, decode fused into the backend), attend.
+        -> [num_tokens, num_heads * head_dim]"""
         num_prefill = meta.num_prefill_tokens
         out = torch.empty_like(q)
         if num_prefill:
+            kv_cache.write(layer, k[:num_prefill], v[:num_prefill], meta.slot_blocks, meta.slot_offsets)
             out[:num_prefill] = prefill_attention(
                 q[:num_prefill], k[:num_prefill], v[:num_prefill], meta.prefill_seq_lens, self.scale)
         if meta.num_decodes:
             out[num_prefill:] = self.decode_backend.forward(
                 q[num_prefill:], kv_cache.key[layer], kv_cache.value[layer],
-                meta.decode_block_tables, meta.decode_context_lens, self.scale)
+                meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                k[num_prefill:], v[num_prefill:])
         return out.view(q.shape[0], -1)
 
     def post_proj(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:

@@ -51,13 +51,13 @@ class ModelRunner:
         for seq in plan.scheduled:
             start, count = seq.num_computed_tokens, seq.num_new_tokens
             token_ids.extend(seq.token_ids)
-            seq_positions = range(start, start + count)
-            positions.extend(seq_positions)
-            table = seq.request.block_ids
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in seq_positions)
+            positions.extend(range(start, start + count))
             last_indices.append(len(token_ids) - 1)
         for seq in plan.prefills:
             prefill_seq_lens.append(seq.num_new_tokens)
+            table, start = seq.request.block_ids, seq.num_computed_tokens
+            slots.extend(table[p // block_size] * block_size + p % block_size
+                         for p in range(start, start + seq.num_new_tokens))
 
         device = self.device
         slot_tensor = torch.tensor(slots, dtype=torch.int64)
