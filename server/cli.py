@@ -40,7 +40,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds in-flight requests may finish after SIGTERM/SIGINT")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    bench = sub.add_parser("bench", help="run a benchmark: 'tandem bench serve --help' (needs a source checkout)")
+    bench.add_argument("suite", choices=["serve"], help="serve: load-latency sweeps and side-by-side runs")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own flags")
     return parser
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Forward to benchmarks/<suite>.py, which lives in the source tree next to this package."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "benchmarks" / f"{args.suite}.py").is_file():
+        print(f"tandem bench: benchmarks/{args.suite}.py is not here; run it from a source checkout",
+              file=sys.stderr)
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks.serve import main as serve_benchmark
+    return serve_benchmark(args.args, prog=f"tandem bench {args.suite}")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -92,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "bench":
+        return bench(args)
     return 2
 
 

@@ -1,0 +1,1 @@
+"""tandem's benchmarks; run them from the repository root (see each script's docstring)."""

@@ -1,0 +1,202 @@
+"""Talking to an OpenAI-compatible endpoint: preflight checks, one streamed request, /metrics.
+
+A request is timed on the client's monotonic clock from the moment it is sent; every streamed
+chunk that carries output is a token event (TTFT is the first, ITLs the gaps between them).
+Token counts come from the server's usage (`stream_options.include_usage`); when a server sends
+no usage the chunk count stands in and the record says so.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+CHECK_TIMEOUT_S = 10.0
+ERROR_MESSAGE_CHARS = 300  # enough of an error body to read, short enough for a table
+
+# Counters read from /metrics before and after a run, by name suffix, so `tandem:` and `vllm:`
+# prefixes both work; each sums over its labels.
+_COUNTERS = {"prompt_tokens": "prompt_tokens_total", "generation_tokens": "generation_tokens_total",
+             "request_success": "request_success_total"}
+_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)")
+
+
+class EndpointError(RuntimeError):
+    """The endpoint is down or unusable; the message says what to check."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str
+    model: str
+    kind: str = "completions"  # or "chat"
+    api_key: str | None = None
+    ignore_eos: bool = True
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, prompt: str, max_tokens: int) -> dict:
+        body = {"model": self.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            body["ignore_eos"] = True  # a vLLM extension tandem shares: output lengths are exact
+        if self.kind == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        return body
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request; times are seconds from the start of its run."""
+    index: int
+    num_target_input_tokens: int
+    num_target_output_tokens: int
+    scheduled_s: float | None = None  # planned arrival (open loop)
+    start_s: float | None = None
+    end_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    num_prompt_tokens: int | None = None
+    num_output_tokens: int | None = None
+    usage_reported: bool = False
+    error: str | None = None  # None on success; else an HTTP status or a failure kind
+    error_message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.start_s is not None and self.end_s is not None and self.error is None
+
+
+def _error_text(response_text: str) -> str:
+    try:
+        return str(json.loads(response_text)["error"]["message"])[:ERROR_MESSAGE_CHARS]
+    except (ValueError, KeyError, TypeError):
+        return response_text.strip()[:ERROR_MESSAGE_CHARS]
+
+
+async def send(client: httpx.AsyncClient, endpoint: Endpoint, prompt: str, record: RequestRecord,
+               clock_zero: float) -> None:
+    """Stream one request, filling `record` in place (so a cancelled request keeps what it had)."""
+    record.start_s = time.perf_counter() - clock_zero
+    try:
+        record.error, record.error_message = await _stream(client, endpoint, prompt, record, clock_zero)
+    except httpx.TimeoutException as exc:
+        record.error, record.error_message = "timeout", type(exc).__name__
+    except httpx.ConnectError as exc:
+        record.error, record.error_message = "connection", str(exc)[:ERROR_MESSAGE_CHARS]
+    except httpx.TransportError as exc:
+        record.error, record.error_message = "disconnected", f"{type(exc).__name__}: {exc}"[:ERROR_MESSAGE_CHARS]
+    except json.JSONDecodeError as exc:
+        record.error, record.error_message = "bad_response", f"a chunk is not JSON: {exc}"
+    record.end_s = time.perf_counter() - clock_zero
+    if record.error is None and not record.usage_reported:
+        record.num_output_tokens = len(record.token_times_s)
+
+
+async def _stream(client: httpx.AsyncClient, endpoint: Endpoint, prompt: str, record: RequestRecord,
+                  clock_zero: float) -> tuple[str | None, str]:
+    """Read the SSE stream into `record`; returns (error kind, message), (None, "") on success."""
+    body = endpoint.body(prompt, record.num_target_output_tokens)
+    async with client.stream("POST", endpoint.path, json=body, headers=endpoint.headers) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            return str(response.status_code), _error_text(text)
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return None, ""
+            chunk = json.loads(data)
+            if "error" in chunk:
+                error = chunk["error"]
+                message = error.get("message", error) if isinstance(error, dict) else error
+                return "stream_error", str(message)[:ERROR_MESSAGE_CHARS]
+            _on_chunk(chunk, record, time.perf_counter() - clock_zero, endpoint.kind)
+    return "incomplete", "the stream ended without [DONE]"
+
+
+def _on_chunk(chunk: dict, record: RequestRecord, now_s: float, kind: str) -> None:
+    usage = chunk.get("usage")
+    if usage:
+        record.usage_reported = True
+        record.num_prompt_tokens = usage.get("prompt_tokens")
+        record.num_output_tokens = usage.get("completion_tokens")
+    for choice in chunk.get("choices") or ():
+        if kind == "chat":
+            delta = choice.get("delta") or {}
+            if "role" in delta:
+                continue  # the opening chunk names the role and carries no token
+            text = delta.get("content")
+        else:
+            text = choice.get("text")
+        # an empty text with no finish reason is still a token (its bytes end a later character)
+        if isinstance(text, str) and (text or choice.get("finish_reason") is None):
+            record.token_times_s.append(now_s)
+
+
+def check_endpoint(client: httpx.Client, model: str | None) -> str:
+    """Fail with a readable message unless the endpoint is up; returns the model name to send."""
+    url = str(client.base_url).rstrip("/")
+    try:
+        health = client.get("/health", timeout=CHECK_TIMEOUT_S)
+        if health.status_code not in (200, 404):  # 404: a peer without /health; /v1/models decides
+            raise EndpointError(f"{url}/health answered {health.status_code}: {_error_text(health.text)}")
+        models = client.get("/v1/models", timeout=CHECK_TIMEOUT_S)
+    except httpx.ConnectError as exc:
+        raise EndpointError(f"cannot connect to {url} ({exc}); is the server running? "
+                            f"(for tandem: tandem serve --port {client.base_url.port or 8000})") from None
+    except httpx.TransportError as exc:
+        raise EndpointError(f"{url} did not answer ({type(exc).__name__}: {exc})") from None
+    if models.status_code in (401, 403):
+        raise EndpointError(f"{url} refused the request ({models.status_code}): pass --api-key")
+    if models.status_code != 200:
+        raise EndpointError(f"{url}/v1/models answered {models.status_code}: {_error_text(models.text)}")
+    served = [m.get("id") for m in models.json().get("data", [])]
+    if model is None:
+        if not served:
+            raise EndpointError(f"{url}/v1/models lists no model; pass --model")
+        return served[0]
+    if served and model not in served:
+        raise EndpointError(f"{url} serves {served}, not '{model}'")
+    return model
+
+
+def max_model_len(client: httpx.Client, model: str) -> int | None:
+    """The context length the endpoint reports in /v1/models (vLLM and tandem do), else None."""
+    try:
+        for entry in client.get("/v1/models", timeout=CHECK_TIMEOUT_S).json().get("data", []):
+            if entry.get("id") == model and entry.get("max_model_len"):
+                return int(entry["max_model_len"])
+    except (httpx.HTTPError, ValueError):
+        pass
+    return None
+
+
+def server_counters(client: httpx.Client) -> dict[str, float] | None:
+    """Token and request counters from /metrics, or None where the endpoint has none."""
+    try:
+        response = client.get("/metrics", timeout=CHECK_TIMEOUT_S)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    totals: dict[str, float] = {}
+    for line in response.text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        for key, suffix in _COUNTERS.items():
+            if match["name"].endswith(suffix):
+                totals[key] = totals.get(key, 0.0) + float(match["value"])
+    return totals or None
