@@ -38,6 +38,7 @@ bench: install
 	$(PY) benchmarks/serve.py --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
 		--slo ttft=1 --slo tpot=0.1 --no-progress --output benchmarks/results/serve_sweep.json
+	$(PY) benchmarks/update_readme.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(CPU_KERNEL) kernels/cpu/*.so

@@ -95,17 +95,21 @@ def main() -> None:
                                                if k != "transformers"}})
 
     systems = list(rows[0]["tokens_per_s"])
-    print(f"\nOutput tokens/s, median of {args.reps} (prompts ~{args.prompt_tokens} tokens, "
-          f"{args.new_tokens} new, greedy, ignore_eos; {torch.get_num_threads()} threads)\n")
-    print("| batch | " + " | ".join(systems) + " | " + " | ".join(f"{s} / transformers" for s in systems[1:]) + " |")
-    print("|---" * (2 * len(systems)) + "|")
+    lines = [f"Output tokens/s, median of {args.reps} (prompts ~{args.prompt_tokens} tokens, {args.new_tokens} new, "
+             f"greedy, ignore_eos; {torch.get_num_threads()} threads, {platform.machine()})", "",
+             "| batch | " + " | ".join(systems) + " | "
+             + " | ".join(f"{s} / transformers" for s in systems[1:]) + " |",
+             "|---" * (2 * len(systems)) + "|"]
     for row in rows:
         tps = row["tokens_per_s"]
-        print(f"| {row['batch']} | " + " | ".join(f"{tps[s]:.1f}" for s in systems) + " | "
-              + " | ".join(f"{row['ratio_vs_transformers'][s]:.2f}x" for s in systems[1:]) + " |")
+        lines.append(f"| {row['batch']} | " + " | ".join(f"{tps[s]:.1f}" for s in systems) + " | "
+                     + " | ".join(f"{row['ratio_vs_transformers'][s]:.2f}x" for s in systems[1:]) + " |")
+    table = "\n".join(lines)
+    print("\n" + table)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                    "threads": torch.get_num_threads(), "args": vars(args), "rows": rows}, indent=2))
+    RESULTS.with_suffix(".md").write_text(table + "\n")
 
 
 if __name__ == "__main__":

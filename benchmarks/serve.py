@@ -308,12 +308,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except (EndpointError, SystemStartError, BenchmarkError, WorkloadError, ValueError) as exc:
         print(f"serve benchmark: error: {exc}", file=sys.stderr)
         return 1
-    print(run_table(results))
+    table = run_table(results)
     if results["ratios"]:
-        print("\nRatios to the first system (median [min-max] over repetitions):")
-        print(ratio_table(results["ratios"]))
+        table += "\n\nRatios to the first system (median [min-max] over repetitions):\n\n"
+        table += ratio_table(results["ratios"])
+    print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=1))
+    # the table the README shows (benchmarks/update_readme.py splices it in)
+    args.output.with_suffix(".md").write_text(f"{results.get('title', '')}\n\n{table}\n")
     print(f"\nwrote {args.output}", file=sys.stderr)
     if not args.no_plot:
         from benchmarks.serving.plot import plot_load_latency
