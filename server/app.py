@@ -189,6 +189,22 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
             for task in tasks:
                 task.cancel()
 
+    def event_stream(body: AsyncIterator[str], request_ids: list[str], streams: list[RequestStream]):
+        """SSE response around `body`'s events: `[DONE]` at the end, an error event if the engine
+        failed the request, and an abort of whatever is unfinished when the client goes away."""
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for event in body:
+                    yield event
+                yield "data: [DONE]\n\n"
+            except (RequestFailedError, EngineDeadError) as exc:
+                yield sse(APIError(500, str(exc), type="internal_error").body())
+            finally:
+                await body.aclose()
+                abort_all(request_ids, streams)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -263,35 +279,29 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
             generated = 0
             offsets: dict[int, int] = {}
             echoed: set[int] = set()
-            try:
-                async for i, output in merged(streams):
-                    for completion in output.outputs:
-                        if not completion.delta_token_ids and completion.finish_reason is None:
-                            continue
-                        key = i * n + completion.index
-                        text = completion.delta_text
-                        if key not in echoed:
-                            echoed.add(key)
-                            text = echo_text(i) + text
-                        generated += len(completion.delta_token_ids)
-                        chunk = {"id": response_id, "object": "text_completion", "created": created,
-                                 "model": model_name,
-                                 "choices": [choice(i, completion, text, completion.delta_logprobs or [],
-                                                    offsets.get(key, 0))]}
-                        offsets[key] = offsets.get(key, 0) + len(text)
-                        if include_usage:
-                            chunk["usage"] = None
-                        yield sse(chunk)
-                if include_usage:
-                    yield sse({"id": response_id, "object": "text_completion", "created": created,
-                               "model": model_name, "choices": [], "usage": usage(prepared, generated)})
-                yield "data: [DONE]\n\n"
-            except (RequestFailedError, EngineDeadError) as exc:
-                yield sse(APIError(500, str(exc), type="internal_error").body())
-            finally:
-                abort_all(request_ids, streams)
+            async for i, output in merged(streams):
+                for completion in output.outputs:
+                    if not completion.delta_token_ids and completion.finish_reason is None:
+                        continue
+                    key = i * n + completion.index
+                    text = completion.delta_text
+                    if key not in echoed:
+                        echoed.add(key)
+                        text = echo_text(i) + text
+                    generated += len(completion.delta_token_ids)
+                    chunk = {"id": response_id, "object": "text_completion", "created": created,
+                             "model": model_name,
+                             "choices": [choice(i, completion, text, completion.delta_logprobs or [],
+                                                offsets.get(key, 0))]}
+                    offsets[key] = offsets.get(key, 0) + len(text)
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield sse(chunk)
+            if include_usage:
+                yield sse({"id": response_id, "object": "text_completion", "created": created,
+                           "model": model_name, "choices": [], "usage": usage(prepared, generated)})
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return event_stream(events(), request_ids, streams)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -332,28 +342,22 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
 
         async def events() -> AsyncIterator[str]:
             generated = 0
-            try:
-                for index in range(params.n):  # the assistant role opens every choice
-                    yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}])
-                async for _, output in merged(streams):
-                    for c in output.outputs:
-                        if not c.delta_token_ids and c.finish_reason is None:
-                            continue
-                        generated += len(c.delta_token_ids)
-                        delta = {"content": c.delta_text} if c.delta_text or c.finish_reason is None else {}
-                        yield chunk([{"index": c.index, "delta": delta,
-                                      "logprobs": chat_logprobs(c.delta_logprobs or []) if req.logprobs else None,
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
-                if include_usage:
-                    yield chunk([], usage=usage(prepared, generated))
-                yield "data: [DONE]\n\n"
-            except (RequestFailedError, EngineDeadError) as exc:
-                yield sse(APIError(500, str(exc), type="internal_error").body())
-            finally:
-                abort_all(request_ids, streams)
+            for index in range(params.n):  # the assistant role opens every choice
+                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            async for _, output in merged(streams):
+                for c in output.outputs:
+                    if not c.delta_token_ids and c.finish_reason is None:
+                        continue
+                    generated += len(c.delta_token_ids)
+                    delta = {"content": c.delta_text} if c.delta_text or c.finish_reason is None else {}
+                    yield chunk([{"index": c.index, "delta": delta,
+                                  "logprobs": chat_logprobs(c.delta_logprobs or []) if req.logprobs else None,
+                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+            if include_usage:
+                yield chunk([], usage=usage(prepared, generated))
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return event_stream(events(), request_ids, streams)
 
     @app.get("/v1/models")
     async def models():
