@@ -131,13 +131,16 @@ def main() -> None:
     num_threads = args.threads or cpu.default_num_threads()
     batches, contexts = ([1, 32], [256, 2048]) if args.quick else (BATCHES, CONTEXTS)
     bandwidth = read_bandwidth(num_threads)
-    print(f"isa {cpu.usable_isas()[0]}, {num_threads} kernel threads (cores available: "
-          f"{len(os.sched_getaffinity(0))}), read bandwidth (torch.sum, {num_threads} threads): "
-          f"{bandwidth / 1e9:.1f} GB/s\n")
+    title = (f"isa {cpu.usable_isas()[0]}, {num_threads} kernel threads (cores available: "
+             f"{len(os.sched_getaffinity(0))}), read bandwidth (torch.sum, {num_threads} threads): "
+             f"{bandwidth / 1e9:.1f} GB/s")
+    print(title + "\n")
+    lines = [title, ""]
     rows = []
     header = ("| batch | context | KV MiB | kernel ms | GB/s | % of read BW | torch ref ms | speed-up |\n"
               "|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(header)
+    lines.append(header)
     for batch in batches:
         for context in contexts:
             kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
@@ -146,9 +149,10 @@ def main() -> None:
             row = bench_config(batch, context, num_threads, REFERENCE_REPS if kv_bytes <= 256 << 20 else 1)
             row["percent_of_read_bandwidth"] = 100 * row["kernel_gbps"] * 1e9 / bandwidth
             rows.append(row)
-            print(f"| {batch} | {context} | {row['kv_mib']:.0f} | {row['kernel_ms']:.3f} | "
-                  f"{row['kernel_gbps']:.1f} | {row['percent_of_read_bandwidth']:.0f}% | "
-                  f"{row['reference_ms']:.1f} | {row['speedup']:.1f}x |", flush=True)
+            lines.append(f"| {batch} | {context} | {row['kv_mib']:.0f} | {row['kernel_ms']:.3f} | "
+                         f"{row['kernel_gbps']:.1f} | {row['percent_of_read_bandwidth']:.0f}% | "
+                         f"{row['reference_ms']:.1f} | {row['speedup']:.1f}x |")
+            print(lines[-1], flush=True)
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
@@ -160,6 +164,7 @@ def main() -> None:
         "read_bandwidth_gbps": bandwidth / 1e9,
         "rows": rows,
     }, indent=2) + "\n")
+    RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n")  # the README's table
     print(f"\nwrote {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
 
 

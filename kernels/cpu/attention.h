@@ -65,8 +65,8 @@ inline size_t segment_scratch_floats(const Problem& p) {
   const size_t g = static_cast<size_t>(p.group_size());
   const size_t score_stride = (static_cast<size_t>(p.block_size) + kHeadDimMultiple - 1) /
                               kHeadDimMultiple * kHeadDimMultiple;
-  // query copy + accumulator, block scores, running max and sum
-  return 2 * g * p.head_dim + g * score_stride + 2 * g;
+  // query copy + accumulator, block scores, running max, running sum lanes
+  return 2 * g * p.head_dim + g * score_stride + g + g * kHeadDimMultiple;
 }
 
 // Entry points one instruction set provides.

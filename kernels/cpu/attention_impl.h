@@ -11,6 +11,8 @@
 // once per group rather than once per query head.
 #pragma once
 
+#include <type_traits>
+
 #include "attention.h"
 
 namespace tandem {
@@ -18,8 +20,15 @@ namespace {
 
 using Vec = Isa::Vec;
 constexpr int kWidth = Isa::kWidth;
-// Register tiles hold at most this many accumulators (the traits' reduce8 width).
-constexpr int kTile = 8;
+// Most heads one register tile serves; larger groups take several passes.
+constexpr int kMaxTileHeads = 8;
+// Accumulators one register tile may hold: AVX-512 (the only 16-lane path) has
+// 32 vector registers, the others 16.
+constexpr int kTile = kWidth >= 16 ? 16 : 8;
+// Most key rows one score tile reads at once, bounding its live registers.
+constexpr int kMaxTileTokens = 8;
+// reduce8's width.
+constexpr int kReduceWidth = 8;
 
 // The tile functions must inline into their loops: as calls, the accumulator
 // arrays would go through the stack.
@@ -42,6 +51,56 @@ struct NextBlock {
   const Kv* keys;
   const Kv* values;
 };
+
+// Whether Isa can load bf16 split into even and odd elements (load_even/load_odd).
+template <class I, class = void>
+struct HasSplitLoads : std::false_type {};
+template <class I>
+struct HasSplitLoads<
+    I, std::void_t<decltype(static_cast<void>(I::load_even(static_cast<const BFloat16*>(nullptr))))>>
+    : std::true_type {};
+
+// Reads chunk c (kWidth lanes, widened to fp32) of a K/V row. Split rows (bf16
+// with head_dim a multiple of 2 * kWidth) are read in "split order": each span
+// of 2 * kWidth elements as its even elements, then its odd ones, which widens
+// with half the instructions of the in-order path. Dot products do not care
+// about the order when the query is permuted alike (to_split_order); the value
+// accumulator is permuted back at the end. kParity must be c's parity.
+template <class Kv, bool kSplit>
+struct Rows {
+  template <int kParity, class I = Isa>
+  static TANDEM_ALWAYS_INLINE Vec load(const Kv* row, int c) {
+    if constexpr (kSplit) {
+      const Kv* span = row + (c & ~1) * kWidth;
+      return kParity == 0 ? I::load_even(span) : I::load_odd(span);
+    } else {
+      return I::load(row + c * kWidth);
+    }
+  }
+};
+
+// Permutes each of `rows` rows of head_dim floats into split order and back.
+inline void to_split_order(float* data, int rows, int head_dim) {
+  float span[2 * kWidth];
+  for (int start = 0; start < rows * head_dim; start += 2 * kWidth) {
+    for (int i = 0; i < kWidth; ++i) {
+      span[i] = data[start + 2 * i];
+      span[kWidth + i] = data[start + 2 * i + 1];
+    }
+    for (int i = 0; i < 2 * kWidth; ++i) data[start + i] = span[i];
+  }
+}
+
+inline void from_split_order(float* data, int rows, int head_dim) {
+  float span[2 * kWidth];
+  for (int start = 0; start < rows * head_dim; start += 2 * kWidth) {
+    for (int i = 0; i < kWidth; ++i) {
+      span[2 * i] = data[start + i];
+      span[2 * i + 1] = data[start + kWidth + i];
+    }
+    for (int i = 0; i < 2 * kWidth; ++i) data[start + i] = span[i];
+  }
+}
 
 // Loads `count` elements (a multiple of kWidth) of any dtype into fp32, times `scale`.
 inline void load_row(const void* src, DType dtype, size_t offset, int count, float scale,
@@ -75,26 +134,41 @@ inline void store_row(const float* src, float scale, int count, void* dst, DType
 // Scores of kHeads query rows against kTokens key rows: kHeads * kTokens dot
 // products sharing one pass over the key rows, reduced together by reduce8.
 // scores is [heads, score_stride]; q is [heads, head_dim].
-template <class Kv, int kHeads, int kTokens>
+template <class Kv, bool kSplit, int kHeads, int kTokens>
 TANDEM_ALWAYS_INLINE void score_tile(const float* q, const Kv* keys, int head_dim, float* scores,
-                       int score_stride) {
+                                     int score_stride) {
   static_assert(kHeads * kTokens <= kTile, "tile exceeds the register budget");
-  Vec acc[kTile];
+  using R = Rows<Kv, kSplit>;
+  constexpr int kCount = kHeads * kTokens;
+  constexpr int kPadded = (kCount + kReduceWidth - 1) / kReduceWidth * kReduceWidth;
+  constexpr int kStep = kSplit ? 2 : 1;  // chunks per step: one split span
+  const int num_chunks = head_dim / kWidth;
+  Vec acc[kPadded];
+#pragma GCC unroll 16
+  for (int i = 0; i < kPadded; ++i) acc[i] = Isa::zero();
+  for (int c = 0; c < num_chunks; c += kStep) {
+#pragma GCC unroll 2
+    for (int s = 0; s < kStep; ++s) {
+      Vec k[kTokens];
 #pragma GCC unroll 8
-  for (int i = 0; i < kTile; ++i) acc[i] = Isa::zero();
-  for (int c = 0; c < head_dim; c += kWidth) {
-    Vec k[kTokens];
+      for (int t = 0; t < kTokens; ++t) {
+        const Kv* row = keys + t * head_dim;
+        k[t] = s == 0 ? R::template load<0>(row, c) : R::template load<1>(row, c + 1);
+      }
 #pragma GCC unroll 8
-    for (int t = 0; t < kTokens; ++t) k[t] = Isa::load(keys + t * head_dim + c);
+      for (int h = 0; h < kHeads; ++h) {
+        const Vec qv = Isa::load(q + h * head_dim + (c + s) * kWidth);
 #pragma GCC unroll 8
-    for (int h = 0; h < kHeads; ++h) {
-      const Vec qv = Isa::load(q + h * head_dim + c);
-#pragma GCC unroll 8
-      for (int t = 0; t < kTokens; ++t) acc[h * kTokens + t] = Isa::fma(qv, k[t], acc[h * kTokens + t]);
+        for (int t = 0; t < kTokens; ++t) acc[h * kTokens + t] = Isa::fma(qv, k[t], acc[h * kTokens + t]);
+      }
     }
   }
-  float sums[kTile];
-  Isa::reduce8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7], sums);
+  float sums[kPadded];
+#pragma GCC unroll 2
+  for (int i = 0; i < kPadded; i += kReduceWidth) {
+    Isa::reduce8(acc[i], acc[i + 1], acc[i + 2], acc[i + 3], acc[i + 4], acc[i + 5], acc[i + 6],
+                 acc[i + 7], sums + i);
+  }
 #pragma GCC unroll 8
   for (int h = 0; h < kHeads; ++h) {
 #pragma GCC unroll 8
@@ -102,115 +176,133 @@ TANDEM_ALWAYS_INLINE void score_tile(const float* q, const Kv* keys, int head_di
   }
 }
 
-// Scores of kHeads query rows against all num_tokens keys of a block.
 // Scores of kHeads query rows against all num_tokens keys of a block. When
 // `next` is set, the rows of the next block (its K and V) are prefetched as
-// the same rows of this one are scored, so the requests are spread over the
-// block's work instead of flooding the miss buffers at once.
-template <class Kv, int kHeads>
+// the same rows of this one are scored, half a tile's rows before the tile and
+// half after, so the requests are spread over the block's work instead of
+// flooding the miss buffers at once.
+template <class Kv, bool kSplit, int kHeads>
 inline void score_heads(const float* q, const Kv* keys, int head_dim, int num_tokens,
                         float* scores, int score_stride, const NextBlock<Kv>* next) {
-  constexpr int kTokens = kTile / kHeads;
+  constexpr int kTokens = kTile / kHeads < kMaxTileTokens ? kTile / kHeads : kMaxTileTokens;
+  constexpr int kEarlyRows = (kTokens + 1) / 2;
   const size_t row_bytes = head_dim * sizeof(Kv);
   int t = 0;
   for (; t + kTokens <= num_tokens; t += kTokens) {
     if (next != nullptr) {
-      prefetch_lines(next->keys + t * head_dim, kTokens * row_bytes);
-      prefetch_lines(next->values + t * head_dim, kTokens * row_bytes);
+      prefetch_lines(next->keys + t * head_dim, kEarlyRows * row_bytes);
+      prefetch_lines(next->values + t * head_dim, kEarlyRows * row_bytes);
     }
-    score_tile<Kv, kHeads, kTokens>(q, keys + t * head_dim, head_dim, scores + t, score_stride);
+    score_tile<Kv, kSplit, kHeads, kTokens>(q, keys + t * head_dim, head_dim, scores + t, score_stride);
+    if (next != nullptr && kTokens > kEarlyRows) {
+      prefetch_lines(next->keys + (t + kEarlyRows) * head_dim, (kTokens - kEarlyRows) * row_bytes);
+      prefetch_lines(next->values + (t + kEarlyRows) * head_dim, (kTokens - kEarlyRows) * row_bytes);
+    }
   }
   for (; t < num_tokens; ++t) {
     if (next != nullptr) {
       prefetch_lines(next->keys + t * head_dim, row_bytes);
       prefetch_lines(next->values + t * head_dim, row_bytes);
     }
-    score_tile<Kv, kHeads, 1>(q, keys + t * head_dim, head_dim, scores + t, score_stride);
+    score_tile<Kv, kSplit, kHeads, 1>(q, keys + t * head_dim, head_dim, scores + t, score_stride);
   }
 }
 
-template <class Kv>
+template <class Kv, bool kSplit>
 inline void score_block(const float* q, const Kv* keys, int group_size, int head_dim,
                         int num_tokens, float* scores, int score_stride, const NextBlock<Kv>* next) {
-  for (int h = 0; h < group_size; h += kTile) {
+  for (int h = 0; h < group_size; h += kMaxTileHeads) {
     const float* qh = q + h * head_dim;
     float* sh = scores + h * score_stride;
     if (h > 0) next = nullptr;  // prefetched during the first pass over the keys
-    switch (min_int(group_size - h, kTile)) {
-      case 1: score_heads<Kv, 1>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      case 2: score_heads<Kv, 2>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      case 3: score_heads<Kv, 3>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      case 4: score_heads<Kv, 4>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      case 5: score_heads<Kv, 5>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      case 6: score_heads<Kv, 6>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      case 7: score_heads<Kv, 7>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      default: score_heads<Kv, 8>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
+    switch (min_int(group_size - h, kMaxTileHeads)) {
+      case 1: score_heads<Kv, kSplit, 1>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
+      case 2: score_heads<Kv, kSplit, 2>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
+      case 3: score_heads<Kv, kSplit, 3>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
+      case 4: score_heads<Kv, kSplit, 4>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
+      case 5: score_heads<Kv, kSplit, 5>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
+      case 6: score_heads<Kv, kSplit, 6>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
+      case 7: score_heads<Kv, kSplit, 7>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
+      default: score_heads<Kv, kSplit, 8>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
     }
   }
 }
 
-// acc[h, c..c+kChunks*kWidth) += sum_t probs[h, t] * values[t, same columns].
+// acc[h, chunks c..c+kChunks) += sum_t probs[h, t] * values[t, same chunks].
 // kHeads * kChunks independent accumulators keep the fma pipes busy even for
-// one head (no GQA).
-template <class Kv, int kHeads, int kChunks>
+// one head (no GQA). kParity is c's parity (see Rows).
+template <class Kv, bool kSplit, int kHeads, int kChunks, int kParity>
 TANDEM_ALWAYS_INLINE void value_tile(const float* probs, int prob_stride, const Kv* values, int head_dim,
-                       int num_tokens, float* acc) {
+                                     int num_tokens, int c, float* acc) {
   static_assert(kHeads * kChunks <= kTile, "tile exceeds the register budget");
+  using R = Rows<Kv, kSplit>;
   Vec a[kHeads * kChunks];
 #pragma GCC unroll 8
   for (int h = 0; h < kHeads; ++h) {
-#pragma GCC unroll 8
-    for (int j = 0; j < kChunks; ++j) a[h * kChunks + j] = Isa::load(acc + h * head_dim + j * kWidth);
+#pragma GCC unroll 16
+    for (int j = 0; j < kChunks; ++j) a[h * kChunks + j] = Isa::load(acc + h * head_dim + (c + j) * kWidth);
   }
   for (int t = 0; t < num_tokens; ++t) {
     Vec v[kChunks];
-#pragma GCC unroll 8
-    for (int j = 0; j < kChunks; ++j) v[j] = Isa::load(values + t * head_dim + j * kWidth);
+#pragma GCC unroll 16
+    for (int j = 0; j < kChunks; ++j) {
+      v[j] = (kParity + j) % 2 == 0 ? R::template load<0>(values + t * head_dim, c + j)
+                                    : R::template load<1>(values + t * head_dim, c + j);
+    }
 #pragma GCC unroll 8
     for (int h = 0; h < kHeads; ++h) {
       const Vec p = Isa::set1(probs[h * prob_stride + t]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int j = 0; j < kChunks; ++j) a[h * kChunks + j] = Isa::fma(p, v[j], a[h * kChunks + j]);
     }
   }
 #pragma GCC unroll 8
   for (int h = 0; h < kHeads; ++h) {
-#pragma GCC unroll 8
-    for (int j = 0; j < kChunks; ++j) Isa::store(acc + h * head_dim + j * kWidth, a[h * kChunks + j]);
+#pragma GCC unroll 16
+    for (int j = 0; j < kChunks; ++j) Isa::store(acc + h * head_dim + (c + j) * kWidth, a[h * kChunks + j]);
   }
 }
 
-template <class Kv, int kHeads>
+template <class Kv, bool kSplit, int kHeads>
 inline void value_heads(const float* probs, int prob_stride, const Kv* values, int head_dim,
                         int num_tokens, float* acc) {
-  constexpr int kChunks = kTile / kHeads;
+  // Split rows need whole spans per tile (an even count) so each tile's chunk
+  // parities are known at compile time; a single chunk alternates parities.
+  constexpr int kFit = kTile / kHeads;
+  constexpr int kChunks = kSplit && kFit >= 2 ? kFit / 2 * 2 : kFit;
   const int num_chunks = head_dim / kWidth;
   int c = 0;
   for (; c + kChunks <= num_chunks; c += kChunks) {
-    value_tile<Kv, kHeads, kChunks>(probs, prob_stride, values + c * kWidth, head_dim, num_tokens,
-                                    acc + c * kWidth);
+    if (kChunks % 2 == 0 || c % 2 == 0) {
+      value_tile<Kv, kSplit, kHeads, kChunks, 0>(probs, prob_stride, values, head_dim, num_tokens, c, acc);
+    } else {
+      value_tile<Kv, kSplit, kHeads, kChunks, 1>(probs, prob_stride, values, head_dim, num_tokens, c, acc);
+    }
   }
   for (; c < num_chunks; ++c) {
-    value_tile<Kv, kHeads, 1>(probs, prob_stride, values + c * kWidth, head_dim, num_tokens,
-                              acc + c * kWidth);
+    if (c % 2 == 0) {
+      value_tile<Kv, kSplit, kHeads, 1, 0>(probs, prob_stride, values, head_dim, num_tokens, c, acc);
+    } else {
+      value_tile<Kv, kSplit, kHeads, 1, 1>(probs, prob_stride, values, head_dim, num_tokens, c, acc);
+    }
   }
 }
 
-template <class Kv>
+template <class Kv, bool kSplit>
 inline void accumulate_block(const float* probs, int prob_stride, const Kv* values,
                              int group_size, int head_dim, int num_tokens, float* acc) {
-  for (int h = 0; h < group_size; h += kTile) {
+  for (int h = 0; h < group_size; h += kMaxTileHeads) {
     const float* ph = probs + h * prob_stride;
     float* ah = acc + h * head_dim;
-    switch (min_int(group_size - h, kTile)) {
-      case 1: value_heads<Kv, 1>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      case 2: value_heads<Kv, 2>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      case 3: value_heads<Kv, 3>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      case 4: value_heads<Kv, 4>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      case 5: value_heads<Kv, 5>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      case 6: value_heads<Kv, 6>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      case 7: value_heads<Kv, 7>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      default: value_heads<Kv, 8>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
+    switch (min_int(group_size - h, kMaxTileHeads)) {
+      case 1: value_heads<Kv, kSplit, 1>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
+      case 2: value_heads<Kv, kSplit, 2>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
+      case 3: value_heads<Kv, kSplit, 3>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
+      case 4: value_heads<Kv, kSplit, 4>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
+      case 5: value_heads<Kv, kSplit, 5>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
+      case 6: value_heads<Kv, kSplit, 6>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
+      case 7: value_heads<Kv, kSplit, 7>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
+      default: value_heads<Kv, kSplit, 8>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
     }
   }
 }
@@ -218,33 +310,35 @@ inline void accumulate_block(const float* probs, int prob_stride, const Kv* valu
 // Online softmax step for one block: turns scores into probabilities relative
 // to the updated running max and rescales the accumulator when the max grew.
 // Padding columns [num_tokens, score_stride) hold -inf and come out as 0.
+// Each head's running sum stays as kWidth lanes (sum_lanes [group_size, kWidth]),
+// summed once at the end rather than by a horizontal reduction per block.
 inline void softmax_update(float* scores, int score_stride, int group_size, int head_dim,
-                           float* run_max, float* run_sum, float* acc) {
+                           float* run_max, float* sum_lanes, float* acc) {
   for (int h = 0; h < group_size; ++h) {
     float* s = scores + h * score_stride;
     Vec m = Isa::set1(run_max[h]);
     for (int t = 0; t < score_stride; t += kWidth) m = Isa::max(m, Isa::load(s + t));
     const float new_max = Isa::reduce_max(m);
+    Vec sum = Isa::load(sum_lanes + h * kWidth);
     if (new_max > run_max[h]) {
       const float correction = Isa::exp_scalar(run_max[h] - new_max);
-      run_sum[h] *= correction;
       const Vec cv = Isa::set1(correction);
+      sum = Isa::mul(sum, cv);
       float* a = acc + h * head_dim;
       for (int c = 0; c < head_dim; c += kWidth) Isa::store(a + c, Isa::mul(Isa::load(a + c), cv));
       run_max[h] = new_max;
     }
     const Vec mv = Isa::set1(run_max[h]);
-    Vec sum = Isa::zero();
     for (int t = 0; t < score_stride; t += kWidth) {
       const Vec p = Isa::exp(Isa::sub(Isa::load(s + t), mv));
       Isa::store(s + t, p);
       sum = Isa::add(sum, p);
     }
-    run_sum[h] += Isa::reduce_add(sum);
+    Isa::store(sum_lanes + h * kWidth, sum);
   }
 }
 
-template <class Kv>
+template <class Kv, bool kSplit>
 void attend_segment_typed(const Problem& p, const Segment& seg, float* scratch,
                           const PartialState* partial) {
   const int group_size = p.group_size();
@@ -256,14 +350,15 @@ void attend_segment_typed(const Problem& p, const Segment& seg, float* scratch,
   float* acc = q + group_size * head_dim;          // [group_size, head_dim]
   float* scores = acc + group_size * head_dim;     // [group_size, score_stride]
   float* run_max = scores + group_size * score_stride;  // [group_size]
-  float* run_sum = run_max + group_size;                // [group_size]
+  float* sum_lanes = run_max + group_size;              // [group_size, kWidth]
 
   const size_t first_row = static_cast<size_t>(seg.seq) * p.num_heads + seg.kv_head * group_size;
   load_row(p.query, p.query_dtype, first_row * head_dim, group_size * head_dim, p.scale, q);
+  if (kSplit) to_split_order(q, group_size, head_dim);
   for (int i = 0; i < group_size * head_dim; ++i) acc[i] = 0.0f;
   for (int h = 0; h < group_size; ++h) {
     run_max[h] = -__builtin_inff();
-    run_sum[h] = 0.0f;
+    Isa::store(sum_lanes + h * kWidth, Isa::zero());
   }
 
   const Kv* key_cache = static_cast<const Kv*>(p.key_cache);
@@ -286,22 +381,25 @@ void attend_segment_typed(const Problem& p, const Segment& seg, float* scratch,
     for (int h = 0; h < group_size; ++h) {
       for (int t = num_tokens; t < score_stride; ++t) scores[h * score_stride + t] = -__builtin_inff();
     }
-    score_block(q, key_cache + base, group_size, head_dim, num_tokens, scores, score_stride,
-                b + 1 < seg.block_end ? &next : nullptr);
-    softmax_update(scores, score_stride, group_size, head_dim, run_max, run_sum, acc);
-    accumulate_block(scores, score_stride, value_cache + base, group_size, head_dim, num_tokens, acc);
+    score_block<Kv, kSplit>(q, key_cache + base, group_size, head_dim, num_tokens, scores, score_stride,
+                            b + 1 < seg.block_end ? &next : nullptr);
+    softmax_update(scores, score_stride, group_size, head_dim, run_max, sum_lanes, acc);
+    accumulate_block<Kv, kSplit>(scores, score_stride, value_cache + base, group_size, head_dim, num_tokens,
+                                 acc);
   }
 
+  if (kSplit) from_split_order(acc, group_size, head_dim);
   if (partial != nullptr) {
     for (int h = 0; h < group_size; ++h) {
       partial->max[h] = run_max[h];
-      partial->sum[h] = run_sum[h];
+      partial->sum[h] = Isa::reduce_add(Isa::load(sum_lanes + h * kWidth));
     }
     for (int i = 0; i < group_size * head_dim; ++i) partial->acc[i] = acc[i];
     return;
   }
   for (int h = 0; h < group_size; ++h) {
-    store_row(acc + h * head_dim, 1.0f / run_sum[h], head_dim, p.out, p.query_dtype,
+    const float sum = Isa::reduce_add(Isa::load(sum_lanes + h * kWidth));
+    store_row(acc + h * head_dim, 1.0f / sum, head_dim, p.out, p.query_dtype,
               (first_row + h) * head_dim);
   }
 }
@@ -309,9 +407,15 @@ void attend_segment_typed(const Problem& p, const Segment& seg, float* scratch,
 void attend_segment(const Problem& p, const Segment& seg, float* scratch,
                     const PartialState* partial) {
   switch (p.kv_dtype) {
-    case DType::kFloat32: attend_segment_typed<float>(p, seg, scratch, partial); break;
-    case DType::kBFloat16: attend_segment_typed<BFloat16>(p, seg, scratch, partial); break;
-    default: attend_segment_typed<Float16>(p, seg, scratch, partial); break;
+    case DType::kFloat32: attend_segment_typed<float, false>(p, seg, scratch, partial); break;
+    case DType::kBFloat16:
+      if (HasSplitLoads<Isa>::value && p.head_dim % (2 * kWidth) == 0) {
+        attend_segment_typed<BFloat16, HasSplitLoads<Isa>::value>(p, seg, scratch, partial);
+      } else {
+        attend_segment_typed<BFloat16, false>(p, seg, scratch, partial);
+      }
+      break;
+    default: attend_segment_typed<Float16, false>(p, seg, scratch, partial); break;
   }
 }
 

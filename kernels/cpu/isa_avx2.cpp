@@ -20,6 +20,15 @@ struct Isa {
     const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
   }
+  // 16 bf16 at once, split into the even and the odd elements: one instruction
+  // per 8 lanes and no cross-lane shuffle, half the cost of widening in order.
+  static Vec load_even(const BFloat16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 16));
+  }
+  static Vec load_odd(const BFloat16* p) {
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                                                _mm256_set1_epi32(kHighHalf)));
+  }
   static Vec load(const Float16* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -99,6 +108,7 @@ struct Isa {
   }
 
  private:
+  static constexpr int kHighHalf = static_cast<int>(0xffff0000u);
   static constexpr float kExpMin = -87.33654f;  // below: e^x is not a normal fp32
   static constexpr float kExpMax = 88.0f;        // keeps 2^n below the exponent limit
   static constexpr float kLog2e = 1.44269504f;

@@ -22,6 +22,14 @@ struct Isa {
     const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
   }
+  // 32 bf16 at once, split into the even and the odd elements: one instruction
+  // per 16 lanes and no cross-lane shuffle, half the cost of widening in order.
+  static Vec load_even(const BFloat16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16));
+  }
+  static Vec load_odd(const BFloat16* p) {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(kHighHalf)));
+  }
   static Vec load(const Float16* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -90,6 +98,7 @@ struct Isa {
   }
 
  private:
+  static constexpr int kHighHalf = static_cast<int>(0xffff0000u);
   static constexpr float kExpMin = -87.33654f;  // below: e^x is not a normal fp32
   static constexpr float kExpMax = 88.0f;
   static constexpr float kLog2e = 1.44269504f;
