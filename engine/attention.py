@@ -102,8 +102,13 @@ class CpuPagedDecode(DecodeAttentionBackend):
     """The C++ SIMD kernel of kernels/cpu: GQA-shared K/V reads, flash-decoding split over threads."""
 
     name = "cpu"
+    # Inside the sequential forward, torch's own thread pool holds every core between ops and its
+    # idle threads keep polling; a second pool fighting it made whole decode steps 1.6-2.4x slower
+    # than running the kernel on the calling thread alone (SmolLM2, batch 8 fp32 and batch 32 bf16,
+    # 2-core VM). More threads pay off only where the kernel has cores of its own (Neo's pipeline).
+    IN_ENGINE_THREADS = 1
 
-    def __init__(self, num_threads: int | None = None) -> None:
+    def __init__(self, num_threads: int | None = IN_ENGINE_THREADS) -> None:
         from kernels import cpu
 
         if not cpu.is_available():
