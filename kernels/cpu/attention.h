@@ -81,6 +81,21 @@ struct KernelTable {
                          int num_parts);
 };
 
+// Constants of the vector e^x every SIMD path uses: x = n ln 2 + r, e^x = 2^n e^r, with e^r from
+// a degree-6 Taylor polynomial. Each ISA's `Isa` struct derives from this.
+struct ExpConstants {
+  static constexpr float kExpMin = -87.33654f;  // below: e^x is not a normal fp32
+  static constexpr float kExpMax = 88.0f;        // keeps 2^n below the exponent limit
+  static constexpr float kLog2e = 1.44269504f;
+  static constexpr float kLn2Hi = 0.693359375f;  // ln 2 split so n * kLn2Hi is exact
+  static constexpr float kLn2Lo = -2.12194440e-4f;
+  static constexpr float kExpC2 = 1.0f / 2.0f;
+  static constexpr float kExpC3 = 1.0f / 6.0f;
+  static constexpr float kExpC4 = 1.0f / 24.0f;
+  static constexpr float kExpC5 = 1.0f / 120.0f;
+  static constexpr float kExpC6 = 1.0f / 720.0f;
+};
+
 // Each returns nullptr when the instruction set was not compiled in.
 const KernelTable* avx512_kernels();
 const KernelTable* avx2_kernels();

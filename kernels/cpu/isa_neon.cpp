@@ -8,7 +8,7 @@
 namespace tandem {
 namespace {
 
-struct Isa {
+struct Isa : ExpConstants {
   using Vec = float32x4_t;
   static constexpr int kWidth = 4;
 
@@ -70,18 +70,6 @@ struct Isa {
     vst1q_f32(out, vpaddq_f32(vpaddq_f32(v0, v1), vpaddq_f32(v2, v3)));
     vst1q_f32(out + 4, vpaddq_f32(vpaddq_f32(v4, v5), vpaddq_f32(v6, v7)));
   }
-
- private:
-  static constexpr float kExpMin = -87.33654f;  // below: e^x is not a normal fp32
-  static constexpr float kExpMax = 88.0f;        // keeps 2^n below the exponent limit
-  static constexpr float kLog2e = 1.44269504f;
-  static constexpr float kLn2Hi = 0.693359375f;  // ln 2 split so n * kLn2Hi is exact
-  static constexpr float kLn2Lo = -2.12194440e-4f;
-  static constexpr float kExpC2 = 1.0f / 2.0f;
-  static constexpr float kExpC3 = 1.0f / 6.0f;
-  static constexpr float kExpC4 = 1.0f / 24.0f;
-  static constexpr float kExpC5 = 1.0f / 120.0f;
-  static constexpr float kExpC6 = 1.0f / 720.0f;
 };
 
 }  // namespace
