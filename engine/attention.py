@@ -25,10 +25,26 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [num_prefill_tokens] int64: offset inside that block
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor | None  # [num_decodes] int32, including the new token
+    # Prefills bound for the host pool (Neo: CPU-requests from birth): their tokens are left out of
+    # the slots above and copied out layer by layer. (first prefill token, num_tokens, host blocks)
+    cpu_prefills: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    slot_rows: torch.Tensor | None = None  # [num_slots] prefill tokens the slots are for; None: all
 
     @property
     def num_decodes(self) -> int:
         return 0 if self.decode_context_lens is None else int(self.decode_context_lens.shape[0])
+
+
+@dataclass
+class CpuDecodeMetadata:
+    """Decode rows whose K/V lives in the host pool; their attention runs on the CPU."""
+
+    block_tables: torch.Tensor  # [num_cpu_decodes, max_blocks] int32, host pool blocks
+    context_lens: torch.Tensor  # [num_cpu_decodes] int32 (with the new token), on the host
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.context_lens.shape[0])
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],

@@ -1,23 +1,39 @@
 """The paged KV cache: one block pool per K and V, `[layers, blocks, kv_heads, block_size, head_dim]`.
 
-Block ids come from the scheduler's BlockPool; this module only owns the tensors.
+Two tiers (Neo 3.1): the accelerator pool and the host pool (pinned when the accelerator is a
+CUDA GPU). A prefilled request lives wholly in one of them. Block ids come from the scheduler's
+BlockPools; this module only owns the tensors and copies between them.
 """
 from __future__ import annotations
+
+from typing import Protocol, Sequence
 
 import torch
 
 from engine.config import ModelConfig
 
 
+def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Merge (src[i] -> dst[i]) block moves into runs adjacent on both sides:
+    [(src_start, dst_start, num_blocks)], so each run is one copy."""
+    runs: list[list[int]] = []
+    for s, d in sorted(zip(src, dst)):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", pin_memory: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (config.num_layers, num_blocks, config.num_kv_heads, block_size, config.head_dim)
         # [layers, blocks, kv_heads, block_size, head_dim]
-        self.key = torch.zeros(shape, dtype=dtype, device=device)
-        self.value = torch.zeros(shape, dtype=dtype, device=device)
+        self.key = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.value = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -30,3 +46,49 @@ class KVCache:
         # advanced indices around a slice put the token dim first: [num_tokens, kv_heads, head_dim]
         self.key[layer][slot_blocks, :, slot_offsets] = key
         self.value[layer][slot_blocks, :, slot_offsets] = value
+
+    def write_blocks(self, layer: int, key: torch.Tensor, value: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Store one sequence's K/V from position 0 [num_tokens, kv_heads, head_dim] into `block_ids`,
+        one copy per run of adjacent blocks. The source may live on another device: this is the
+        layer-by-layer copy-out of a prefill bound for the host pool (asynchronous into pinned memory)."""
+        num_tokens, kv_heads, head_dim = key.shape
+        padded = len(block_ids) * self.block_size
+        for cache, rows in ((self.key, key), (self.value, value)):
+            if padded != num_tokens:  # the last block's tail is masked by context lengths
+                rows = torch.cat([rows, rows.new_zeros(padded - num_tokens, kv_heads, head_dim)])
+            # [blocks, block_size, kv_heads, head_dim] -> [blocks, kv_heads, block_size, head_dim]
+            blocks = rows.view(len(block_ids), self.block_size, kv_heads, head_dim).transpose(1, 2)
+            for src, dst, count in block_runs(range(len(block_ids)), block_ids):
+                cache[layer, dst:dst + count].copy_(blocks[src:src + count], non_blocking=True)
+
+
+class BlockMove(Protocol):
+    """One request's swap: scheduler.scheduler.Swap satisfies this."""
+
+    src_blocks: Sequence[int]
+    dst_blocks: Sequence[int]
+
+
+class TwoTierKVCache:
+    """The accelerator pool (`gpu`) and the host pool (`cpu`, None when offloading is off)."""
+
+    def __init__(self, gpu: KVCache, cpu: KVCache | None) -> None:
+        self.gpu = gpu
+        self.cpu = cpu
+
+    def pool(self, on_cpu: bool) -> KVCache:
+        if on_cpu and self.cpu is None:
+            raise RuntimeError("the plan uses the host KV pool, but offloading is off")
+        return self.cpu if on_cpu else self.gpu
+
+    def copy_blocks(self, moves: Sequence[BlockMove], to_cpu: bool) -> int:
+        """Swap out (to_cpu) or in: every layer's K and V of the given blocks, adjacent blocks
+        merged into one copy. Returns the number of copies issued."""
+        src, dst = (self.gpu, self.pool(True)) if to_cpu else (self.pool(True), self.gpu)
+        num_copies = 0
+        for move in moves:
+            for s, d, count in block_runs(move.src_blocks, move.dst_blocks):
+                dst.key[:, d:d + count].copy_(src.key[:, s:s + count], non_blocking=True)
+                dst.value[:, d:d + count].copy_(src.value[:, s:s + count], non_blocking=True)
+                num_copies += 1
+        return num_copies

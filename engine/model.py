@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from engine.attention import AttentionMetadata, DecodeAttentionBackend, prefill_attention
 from engine.config import ModelConfig, RopeScaling
-from engine.kv_cache import KVCache
+from engine.kv_cache import TwoTierKVCache
 from engine.weights import WeightLoader
 
 
@@ -113,24 +113,40 @@ class LlamaModel:
         return q, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """Store the new K/V (prefill here, decode fused into the backend), attend.
-        -> [num_tokens, num_heads * head_dim]"""
+                  kv_cache: TwoTierKVCache, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The accelerator's attention over the first `meta` rows (prefills, then decodes of
+        GPU-requests): store the new K/V (prefill here, decode fused into the backend), attend.
+        Rows past them (CPU-requests' decodes, pipelined forward) are left to the CPU.
+        -> out [num_tokens, num_heads, head_dim]"""
         num_prefill = meta.num_prefill_tokens
-        out = torch.empty_like(q)
+        num_rows = num_prefill + meta.num_decodes
+        out = torch.empty_like(q) if out is None else out
         if num_prefill:
-            kv_cache.write(layer, k[:num_prefill], v[:num_prefill], meta.slot_blocks, meta.slot_offsets)
+            self._store_prefill(layer, k[:num_prefill], v[:num_prefill], kv_cache, meta)
             out[:num_prefill] = prefill_attention(
                 q[:num_prefill], k[:num_prefill], v[:num_prefill], meta.prefill_seq_lens, self.scale)
         if meta.num_decodes:
-            out[num_prefill:] = self.decode_backend.forward(
-                q[num_prefill:], kv_cache.key[layer], kv_cache.value[layer],
+            gpu = kv_cache.gpu
+            out[num_prefill:num_rows] = self.decode_backend.forward(
+                q[num_prefill:num_rows], gpu.key[layer], gpu.value[layer],
                 meta.decode_block_tables, meta.decode_context_lens, self.scale,
-                k[num_prefill:], v[num_prefill:])
-        return out.view(q.shape[0], -1)
+                k[num_prefill:num_rows], v[num_prefill:num_rows])
+        return out
+
+    @staticmethod
+    def _store_prefill(layer: int, k: torch.Tensor, v: torch.Tensor, kv_cache: TwoTierKVCache,
+                       meta: AttentionMetadata) -> None:
+        if meta.slot_rows is None:
+            kv_cache.gpu.write(layer, k, v, meta.slot_blocks, meta.slot_offsets)
+        elif meta.slot_rows.numel():
+            kv_cache.gpu.write(layer, k[meta.slot_rows], v[meta.slot_rows], meta.slot_blocks, meta.slot_offsets)
+        for start, count, host_blocks in meta.cpu_prefills:  # this layer's copy-out
+            kv_cache.pool(on_cpu=True).write_blocks(layer, k[start:start + count], v[start:start + count],
+                                                    host_blocks)
 
     def post_proj(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """O-proj, residual, RMSNorm, SwiGLU MLP, residual. -> hidden [num_tokens, hidden]"""
+        """O-proj, residual, RMSNorm, SwiGLU MLP, residual. attn_out [num_tokens, num_heads * head_dim]
+        -> hidden [num_tokens, hidden]"""
         w = self.layers[layer]
         hidden = hidden + F.linear(attn_out, w.o_proj)
         gate, up = F.linear(rms_norm(hidden, w.post_norm, self.config.rms_norm_eps), w.gate_up).chunk(2, dim=-1)
@@ -141,13 +157,14 @@ class LlamaModel:
         last = rms_norm(hidden[last_indices], self.final_norm, self.config.rms_norm_eps)
         return F.linear(last, self.lm_head).float()
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: TwoTierKVCache,
                 meta: AttentionMetadata, last_indices: torch.Tensor) -> torch.Tensor:
+        """One batch, layer after layer, all attention on the accelerator (the GPU-only plan)."""
         hidden = self.pre_layer(token_ids)
         for layer in range(self.config.num_layers):
             q, k, v = self.pre_proj(layer, hidden, positions)
             attn_out = self.attention(layer, q, k, v, kv_cache, meta)
-            hidden = self.post_proj(layer, hidden, attn_out)
+            hidden = self.post_proj(layer, hidden, attn_out.view(q.shape[0], -1))
         return self.post_layer(hidden, last_indices)
 
 

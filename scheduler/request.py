@@ -99,6 +99,13 @@ def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+class Tier(enum.Enum):
+    """Which KV pool holds a prefilled request's blocks (Neo 3.1): it lives wholly in one."""
+
+    GPU = "gpu"  # the accelerator pool
+    CPU = "cpu"  # the host pool; its decoding attention runs on the CPU
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -124,8 +131,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # in the pool of `tier`
+    tier: Tier = Tier.GPU
     num_preemptions: int = 0
+    num_swaps: int = 0  # moves between the pools
+    last_swap_iteration: int = -(2**31)  # scheduler iteration of the last move (hysteresis)
+    cpu_wait_iterations: int = 0  # iterations in a row a CPU-request was not scheduled
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property

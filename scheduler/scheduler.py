@@ -72,25 +72,57 @@ class ScheduledSeq:
         return self.request.all_token_ids[start:start + self.num_new_tokens]
 
 
+@dataclass(frozen=True)
+class Swap:
+    """Move one request's KV between the pools: block `src[i]` of the source pool goes to
+    block `dst[i]` of the other. The runner does all swaps before the iteration's forward."""
+
+    request: Request
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+
+
+class PlanMode:
+    GPU_ONLY = "gpu_only"  # one batch, attention on the accelerator (the v0 forward)
+    PIPELINED = "pipelined"  # Neo's asymmetric two-batch forward with CPU decoding attention
+
+
 @dataclass
 class IterationPlan:
-    """What the runner executes this iteration. Prefills come first in the packed batch."""
+    """What the runner executes this iteration.
+
+    Batch-0 packs `prefills`, `decodes` (GPU-requests) and `cpu_decodes` (CPU-requests) in that
+    order; batch-1 (`cpu_decodes1`) holds CPU-requests only. A prefill's KV goes to the pool of
+    its request's `tier` (CPU: copied out layer by layer). Sampled tokens come back in
+    `scheduled` order.
+    """
 
     prefills: list[ScheduledSeq] = field(default_factory=list)
     decodes: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    cpu_decodes: list[ScheduledSeq] = field(default_factory=list)
+    cpu_decodes1: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: list[Swap] = field(default_factory=list)  # GPU pool -> CPU pool
+    swap_in: list[Swap] = field(default_factory=list)  # CPU pool -> GPU pool
+    mode: str = PlanMode.GPU_ONLY
+    estimated_time: float | None = None  # seconds, from the cost model when there is one
+
+    @property
+    def batch0(self) -> list[ScheduledSeq]:
+        return self.prefills + self.decodes + self.cpu_decodes
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
-        return self.prefills + self.decodes
+        return self.batch0 + self.cpu_decodes1
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.prefills) + len(self.decodes)
+        return (sum(s.num_new_tokens for s in self.prefills) + len(self.decodes)
+                + len(self.cpu_decodes) + len(self.cpu_decodes1))
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not (self.prefills or self.decodes or self.cpu_decodes or self.cpu_decodes1)
 
 
 class Scheduler:

@@ -1,0 +1,231 @@
+"""Cost models: how long the parts of one iteration take, so the scheduler can plan (Neo 3.2).
+
+Times are seconds. Per-layer quantities (`linear`, the attentions) are for ONE transformer
+layer; the scheduler multiplies by `num_layers`. Neo's symbols:
+
+    T_l   = linear(tokens)                       pre-projection + post-projection + MLP
+    T_ga  = prefill_attention(...) + gpu_decode_attention(...)
+    T_ca  = cpu_decode_attention(...)
+
+Two implementations sit behind `CostModel`: `TableCostModel` interpolates tables profiled on this
+machine (engine/profiler.py builds them), and `RooflineCostModel` (scheduler/roofline.py) derives
+the same quantities from a hardware profile, for the simulator. No torch here.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+
+class CostModel(ABC):
+    num_layers: int
+
+    @abstractmethod
+    def linear(self, num_tokens: int) -> float:
+        """One layer's token-wise work (norms, QKV, RoPE, O-proj, MLP) for `num_tokens` tokens."""
+
+    @abstractmethod
+    def prefill_attention(self, seq_lens: Sequence[int]) -> float:
+        """One layer's causal attention over these prefill sequences, on the accelerator."""
+
+    @abstractmethod
+    def gpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
+        """One layer's decode attention on the accelerator; `context_tokens` summed over sequences."""
+
+    @abstractmethod
+    def cpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
+        """One layer's decode attention on the host CPU; `context_tokens` summed over sequences."""
+
+    @abstractmethod
+    def head(self, num_seqs: int) -> float:
+        """Per iteration, outside the layers: embedding, final norm and LM head for `num_seqs` rows."""
+
+    @abstractmethod
+    def swap(self, num_blocks: int) -> float:
+        """Moving `num_blocks` KV blocks (all layers, K and V) between the two pools."""
+
+
+# ---- interpolation ------------------------------------------------------------------------
+class TableError(ValueError):
+    """A cost table that cannot be used (empty, unsorted, negative times)."""
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Piecewise-linear y(x) through measured points; beyond the ends it follows the nearest
+    segment's slope (so costs keep growing past the profiled grid), never below zero."""
+
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.xs or len(self.xs) != len(self.ys):
+            raise TableError("a cost curve needs one or more (x, y) points")
+        if any(b <= a for a, b in zip(self.xs, self.xs[1:])):
+            raise TableError(f"cost curve x values must be strictly increasing, got {self.xs}")
+        if any(y < 0 for y in self.ys):
+            raise TableError("cost curve times must be >= 0")
+
+    @classmethod
+    def from_points(cls, points: Sequence[Sequence[float]]) -> "Curve":
+        pts = sorted((float(x), float(y)) for x, y in points)
+        return cls(tuple(p[0] for p in pts), tuple(p[1] for p in pts))
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if len(xs) == 1:
+            return ys[0]
+        i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+    def to_points(self) -> list[list[float]]:
+        return [[x, y] for x, y in zip(self.xs, self.ys)]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Bilinear z(x, y) over a rectangular grid (`zs[i][j]` at `xs[i]`, `ys[j]`), extrapolating
+    linearly beyond the edges like `Curve`."""
+
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+    zs: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.zs) != len(self.xs) or any(len(row) != len(self.ys) for row in self.zs):
+            raise TableError("a cost grid needs one value per (x, y) pair")
+        for axis in (self.xs, self.ys):
+            if not axis or any(b <= a for a, b in zip(axis, axis[1:])):
+                raise TableError(f"cost grid axes must be non-empty and strictly increasing, got {axis}")
+        if any(z < 0 for row in self.zs for z in row):
+            raise TableError("cost grid times must be >= 0")
+
+    def __call__(self, x: float, y: float) -> float:
+        # interpolate along y in each row, then along x through those values
+        column = Curve(self.xs, tuple(Curve(self.ys, row)(y) for row in self.zs)) if len(self.xs) > 1 else None
+        if column is None:
+            return Curve(self.ys, self.zs[0])(y)
+        return column(x)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"xs": list(self.xs), "ys": list(self.ys), "zs": [list(r) for r in self.zs]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Grid":
+        return cls(tuple(map(float, d["xs"])), tuple(map(float, d["ys"])),
+                   tuple(tuple(map(float, r)) for r in d["zs"]))
+
+
+# ---- profiled tables ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TableCostModel(CostModel):
+    """Interpolates per-layer times measured on this machine.
+
+    linear:        tokens -> s                 (one layer)
+    prefill_attn:  prompt length -> s          (one sequence, one layer; summed over sequences)
+    gpu_decode:    total context tokens -> s   (one layer)
+    cpu_decode:    (batch, total context tokens) -> s, bilinear (one layer)
+    head:          rows -> s                   (per iteration)
+    swap_per_block: s per block moved between pools
+    """
+
+    num_layers: int
+    linear_curve: Curve
+    prefill_curve: Curve
+    gpu_decode_curve: Curve
+    cpu_decode_grid: Grid
+    head_curve: Curve
+    swap_per_block: float = 0.0
+
+    def linear(self, num_tokens: int) -> float:
+        return self.linear_curve(num_tokens) if num_tokens > 0 else 0.0
+
+    def prefill_attention(self, seq_lens: Sequence[int]) -> float:
+        return sum(self.prefill_curve(n) for n in seq_lens)
+
+    def gpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
+        return self.gpu_decode_curve(context_tokens) if num_seqs > 0 else 0.0
+
+    def cpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
+        return self.cpu_decode_grid(num_seqs, context_tokens) if num_seqs > 0 else 0.0
+
+    def head(self, num_seqs: int) -> float:
+        return self.head_curve(num_seqs) if num_seqs > 0 else 0.0
+
+    def swap(self, num_blocks: int) -> float:
+        return self.swap_per_block * num_blocks
+
+    # ---- files ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_layers": self.num_layers,
+            "linear": self.linear_curve.to_points(),
+            "prefill_attention": self.prefill_curve.to_points(),
+            "gpu_decode_attention": self.gpu_decode_curve.to_points(),
+            "cpu_decode_attention": self.cpu_decode_grid.to_dict(),
+            "head": self.head_curve.to_points(),
+            "swap_per_block": self.swap_per_block,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TableCostModel":
+        try:
+            return cls(
+                num_layers=int(d["num_layers"]),
+                linear_curve=Curve.from_points(d["linear"]),
+                prefill_curve=Curve.from_points(d["prefill_attention"]),
+                gpu_decode_curve=Curve.from_points(d["gpu_decode_attention"]),
+                cpu_decode_grid=Grid.from_dict(d["cpu_decode_attention"]),
+                head_curve=Curve.from_points(d["head"]),
+                swap_per_block=float(d.get("swap_per_block", 0.0)),
+            )
+        except (KeyError, TypeError) as exc:
+            raise TableError(f"malformed cost tables: {exc!r}") from exc
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TableCostModel":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# ---- model shapes (for the roofline model and the simulator) --------------------------------
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers a cost model needs about a Llama-family model, read from an HF config dict."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelShape":
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=int(cfg["vocab_size"]),
+        )
+
+    @property
+    def layer_params(self) -> int:
+        """Weights in one layer's linear work (QKV, O, gate/up, down)."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        return self.hidden_size * (q + 2 * kv) + q * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
+
+    def kv_bytes_per_token_layer(self, dtype_bytes: int) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * dtype_bytes
