@@ -130,6 +130,8 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     # ---- engine thread --------------------------------------------------------------------
     def _run(self) -> None:

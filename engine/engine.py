@@ -10,17 +10,20 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from engine.config import ConfigError, ModelConfig
 from engine.kv_cache import KVCache
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, Placement
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import create_loader
 from scheduler.request import ParamError, Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.cost_model import CostModel, TableCostModel
+from scheduler.neo import NeoConfig, NeoScheduler
+from scheduler.scheduler import PlanMode, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +49,29 @@ class EngineConfig:
     num_blocks: int | None = None  # None: from kv_cache_memory_gib
     kv_cache_memory_gib: float = 1.0
     decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
-    show_progress: bool = False  # a progress bar while the weights load
+    show_progress: bool = False  # progress bars while the weights load and the costs are profiled
+    # ---- Neo: CPU offloading -----------------------------------------------------------------
+    # auto: a host KV pool whenever the accelerator is not the host CPU itself (cuda, testbed);
+    # on: also with device cpu (everything serial: how tests check identical tokens); off: GPU-only.
+    offload: str = "auto"
+    num_cpu_blocks: int | None = None  # host pool blocks (default: from cpu_kv_cache_memory_gib)
+    cpu_kv_cache_memory_gib: float = 4.0
+    accelerator_threads: int | None = None  # testbed: cores that play the accelerator (default half)
+    cpu_attention_threads: int | None = None  # threads of the CPU decoding attention (default: the rest)
+    cost_tables: str | None = None  # a JSON file of cost tables; None: profile once, cached
+    profile_cache_dir: str | None = None  # None: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles
+    profile_grid: str = "default"  # default | quick (a coarse profile, for tests)
+    force_profile: bool = False  # measure again even if a cached profile exists
+    swap_cooldown_iterations: int | None = None  # None: NeoConfig's default
+    max_cpu_wait_iterations: int | None = None  # None: NeoConfig's default
+
+    @property
+    def offloading(self) -> bool:
+        if self.offload not in ("auto", "on", "off"):
+            raise ConfigError(f"offload must be auto, on or off, got {self.offload!r}")
+        if self.offload == "auto":
+            return self.device == "testbed" or self.device.startswith("cuda")
+        return self.offload == "on"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -74,7 +99,19 @@ class IterationStats:
     num_preemptions: int = 0
     num_running: int = 0
     num_waiting: int = 0
-    kv_cache_usage: float = 0.0
+    kv_cache_usage: float = 0.0  # the accelerator pool
+    # ---- offloading (Neo) --------------------------------------------------------------------
+    mode: str = PlanMode.GPU_ONLY
+    num_cpu_running: int = 0  # CPU-requests (their KV in the host pool)
+    cpu_kv_cache_usage: float = 0.0
+    num_swapped_out: int = 0  # requests moved to the host pool this iteration
+    num_swapped_in: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    forward_time: float = 0.0  # seconds, swaps included
+    estimated_time: float | None = None  # the cost model's prediction of forward_time
+    cpu_attention_time: float = 0.0  # in the CPU decoding attention kernel
+    cpu_wait_time: float = 0.0  # the CPU side waiting on the accelerator (pipeline bubbles)
 
 
 @dataclass
@@ -107,22 +144,67 @@ class LLMEngine:
         self.model_config: ModelConfig = loader.config
         self.tokenizer = Tokenizer.from_source(loader.tokenizer_source) if loader.tokenizer_source else None
         dtype = config.torch_dtype
-        num_blocks = config.num_blocks or max(1, int(
-            config.kv_cache_memory_gib * 2**30 // KVCache.bytes_per_block(self.model_config, config.block_size, dtype)))
+        block_bytes = KVCache.bytes_per_block(self.model_config, config.block_size, dtype)
+        num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gib * 2**30 // block_bytes))
+        num_cpu_blocks = 0
+        if config.offloading:
+            num_cpu_blocks = config.num_cpu_blocks or max(1, int(config.cpu_kv_cache_memory_gib * 2**30 // block_bytes))
         self.max_model_len = self._resolve_max_model_len(num_blocks)
-        self.scheduler = Scheduler(SchedulerConfig(
+        scheduler_config = SchedulerConfig(
             num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens))
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+        placement = Placement.for_device(config.device, config.accelerator_threads, config.cpu_attention_threads)
         self.runner = ModelRunner(
             self.model_config, loader, dtype=dtype, device=config.device, num_blocks=num_blocks,
-            block_size=config.block_size, max_model_len=self.max_model_len,
-            decode_backend=config.decode_attention, seed=config.seed, show_progress=config.show_progress)
+            num_cpu_blocks=num_cpu_blocks, placement=placement, block_size=config.block_size,
+            max_model_len=self.max_model_len, decode_backend=config.decode_attention, seed=config.seed,
+            show_progress=config.show_progress)
+        self.cost_model: CostModel | None = None
+        self.profile_path: Path | None = None  # the cached cost tables, when profiled
+        if num_cpu_blocks:
+            self.cost_model = self._load_cost_model(loader, dtype)
+            neo = {k: v for k, v in (("swap_cooldown_iterations", config.swap_cooldown_iterations),
+                                     ("max_cpu_wait_iterations", config.max_cpu_wait_iterations)) if v is not None}
+            self.scheduler: Scheduler = NeoScheduler(scheduler_config, NeoConfig(num_cpu_blocks=num_cpu_blocks, **neo),
+                                                     self.cost_model)
+        else:
+            self.scheduler = Scheduler(scheduler_config)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.eos_token_ids = tuple(dict.fromkeys((*eos, *self.model_config.eos_token_ids)))
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # by child request id
         self._ids = itertools.count()
         self.stats = IterationStats()
+
+    def _load_cost_model(self, loader, dtype: torch.dtype) -> CostModel:
+        """Cost tables from the given file, else this machine's profile (measured once per key)."""
+        config = self.config
+        if config.cost_tables:
+            return TableCostModel.load(config.cost_tables)
+        from engine.profiler import ProfileGrid, ProfileKey, load_or_profile, profile_costs, profile_path
+
+        runner = self.runner
+        key = ProfileKey.create(model=config.model, load_format=config.load_format, dtype=dtype,
+                                device=config.device, accelerator_threads=runner.placement.accelerator_threads,
+                                cpu_attention_threads=runner.placement.cpu_attention_threads,
+                                block_size=config.block_size)
+        grid = ProfileGrid.quick() if config.profile_grid == "quick" else ProfileGrid()
+
+        def build() -> TableCostModel:
+            logger.info("profiling this machine's costs for the offloading scheduler (once per model/dtype/device)")
+            with runner.on_cpu_cores():
+                return profile_costs(runner.model, runner.accelerator, runner.model.decode_backend, runner.cpu_decode,
+                                     block_size=config.block_size, dtype=dtype, grid=grid,
+                                     progress=config.show_progress)
+
+        self.profile_path = profile_path(key, config.profile_cache_dir)
+        if config.force_profile and self.profile_path.exists():
+            self.profile_path.unlink()
+        return load_or_profile(key, build, config.profile_cache_dir)
+
+    def close(self) -> None:
+        """Stop the runner's threads (the testbed's accelerator thread)."""
+        self.runner.close()
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         capacity = num_blocks * self.config.block_size
@@ -217,12 +299,19 @@ class LLMEngine:
     # ---- the iteration ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        self.stats = IterationStats(
+        self.stats = stats = IterationStats(
             num_prompt_tokens=sum(s.num_new_tokens for s in plan.prefills),
             num_batched_tokens=plan.num_batched_tokens,
             num_generation_tokens=len(plan.scheduled), num_preemptions=len(plan.preempted),
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.scheduler.block_pool.usage)
+            kv_cache_usage=self.scheduler.block_pool.usage, mode=plan.mode,
+            num_swapped_out=len(plan.swap_out), num_swapped_in=len(plan.swap_in),
+            num_blocks_swapped_out=sum(len(s.src_blocks) for s in plan.swap_out),
+            num_blocks_swapped_in=sum(len(s.src_blocks) for s in plan.swap_in),
+            estimated_time=plan.estimated_time)
+        if isinstance(self.scheduler, NeoScheduler):
+            stats.num_cpu_running = self.scheduler.num_cpu_running
+            stats.cpu_kv_cache_usage = self.scheduler.cpu_pool.usage
         if plan.is_empty:
             return []
         now = time.monotonic()
@@ -230,6 +319,10 @@ class LLMEngine:
             group, _ = self._sequences[seq.request.request_id]
             group.metrics.first_scheduled_time = group.metrics.first_scheduled_time or now
         output = self.runner.execute(plan)
+        stats.forward_time = output.forward_time
+        if output.pipeline is not None:
+            stats.cpu_attention_time = output.pipeline.cpu_attention
+            stats.cpu_wait_time = output.pipeline.cpu_waiting
         updated = {id(r) for r in self.scheduler.update(plan, output.sampled_token_ids)}
         sampled = output.sampled
         touched: dict[str, _Group] = {}

@@ -83,12 +83,15 @@ class TwoTierKVCache:
 
     def copy_blocks(self, moves: Sequence[BlockMove], to_cpu: bool) -> int:
         """Swap out (to_cpu) or in: every layer's K and V of the given blocks, adjacent blocks
-        merged into one copy. Returns the number of copies issued."""
+        merged into one copy per layer. Returns the number of merged runs."""
         src, dst = (self.gpu, self.pool(True)) if to_cpu else (self.pool(True), self.gpu)
         num_copies = 0
+        num_layers = self.gpu.key.shape[0]
         for move in moves:
             for s, d, count in block_runs(move.src_blocks, move.dst_blocks):
-                dst.key[:, d:d + count].copy_(src.key[:, s:s + count], non_blocking=True)
-                dst.value[:, d:d + count].copy_(src.value[:, s:s + count], non_blocking=True)
+                # per layer, so every copy is contiguous on both sides (asynchronous into pinned memory)
+                for layer in range(num_layers):
+                    dst.key[layer, d:d + count].copy_(src.key[layer, s:s + count], non_blocking=True)
+                    dst.value[layer, d:d + count].copy_(src.value[layer, s:s + count], non_blocking=True)
                 num_copies += 1
         return num_copies

@@ -26,6 +26,16 @@ class LLM:
             raise TypeError(f"unknown LLM arguments {sorted(unknown)}; known: {sorted(known)}")
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
+    def close(self) -> None:
+        """Stop the engine's threads (the testbed's accelerator thread); the LLM is unusable after."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -44,7 +44,10 @@ class Placement:
                    cpu_attention_threads: int | None = None) -> "Placement":
         kind = torch.device(device).type if device != "testbed" else "testbed"
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        if kind == "cuda":  # the host's cores are all the CPU attention's while the GPU computes
+            return cls(kind, cpu_attention_cores=frozenset(cores), cpu_attention_threads=cpu_attention_threads or len(cores))
         if kind != "testbed":
+            # serial on one CPU: torch's pool owns the cores between ops (CpuPagedDecode.IN_ENGINE_THREADS)
             return cls(kind, cpu_attention_threads=cpu_attention_threads or 1)
         if len(cores) < 2:
             raise ValueError("the host-only testbed needs at least 2 cores: one for the accelerator thread, "
@@ -120,7 +123,7 @@ class ModelRunner:
         self.accelerator.close()
 
     @contextmanager
-    def _on_cpu_cores(self):
+    def on_cpu_cores(self):
         """Testbed: the thread that conducts the pipeline computes the CPU attention, so for the
         forward it keeps to the CPU's cores and thread count and leaves the accelerator's alone;
         the caller's own settings come back afterwards."""
@@ -151,7 +154,7 @@ class ModelRunner:
         return self._forward(plan)[0]
 
     def _forward(self, plan: IterationPlan) -> tuple[torch.Tensor, PipelineTimes | None, int]:
-        with self._on_cpu_cores():
+        with self.on_cpu_cores():
             return self._forward_placed(plan)
 
     def _forward_placed(self, plan: IterationPlan) -> tuple[torch.Tensor, PipelineTimes | None, int]:

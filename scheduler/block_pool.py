@@ -23,8 +23,8 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of blocks in use, 0..1 (0 for an empty pool: offloading off)."""
+        return 1.0 - len(self._free) / self.num_blocks if self.num_blocks else 0.0
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)

@@ -54,6 +54,15 @@ class TableError(ValueError):
     """A cost table that cannot be used (empty, unsorted, negative times)."""
 
 
+def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended along the end segments, clamped at 0."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
 @dataclass(frozen=True)
 class Curve:
     """Piecewise-linear y(x) through measured points; beyond the ends it follows the nearest
@@ -76,12 +85,7 @@ class Curve:
         return cls(tuple(p[0] for p in pts), tuple(p[1] for p in pts))
 
     def __call__(self, x: float) -> float:
-        xs, ys = self.xs, self.ys
-        if len(xs) == 1:
-            return ys[0]
-        i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
-        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+        return _interpolate(self.xs, self.ys, x)
 
     def to_points(self) -> list[list[float]]:
         return [[x, y] for x, y in zip(self.xs, self.ys)]
@@ -104,13 +108,12 @@ class Grid:
                 raise TableError(f"cost grid axes must be non-empty and strictly increasing, got {axis}")
         if any(z < 0 for row in self.zs for z in row):
             raise TableError("cost grid times must be >= 0")
+        # the scheduler calls this per CPU-request per iteration: build the row curves once
+        object.__setattr__(self, "_rows", tuple(Curve(self.ys, row) for row in self.zs))
 
     def __call__(self, x: float, y: float) -> float:
         # interpolate along y in each row, then along x through those values
-        column = Curve(self.xs, tuple(Curve(self.ys, row)(y) for row in self.zs)) if len(self.xs) > 1 else None
-        if column is None:
-            return Curve(self.ys, self.zs[0])(y)
-        return column(x)
+        return _interpolate(self.xs, [row(y) for row in self._rows], x)
 
     def to_dict(self) -> dict[str, Any]:
         return {"xs": list(self.xs), "ys": list(self.ys), "zs": [list(r) for r in self.zs]}

@@ -106,6 +106,9 @@ class IterationPlan:
     swap_in: list[Swap] = field(default_factory=list)  # CPU pool -> GPU pool
     mode: str = PlanMode.GPU_ONLY
     estimated_time: float | None = None  # seconds, from the cost model when there is one
+    # CPU-requests placed although a pipelining inequality breaks: they had waited too long, or
+    # nothing else could run (Neo scheduler's bounded wait); their entries stay in the batches.
+    forced: list[Request] = field(default_factory=list)
 
     @property
     def batch0(self) -> list[ScheduledSeq]:
@@ -165,8 +168,16 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request, status, stop_reason)
 
+    def _pool_of(self, request: Request) -> BlockPool:
+        """The pool holding `request`'s blocks (one pool here; the Neo scheduler has two)."""
+        return self.block_pool
+
+    def _queue_of(self, request: Request) -> list[Request]:
+        """The runqueue a running `request` sits in (one here; the Neo scheduler has two)."""
+        return self.running
+
     def _release(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
-        self.block_pool.free(request.block_ids)
+        self._pool_of(request).free(request.block_ids)
         request.block_ids = []
         request.status = status
         request.stop_reason = stop_reason
@@ -231,8 +242,8 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        self.block_pool.free(request.block_ids)
+        self._queue_of(request).remove(request)
+        self._pool_of(request).free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0  # recompute prompt + generated tokens later
         request.num_preemptions += 1

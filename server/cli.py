@@ -15,21 +15,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument("--model", default="smollm2-135m",
-                       help="a GGUF file, an HF safetensors directory, or a preset name (with --load-format dummy)")
-    serve.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     serve.add_argument("--api-key", action="append", default=None,
                        help=f"require this bearer key (repeatable; also ${API_KEY_ENV}, comma-separated)")
-    serve.add_argument("--dtype", default="auto", help="auto (measured), float32, bfloat16 or float16")
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=64)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
-    serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from --kv-cache-gib)")
-    serve.add_argument("--kv-cache-gib", type=float, default=1.0)
+    add_engine_flags(serve)
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="queued requests beyond this get 429 with Retry-After")
     serve.add_argument("--max-waiting-tokens", type=int, default=262144,
@@ -38,12 +29,79 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cors-origins", default="", help="comma-separated allowed origins ('*' for any)")
     serve.add_argument("--shutdown-grace", type=float, default=10.0,
                        help="seconds in-flight requests may finish after SIGTERM/SIGINT")
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    profile = sub.add_parser("profile", help="measure this machine's cost tables for the offloading scheduler",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_flags(profile)
+    profile.add_argument("--force", action="store_true", help="measure again even if a cached profile exists")
     bench = sub.add_parser("bench", help="run a benchmark: 'tandem bench serve --help' (needs a source checkout)")
     bench.add_argument("suite", choices=["serve"], help="serve: load-latency sweeps and side-by-side runs")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own flags")
     return parser
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags that map onto EngineConfig, shared by `serve` and `profile`."""
+    parser.add_argument("--model", default="smollm2-135m",
+                       help="a GGUF file, an HF safetensors directory, or a preset name (with --load-format dummy)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    parser.add_argument("--dtype", default="auto", help="auto (measured), float32, bfloat16 or float16")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-gpu-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
+                        help="accelerator KV pool blocks (default: from --kv-cache-gib); caps it to emulate a small GPU")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="accelerator KV pool size")
+    parser.add_argument("--device", default="cpu",
+                        help="the accelerator: cpu (the CPU plays both roles), testbed (an accelerator thread on its "
+                             "own cores beside the CPU attention: Neo's overlap on a CPU-only host), cuda[:N]")
+    parser.add_argument("--offload", default="auto", choices=["auto", "on", "off"],
+                        help="CPU offloading of decoding attention and KV (Neo); auto: on for testbed and cuda, "
+                             "chosen per iteration by the cost model; off: GPU-only")
+    parser.add_argument("--num-cpu-blocks", type=int, default=None, help="host KV pool blocks (default: --cpu-kv-cache-gib)")
+    parser.add_argument("--cpu-kv-cache-gib", type=float, default=4.0, help="host KV pool size")
+    parser.add_argument("--accelerator-threads", type=int, default=None,
+                        help="testbed: cores playing the accelerator (default: half)")
+    parser.add_argument("--cpu-attention-threads", type=int, default=None,
+                        help="threads of the CPU decoding attention (default: the testbed's other cores, else 1)")
+    parser.add_argument("--cost-tables", default=None, help="a JSON file of cost tables instead of this machine's profile")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--profile-cache-dir", default=None,
+                        help="where profiles are cached (default: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles)")
+
+
+def engine_config(args: argparse.Namespace, **overrides):
+    from engine.engine import EngineConfig
+
+    return EngineConfig(**{**dict(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        num_blocks=args.num_blocks, kv_cache_memory_gib=args.kv_cache_gib, device=args.device, offload=args.offload,
+        num_cpu_blocks=args.num_cpu_blocks, cpu_kv_cache_memory_gib=args.cpu_kv_cache_gib,
+        accelerator_threads=args.accelerator_threads, cpu_attention_threads=args.cpu_attention_threads,
+        cost_tables=args.cost_tables, profile_cache_dir=args.profile_cache_dir, show_progress=True), **overrides})
+
+
+def profile(args: argparse.Namespace) -> int:
+    """Build (or with --force rebuild) the cached cost tables the engine would use, and print them."""
+    import json
+
+    from engine.engine import LLMEngine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    offload = "on" if args.offload == "auto" else args.offload
+    if offload == "off":
+        print("tandem profile: the cost tables serve the offloading scheduler; drop --offload off", file=sys.stderr)
+        return 2
+    engine = LLMEngine(engine_config(args, offload=offload, cost_tables=None, force_profile=args.force))
+    try:
+        print(f"tandem: cost tables for {args.model} on {args.device}: {engine.profile_path}", file=sys.stderr)
+        print(json.dumps(engine.cost_model.to_dict(), indent=1))
+    finally:
+        engine.close()
+    return 0
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -65,7 +123,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.async_engine import AsyncEngine, QueueBounds
-    from engine.engine import EngineConfig, LLMEngine
+    from engine.engine import LLMEngine
     from server.app import ServerSettings, create_app
     from server.metrics import Metrics
 
@@ -73,11 +131,7 @@ def serve(args: argparse.Namespace) -> int:
     keys = list(args.api_key or [])
     keys += [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
     print(f"tandem: loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(EngineConfig(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        num_blocks=args.num_blocks, kv_cache_memory_gib=args.kv_cache_gib, show_progress=True))
+    engine = LLMEngine(engine_config(args))
     name = args.served_model_name or args.model
     metrics = Metrics(name)
     async_engine = AsyncEngine(engine, QueueBounds(args.max_waiting_requests, args.max_waiting_tokens),
@@ -112,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "bench":
         return bench(args)
+    if args.command == "profile":
+        return profile(args)
     return 2
 
 

@@ -12,6 +12,7 @@ disable_created_metrics()  # the *_created series only clutter dashboards (vLLM 
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
+_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -49,6 +50,26 @@ class Metrics:
                                             _LATENCY_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine iteration.",
                                           _TOKEN_BUCKETS)
+        # ---- offloading (Neo): per tier, per mode, swaps, CPU attention, cost-model error ----------
+        self._tier_running = Gauge("tandem:num_requests_running_by_tier",
+                                   "Running requests by where their KV lives (gpu: accelerator pool, cpu: host pool).",
+                                   ["model_name", "tier"], registry=r)
+        self._tier_usage = Gauge("tandem:kv_cache_usage_perc_by_tier", "Fraction of each KV pool in use (0-1).",
+                                 ["model_name", "tier"], registry=r)
+        self._iterations = Counter("tandem:iterations", "Engine iterations by plan mode (gpu_only, pipelined).",
+                                   ["model_name", "mode"], registry=r)
+        self._swaps = Counter("tandem:swapped_requests", "Requests moved between the KV pools (out: to the CPU).",
+                              ["model_name", "direction"], registry=r)
+        self._swapped_blocks = Counter("tandem:swapped_blocks", "KV blocks moved between the pools.",
+                                       ["model_name", "direction"], registry=r)
+        self.cpu_attention_seconds = counter("cpu_attention_seconds", "Time in the CPU decoding attention kernel.")
+        self.pipeline_cpu_wait_seconds = counter(
+            "pipeline_cpu_wait_seconds", "Pipelined iterations: time the CPU side waited on the accelerator (bubbles).")
+        self.forward_seconds = histogram("iteration_forward_seconds", "Measured forward time per iteration.",
+                                         _LATENCY_BUCKETS)
+        self.cost_model_error = histogram(
+            "cost_model_relative_error", "|measured - predicted| / measured forward time, per iteration.",
+            _ERROR_BUCKETS)
         self._last_token_time: dict[str, float] = {}
 
     def request_success(self, finished_reason: str):
@@ -60,6 +81,18 @@ class Metrics:
         now = time.monotonic()
         self.num_preemptions.inc(stats.num_preemptions)
         self.iteration_tokens.observe(stats.num_batched_tokens)
+        if stats.num_batched_tokens:
+            name = self._model_name
+            self._iterations.labels(name, stats.mode).inc()
+            self._swaps.labels(name, "out").inc(stats.num_swapped_out)
+            self._swaps.labels(name, "in").inc(stats.num_swapped_in)
+            self._swapped_blocks.labels(name, "out").inc(stats.num_blocks_swapped_out)
+            self._swapped_blocks.labels(name, "in").inc(stats.num_blocks_swapped_in)
+            self.cpu_attention_seconds.inc(stats.cpu_attention_time)
+            self.pipeline_cpu_wait_seconds.inc(stats.cpu_wait_time)
+            self.forward_seconds.observe(stats.forward_time)
+            if stats.estimated_time is not None and stats.forward_time > 0:
+                self.cost_model_error.observe(abs(stats.forward_time - stats.estimated_time) / stats.forward_time)
         for output in outputs:
             new_tokens = sum(len(c.delta_token_ids) for c in output.outputs)
             self.generation_tokens.inc(new_tokens)
@@ -85,6 +118,13 @@ class Metrics:
         self.num_requests_running.set(engine.scheduler.num_running)
         self.num_requests_waiting.set(engine.scheduler.num_waiting)
         self.kv_cache_usage_perc.set(engine.scheduler.block_pool.usage)
+        scheduler, name = engine.scheduler, self._model_name
+        num_cpu_running = getattr(scheduler, "num_cpu_running", 0)
+        self._tier_running.labels(name, "gpu").set(scheduler.num_running - num_cpu_running)
+        self._tier_running.labels(name, "cpu").set(num_cpu_running)
+        self._tier_usage.labels(name, "gpu").set(scheduler.block_pool.usage)
+        cpu_pool = getattr(scheduler, "cpu_pool", None)
+        self._tier_usage.labels(name, "cpu").set(cpu_pool.usage if cpu_pool is not None and cpu_pool.num_blocks else 0.0)
 
     def record_abort(self, engine: LLMEngine, request_id: str, num_sequences: int) -> None:
         """Called on the engine thread for a request aborted before it finished. An abort that

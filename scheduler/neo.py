@@ -1,0 +1,465 @@
+"""Neo's load-aware scheduler (Neo 3.2): two KV tiers, three queues, two asymmetric sub-batches.
+
+Queues: `waiting` (prefill waitqueue), `running` (GPU-requests: KV in the accelerator pool,
+`block_pool`) and `cpu_running` (CPU-requests: KV in the host pool, `cpu_pool`, decoding
+attention on the CPU). A prefilled request lives wholly in the pool its `tier` names.
+
+A request's way between the queues:
+
+    WAITING --prefill, the GPU pool holds it-----------------------------> GPU-request
+    WAITING --prefill, only the host pool holds it-----------------------> CPU-request
+                (step 5 may send it back to the front of the waitqueue within the iteration)
+    GPU-request --swap out: the GPU cannot hold this iteration's new KV--> CPU-request
+    CPU-request --swap in: room for the growth + reserve, cooldown over--> GPU-request
+                (or at once, cooldown ignored, when it has waited too long)
+    GPU-/CPU-request --preempt: neither pool can hold it---> WAITING (front; recomputed)
+    any --finish / abort--> finished, blocks freed in its tier's pool
+
+Each `schedule()` follows the paper's steps, one method each:
+  1. two empty batches: batch-0 (prefills, GPU decodes, a few CPU decodes), batch-1 (CPU decodes);
+  2. charge the new KV of every running request; swap out GPU-requests (newest first) while the
+     GPU cannot hold it, preempting when the host pool is full too; else swap CPU-requests in
+     (oldest first) while the GPU keeps free its requests' growth over the cooldown window
+     plus `swap_in_reserve_fraction` of its blocks;
+  3. admit prefills first come first served, into the GPU pool, else the host pool, else stop;
+  4. place CPU decodes (longest waiting first) into batch-1 while T_ca1 <= T_l0, else batch-0
+     while T_ca0 <= T_l1 + T_ga0, else skip them this iteration;
+  5. drop CPU-bound prefills that only lengthen the GPU's side of the pipeline, unless the CPU
+     has too little decode work without them (a deviation from the paper, see the method);
+  6. compare the GPU-only plan (batch-0 less its CPU decodes) with the pipelined plan by
+     estimated sequences per second and keep the better.
+
+Hysteresis (no ping-pong): a swap-out fires only when the GPU cannot hold this iteration's new
+KV, and takes the newest request outside its cooldown first; a swap-in only when, after it, the
+GPU still holds every GPU-request's growth over the next `swap_cooldown_iterations` tokens plus
+a reserve of free blocks, and never within the cooldown of the request's last move.
+
+Bounded wait: a CPU-request skipped `max_cpu_wait_iterations` times in a row is swapped in
+(cooldown ignored) or placed even if an inequality breaks (`IterationPlan.forced`); so is every
+CPU-request when the GPU has nothing to run. With `num_cpu_blocks == 0` every step reduces to
+the v0 `Scheduler`: same plans, same preemptions.
+
+Blocks are reassigned at schedule time (allocate in the destination, free the source); the runner
+performs every swap copy before the iteration's forward, so freed blocks may be reused in the
+same plan. A plan swaps in one direction only (the runner's copies are one-directional).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+from scheduler.block_pool import BlockPool, blocks_for
+from scheduler.cost_model import CostModel
+from scheduler.request import Request, RequestStatus, Tier
+from scheduler.scheduler import (IterationPlan, PlanMode, ScheduledSeq, Scheduler, SchedulerConfig,
+                                 SchedulerConfigError, Swap)
+
+
+@dataclass(frozen=True)
+class NeoConfig:
+    """The Neo scheduler's knobs on top of `SchedulerConfig`. Validated once, at construction."""
+
+    # Blocks in the host (CPU) KV pool; 0 turns offloading off and the scheduler behaves as v0.
+    num_cpu_blocks: int = 0
+    # Swap a CPU-request in only while this share of the GPU pool stays free after it. The gap
+    # between this and the swap-out trigger (the GPU cannot hold this iteration's new KV) is the
+    # hysteresis: a request swapped in has room to decode for a while before anyone goes out.
+    # A tenth of the pool is several iterations of growth for a full batch of 16-token blocks.
+    swap_in_reserve_fraction: float = 0.1
+    # A request moved between the pools stays put this many iterations. A move copies the
+    # request's whole KV once; staying put for 16 tokens amortizes that copy over 16 decodes.
+    swap_cooldown_iterations: int = 16
+    # A CPU-request skipped this many iterations in a row is scheduled in the next one whatever
+    # the cost model says, bounding its inter-token latency at (this + 1) iterations.
+    max_cpu_wait_iterations: int = 8
+    # Host blocks kept free when admitting a CPU-bound prefill, so CPU-requests can grow for a
+    # while without preempting the request just admitted (the GPU pool's `watermark_blocks`).
+    cpu_watermark_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("num_cpu_blocks", 0), ("swap_cooldown_iterations", 0),
+                              ("max_cpu_wait_iterations", 1), ("cpu_watermark_blocks", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise SchedulerConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        fraction = self.swap_in_reserve_fraction
+        if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 <= fraction < 1:
+            raise SchedulerConfigError(f"swap_in_reserve_fraction must be in [0, 1), got {fraction!r}")
+
+
+@dataclass
+class _TwoBatches:
+    """Running totals of one iteration's two sub-batches and their per-layer stage times."""
+
+    cost: CostModel
+    prefill_lens: list[int]  # parallel to plan.prefills
+    num_gpu_decodes: int
+    gpu_context_tokens: int
+    num_cpu_decodes0: int = 0
+    cpu_context_tokens0: int = 0
+    num_cpu_decodes1: int = 0
+    cpu_context_tokens1: int = 0
+
+    @property
+    def num_tokens0(self) -> int:
+        return sum(self.prefill_lens) + self.num_gpu_decodes + self.num_cpu_decodes0
+
+    def linear0(self) -> float:  # T_l0
+        return self.cost.linear(self.num_tokens0)
+
+    def linear1(self) -> float:  # T_l1: batch-1 holds one token per CPU decode
+        return self.cost.linear(self.num_cpu_decodes1)
+
+    def gpu_attention0(self) -> float:  # T_ga0: every prefill's attention runs on the accelerator
+        return (self.cost.prefill_attention(self.prefill_lens)
+                + self.cost.gpu_decode_attention(self.num_gpu_decodes, self.gpu_context_tokens))
+
+    def cpu_attention0(self, num_more: int = 0, more_tokens: int = 0) -> float:  # T_ca0
+        return self.cost.cpu_decode_attention(self.num_cpu_decodes0 + num_more, self.cpu_context_tokens0 + more_tokens)
+
+    def cpu_attention1(self, num_more: int = 0, more_tokens: int = 0) -> float:  # T_ca1
+        return self.cost.cpu_decode_attention(self.num_cpu_decodes1 + num_more, self.cpu_context_tokens1 + more_tokens)
+
+    def fits_batch1(self, context_tokens: int) -> bool:
+        """T_ca1 <= T_l0 with one more decode in batch-1 (which only lengthens T_l1, the other
+        inequality's right side). Batch-1 needs a batch-0 to hide under."""
+        return self.num_tokens0 > 0 and self.cpu_attention1(1, context_tokens) <= self.linear0()
+
+    def fits_batch0(self, context_tokens: int) -> bool:
+        """T_ca0 <= T_l1 + T_ga0 with one more decode in batch-0 (which only lengthens T_l0)."""
+        return self.cpu_attention0(1, context_tokens) <= self.linear1() + self.gpu_attention0()
+
+    def add(self, batch: int, context_tokens: int) -> None:
+        if batch == 0:
+            self.num_cpu_decodes0 += 1
+            self.cpu_context_tokens0 += context_tokens
+        else:
+            self.num_cpu_decodes1 += 1
+            self.cpu_context_tokens1 += context_tokens
+
+    def balanced(self) -> bool:
+        """Both of Neo's inequalities: the CPU never works while the accelerator idles."""
+        return (self.cpu_attention1() <= self.linear0()
+                and self.cpu_attention0() <= self.linear1() + self.gpu_attention0())
+
+
+def _rate(num_seqs: int, seconds: float) -> float:
+    """Sequences per second; an iteration estimated at no time at all is infinitely fast."""
+    if num_seqs == 0:
+        return 0.0
+    return num_seqs / seconds if seconds > 0 else math.inf
+
+
+class NeoScheduler(Scheduler):
+    """Plans Neo iterations over a GPU pool and a host pool; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig, neo: NeoConfig, cost_model: CostModel) -> None:
+        super().__init__(config)
+        self.neo = neo
+        self.cost_model = cost_model
+        self.cpu_pool = BlockPool(neo.num_cpu_blocks, config.block_size)
+        self.cpu_running: list[Request] = []  # in the order they became CPU-requests: the last is the newest
+        self.iteration = 0
+        self._reserve_blocks = math.ceil(neo.swap_in_reserve_fraction * config.num_blocks)
+        # cumulative counters and the last iteration's estimates, for the engine's metrics
+        self.num_swap_out = 0
+        self.num_swap_out_blocks = 0
+        self.num_swap_in = 0
+        self.num_swap_in_blocks = 0
+        self.num_cpu_prefills = 0
+        self.last_gpu_only_throughput = 0.0  # seqs/s
+        self.last_pipelined_throughput = 0.0  # seqs/s
+
+    # ---- queues across both tiers ---------------------------------------------------------
+    @property
+    def num_gpu_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_cpu_running(self) -> int:
+        return len(self.cpu_running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.cpu_running)
+
+    def has_unfinished_requests(self) -> bool:
+        return super().has_unfinished_requests() or bool(self.cpu_running)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        wanted = set(request_ids)
+        aborted = super().abort_requests(wanted)
+        on_cpu = [r for r in self.cpu_running if r.request_id in wanted]
+        if on_cpu:
+            self.cpu_running = [r for r in self.cpu_running if r.request_id not in wanted]
+            for request in on_cpu:
+                self._release(request, RequestStatus.FINISHED_ABORTED)
+        return aborted + on_cpu
+
+    def finish_request(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        if not request.finished and request.tier is Tier.CPU and request in self.cpu_running:
+            self.cpu_running.remove(request)
+        super().finish_request(request, status, stop_reason)
+
+    def _pool_of(self, request: Request) -> BlockPool:
+        return self.cpu_pool if request.tier is Tier.CPU else self.block_pool
+
+    def _queue_of(self, request: Request) -> list[Request]:
+        return self.cpu_running if request.tier is Tier.CPU else self.running
+
+    def _preempt(self, request: Request) -> None:
+        super()._preempt(request)
+        request.tier = Tier.GPU  # no blocks anywhere; the next prefill picks its pool again
+        request.cpu_wait_iterations = 0
+
+    # ---- planning -------------------------------------------------------------------------
+    def schedule(self) -> IterationPlan:
+        self.iteration += 1
+        plan = IterationPlan()  # step 1
+        self._charge_cpu_decodes(plan)  # step 2
+        if not self._schedule_gpu_decodes(plan):
+            self._swap_in(plan)
+        self._schedule_prefills(plan)  # step 3
+        batches = self._place_cpu_decodes(plan)  # step 4
+        self._drop_cpu_prefills(plan, batches)  # step 5
+        self._choose_plan(plan, batches)  # step 6
+        scheduled = {id(seq.request) for seq in plan.scheduled}
+        for request in self.cpu_running:
+            request.cpu_wait_iterations = 0 if id(request) in scheduled else request.cpu_wait_iterations + 1
+        self.num_cpu_prefills += sum(1 for seq in plan.prefills if seq.request.tier is Tier.CPU)
+        return plan
+
+    def _num_new_blocks(self, request: Request) -> int:
+        """Blocks `request` still needs for KV of all its tokens (the one decoded now included)."""
+        return blocks_for(request.num_tokens, self.config.block_size) - len(request.block_ids)
+
+    def _in_cooldown(self, request: Request) -> bool:
+        return self.iteration - request.last_swap_iteration < self.neo.swap_cooldown_iterations
+
+    def _charge_cpu_decodes(self, plan: IterationPlan) -> None:
+        """Step 2, host side: every CPU-request gets the block its next token needs, whether it
+        decodes this iteration or later; when the host pool is full the newest CPU-request is
+        preempted (v0's rule). Done first so swap-outs only take host blocks that are spare."""
+        for request in list(self.cpu_running):  # oldest first
+            needed = self._num_new_blocks(request)
+            while request.status is RequestStatus.RUNNING and not self.cpu_pool.can_allocate(needed):
+                victim = self.cpu_running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+            if request.status is not RequestStatus.RUNNING:
+                break  # it went itself, after every newer one
+            request.block_ids.extend(self.cpu_pool.allocate(needed))
+
+    def _schedule_gpu_decodes(self, plan: IterationPlan) -> bool:
+        """Step 2, accelerator side: every GPU-request decodes in batch-0. While the GPU pool cannot
+        hold their new KV, the newest GPU-request outside its cooldown (else the newest) moves to
+        the host pool, or, when the host pool cannot hold it either, the newest is preempted. The
+        requests that go are the fewest from the newest end, as v0 preempts them. Returns whether
+        the GPU was short of blocks."""
+        needed = sum(self._num_new_blocks(r) for r in self.running)
+        short = needed > self.block_pool.num_free_blocks
+        while needed > self.block_pool.num_free_blocks:
+            victim = next((r for r in reversed(self.running) if not self._in_cooldown(r)), self.running[-1])
+            swappable = self.cpu_pool.can_allocate(blocks_for(victim.num_tokens, self.config.block_size))
+            if not swappable:
+                victim = self.running[-1]
+            needed -= self._num_new_blocks(victim)
+            if swappable:
+                self._swap_out(victim, plan)
+            else:
+                self._preempt(victim)
+                plan.preempted.append(victim)
+        for request in self.running:
+            request.block_ids.extend(self.block_pool.allocate(self._num_new_blocks(request)))
+            plan.decodes.append(ScheduledSeq(request, request.num_computed_tokens, 1))
+        return short
+
+    def _swap_out(self, request: Request, plan: IterationPlan) -> None:
+        source = request.block_ids
+        destination = self.cpu_pool.allocate(len(source))
+        growth = self.cpu_pool.allocate(blocks_for(request.num_tokens, self.config.block_size) - len(source))
+        self.block_pool.free(source)
+        self.running.remove(request)
+        request.block_ids = destination + growth
+        request.tier = Tier.CPU
+        self._mark_moved(request)
+        self.cpu_running.append(request)  # may decode on the CPU this very iteration (step 4)
+        plan.swap_out.append(Swap(request, tuple(source), tuple(destination)))
+        self.num_swap_out += 1
+        self.num_swap_out_blocks += len(source)
+
+    def _swap_in(self, plan: IterationPlan) -> None:
+        """Step 2, maximizing the GPU: move CPU-requests in, oldest first and outside their
+        cooldown, while the GPU keeps free, after each: the blocks every GPU-request will grow
+        into during the cooldown window (so the newcomer is not pushed out again before the
+        window ends), the reserve share and the watermark. A request that waited too long comes
+        in first whenever its blocks fit, cooldown or not. Not called when the GPU was short of
+        blocks this iteration (so a plan never swaps both ways, and nothing comes in right after
+        a GPU-request was preempted)."""
+        if not self.cpu_running:
+            return
+        watermark = self.config.watermark_blocks
+        for request in [r for r in self.cpu_running if r.cpu_wait_iterations >= self.neo.max_cpu_wait_iterations]:
+            if self.block_pool.can_allocate(len(request.block_ids) + watermark):
+                self._move_in(request, plan)
+        growth = sum(self._growth_in_cooldown(r) for r in self.running)
+        for request in list(self.cpu_running):
+            if self._in_cooldown(request):
+                continue
+            needed = len(request.block_ids) + self._growth_in_cooldown(request)
+            if not self.block_pool.can_allocate(needed + growth + self._reserve_blocks + watermark):
+                break  # oldest first: later ones wait behind it
+            growth += self._growth_in_cooldown(request)
+            self._move_in(request, plan)
+
+    def _growth_in_cooldown(self, request: Request) -> int:
+        """Blocks `request` will add over the next `swap_cooldown_iterations` tokens, at most up to
+        its `max_tokens` or the context length."""
+        remaining = self.config.max_model_len - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            remaining = min(remaining, max_tokens - request.num_output_tokens)
+        horizon = min(self.neo.swap_cooldown_iterations, max(remaining, 0))
+        block_size = self.config.block_size
+        return blocks_for(request.num_tokens + horizon, block_size) - blocks_for(request.num_tokens, block_size)
+
+    def _move_in(self, request: Request, plan: IterationPlan) -> None:
+        source = request.block_ids  # its next token's block included (charged in step 2)
+        destination = self.block_pool.allocate(len(source))
+        self.cpu_pool.free(source)
+        self.cpu_running.remove(request)
+        request.block_ids = destination
+        request.tier = Tier.GPU
+        self._mark_moved(request)
+        self.running.append(request)
+        plan.swap_in.append(Swap(request, tuple(source), tuple(destination)))
+        plan.decodes.append(ScheduledSeq(request, request.num_computed_tokens, 1))
+        self.num_swap_in += 1
+        self.num_swap_in_blocks += len(source)
+
+    def _mark_moved(self, request: Request) -> None:
+        request.num_swaps += 1
+        request.last_swap_iteration = self.iteration
+        request.cpu_wait_iterations = 0
+
+    def _schedule_prefills(self, plan: IterationPlan) -> None:
+        """Step 3: first come first served into batch-0 while the token budget and `max_num_seqs`
+        (running requests of both tiers, as v0 counts them) allow. The KV goes to the GPU pool
+        if it holds the prompt, else to the host pool (the runner copies it out layer by layer),
+        else admission stops. None in an iteration that had to preempt (v0's rule)."""
+        if plan.preempted:
+            return
+        cfg = self.config
+        token_budget = cfg.max_num_batched_tokens - len(plan.decodes)
+        while self.waiting and self.num_running < cfg.max_num_seqs:
+            request = self.waiting[0]
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if num_new_tokens > token_budget:
+                break
+            num_blocks = blocks_for(request.num_tokens, cfg.block_size) - len(request.block_ids)
+            gpu_reserve = cfg.watermark_blocks if self.running else 0
+            cpu_reserve = self.neo.cpu_watermark_blocks if self.cpu_running else 0
+            if self.block_pool.can_allocate(num_blocks + gpu_reserve):
+                request.tier = Tier.GPU
+            elif self.cpu_pool.can_allocate(num_blocks + cpu_reserve):
+                request.tier = Tier.CPU
+            else:
+                break
+            request.block_ids.extend(self._pool_of(request).allocate(num_blocks))
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self._queue_of(request).append(request)
+            plan.prefills.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
+            token_budget -= num_new_tokens
+
+    def _place_cpu_decodes(self, plan: IterationPlan) -> _TwoBatches:
+        """Step 4: CPU-requests, longest waiting first, go to batch-1 while T_ca1 <= T_l0, else to
+        batch-0 while T_ca0 <= T_l1 + T_ga0, else wait. One that waited too long, or any when
+        the GPU has nothing to run (the engine must progress), is placed regardless, in the batch
+        it overloads less, and recorded in `plan.forced`."""
+        batches = _TwoBatches(self.cost_model, [s.num_new_tokens for s in plan.prefills], len(plan.decodes),
+                              sum(s.request.num_tokens for s in plan.decodes))
+        just_prefilled = {id(s.request) for s in plan.prefills}
+        candidates = sorted((r for r in self.cpu_running if id(r) not in just_prefilled),
+                            key=lambda r: -r.cpu_wait_iterations)  # stable: ties keep queue order
+        gpu_idle = not (plan.prefills or plan.decodes)
+        for request in candidates:
+            context_tokens = request.num_tokens  # its KV with the token decoded now
+            seq = ScheduledSeq(request, request.num_computed_tokens, 1)
+            room0 = batches.num_tokens0 < self.config.max_num_batched_tokens
+            if batches.fits_batch1(context_tokens):
+                batch = 1
+            elif room0 and batches.fits_batch0(context_tokens):
+                batch = 0
+            elif gpu_idle or request.cpu_wait_iterations >= self.neo.max_cpu_wait_iterations:
+                overload1 = batches.cpu_attention1(1, context_tokens) - batches.linear0()
+                overload0 = batches.cpu_attention0(1, context_tokens) - batches.linear1() - batches.gpu_attention0()
+                batch = 1 if (overload1 < overload0 or not room0) else 0
+                plan.forced.append(request)
+            else:
+                continue
+            batches.add(batch, context_tokens)
+            (plan.cpu_decodes1 if batch else plan.cpu_decodes).append(seq)
+        return batches
+
+    def _drop_cpu_prefills(self, plan: IterationPlan, batches: _TwoBatches) -> None:
+        """Step 5: drop CPU-bound prefills from batch-0, newest first, while both inequalities
+        still hold without them: they only lengthen the accelerator's side of the pipeline.
+
+        Deviation from the paper: a prefill is kept while the CPU runqueue holds too little decode
+        work to fill the pipeline (T_ca of all CPU-requests < T_l0 of the plan), since dropping
+        it would keep the CPU from ever getting work; and nothing is dropped when no CPU decode
+        was placed, as there is then no pipeline to balance. Dropped prefills go back to the
+        front of the waitqueue in their order, their host blocks freed."""
+        if not (plan.cpu_decodes or plan.cpu_decodes1):
+            return
+        just_prefilled = {id(s.request) for s in plan.prefills}
+        decoding = [r for r in self.cpu_running if id(r) not in just_prefilled]
+        cpu_work = self.cost_model.cpu_decode_attention(len(decoding), sum(r.num_tokens for r in decoding))
+        dropped: list[Request] = []
+        for index in reversed(range(len(plan.prefills))):
+            request = plan.prefills[index].request
+            if request.tier is not Tier.CPU:
+                continue
+            if cpu_work < batches.linear0():
+                break
+            length = batches.prefill_lens.pop(index)
+            if not batches.balanced():
+                batches.prefill_lens.insert(index, length)
+                break
+            del plan.prefills[index]
+            dropped.append(request)
+        for request in dropped:  # newest first, each in front of the one after it
+            self.cpu_running.remove(request)
+            self.cpu_pool.free(request.block_ids)
+            request.block_ids = []
+            request.tier = Tier.GPU
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+
+    def _choose_plan(self, plan: IterationPlan, batches: _TwoBatches) -> None:
+        """Step 6: estimate both plans and keep the one with more sequences per second. Forced
+        CPU decodes keep the pipelined plan; a GPU-only plan runs no CPU work at all."""
+        cost = self.cost_model
+        swap_time = cost.swap(sum(len(s.src_blocks) for s in (*plan.swap_out, *plan.swap_in)))
+        gpu_attention0 = batches.gpu_attention0()
+        num_gpu_seqs = len(plan.prefills) + len(plan.decodes)
+        num_cpu_seqs = len(plan.cpu_decodes) + len(plan.cpu_decodes1)
+        gpu_only_time = (cost.num_layers * (cost.linear(batches.num_tokens0 - batches.num_cpu_decodes0)
+                                            + gpu_attention0)
+                         + cost.head(num_gpu_seqs) + swap_time)
+        pipelined_time = (cost.num_layers * (max(batches.linear0(), batches.cpu_attention1())
+                                             + max(batches.linear1() + gpu_attention0, batches.cpu_attention0()))
+                          + cost.head(num_gpu_seqs + num_cpu_seqs) + swap_time)
+        self.last_gpu_only_throughput = _rate(num_gpu_seqs, gpu_only_time)
+        self.last_pipelined_throughput = _rate(num_gpu_seqs + num_cpu_seqs, pipelined_time)
+        if num_cpu_seqs and (plan.forced or self.last_pipelined_throughput > self.last_gpu_only_throughput):
+            plan.mode = PlanMode.PIPELINED
+            plan.estimated_time = pipelined_time
+        else:
+            plan.mode = PlanMode.GPU_ONLY
+            plan.estimated_time = gpu_only_time
+            plan.cpu_decodes.clear()
+            plan.cpu_decodes1.clear()
+
