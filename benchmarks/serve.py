@@ -80,6 +80,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     work.add_argument("--output-len", type=int, default=64)
     work.add_argument("--length-spread", type=float, default=0.1,
                       help="synthetic lengths uniform within +-this fraction (0: fixed)")
+    work.add_argument("--output-spread", type=float, default=None,
+                      help="the outputs' own spread (default: --length-spread)")
     work.add_argument("--workload", default=None, help="a lognormal mix: a name in configs/workloads/ or a .json")
     work.add_argument("--replay", default=None, metavar="CSV",
                       help="(arrival s, input tokens, output tokens) rows; --rate rescales the arrivals")
@@ -118,9 +120,14 @@ def make_workload(args) -> tuple[list[RequestSpec], str, str]:
     if args.workload:
         workload = WorkloadFile.load(args.workload)
         return workload_lengths(workload, n, args.seed), f"{workload.name} mix", args.endpoint or workload.endpoint
-    specs = synthetic_lengths(n, args.input_len, args.output_len, args.length_spread, args.seed)
-    spread = f"+-{args.length_spread:.0%}" if args.length_spread else "fixed"
-    return specs, f"in {args.input_len} / out {args.output_len} tokens ({spread})", args.endpoint or "completions"
+    specs = synthetic_lengths(n, args.input_len, args.output_len, args.length_spread, args.seed, args.output_spread)
+
+    def spread(value: float) -> str:
+        return f"+-{value:.0%}" if value else "fixed"
+
+    out_spread = args.length_spread if args.output_spread is None else args.output_spread
+    title = f"in {args.input_len} ({spread(args.length_spread)}) / out {args.output_len} ({spread(out_spread)}) tokens"
+    return specs, title, args.endpoint or "completions"
 
 
 def make_loads(args) -> list[Load]:

@@ -62,8 +62,16 @@ class EngineConfig:
     profile_cache_dir: str | None = None  # None: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles
     profile_grid: str = "default"  # default | quick (a coarse profile, for tests)
     force_profile: bool = False  # measure again even if a cached profile exists
-    swap_cooldown_iterations: int | None = None  # None: NeoConfig's default
-    max_cpu_wait_iterations: int | None = None  # None: NeoConfig's default
+    # The Neo scheduler's knobs (scheduler/neo.py NeoConfig says why each default); None: its default.
+    swap_cooldown_iterations: int | None = None
+    max_cpu_wait_iterations: int | None = None
+    swap_in_reserve_fraction: float | None = None
+    cpu_watermark_blocks: int | None = None
+
+    @property
+    def torch_device(self) -> str:
+        """Where the model's tensors live: the testbed's accelerator is a thread on the host."""
+        return "cpu" if self.device == "testbed" else self.device
 
     @property
     def offloading(self) -> bool:
@@ -76,7 +84,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return auto_dtype(self.device)
+            return auto_dtype(self.torch_device)
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
         return _DTYPES[self.dtype]
@@ -163,8 +171,9 @@ class LLMEngine:
         self.profile_path: Path | None = None  # the cached cost tables, when profiled
         if num_cpu_blocks:
             self.cost_model = self._load_cost_model(loader, dtype)
-            neo = {k: v for k, v in (("swap_cooldown_iterations", config.swap_cooldown_iterations),
-                                     ("max_cpu_wait_iterations", config.max_cpu_wait_iterations)) if v is not None}
+            knobs = ("swap_cooldown_iterations", "max_cpu_wait_iterations", "swap_in_reserve_fraction",
+                     "cpu_watermark_blocks")
+            neo = {k: getattr(config, k) for k in knobs if getattr(config, k) is not None}
             self.scheduler: Scheduler = NeoScheduler(scheduler_config, NeoConfig(num_cpu_blocks=num_cpu_blocks, **neo),
                                                      self.cost_model)
         else:

@@ -86,17 +86,21 @@ class WorkloadFile:
                                 f"({type(exc).__name__}: {exc})") from None
 
 
-def synthetic_lengths(n: int, input_len: int, output_len: int, spread: float, seed: int) -> list[RequestSpec]:
-    """n requests with lengths uniform in [(1-spread)*target, (1+spread)*target], drawn independently."""
-    if not 0.0 <= spread < 1.0:
-        raise WorkloadError(f"length spread must be in [0, 1), got {spread}")
+def synthetic_lengths(n: int, input_len: int, output_len: int, spread: float, seed: int,
+                      output_spread: float | None = None) -> list[RequestSpec]:
+    """n requests with lengths uniform in [(1-spread)*target, (1+spread)*target], drawn independently;
+    outputs may have a spread of their own."""
+    output_spread = spread if output_spread is None else output_spread
+    for value in (spread, output_spread):
+        if not 0.0 <= value < 1.0:
+            raise WorkloadError(f"length spread must be in [0, 1), got {value}")
     rng = np.random.default_rng([seed, _LENGTHS_STREAM])
 
-    def draw(target: int) -> np.ndarray:
+    def draw(target: int, spread: float) -> np.ndarray:
         low, high = max(1, round(target * (1 - spread))), max(1, round(target * (1 + spread)))
         return rng.integers(low, high, size=n, endpoint=True)
 
-    inputs, outputs = draw(input_len), draw(output_len)
+    inputs, outputs = draw(input_len, spread), draw(output_len, output_spread)
     return [RequestSpec(i, int(a), int(b)) for i, (a, b) in enumerate(zip(inputs, outputs))]
 
 

@@ -1,0 +1,500 @@
+"""Measures this machine's cost tables for the offloading scheduler (Neo 3.2), and caches them.
+
+`profile_costs` times each quantity of `scheduler.cost_model.CostModel` over a grid, in the
+conditions the engine runs it:
+
+- accelerator work (linear stages, prefill and decode attention, the head, swaps) is submitted
+  to the engine's own `AcceleratorQueue` and timed from submit to result, so the queue's
+  hand-off (a worker thread on the host-only testbed, an event wait on CUDA) is in the figure
+  just as it is in every pipelined stage;
+- the CPU-requests' decoding attention runs on the calling thread with the engine's CPU backend
+  and thread count (the engine calls this inside `ModelRunner.on_cpu_cores`).
+
+Each point is the median of a few repetitions after a warm-up. Between and beyond the grid
+points `TableCostModel` interpolates linearly.
+
+Tables are cached in `<cache_dir>/<16 hex of sha256(key)>.json` holding the `ProfileKey` they
+were measured under and the tables. A file is used only when its stored key equals the asked
+key field for field, so tables never travel between models, dtypes, devices, CPUs or thread
+counts (Neo's own code reused one profile across models).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from engine.attention import DecodeAttentionBackend, prefill_attention
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache, TwoTierKVCache
+from engine.model import LlamaModel
+from engine.streams import AcceleratorQueue
+from engine.weights import EMBEDDED_MODEL, embedded_gguf_path
+from scheduler.cost_model import Curve, Grid, TableCostModel
+
+logger = logging.getLogger(__name__)
+
+# Bump whenever what is measured, or how, changes: files of older versions then miss.
+PROFILE_FORMAT_VERSION = 1
+CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
+DEFAULT_CACHE_DIR = Path("~/.cache/tandem/profiles")
+# 64 bits of the key's hash name the file: short, and a collision costs nothing since the stored
+# key is compared in full before the tables are used.
+DIGEST_HEX_CHARS = 16
+CACHE_FILE_MODE = 0o644
+
+
+# ---- the grid -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProfileGrid:
+    """Where each table is measured. The defaults profile SmolLM2-135M in seconds on a 2-core
+    host: few points, placed where the curves bend, and linear extrapolation past the last."""
+
+    # One layer's linear work by token count: powers of two up to the scheduler's default
+    # max_num_batched_tokens (2048). Small counts bend (fixed per-call overhead), large ones are
+    # proportional to tokens, so the last segment extends well.
+    linear_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+    # Prefill attention of one sequence by prompt length; quadratic, so the points thicken at the
+    # top where a chord would overestimate most.
+    prefill_lens: tuple[int, ...] = (16, 64, 256, 512, 1024, 1536, 2048)
+    # Accelerator decode attention by context tokens summed over the batch; memory-bound, so
+    # close to linear in tokens.
+    gpu_decode_context_tokens: tuple[int, ...] = (16, 128, 512, 2048, 8192, 32768)
+    # The batch the accelerator decode is timed on holds sequences of this many tokens: Neo's
+    # workloads (prompts ~240, outputs up to 512) sit around it.
+    decode_seq_len: int = 512
+    # CPU decode attention, bilinear in (batch, context tokens summed over the batch): the batch
+    # sets per-sequence overhead, the tokens set memory traffic.
+    cpu_decode_batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    cpu_decode_context_tokens: tuple[int, ...] = (64, 1024, 8192, 32768)
+    # Rows through the final norm and LM head per iteration: up to a few times max_num_seqs.
+    head_rows: tuple[int, ...] = (1, 8, 64, 256)
+    # Blocks in the timed swap copy: enough that per-copy overhead is amortised as in a real
+    # swap of a few requests.
+    swap_blocks: int = 32
+    repetitions: int = 3  # timed runs per point; the median is kept
+    warmup: int = 1  # untimed runs first: lazy initialisation, page faults, allocator growth
+    num_linear_layers: int = 2  # layers whose linear time is averaged (first and last, ...)
+
+    def __post_init__(self) -> None:
+        axes = ("linear_tokens", "prefill_lens", "gpu_decode_context_tokens", "cpu_decode_batch_sizes",
+                "cpu_decode_context_tokens", "head_rows")
+        for name in axes:
+            axis = getattr(self, name)
+            if not axis or any(not isinstance(x, int) or x < 1 for x in axis):
+                raise ValueError(f"ProfileGrid.{name} must be a non-empty tuple of positive ints, got {axis!r}")
+            if any(b <= a for a, b in zip(axis, axis[1:])):
+                raise ValueError(f"ProfileGrid.{name} must be strictly increasing, got {axis!r}")
+        for name in ("decode_seq_len", "swap_blocks", "repetitions", "num_linear_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ProfileGrid.{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"ProfileGrid.warmup must be >= 0, got {self.warmup}")
+        if self.cpu_decode_context_tokens[0] < self.cpu_decode_batch_sizes[-1]:
+            raise ValueError(
+                f"every CPU decode grid cell needs >= 1 token per sequence: the smallest context "
+                f"({self.cpu_decode_context_tokens[0]}) is below the largest batch ({self.cpu_decode_batch_sizes[-1]})")
+
+    @classmethod
+    def quick(cls) -> "ProfileGrid":
+        """A coarse grid for tests: two or three points per table, one timed run each."""
+        return cls(linear_tokens=(1, 8, 32), prefill_lens=(8, 32), gpu_decode_context_tokens=(16, 64),
+                   decode_seq_len=16, cpu_decode_batch_sizes=(1, 4), cpu_decode_context_tokens=(16, 64),
+                   head_rows=(1, 4), swap_blocks=4, repetitions=1, warmup=1)
+
+    @property
+    def num_points(self) -> int:
+        """Measurements in one profile (the progress bar's length); the swap counts as one."""
+        return (len(self.linear_tokens) + len(self.prefill_lens) + len(self.gpu_decode_context_tokens)
+                + len(self.cpu_decode_batch_sizes) * len(self.cpu_decode_context_tokens) + len(self.head_rows) + 1)
+
+
+# ---- measuring ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _BlockMove:
+    """One swap's blocks (satisfies engine.kv_cache.BlockMove)."""
+
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+
+
+def _median_seconds(run: Callable[[], Any], warmup: int, repetitions: int) -> float:
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repetitions):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _split_evenly(total: int, parts: int) -> list[int]:
+    """`total` tokens over `parts` sequences, lengths differing by at most one."""
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def _spread_layers(num_layers: int, count: int) -> list[int]:
+    """`count` layer indices spread from the first to the last (fewer if the model is shallower)."""
+    if count == 1 or num_layers == 1:
+        return [0]
+    return sorted({round(i * (num_layers - 1) / (count - 1)) for i in range(count)})
+
+
+class _Profiler:
+    def __init__(self, model: LlamaModel, accelerator: AcceleratorQueue, gpu_decode: DecodeAttentionBackend,
+                 cpu_decode: DecodeAttentionBackend, block_size: int, dtype: torch.dtype, grid: ProfileGrid,
+                 bar: tqdm) -> None:
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.accelerator = accelerator
+        self.device = accelerator.device
+        self.gpu_decode = gpu_decode
+        self.cpu_decode = cpu_decode
+        self.block_size = block_size
+        self.dtype = dtype
+        self.grid = grid
+        self.bar = bar
+        self.scale = self.config.head_dim ** -0.5
+        # Block ids are handed out in a shuffled order, as a pool's free list is after some traffic.
+        self.generator = torch.Generator().manual_seed(0)
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def on_accelerator(self, work: Callable[[], Any]) -> float:
+        return _median_seconds(lambda: self.accelerator.submit(work).result(), self.grid.warmup, self.grid.repetitions)
+
+    def here(self, work: Callable[[], Any]) -> float:
+        return _median_seconds(work, self.grid.warmup, self.grid.repetitions)
+
+    def point(self, table: str, x: Any, seconds: float) -> float:
+        self.bar.set_postfix_str(f"{table} {x}", refresh=False)
+        self.bar.update(1)
+        return seconds
+
+    def random(self, *shape: int, device: torch.device | None = None) -> torch.Tensor:
+        return torch.randn(*shape, dtype=self.dtype, device=device or self.device)
+
+    def scratch_cache(self, num_blocks: int, device: torch.device) -> KVCache:
+        """One layer's paged K/V, filled: fresh zeroed host memory is backed by the shared zero page
+        until written, and reading it would flatter memory-bound kernels."""
+        cache = KVCache(dataclasses.replace(self.config, num_layers=1), num_blocks, self.block_size, self.dtype, device)
+        cache.key.normal_()
+        cache.value.normal_()
+        return cache
+
+    def block_tables(self, seq_lens: Sequence[int], num_blocks: int, device: torch.device):
+        """-> block tables [num_seqs, max_blocks] int32, context lengths [num_seqs] int32."""
+        order = torch.randperm(num_blocks, generator=self.generator).tolist()
+        tables, used = [], 0
+        for length in seq_lens:
+            count = -(-length // self.block_size)
+            tables.append(order[used:used + count])
+            used += count
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]  # past the context: masked
+        return (torch.tensor(padded, dtype=torch.int32, device=device),
+                torch.tensor(list(seq_lens), dtype=torch.int32, device=device))
+
+    def decode_seconds(self, backend: DecodeAttentionBackend, cache: KVCache, seq_lens: Sequence[int],
+                       run: Callable[[Callable[[], Any]], float]) -> float:
+        device = cache.key.device
+        tables, context_lens = self.block_tables(seq_lens, cache.num_blocks, device)
+        batch, cfg = len(seq_lens), self.config
+        query = self.random(batch, cfg.num_heads, cfg.head_dim, device=device)
+        new_key = self.random(batch, cfg.num_kv_heads, cfg.head_dim, device=device)
+        new_value = self.random(batch, cfg.num_kv_heads, cfg.head_dim, device=device)
+        return run(lambda: backend.forward(query, cache.key[0], cache.value[0], tables, context_lens, self.scale,
+                                           new_key, new_value))
+
+    def blocks_for(self, seq_lens: Sequence[int]) -> int:
+        return sum(-(-n // self.block_size) for n in seq_lens)
+
+    # ---- tables -----------------------------------------------------------------------------
+    def linear(self) -> Curve:
+        cfg, model = self.config, self.model
+        layers = _spread_layers(cfg.num_layers, self.grid.num_linear_layers)
+        points = []
+        for num_tokens in self.grid.linear_tokens:
+            hidden = self.random(num_tokens, cfg.hidden_size)
+            attn_out = self.random(num_tokens, cfg.q_size)
+            # RoPE's cost does not depend on the positions' values, and position 0 exists for any model.
+            positions = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            per_layer = []
+            for layer in layers:
+                def work(layer=layer):
+                    model.pre_proj(layer, hidden, positions)
+                    model.post_proj(layer, hidden, attn_out)
+                per_layer.append(self.on_accelerator(work))
+            points.append((num_tokens, self.point("linear", num_tokens, statistics.fmean(per_layer))))
+        return Curve.from_points(points)
+
+    def prefill(self) -> Curve:
+        cfg = self.config
+        cache = self.scratch_cache(self.blocks_for([self.grid.prefill_lens[-1]]), self.device)
+        points = []
+        for length in self.grid.prefill_lens:
+            q = self.random(length, cfg.num_heads, cfg.head_dim)
+            k = self.random(length, cfg.num_kv_heads, cfg.head_dim)
+            v = self.random(length, cfg.num_kv_heads, cfg.head_dim)
+            token = torch.arange(length, device=self.device)
+            slot_blocks, slot_offsets = token // self.block_size, token % self.block_size
+
+            def work():
+                # as the model's attention stage does for a prefill: store its K/V, then attend
+                cache.write(0, k, v, slot_blocks, slot_offsets)
+                prefill_attention(q, k, v, [length], self.scale)
+            points.append((length, self.point("prefill attention", length, self.on_accelerator(work))))
+        return Curve.from_points(points)
+
+    def gpu_decode_curve(self) -> Curve:
+        layouts = [_split_evenly(total, -(-total // self.grid.decode_seq_len))
+                   for total in self.grid.gpu_decode_context_tokens]
+        cache = self.scratch_cache(max(self.blocks_for(lens) for lens in layouts), self.device)
+        points = []
+        for total, seq_lens in zip(self.grid.gpu_decode_context_tokens, layouts):
+            seconds = self.decode_seconds(self.gpu_decode, cache, seq_lens, self.on_accelerator)
+            points.append((total, self.point("accelerator decode attention", total, seconds)))
+        return Curve.from_points(points)
+
+    def cpu_decode_grid(self) -> Grid:
+        batches, totals = self.grid.cpu_decode_batch_sizes, self.grid.cpu_decode_context_tokens
+        host = torch.device("cpu")
+        num_blocks = max(self.blocks_for(_split_evenly(t, b)) for b in batches for t in totals)
+        cache = self.scratch_cache(num_blocks, host)
+        rows = []
+        for batch in batches:
+            row = []
+            for total in totals:
+                seconds = self.decode_seconds(self.cpu_decode, cache, _split_evenly(total, batch), self.here)
+                row.append(self.point("CPU decode attention", (batch, total), seconds))
+            rows.append(tuple(row))
+        return Grid(tuple(map(float, batches)), tuple(map(float, totals)), tuple(rows))
+
+    def head(self) -> Curve:
+        model, points = self.model, []
+        for num_rows in self.grid.head_rows:
+            token_ids = torch.randint(0, self.config.vocab_size, (num_rows,), device=self.device)
+            last_indices = torch.arange(num_rows, device=self.device)
+
+            def work():
+                model.post_layer(model.pre_layer(token_ids), last_indices)
+            points.append((num_rows, self.point("head", num_rows, self.on_accelerator(work))))
+        return Curve.from_points(points)
+
+    def swap_per_block(self) -> float:
+        """Seconds per block of one swap-out and one swap-in, averaged, through the engine's copy path."""
+        num_blocks = self.grid.swap_blocks
+        accelerator_pool = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device)
+        host_pool = KVCache(self.config, num_blocks, self.block_size, self.dtype, "cpu",
+                            pin_memory=self.device.type == "cuda")
+        for cache in (accelerator_pool, host_pool):  # touch every page (see scratch_cache)
+            cache.key.fill_(1.0)
+            cache.value.fill_(1.0)
+        pools = TwoTierKVCache(accelerator_pool, host_pool)
+        moves = [_BlockMove(tuple(range(num_blocks)), tuple(range(num_blocks)))]
+        seconds = [
+            _median_seconds(lambda: self.accelerator.submit_copy(lambda: pools.copy_blocks(moves, to_cpu)).result(),
+                            self.grid.warmup, self.grid.repetitions)
+            for to_cpu in (True, False)
+        ]
+        return self.point("swap", num_blocks, statistics.fmean(seconds) / num_blocks)
+
+
+@torch.inference_mode()
+def profile_costs(model: LlamaModel, accelerator: AcceleratorQueue, gpu_decode: DecodeAttentionBackend,
+                  cpu_decode: DecodeAttentionBackend, *, block_size: int, dtype: torch.dtype,
+                  grid: ProfileGrid | None = None, progress: bool = False) -> TableCostModel:
+    """Measure every table of `TableCostModel` for `model` on this machine.
+
+    `gpu_decode` is the accelerator's decode backend (run on `accelerator`), `cpu_decode` the
+    CPU-requests' backend (run on the calling thread, which should hold the CPU attention's
+    cores and thread count). Scratch KV pools are allocated here and freed on return."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    grid = grid or ProfileGrid()
+    with tqdm(total=grid.num_points, desc="profiling costs", unit="point", disable=not progress) as bar:
+        profiler = _Profiler(model, accelerator, gpu_decode, cpu_decode, block_size, dtype, grid, bar)
+        try:
+            return TableCostModel(
+                num_layers=model.config.num_layers,
+                linear_curve=profiler.linear(),
+                prefill_curve=profiler.prefill(),
+                gpu_decode_curve=profiler.gpu_decode_curve(),
+                cpu_decode_grid=profiler.cpu_decode_grid(),
+                head_curve=profiler.head(),
+                swap_per_block=profiler.swap_per_block(),
+            )
+        except BaseException:
+            accelerator.recover()  # a failed closure must not poison the engine's queue
+            raise
+
+
+# ---- the cache key --------------------------------------------------------------------------
+def host_cpu_model() -> str:
+    """The host CPU's model name: /proc/cpuinfo's `model name`, else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                name, _, value = line.partition(":")
+                if name.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def accelerator_name(device: str) -> str:
+    """What plays the accelerator: the CUDA device's name, or which host-only arrangement."""
+    kind = "testbed" if device == "testbed" else torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    if kind == "testbed":
+        return "host-only testbed: a CPU worker thread plays the accelerator"
+    return f"host {kind}: the accelerator's work runs on the engine thread"
+
+
+def model_identity(model: str | os.PathLike[str], load_format: str) -> tuple[str, int, int, str]:
+    """-> (source, bytes, mtime_ns, format) naming the weights: the resolved file or directory with
+    its size and latest modification (a directory: config.json and its *.safetensors files), or
+    for random weights the preset name with zeros."""
+    model = os.fspath(model)
+    if load_format == "dummy":
+        return f"dummy:{model}", 0, 0, load_format
+    if model == EMBEDDED_MODEL and load_format in ("auto", "gguf"):
+        path = embedded_gguf_path()
+    else:
+        path = Path(model)
+    path = path.expanduser().resolve()
+    if path.is_dir():
+        files = [p for p in (path / "config.json", *sorted(path.glob("*.safetensors"))) if p.is_file()]
+        load_format = "safetensors" if load_format == "auto" else load_format
+    elif path.is_file():
+        files = [path]
+        load_format = "gguf" if load_format == "auto" and path.suffix == ".gguf" else load_format
+    else:
+        raise FileNotFoundError(f"{model}: no such model file or directory to key a cost profile on")
+    stats = [p.stat() for p in files]
+    return str(path), sum(s.st_size for s in stats), max((s.st_mtime_ns for s in stats), default=0), load_format
+
+
+@dataclass(frozen=True)
+class ProfileKey:
+    """Everything a profile's validity depends on; stored beside the tables and compared in full."""
+
+    model: str  # the resolved weights file or directory, or "dummy:<preset>"
+    model_bytes: int  # 0 for random weights
+    model_mtime_ns: int  # 0 for random weights
+    load_format: str
+    dtype: str  # "float32", "bfloat16", ...
+    device: str  # the engine's device flag: "cpu", "testbed", "cuda:0", ...
+    device_name: str
+    cpu_model: str
+    accelerator_threads: int
+    cpu_attention_threads: int
+    block_size: int
+    # Kernels change speed between torch releases; a profile from another one would mislead.
+    torch_version: str
+    format_version: int = PROFILE_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("accelerator_threads", "cpu_attention_threads", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ProfileKey.{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def create(cls, *, model: str | os.PathLike[str], load_format: str, dtype: torch.dtype, device: str,
+               accelerator_threads: int, cpu_attention_threads: int, block_size: int) -> "ProfileKey":
+        """The key for serving `model` on this machine with these settings."""
+        source, num_bytes, mtime_ns, load_format = model_identity(model, load_format)
+        return cls(model=source, model_bytes=num_bytes, model_mtime_ns=mtime_ns, load_format=load_format,
+                   dtype=str(dtype).removeprefix("torch."), device=device, device_name=accelerator_name(device),
+                   cpu_model=host_cpu_model(), accelerator_threads=accelerator_threads,
+                   cpu_attention_threads=cpu_attention_threads, block_size=block_size,
+                   torch_version=torch.__version__)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def digest(self) -> str:
+        text = json.dumps(self.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:DIGEST_HEX_CHARS]
+
+
+# ---- the cache file -------------------------------------------------------------------------
+def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """`cache_dir`, else $TANDEM_CACHE_DIR, else ~/.cache/tandem/profiles."""
+    chosen = cache_dir or os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR
+    return Path(chosen).expanduser()
+
+
+def profile_path(key: ProfileKey, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    return resolve_cache_dir(cache_dir) / f"{key.digest}.json"
+
+
+def load_cached(key: ProfileKey, cache_dir: str | os.PathLike[str] | None = None) -> TableCostModel | None:
+    """The cached tables for exactly `key`, or None: no file, a file holding another key (a hash
+    collision or a copied file), or one that cannot be read (logged)."""
+    path = profile_path(key, cache_dir)
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(stored, dict):
+            raise ValueError("not a JSON object")
+        if stored.get("key") != key.to_dict():
+            logger.info("%s: cost tables measured under another key; not used", path)
+            return None
+        return TableCostModel.from_dict(stored["tables"])
+    except FileNotFoundError:
+        return None
+    # OSError: unreadable; ValueError: bad JSON, bad text or bad tables (TableError); the rest: wrong types
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        logger.warning("%s: unusable cost tables (%s); profiling again", path, exc)
+        return None
+
+
+def _write_atomically(path: Path, payload: dict[str, Any]) -> None:
+    """A reader (another engine starting) sees the old file or the whole new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as temp:
+            json.dump(payload, temp, indent=1)
+            temp.flush()
+            os.fsync(temp.fileno())
+        # mkstemp makes it private (0600); tables are not secret and a shared cache dir must read them
+        os.chmod(temp_name, CACHE_FILE_MODE)
+        os.replace(temp_name, path)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise
+
+
+def load_or_profile(key: ProfileKey, build: Callable[[], TableCostModel],
+                    cache_dir: str | os.PathLike[str] | None = None) -> TableCostModel:
+    """The cached tables for `key`, else `build()`'s, written to the cache for the next start.
+    A cache that cannot be written is logged, not fatal: the tables just measured still serve."""
+    cached = load_cached(key, cache_dir)
+    if cached is not None:
+        logger.info("cost tables from %s", profile_path(key, cache_dir))
+        return cached
+    tables = build()
+    path = profile_path(key, cache_dir)
+    try:
+        _write_atomically(path, {"key": key.to_dict(), "tables": tables.to_dict()})
+        logger.info("cost tables cached at %s", path)
+    except OSError as exc:
+        logger.warning("could not cache the cost tables at %s (%s); the next start measures again", path, exc)
+    return tables

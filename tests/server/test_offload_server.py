@@ -1,0 +1,67 @@
+"""`tandem serve` with CPU offloading (Neo) on the host-only testbed: concurrent requests that
+overflow a tiny accelerator pool get the same greedy text as the GPU-only engine, and /metrics
+reports the tiers, the plan modes, the swaps, the CPU attention time and the cost model's error."""
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tandem_server import REQUEST_TIMEOUT_S, metric, scrape, wait_idle
+
+TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
+PROMPTS = [f"Count from {i} to {i + 20}, one number per line:" for i in range(8)]
+MAX_TOKENS = 40
+
+
+def cost_tables(num_layers: int) -> dict:
+    """A memory-bound accelerator and a cheap CPU attention: the pipelined plan wins often."""
+    return {
+        "num_layers": num_layers,
+        "linear": [[1, 1e-3], [64, 1.05e-3], [2048, 4e-3]],
+        "prefill_attention": [[1, 1e-6], [2048, 1e-3]],
+        "gpu_decode_attention": [[1, 1e-7], [100000, 1e-3]],
+        "cpu_decode_attention": {"xs": [1, 64], "ys": [1, 100000], "zs": [[1e-6, 2e-3], [2e-6, 2e-3]]},
+        "head": [[1, 1e-4], [64, 2e-4]],
+        "swap_per_block": 1e-6,
+    }
+
+
+@pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
+def test_offloading_server_matches_engine_and_reports_tiers(start_server, llm, tmp_path):
+    from engine import SamplingParams
+
+    tables = tmp_path / "costs.json"
+    tables.write_text(json.dumps(cost_tables(llm.engine.model_config.num_layers)))
+    # 8 blocks of 16 tokens: the accelerator pool holds about two of these requests
+    server = start_server("--device", "testbed", "--num-gpu-blocks", "8", "--num-cpu-blocks", "256",
+                          "--max-model-len", "128", "--cost-tables", str(tables))
+    expected = [o.outputs[0].text for o in llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
+        def complete(prompt):
+            response = http.post("/v1/completions", json={
+                "model": "smollm2-135m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(complete, PROMPTS))
+        assert texts == expected
+        samples = wait_idle(http)
+        pipelined = metric(samples, "iterations_total", mode="pipelined")
+        assert pipelined > 0
+        assert metric(samples, "swapped_requests_total", direction="out") > 0
+        assert metric(samples, "swapped_blocks_total", direction="out") >= metric(
+            samples, "swapped_requests_total", direction="out")
+        assert metric(samples, "cpu_attention_seconds_total") > 0
+        assert metric(samples, "cost_model_relative_error_count") == (
+            metric(samples, "iterations_total", mode="pipelined") + metric(samples, "iterations_total", mode="gpu_only"))
+        assert metric(samples, "generation_tokens_total") == len(PROMPTS) * MAX_TOKENS
+        for tier in ("gpu", "cpu"):  # idle: nothing running, every block free
+            assert metric(samples, "num_requests_running_by_tier", tier=tier) == 0
+            assert metric(samples, "kv_cache_usage_perc_by_tier", tier=tier) == 0
+        text = http.get("/metrics").text
+        assert 'tandem:num_requests_running_by_tier{model_name="smollm2-135m",tier="cpu"}' in text
