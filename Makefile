@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench bench-neo clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -38,7 +38,21 @@ bench: install
 	$(PY) benchmarks/serve.py --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
 		--slo ttft=1 --slo tpot=0.1 --no-progress --output benchmarks/results/serve_sweep.json
+	$(PY) benchmarks/simulate_neo.py
+	$(MAKE) bench-neo
 	$(PY) benchmarks/update_readme.py
+
+# Neo on the host-only testbed: GPU-only vs offloading side by side, pool capped then not.
+NEO_SERVE := $(PY) -m server.cli serve --port {port} --device testbed --log-level warning
+NEO_LOAD := --input-len 240 --length-spread 0.1 --output-len 320 --output-spread 0.6 --num-requests 32 \
+	--reps 2 --warmup 1 --no-progress
+bench-neo: install
+	$(PY) -m server.cli profile --device testbed --log-level warning > /dev/null
+	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --num-gpu-blocks 196 --offload off' \
+		--system 'tandem=$(NEO_SERVE) --num-gpu-blocks 196' --rate 0.4 inf $(NEO_LOAD) \
+		--slo per_token_latency=0.2 --output benchmarks/results/neo_testbed.json
+	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --offload off' --system 'tandem=$(NEO_SERVE)' \
+		--all-at-once $(NEO_LOAD) --no-plot --output benchmarks/results/neo_testbed_uncapped.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(CPU_KERNEL) kernels/cpu/*.so

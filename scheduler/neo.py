@@ -35,8 +35,9 @@ GPU still holds every GPU-request's growth over the next `swap_cooldown_iteratio
 a reserve of free blocks, and never within the cooldown of the request's last move.
 
 Bounded wait: a CPU-request skipped `max_cpu_wait_iterations` times in a row is swapped in
-(cooldown ignored) or placed even if an inequality breaks (`IterationPlan.forced`); so is every
-CPU-request when the GPU has nothing to run. With `num_cpu_blocks == 0` every step reduces to
+(cooldown ignored) or placed even if an inequality breaks (`IterationPlan.forced`), at most
+`max_forced_cpu_decodes` of them per iteration, longest waiting first; every CPU-request is
+placed when the GPU has nothing to run. With `num_cpu_blocks == 0` every step reduces to
 the v0 `Scheduler`: same plans, same preemptions.
 
 Blocks are reassigned at schedule time (allocate in the destination, free the source); the runner
@@ -70,16 +71,28 @@ class NeoConfig:
     # A request moved between the pools stays put this many iterations. A move copies the
     # request's whole KV once; staying put for 16 tokens amortizes that copy over 16 decodes.
     swap_cooldown_iterations: int = 16
-    # A CPU-request skipped this many iterations in a row is scheduled in the next one whatever
-    # the cost model says, bounding its inter-token latency at (this + 1) iterations.
-    max_cpu_wait_iterations: int = 8
+    # A CPU-request skipped this many iterations in a row becomes overdue: it is swapped in or
+    # placed whatever the cost model says (see max_forced_cpu_decodes), which bounds its wait.
+    # Neo's own policy has no bound (a skipped request "waits for the next iteration"). Forcing
+    # costs throughput whenever a decode step cannot hide even one request's attention (a fast
+    # GPU beside a slow host): with 8 the simulated 2xH100 fell to 0.87x GPU-only. 64 iterations
+    # is a couple of seconds at worst on a fast GPU, and rarely reached.
+    max_cpu_wait_iterations: int = 64
+    # At most this many overdue CPU-requests are placed past the inequalities per iteration (the
+    # longest waiting first). Forcing every overdue request at once stalls the accelerator behind
+    # the CPU for a whole iteration each time a crowd of them comes due together (the simulator
+    # showed 0.65x GPU-only with 185 CPU-requests); one per iteration keeps every request moving
+    # (its wait is bounded by max_cpu_wait_iterations + the number overdue before it) at the cost
+    # of one request's attention beyond what the linear work hides.
+    max_forced_cpu_decodes: int = 1
     # Host blocks kept free when admitting a CPU-bound prefill, so CPU-requests can grow for a
     # while without preempting the request just admitted (the GPU pool's `watermark_blocks`).
     cpu_watermark_blocks: int = 1
 
     def __post_init__(self) -> None:
         for name, minimum in (("num_cpu_blocks", 0), ("swap_cooldown_iterations", 0),
-                              ("max_cpu_wait_iterations", 1), ("cpu_watermark_blocks", 0)):
+                              ("max_cpu_wait_iterations", 1), ("cpu_watermark_blocks", 0),
+                              ("max_forced_cpu_decodes", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise SchedulerConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -137,6 +150,30 @@ class _TwoBatches:
         else:
             self.num_cpu_decodes1 += 1
             self.cpu_context_tokens1 += context_tokens
+
+    def layer_time(self) -> float:
+        """One layer of the pipelined plan: max(T_l0, T_ca1) + max(T_l1 + T_ga0, T_ca0)."""
+        return (max(self.linear0(), self.cpu_attention1())
+                + max(self.linear1() + self.gpu_attention0(), self.cpu_attention0()))
+
+    def cheaper_batch_for(self, context_tokens: int) -> int:
+        """The sub-batch whose layer time grows less with one more CPU decode. An empty batch-1
+        costs a whole extra pass over the weights (its T_l1), so an overdue request usually goes
+        into batch-0, where only the part of its attention the accelerator cannot hide counts."""
+        growth = []
+        for batch in (0, 1):
+            self.add(batch, context_tokens)
+            growth.append(self.layer_time())
+            self.remove(batch, context_tokens)
+        return 0 if growth[0] <= growth[1] else 1
+
+    def remove(self, batch: int, context_tokens: int) -> None:
+        if batch == 0:
+            self.num_cpu_decodes0 -= 1
+            self.cpu_context_tokens0 -= context_tokens
+        else:
+            self.num_cpu_decodes1 -= 1
+            self.cpu_context_tokens1 -= context_tokens
 
     def balanced(self) -> bool:
         """Both of Neo's inequalities: the CPU never works while the accelerator idles."""
@@ -377,7 +414,8 @@ class NeoScheduler(Scheduler):
         """Step 4: CPU-requests, longest waiting first, go to batch-1 while T_ca1 <= T_l0, else to
         batch-0 while T_ca0 <= T_l1 + T_ga0, else wait. One that waited too long, or any when
         the GPU has nothing to run (the engine must progress), is placed regardless, in the batch
-        it overloads less, and recorded in `plan.forced`."""
+        whose layer time grows less, and recorded in `plan.forced`: at most `max_forced_cpu_decodes` of the
+        overdue ones per iteration."""
         batches = _TwoBatches(self.cost_model, [s.num_new_tokens for s in plan.prefills], len(plan.decodes),
                               sum(s.request.num_tokens for s in plan.decodes))
         just_prefilled = {id(s.request) for s in plan.prefills}
@@ -392,10 +430,9 @@ class NeoScheduler(Scheduler):
                 batch = 1
             elif room0 and batches.fits_batch0(context_tokens):
                 batch = 0
-            elif gpu_idle or request.cpu_wait_iterations >= self.neo.max_cpu_wait_iterations:
-                overload1 = batches.cpu_attention1(1, context_tokens) - batches.linear0()
-                overload0 = batches.cpu_attention0(1, context_tokens) - batches.linear1() - batches.gpu_attention0()
-                batch = 1 if (overload1 < overload0 or not room0) else 0
+            elif gpu_idle or (request.cpu_wait_iterations >= self.neo.max_cpu_wait_iterations
+                              and len(plan.forced) < self.neo.max_forced_cpu_decodes):
+                batch = batches.cheaper_batch_for(context_tokens) if room0 else 1
                 plan.forced.append(request)
             else:
                 continue
@@ -449,9 +486,7 @@ class NeoScheduler(Scheduler):
         gpu_only_time = (cost.num_layers * (cost.linear(batches.num_tokens0 - batches.num_cpu_decodes0)
                                             + gpu_attention0)
                          + cost.head(num_gpu_seqs) + swap_time)
-        pipelined_time = (cost.num_layers * (max(batches.linear0(), batches.cpu_attention1())
-                                             + max(batches.linear1() + gpu_attention0, batches.cpu_attention0()))
-                          + cost.head(num_gpu_seqs + num_cpu_seqs) + swap_time)
+        pipelined_time = cost.num_layers * batches.layer_time() + cost.head(num_gpu_seqs + num_cpu_seqs) + swap_time
         self.last_gpu_only_throughput = _rate(num_gpu_seqs, gpu_only_time)
         self.last_pipelined_throughput = _rate(num_gpu_seqs + num_cpu_seqs, pipelined_time)
         if num_cpu_seqs and (plan.forced or self.last_pipelined_throughput > self.last_gpu_only_throughput):

@@ -12,6 +12,16 @@ from benchmarks.serving.workload import (WORKLOADS_DIR, Load, RequestSpec, Workl
 
 
 # ---- lengths ------------------------------------------------------------------------------
+def test_synthetic_lengths_output_spread_of_its_own():
+    specs = synthetic_lengths(3000, 240, 320, 0.1, seed=2, output_spread=0.6)
+    inputs = [s.num_input_tokens for s in specs]
+    outputs = [s.num_output_tokens for s in specs]
+    assert 216 <= min(inputs) and max(inputs) <= 264
+    assert min(outputs) == 128 and max(outputs) == 512  # 320 +-60%, endpoints included
+    with pytest.raises(WorkloadError):
+        synthetic_lengths(5, 240, 320, 0.1, seed=2, output_spread=1.0)
+
+
 def test_synthetic_lengths_fixed_and_neo_spread():
     fixed = synthetic_lengths(50, 200, 30, 0.0, seed=1)
     assert {(s.num_input_tokens, s.num_output_tokens) for s in fixed} == {(200, 30)}
