@@ -47,7 +47,7 @@ from scheduler.cost_model import Curve, Grid, TableCostModel
 logger = logging.getLogger(__name__)
 
 # Bump whenever what is measured, or how, changes: files of older versions then miss.
-PROFILE_FORMAT_VERSION = 1
+PROFILE_FORMAT_VERSION = 3
 CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/tandem/profiles")
 # 64 bits of the key's hash name the file: short, and a collision costs nothing since the stored
@@ -86,7 +86,15 @@ class ProfileGrid:
     swap_blocks: int = 32
     repetitions: int = 3  # timed runs per point; the median is kept
     warmup: int = 1  # untimed runs first: lazy initialisation, page faults, allocator growth
-    num_linear_layers: int = 2  # layers whose linear time is averaged (first and last, ...)
+    # A forward streams every layer's weights and every request's KV from memory, so each timed
+    # call works on data the calls before it did not touch: the linear table times all layers
+    # back to back, the decode tables draw fresh blocks from a scratch pool of at least this many
+    # bytes (8x the 32 MiB L3 of the development host). Timed on warm caches, the testbed's
+    # linear and CPU attention ran 25-60% faster than inside the engine's forward.
+    cold_bytes: int = 256 * 2**20
+    # Round trips through the accelerator queue timed for the pipeline's hand-off cost (tiny
+    # and noisy, hence many).
+    handoff_repetitions: int = 50
 
     def __post_init__(self) -> None:
         axes = ("linear_tokens", "prefill_lens", "gpu_decode_context_tokens", "cpu_decode_batch_sizes",
@@ -97,7 +105,7 @@ class ProfileGrid:
                 raise ValueError(f"ProfileGrid.{name} must be a non-empty tuple of positive ints, got {axis!r}")
             if any(b <= a for a, b in zip(axis, axis[1:])):
                 raise ValueError(f"ProfileGrid.{name} must be strictly increasing, got {axis!r}")
-        for name in ("decode_seq_len", "swap_blocks", "repetitions", "num_linear_layers"):
+        for name in ("decode_seq_len", "swap_blocks", "repetitions", "cold_bytes", "handoff_repetitions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ProfileGrid.{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
@@ -112,13 +120,14 @@ class ProfileGrid:
         """A coarse grid for tests: two or three points per table, one timed run each."""
         return cls(linear_tokens=(1, 8, 32), prefill_lens=(8, 32), gpu_decode_context_tokens=(16, 64),
                    decode_seq_len=16, cpu_decode_batch_sizes=(1, 4), cpu_decode_context_tokens=(16, 64),
-                   head_rows=(1, 4), swap_blocks=4, repetitions=1, warmup=1)
+                   head_rows=(1, 4), swap_blocks=4, repetitions=1, warmup=1, cold_bytes=2**20,
+                   handoff_repetitions=5)
 
     @property
     def num_points(self) -> int:
-        """Measurements in one profile (the progress bar's length); the swap counts as one."""
+        """Measurements in one profile (the progress bar's length); swap and hand-off count one each."""
         return (len(self.linear_tokens) + len(self.prefill_lens) + len(self.gpu_decode_context_tokens)
-                + len(self.cpu_decode_batch_sizes) * len(self.cpu_decode_context_tokens) + len(self.head_rows) + 1)
+                + len(self.cpu_decode_batch_sizes) * len(self.cpu_decode_context_tokens) + len(self.head_rows) + 2)
 
 
 # ---- measuring ------------------------------------------------------------------------------
@@ -145,13 +154,6 @@ def _split_evenly(total: int, parts: int) -> list[int]:
     """`total` tokens over `parts` sequences, lengths differing by at most one."""
     base, extra = divmod(total, parts)
     return [base + (i < extra) for i in range(parts)]
-
-
-def _spread_layers(num_layers: int, count: int) -> list[int]:
-    """`count` layer indices spread from the first to the last (fewer if the model is shallower)."""
-    if count == 1 or num_layers == 1:
-        return [0]
-    return sorted({round(i * (num_layers - 1) / (count - 1)) for i in range(count)})
 
 
 class _Profiler:
@@ -210,14 +212,25 @@ class _Profiler:
 
     def decode_seconds(self, backend: DecodeAttentionBackend, cache: KVCache, seq_lens: Sequence[int],
                        run: Callable[[Callable[[], Any]], float]) -> float:
+        """Each call reads blocks freshly drawn from `cache` (see ProfileGrid.cold_bytes)."""
         device = cache.key.device
-        tables, context_lens = self.block_tables(seq_lens, cache.num_blocks, device)
+        layouts = [self.block_tables(seq_lens, cache.num_blocks, device)
+                   for _ in range(self.grid.warmup + self.grid.repetitions)]
         batch, cfg = len(seq_lens), self.config
         query = self.random(batch, cfg.num_heads, cfg.head_dim, device=device)
         new_key = self.random(batch, cfg.num_kv_heads, cfg.head_dim, device=device)
         new_value = self.random(batch, cfg.num_kv_heads, cfg.head_dim, device=device)
-        return run(lambda: backend.forward(query, cache.key[0], cache.value[0], tables, context_lens, self.scale,
-                                           new_key, new_value))
+
+        def work():
+            tables, context_lens = layouts.pop()
+            backend.forward(query, cache.key[0], cache.value[0], tables, context_lens, self.scale, new_key, new_value)
+        return run(work)
+
+    def cold_pool_blocks(self, largest: int) -> int:
+        """Blocks of a scratch pool to draw `largest`-block working sets from, cold."""
+        cfg = self.config
+        block_bytes = 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * (torch.finfo(self.dtype).bits // 8)
+        return max(2 * largest, -(-self.grid.cold_bytes // block_bytes))
 
     def blocks_for(self, seq_lens: Sequence[int]) -> int:
         return sum(-(-n // self.block_size) for n in seq_lens)
@@ -225,20 +238,19 @@ class _Profiler:
     # ---- tables -----------------------------------------------------------------------------
     def linear(self) -> Curve:
         cfg, model = self.config, self.model
-        layers = _spread_layers(cfg.num_layers, self.grid.num_linear_layers)
         points = []
         for num_tokens in self.grid.linear_tokens:
             hidden = self.random(num_tokens, cfg.hidden_size)
             attn_out = self.random(num_tokens, cfg.q_size)
             # RoPE's cost does not depend on the positions' values, and position 0 exists for any model.
             positions = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-            per_layer = []
-            for layer in layers:
-                def work(layer=layer):
+
+            def work():  # every layer back to back, as the forward streams them
+                for layer in range(cfg.num_layers):
                     model.pre_proj(layer, hidden, positions)
                     model.post_proj(layer, hidden, attn_out)
-                per_layer.append(self.on_accelerator(work))
-            points.append((num_tokens, self.point("linear", num_tokens, statistics.fmean(per_layer))))
+            seconds = self.on_accelerator(work) / cfg.num_layers
+            points.append((num_tokens, self.point("linear", num_tokens, seconds)))
         return Curve.from_points(points)
 
     def prefill(self) -> Curve:
@@ -262,7 +274,7 @@ class _Profiler:
     def gpu_decode_curve(self) -> Curve:
         layouts = [_split_evenly(total, -(-total // self.grid.decode_seq_len))
                    for total in self.grid.gpu_decode_context_tokens]
-        cache = self.scratch_cache(max(self.blocks_for(lens) for lens in layouts), self.device)
+        cache = self.scratch_cache(self.cold_pool_blocks(max(self.blocks_for(lens) for lens in layouts)), self.device)
         points = []
         for total, seq_lens in zip(self.grid.gpu_decode_context_tokens, layouts):
             seconds = self.decode_seconds(self.gpu_decode, cache, seq_lens, self.on_accelerator)
@@ -272,8 +284,8 @@ class _Profiler:
     def cpu_decode_grid(self) -> Grid:
         batches, totals = self.grid.cpu_decode_batch_sizes, self.grid.cpu_decode_context_tokens
         host = torch.device("cpu")
-        num_blocks = max(self.blocks_for(_split_evenly(t, b)) for b in batches for t in totals)
-        cache = self.scratch_cache(num_blocks, host)
+        largest = max(self.blocks_for(_split_evenly(t, b)) for b in batches for t in totals)
+        cache = self.scratch_cache(self.cold_pool_blocks(largest), host)
         rows = []
         for batch in batches:
             row = []
@@ -293,6 +305,13 @@ class _Profiler:
                 model.post_layer(model.pre_layer(token_ids), last_indices)
             points.append((num_rows, self.point("head", num_rows, self.on_accelerator(work))))
         return Curve.from_points(points)
+
+    def handoff(self) -> float:
+        """One round trip through the accelerator queue: a CPU attention stage waits for its
+        inputs and the accelerator for its output (testbed: two thread wake-ups)."""
+        seconds = _median_seconds(lambda: self.accelerator.submit(lambda: None).result(), self.grid.warmup,
+                                  self.grid.handoff_repetitions)
+        return self.point("hand-off", self.grid.handoff_repetitions, seconds)
 
     def swap_per_block(self) -> float:
         """Seconds per block of one swap-out and one swap-in, averaged, through the engine's copy path."""
@@ -336,6 +355,7 @@ def profile_costs(model: LlamaModel, accelerator: AcceleratorQueue, gpu_decode: 
                 cpu_decode_grid=profiler.cpu_decode_grid(),
                 head_curve=profiler.head(),
                 swap_per_block=profiler.swap_per_block(),
+                handoff_seconds=profiler.handoff(),
             )
         except BaseException:
             accelerator.recover()  # a failed closure must not poison the engine's queue

@@ -48,6 +48,13 @@ class CostModel(ABC):
     def swap(self, num_blocks: int) -> float:
         """Moving `num_blocks` KV blocks (all layers, K and V) between the two pools."""
 
+    def handoff(self) -> float:
+        """What a CPU attention stage adds to its layer beyond the attention itself: its Q/K/V
+        reaching the CPU and its output reaching the accelerator's next stage (on the testbed two
+        thread wake-ups, on CUDA two event waits and small copies). Paid once per non-empty CPU
+        stage per layer. 0 unless measured."""
+        return 0.0
+
 
 # ---- interpolation ------------------------------------------------------------------------
 class TableError(ValueError):
@@ -135,6 +142,7 @@ class TableCostModel(CostModel):
     cpu_decode:    (batch, total context tokens) -> s, bilinear (one layer)
     head:          rows -> s                   (per iteration)
     swap_per_block: s per block moved between pools
+    handoff_seconds: s per CPU stage per layer (see CostModel.handoff)
     """
 
     num_layers: int
@@ -144,6 +152,7 @@ class TableCostModel(CostModel):
     cpu_decode_grid: Grid
     head_curve: Curve
     swap_per_block: float = 0.0
+    handoff_seconds: float = 0.0
 
     def linear(self, num_tokens: int) -> float:
         return self.linear_curve(num_tokens) if num_tokens > 0 else 0.0
@@ -163,6 +172,9 @@ class TableCostModel(CostModel):
     def swap(self, num_blocks: int) -> float:
         return self.swap_per_block * num_blocks
 
+    def handoff(self) -> float:
+        return self.handoff_seconds
+
     # ---- files ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -173,6 +185,7 @@ class TableCostModel(CostModel):
             "cpu_decode_attention": self.cpu_decode_grid.to_dict(),
             "head": self.head_curve.to_points(),
             "swap_per_block": self.swap_per_block,
+            "handoff": self.handoff_seconds,
         }
 
     @classmethod
@@ -186,6 +199,7 @@ class TableCostModel(CostModel):
                 cpu_decode_grid=Grid.from_dict(d["cpu_decode_attention"]),
                 head_curve=Curve.from_points(d["head"]),
                 swap_per_block=float(d.get("swap_per_block", 0.0)),
+                handoff_seconds=float(d.get("handoff", 0.0)),
             )
         except (KeyError, TypeError) as exc:
             raise TableError(f"malformed cost tables: {exc!r}") from exc

@@ -101,6 +101,14 @@ class NeoConfig:
             raise SchedulerConfigError(f"swap_in_reserve_fraction must be in [0, 1), got {fraction!r}")
 
 
+def cpu_stage_time(cost: CostModel, num_seqs: int, context_tokens: int) -> float:
+    """A CPU attention stage of one layer as the pipeline sees it (T_ca): the attention plus its
+    hand-offs to and from the accelerator; nothing when the stage is empty."""
+    if num_seqs == 0:
+        return 0.0
+    return cost.cpu_decode_attention(num_seqs, context_tokens) + cost.handoff()
+
+
 @dataclass
 class _TwoBatches:
     """Running totals of one iteration's two sub-batches and their per-layer stage times."""
@@ -129,10 +137,10 @@ class _TwoBatches:
                 + self.cost.gpu_decode_attention(self.num_gpu_decodes, self.gpu_context_tokens))
 
     def cpu_attention0(self, num_more: int = 0, more_tokens: int = 0) -> float:  # T_ca0
-        return self.cost.cpu_decode_attention(self.num_cpu_decodes0 + num_more, self.cpu_context_tokens0 + more_tokens)
+        return cpu_stage_time(self.cost, self.num_cpu_decodes0 + num_more, self.cpu_context_tokens0 + more_tokens)
 
     def cpu_attention1(self, num_more: int = 0, more_tokens: int = 0) -> float:  # T_ca1
-        return self.cost.cpu_decode_attention(self.num_cpu_decodes1 + num_more, self.cpu_context_tokens1 + more_tokens)
+        return cpu_stage_time(self.cost, self.num_cpu_decodes1 + num_more, self.cpu_context_tokens1 + more_tokens)
 
     def fits_batch1(self, context_tokens: int) -> bool:
         """T_ca1 <= T_l0 with one more decode in batch-1 (which only lengthens T_l1, the other
@@ -206,7 +214,8 @@ class NeoScheduler(Scheduler):
         self.num_swap_in_blocks = 0
         self.num_cpu_prefills = 0
         self.last_gpu_only_throughput = 0.0  # seqs/s
-        self.last_pipelined_throughput = 0.0  # seqs/s
+        self.last_pipelined_throughput = 0.0  # seqs/s, the two-batch plan
+        self.last_one_batch_throughput = 0.0  # seqs/s, 0 when there was no such candidate
 
     # ---- queues across both tiers ---------------------------------------------------------
     @property
@@ -410,14 +419,18 @@ class NeoScheduler(Scheduler):
             plan.prefills.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
             token_budget -= num_new_tokens
 
-    def _place_cpu_decodes(self, plan: IterationPlan) -> _TwoBatches:
+    def _new_batches(self, plan: IterationPlan) -> _TwoBatches:
+        return _TwoBatches(self.cost_model, [s.num_new_tokens for s in plan.prefills], len(plan.decodes),
+                           sum(s.request.num_tokens for s in plan.decodes))
+
+    def _place_cpu_decodes(self, plan: IterationPlan, use_batch1: bool = True) -> _TwoBatches:
         """Step 4: CPU-requests, longest waiting first, go to batch-1 while T_ca1 <= T_l0, else to
         batch-0 while T_ca0 <= T_l1 + T_ga0, else wait. One that waited too long, or any when
         the GPU has nothing to run (the engine must progress), is placed regardless, in the batch
         whose layer time grows less, and recorded in `plan.forced`: at most `max_forced_cpu_decodes` of the
-        overdue ones per iteration."""
-        batches = _TwoBatches(self.cost_model, [s.num_new_tokens for s in plan.prefills], len(plan.decodes),
-                              sum(s.request.num_tokens for s in plan.decodes))
+        overdue ones per iteration. With `use_batch1` false batch-1 stays empty (the one-batch
+        candidate of step 6)."""
+        batches = self._new_batches(plan)
         just_prefilled = {id(s.request) for s in plan.prefills}
         candidates = sorted((r for r in self.cpu_running if id(r) not in just_prefilled),
                             key=lambda r: -r.cpu_wait_iterations)  # stable: ties keep queue order
@@ -426,13 +439,18 @@ class NeoScheduler(Scheduler):
             context_tokens = request.num_tokens  # its KV with the token decoded now
             seq = ScheduledSeq(request, request.num_computed_tokens, 1)
             room0 = batches.num_tokens0 < self.config.max_num_batched_tokens
-            if batches.fits_batch1(context_tokens):
+            if use_batch1 and batches.fits_batch1(context_tokens):
                 batch = 1
             elif room0 and batches.fits_batch0(context_tokens):
                 batch = 0
             elif gpu_idle or (request.cpu_wait_iterations >= self.neo.max_cpu_wait_iterations
                               and len(plan.forced) < self.neo.max_forced_cpu_decodes):
-                batch = batches.cheaper_batch_for(context_tokens) if room0 else 1
+                if use_batch1:
+                    batch = batches.cheaper_batch_for(context_tokens) if room0 else 1
+                elif room0:
+                    batch = 0
+                else:
+                    continue
                 plan.forced.append(request)
             else:
                 continue
@@ -476,25 +494,49 @@ class NeoScheduler(Scheduler):
             self.waiting.appendleft(request)
 
     def _choose_plan(self, plan: IterationPlan, batches: _TwoBatches) -> None:
-        """Step 6: estimate both plans and keep the one with more sequences per second. Forced
-        CPU decodes keep the pipelined plan; a GPU-only plan runs no CPU work at all."""
+        """Step 6: estimate the GPU-only plan (batch-0 less its CPU decodes), the two-batch plan
+        of steps 4-5 and a one-batch plan, and keep the one with the most sequences per second.
+        Forced CPU decodes rule the GPU-only plan out; a GPU-only plan runs no CPU work at all.
+
+        The one-batch plan is step 4 again with batch-1 kept empty: CPU decodes ride in batch-0
+        while their attention hides under the accelerator's attention (T_ca0 <= T_ga0, the first
+        inequality with T_l1 = 0). Not in the paper, whose step 4 opens batch-1 for the first CPU
+        decode: on an accelerator whose linear work is weight-bound at small batches, batch-1's
+        second pass over the weights costs more than a few CPU decodes earn, and the GPU-only
+        plan then leaves those decodes waiting although batch-0 could carry them for free."""
         cost = self.cost_model
         swap_time = cost.swap(sum(len(s.src_blocks) for s in (*plan.swap_out, *plan.swap_in)))
-        gpu_attention0 = batches.gpu_attention0()
         num_gpu_seqs = len(plan.prefills) + len(plan.decodes)
-        num_cpu_seqs = len(plan.cpu_decodes) + len(plan.cpu_decodes1)
         gpu_only_time = (cost.num_layers * (cost.linear(batches.num_tokens0 - batches.num_cpu_decodes0)
-                                            + gpu_attention0)
+                                            + batches.gpu_attention0())
                          + cost.head(num_gpu_seqs) + swap_time)
-        pipelined_time = cost.num_layers * batches.layer_time() + cost.head(num_gpu_seqs + num_cpu_seqs) + swap_time
+
+        def pipelined_time(candidate: IterationPlan, placed: _TwoBatches) -> float:
+            num_seqs = num_gpu_seqs + len(candidate.cpu_decodes) + len(candidate.cpu_decodes1)
+            return cost.num_layers * placed.layer_time() + cost.head(num_seqs) + swap_time
+
+        one = IterationPlan(prefills=plan.prefills, decodes=plan.decodes)
+        one_batches = self._place_cpu_decodes(one, use_batch1=False) if plan.cpu_decodes1 else None
+        two_time = pipelined_time(plan, batches)
         self.last_gpu_only_throughput = _rate(num_gpu_seqs, gpu_only_time)
-        self.last_pipelined_throughput = _rate(num_gpu_seqs + num_cpu_seqs, pipelined_time)
-        if num_cpu_seqs and (plan.forced or self.last_pipelined_throughput > self.last_gpu_only_throughput):
+        self.last_pipelined_throughput = _rate(len(plan.scheduled), two_time)
+        self.last_one_batch_throughput = 0.0
+        # the one-batch plan may replace the two-batch plan only if it runs its overdue requests too
+        one_places_overdue = {id(s.request) for s in one.cpu_decodes} >= {id(r) for r in plan.forced}
+        if one_batches is not None and one.cpu_decodes and one_places_overdue:
+            one_time = pipelined_time(one, one_batches)
+            self.last_one_batch_throughput = _rate(len(one.scheduled), one_time)
+            if self.last_one_batch_throughput > self.last_pipelined_throughput:
+                plan.cpu_decodes, plan.cpu_decodes1, plan.forced = one.cpu_decodes, [], one.forced
+                two_time = one_time
+        pipelined_throughput = max(self.last_pipelined_throughput, self.last_one_batch_throughput)
+        overdue = bool(plan.forced)  # a forced (overdue) request runs: no GPU-only plan
+        num_cpu_seqs = len(plan.cpu_decodes) + len(plan.cpu_decodes1)
+        if num_cpu_seqs and (overdue or pipelined_throughput > self.last_gpu_only_throughput):
             plan.mode = PlanMode.PIPELINED
-            plan.estimated_time = pipelined_time
+            plan.estimated_time = two_time
         else:
             plan.mode = PlanMode.GPU_ONLY
             plan.estimated_time = gpu_only_time
             plan.cpu_decodes.clear()
             plan.cpu_decodes1.clear()
-

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from scheduler.cost_model import CostModel, ModelShape
-from scheduler.neo import NeoConfig, NeoScheduler
+from scheduler.neo import NeoConfig, NeoScheduler, cpu_stage_time
 from scheduler.request import Request, SamplingParams
 from scheduler.roofline import HardwareProfile, RooflineCostModel, size_pools
 from scheduler.scheduler import IterationPlan, PlanMode, SchedulerConfig, ScheduledSeq
@@ -137,8 +137,8 @@ def iteration_time(plan: IterationPlan, cost: CostModel) -> float:
         return cost.num_layers * layer + cost.head(num_gpu_seqs) + swap_time
     linear0 = cost.linear(num_prefill_tokens + len(plan.decodes) + len(plan.cpu_decodes))
     linear1 = cost.linear(len(plan.cpu_decodes1))
-    cpu_attention0 = cost.cpu_decode_attention(len(plan.cpu_decodes), _context_tokens(plan.cpu_decodes))
-    cpu_attention1 = cost.cpu_decode_attention(len(plan.cpu_decodes1), _context_tokens(plan.cpu_decodes1))
+    cpu_attention0 = cpu_stage_time(cost, len(plan.cpu_decodes), _context_tokens(plan.cpu_decodes))
+    cpu_attention1 = cpu_stage_time(cost, len(plan.cpu_decodes1), _context_tokens(plan.cpu_decodes1))
     layer = max(linear0, cpu_attention1) + max(linear1 + gpu_attention0, cpu_attention0)
     return (cost.num_layers * layer + cost.head(num_gpu_seqs + len(plan.cpu_decodes) + len(plan.cpu_decodes1))
             + swap_time)

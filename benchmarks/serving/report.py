@@ -23,6 +23,7 @@ RATIO_METRICS = (
     ("request_throughput", lambda s: s["request_throughput"], True),
     ("goodput", lambda s: s["goodput"] if s["slos"] else None, True),
     ("mean_per_token_latency", lambda s: s["per_token_latency"]["mean"], False),
+    ("p50_per_token_latency", lambda s: s["per_token_latency"]["p50"], False),
     ("p50_ttft", lambda s: s["ttft"]["p50"], False),
     ("p99_ttft", lambda s: s["ttft"]["p99"], False),
     ("p50_tpot", lambda s: s["tpot"]["p50"], False),

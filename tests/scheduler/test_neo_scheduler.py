@@ -19,7 +19,8 @@ SAMPLED = (EOS, *range(5, 25))  # fake sampled tokens: EOS one time in 21, so re
 
 # ---- factories ------------------------------------------------------------------------------
 def make_cost_model(cpu_seconds_per_token=2e-6, num_layers=4, linear_seconds=1e-3, linear_seconds_per_token=1e-7,
-                    prefill_seconds_per_token=2e-7, gpu_seconds_per_token=1e-8, swap_seconds_per_block=1e-5):
+                    prefill_seconds_per_token=2e-7, gpu_seconds_per_token=1e-8, swap_seconds_per_block=1e-5,
+                    handoff_seconds=0.0):
     """Per-layer times shaped like a memory-bound GPU beside a host CPU: the linear work is nearly
     flat in tokens (the weights are read once whatever the batch), decoding attention grows
     linearly with the context tokens it reads, much faster on the CPU than on the GPU."""
@@ -38,6 +39,7 @@ def make_cost_model(cpu_seconds_per_token=2e-6, num_layers=4, linear_seconds=1e-
                                + max_context * cpu_seconds_per_token))),
         head_curve=Curve.from_points([(1, 1e-4), (max_seqs, 2e-4)]),
         swap_per_block=swap_seconds_per_block,
+        handoff_seconds=handoff_seconds,
     )
 
 
@@ -77,8 +79,11 @@ def stage_times(plan, cost):
         "l1": cost.linear(len(plan.cpu_decodes1)),
         "ga0": (cost.prefill_attention(prefill_lens)
                 + cost.gpu_decode_attention(len(plan.decodes), context(plan.decodes))),
-        "ca0": cost.cpu_decode_attention(len(plan.cpu_decodes), context(plan.cpu_decodes)),
-        "ca1": cost.cpu_decode_attention(len(plan.cpu_decodes1), context(plan.cpu_decodes1)),
+        # a CPU stage pays its hand-offs (Q/K/V over, output back) on top of the attention
+        "ca0": cost.cpu_decode_attention(len(plan.cpu_decodes), context(plan.cpu_decodes))
+               + (cost.handoff() if plan.cpu_decodes else 0.0),
+        "ca1": cost.cpu_decode_attention(len(plan.cpu_decodes1), context(plan.cpu_decodes1))
+               + (cost.handoff() if plan.cpu_decodes1 else 0.0),
     }
 
 
@@ -261,6 +266,23 @@ def test_gpu_only_plans_run_no_cpu_work_and_pipelined_stages_overlap():
                 assert t["ca1"] <= t["l0"] + TOLERANCE and t["ca0"] <= t["l1"] + t["ga0"] + TOLERANCE
 
 
+@pytest.mark.parametrize("handoff_seconds", [0.0, 2e-4, 2e-3])
+def test_hand_offs_count_against_the_cpu_stages(handoff_seconds):
+    """The hand-off of each CPU stage lengthens it: with a hand-off longer than batch-0's linear
+    work nothing hides under it and only overdue requests are ever placed (forced); shorter ones
+    still pipeline, with both inequalities holding hand-offs included."""
+    cost = make_cost_model(cpu_seconds_per_token=1e-7, handoff_seconds=handoff_seconds)
+    sched = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=96, max_model_len=64, cost_model=cost)
+    modes = set()
+    for plan in run_trace(sched, seed=5, num_steps=150):
+        if not plan.forced:
+            modes.add(plan.mode)
+        if plan.mode == PlanMode.PIPELINED and not plan.forced:
+            t = stage_times(plan, cost)
+            assert t["ca1"] <= t["l0"] + TOLERANCE and t["ca0"] <= t["l1"] + t["ga0"] + TOLERANCE
+    assert (PlanMode.PIPELINED in modes) == (handoff_seconds < cost.linear(1))
+
+
 # ---- greedy plan choice --------------------------------------------------------------------------
 def fill_both_tiers(cost_model):
     """A GPU pool that holds five requests and seven more on the host, all decoding."""
@@ -283,9 +305,9 @@ def test_greedy_choice_follows_estimated_throughput(cpu_seconds_per_token, expec
     plan = sched.schedule()
     check_plan(plan, cost)
     assert plan.mode == expected
-    pipelined_wins = sched.last_pipelined_throughput > sched.last_gpu_only_throughput
-    assert pipelined_wins == (plan.mode == PlanMode.PIPELINED)
-    chosen = max(sched.last_pipelined_throughput, sched.last_gpu_only_throughput)
+    best_pipelined = max(sched.last_pipelined_throughput, sched.last_one_batch_throughput)
+    assert (best_pipelined > sched.last_gpu_only_throughput) == (plan.mode == PlanMode.PIPELINED)
+    chosen = max(best_pipelined, sched.last_gpu_only_throughput)
     assert chosen == pytest.approx(len(plan.scheduled) / plan.estimated_time)
     if cpu_seconds_per_token == 1e-6:  # all seven CPU-requests hide under batch-0's linear work
         assert len(plan.cpu_decodes1) == 7
@@ -294,6 +316,33 @@ def test_greedy_choice_follows_estimated_throughput(cpu_seconds_per_token, expec
         assert 0 < sched.last_pipelined_throughput < sched.last_gpu_only_throughput
     else:  # none fits: the pipelined plan is the GPU-only plan
         assert sched.last_pipelined_throughput == sched.last_gpu_only_throughput
+
+
+@pytest.mark.parametrize("ga_seconds_per_token, expected_batch0", [(1e-8, 0), (2e-6, 3), (1e-5, 3)])
+def test_one_batch_plan_when_a_second_weight_pass_does_not_pay(ga_seconds_per_token, expected_batch0):
+    """Three CPU-requests beside five GPU-requests: Neo's step 4 opens batch-1 for them, which
+    costs a second pass over the weights (T_l1 = 1 ms a layer). When the accelerator's attention
+    (T_ga0) is long enough to hide them in batch-0, the one-batch plan carries them at almost no
+    cost and wins over both; when it is not, they wait under GPU-only."""
+    cost = make_cost_model(cpu_seconds_per_token=1e-6, gpu_seconds_per_token=ga_seconds_per_token)
+    sched = make_scheduler(num_gpu_blocks=16, num_cpu_blocks=64, max_model_len=32, cost_model=cost)
+    requests = [make_request(i, num_prompt_tokens=11, max_tokens=20) for i in range(8)]
+    for request in requests:
+        sched.add_request(request)
+    step(sched)
+    assert sum(r.tier is Tier.CPU for r in requests) == 3
+    plan = sched.schedule()
+    check_plan(plan, cost)
+    assert sched.last_pipelined_throughput < sched.last_gpu_only_throughput  # batch-1 does not pay
+    assert not plan.cpu_decodes1 and len(plan.cpu_decodes) == expected_batch0
+    if expected_batch0:
+        assert plan.mode == PlanMode.PIPELINED
+        assert sched.last_one_batch_throughput == pytest.approx(len(plan.scheduled) / plan.estimated_time)
+        assert sched.last_one_batch_throughput > sched.last_gpu_only_throughput
+        t = stage_times(plan, cost)
+        assert t["ca0"] <= t["ga0"] + TOLERANCE  # hidden under the accelerator's attention alone
+    else:
+        assert plan.mode == PlanMode.GPU_ONLY and sched.last_one_batch_throughput == 0
 
 
 def test_no_cpu_request_means_gpu_only():
