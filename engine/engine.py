@@ -67,6 +67,7 @@ class EngineConfig:
     max_cpu_wait_iterations: int | None = None
     swap_in_reserve_fraction: float | None = None
     cpu_watermark_blocks: int | None = None
+    cpu_admission_wait_fraction: float | None = None
 
     @property
     def torch_device(self) -> str:
@@ -172,7 +173,7 @@ class LLMEngine:
         if num_cpu_blocks:
             self.cost_model = self._load_cost_model(loader, dtype)
             knobs = ("swap_cooldown_iterations", "max_cpu_wait_iterations", "swap_in_reserve_fraction",
-                     "cpu_watermark_blocks")
+                     "cpu_watermark_blocks", "cpu_admission_wait_fraction")
             neo = {k: getattr(config, k) for k in knobs if getattr(config, k) is not None}
             self.scheduler: Scheduler = NeoScheduler(scheduler_config, NeoConfig(num_cpu_blocks=num_cpu_blocks, **neo),
                                                      self.cost_model)

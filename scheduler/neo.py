@@ -88,6 +88,14 @@ class NeoConfig:
     # Host blocks kept free when admitting a CPU-bound prefill, so CPU-requests can grow for a
     # while without preempting the request just admitted (the GPU pool's `watermark_blocks`).
     cpu_watermark_blocks: int = 1
+    # Backpressure on the CPU runqueue: a prefill goes into the host pool only while the
+    # CPU-requests, served at the rate CPU decodes were recently placed, would each wait at most
+    # this share of `max_cpu_wait_iterations` between their decodes. Past that the pipeline
+    # already holds more CPU work than the accelerator's linear work hides, and a request admitted
+    # on top only lengthens every wait until crowds come due and are forced (the simulated 2xH100
+    # fell to 0.97x GPU-only with a runqueue of 241 served 4 per iteration). A quarter keeps
+    # every simulated setup within 1% of its best; an eighth starves the runqueue's start-up.
+    cpu_admission_wait_fraction: float = 0.25
 
     def __post_init__(self) -> None:
         for name, minimum in (("num_cpu_blocks", 0), ("swap_cooldown_iterations", 0),
@@ -96,9 +104,12 @@ class NeoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise SchedulerConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-        fraction = self.swap_in_reserve_fraction
-        if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 <= fraction < 1:
-            raise SchedulerConfigError(f"swap_in_reserve_fraction must be in [0, 1), got {fraction!r}")
+        for name, low_open in (("swap_in_reserve_fraction", False), ("cpu_admission_wait_fraction", True)):
+            fraction = getattr(self, name)
+            if (not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 <= fraction < 1
+                    or (low_open and fraction == 0)):
+                bounds = "(0, 1)" if low_open else "[0, 1)"
+                raise SchedulerConfigError(f"{name} must be in {bounds}, got {fraction!r}")
 
 
 def cpu_stage_time(cost: CostModel, num_seqs: int, context_tokens: int) -> float:
@@ -216,6 +227,11 @@ class NeoScheduler(Scheduler):
         self.last_gpu_only_throughput = 0.0  # seqs/s
         self.last_pipelined_throughput = 0.0  # seqs/s, the two-batch plan
         self.last_one_batch_throughput = 0.0  # seqs/s, 0 when there was no such candidate
+        # CPU decodes placed per iteration, averaged over about the last `max_cpu_wait_iterations`
+        # iterations that had CPU-requests to place: the runqueue's service rate, for backpressure.
+        # An exponential average with its start-up bias divided out (`_service_weight`).
+        self._service_average = 0.0
+        self._service_weight = 0.0
 
     # ---- queues across both tiers ---------------------------------------------------------
     @property
@@ -273,6 +289,12 @@ class NeoScheduler(Scheduler):
         scheduled = {id(seq.request) for seq in plan.scheduled}
         for request in self.cpu_running:
             request.cpu_wait_iterations = 0 if id(request) in scheduled else request.cpu_wait_iterations + 1
+        just_prefilled = {id(seq.request) for seq in plan.prefills}
+        if any(id(r) not in just_prefilled for r in self.cpu_running):
+            smoothing = 1 / self.neo.max_cpu_wait_iterations
+            num_placed = len(plan.cpu_decodes) + len(plan.cpu_decodes1)
+            self._service_average += smoothing * (num_placed - self._service_average)
+            self._service_weight += smoothing * (1 - self._service_weight)
         self.num_cpu_prefills += sum(1 for seq in plan.prefills if seq.request.tier is Tier.CPU)
         return plan
 
@@ -389,6 +411,20 @@ class NeoScheduler(Scheduler):
         request.last_swap_iteration = self.iteration
         request.cpu_wait_iterations = 0
 
+    @property
+    def cpu_service_rate(self) -> float | None:
+        """CPU decodes placed per iteration lately; None before any iteration had one to place."""
+        return self._service_average / self._service_weight if self._service_weight else None
+
+    @property
+    def max_cpu_admitted(self) -> float:
+        """CPU-requests beyond which no prefill enters the host pool (`cpu_admission_wait_fraction`):
+        unbounded until the service rate is known, then at least one, so an idle runqueue restarts."""
+        rate = self.cpu_service_rate
+        if rate is None:
+            return math.inf
+        return max(1.0, rate * self.neo.cpu_admission_wait_fraction * self.neo.max_cpu_wait_iterations)
+
     def _schedule_prefills(self, plan: IterationPlan) -> None:
         """Step 3: first come first served into batch-0 while the token budget and `max_num_seqs`
         (running requests of both tiers, as v0 counts them) allow. The KV goes to the GPU pool
@@ -408,7 +444,7 @@ class NeoScheduler(Scheduler):
             cpu_reserve = self.neo.cpu_watermark_blocks if self.cpu_running else 0
             if self.block_pool.can_allocate(num_blocks + gpu_reserve):
                 request.tier = Tier.GPU
-            elif self.cpu_pool.can_allocate(num_blocks + cpu_reserve):
+            elif len(self.cpu_running) < self.max_cpu_admitted and self.cpu_pool.can_allocate(num_blocks + cpu_reserve):
                 request.tier = Tier.CPU
             else:
                 break

@@ -452,8 +452,9 @@ def test_cpu_request_growth_preempts_the_newest_cpu_request():
 @pytest.mark.parametrize("max_wait", [1, 3, 6])
 def test_bounded_wait_even_when_cpu_attention_looks_terrible(max_wait):
     cost = make_cost_model(cpu_seconds_per_token=1.0)  # never worth pipelining, never fits
+    # backpressure loosened so prefills keep joining the host pool: the bound must hold for them too
     sched = make_scheduler(num_gpu_blocks=16, num_cpu_blocks=128, max_model_len=48, cost_model=cost,
-                           max_cpu_wait_iterations=max_wait)
+                           max_cpu_wait_iterations=max_wait, cpu_admission_wait_fraction=0.99)
     rng = random.Random(max_wait)
     last_token, requests, num_forced = {}, [], 0
     for iteration in range(300):
@@ -475,6 +476,30 @@ def test_bounded_wait_even_when_cpu_attention_looks_terrible(max_wait):
             assert iteration - last_token[request.request_id] <= max_wait + len(sched.cpu_running), request.request_id
         assert len(plan.forced) <= sched.neo.max_forced_cpu_decodes or not (plan.decodes or plan.prefills)
     assert num_forced > 0 and sched.num_cpu_prefills > 0
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_host_admission_backs_off_while_the_cpu_runqueue_is_served_slowly(fraction):
+    """A CPU whose attention never fits serves only the overdue request forced each iteration:
+    prefills then enter the host pool only while the runqueue, at that rate, waits at most
+    `fraction` of the bound."""
+    max_wait = 8
+    sched = make_scheduler(num_gpu_blocks=16, num_cpu_blocks=512, max_model_len=48, max_num_seqs=64,
+                           cost_model=make_cost_model(cpu_seconds_per_token=1.0), max_cpu_wait_iterations=max_wait,
+                           cpu_admission_wait_fraction=fraction)
+    num_refused = 0
+    for i in range(80):  # one arrival per iteration
+        sched.add_request(make_request(i, num_prompt_tokens=11, max_tokens=30))
+        cap = sched.max_cpu_admitted
+        plan = step(sched, token=5)
+        if any(s.request.tier is Tier.CPU for s in plan.prefills):
+            assert sched.num_cpu_running - 1 < cap  # the last one admitted saw one CPU-request fewer
+        elif sched.waiting and sched.cpu_pool.num_free_blocks > 16 and sched.num_running < 64:
+            num_refused += 1  # the host pool had room, the runqueue had work enough
+    rate = sched.cpu_service_rate
+    assert rate is not None and 0 < rate <= sched.neo.max_forced_cpu_decodes
+    assert sched.max_cpu_admitted == pytest.approx(max(1.0, rate * fraction * max_wait))
+    assert num_refused > 0
 
 
 def test_a_plan_never_idles_while_cpu_requests_wait():
