@@ -21,7 +21,8 @@ Each `schedule()` follows the paper's steps, one method each:
      GPU cannot hold it, preempting when the host pool is full too; else swap CPU-requests in
      (oldest first) while the GPU keeps free its requests' growth over the cooldown window
      plus `swap_in_reserve_fraction` of its blocks;
-  3. admit prefills first come first served, into the GPU pool, else the host pool, else stop;
+  3. admit prefills first come first served, into the GPU pool, else the host pool while the CPU
+     runqueue is not backed up (`cpu_admission_wait_fraction`), else stop;
   4. place CPU decodes (longest waiting first) into batch-1 while T_ca1 <= T_l0, else batch-0
      while T_ca0 <= T_l1 + T_ga0, else skip them this iteration;
   5. drop CPU-bound prefills that only lengthen the GPU's side of the pipeline, unless the CPU
@@ -428,8 +429,9 @@ class NeoScheduler(Scheduler):
     def _schedule_prefills(self, plan: IterationPlan) -> None:
         """Step 3: first come first served into batch-0 while the token budget and `max_num_seqs`
         (running requests of both tiers, as v0 counts them) allow. The KV goes to the GPU pool
-        if it holds the prompt, else to the host pool (the runner copies it out layer by layer),
-        else admission stops. None in an iteration that had to preempt (v0's rule)."""
+        if it holds the prompt, else to the host pool (the runner copies it out layer by layer) while
+        fewer than `max_cpu_admitted` CPU-requests run, else admission stops. None in an iteration
+        that had to preempt (v0's rule)."""
         if plan.preempted:
             return
         cfg = self.config

@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.weights import EMBEDDED_MODEL, create_loader
@@ -43,39 +44,74 @@ def cost_tables(num_layers: int) -> dict:
     }
 
 
+ALL_PATHS = {"swap-out", "swap-in", "CPU-bound prefill", "CPU decode in batch-0", "CPU decode in batch-1"}
+# 16 blocks of 4 tokens: the accelerator pool holds one full-length request
+SMALL_POOLS = dict(num_blocks=16, num_cpu_blocks=128, block_size=4, max_model_len=64, max_num_seqs=8)
+
+
+def greedy(max_tokens):
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+
+
+def generate_recording_paths(llm, prompts, params):
+    """-> (token ids per prompt, which offloading paths the scheduler's plans took); checks that
+    every block of both pools is back afterwards."""
+    seen = set()
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        plan = schedule()
+        seen.update(name for name, happened in (
+            ("swap-out", plan.swap_out), ("swap-in", plan.swap_in),
+            ("CPU-bound prefill", any(s.request.tier is Tier.CPU for s in plan.prefills)),
+            ("CPU decode in batch-0", plan.mode == PlanMode.PIPELINED and plan.cpu_decodes),
+            ("CPU decode in batch-1", plan.mode == PlanMode.PIPELINED and plan.cpu_decodes1)) if happened)
+        return plan
+
+    scheduler.schedule = recording_schedule
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert scheduler.block_pool.num_free_blocks == scheduler.block_pool.num_blocks
+    assert scheduler.cpu_pool.num_free_blocks == scheduler.cpu_pool.num_blocks
+    return outputs, seen
+
+
+def write_cost_tables(tmp_path, num_layers):
+    tables = tmp_path / "costs.json"
+    tables.write_text(json.dumps(cost_tables(num_layers)))
+    return str(tables)
+
+
 @pytest.fixture(scope="module")
 def reference():
     with LLM(dtype="float32", offload="off") as llm:
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(MAX_TOKENS))]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("testbed", marks=pytest.mark.skipif(
     not TWO_CORES, reason="the testbed needs 2 cores"))])
 def test_offloaded_greedy_tokens_equal_gpu_only(reference, device, tmp_path):
-    tables = tmp_path / "costs.json"
-    tables.write_text(json.dumps(cost_tables(create_loader(EMBEDDED_MODEL).config.num_layers)))
-    # 16 blocks of 4 tokens: the accelerator pool holds one full-length request
-    with LLM(dtype="float32", offload="on", device=device, num_blocks=16, num_cpu_blocks=128, block_size=4,
-             max_model_len=64, max_num_seqs=8, cost_tables=str(tables)) as llm:
-        seen = set()
-        scheduler = llm.engine.scheduler
-        schedule = scheduler.schedule
+    tables = write_cost_tables(tmp_path, create_loader(EMBEDDED_MODEL).config.num_layers)
+    with LLM(dtype="float32", offload="on", device=device, cost_tables=tables, **SMALL_POOLS) as llm:
+        outputs, seen = generate_recording_paths(llm, PROMPTS, greedy(MAX_TOKENS))
+    assert seen == ALL_PATHS
+    assert outputs == reference
 
-        def recording_schedule():
-            plan = schedule()
-            seen.update(name for name, happened in (
-                ("swap-out", plan.swap_out), ("swap-in", plan.swap_in),
-                ("CPU-bound prefill", any(s.request.tier is Tier.CPU for s in plan.prefills)),
-                ("CPU decode in batch-0", plan.mode == PlanMode.PIPELINED and plan.cpu_decodes),
-                ("CPU decode in batch-1", plan.mode == PlanMode.PIPELINED and plan.cpu_decodes1)) if happened)
-            return plan
 
-        scheduler.schedule = recording_schedule
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-        outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        # every block of both pools is back
-        assert scheduler.block_pool.num_free_blocks == scheduler.block_pool.num_blocks
-        assert scheduler.cpu_pool.num_free_blocks == scheduler.cpu_pool.num_blocks
-    assert seen == {"swap-out", "swap-in", "CPU-bound prefill", "CPU decode in batch-0", "CPU decode in batch-1"}
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_offloaded_greedy_tokens_equal_gpu_only_with_random_weights(device, tmp_path):
+    """On CUDA: real streams, events and pinned host blocks. The embedded model's shape with seeded
+    random weights (a GPU machine need not have the embedded package) and token-id prompts; the
+    plans depend on the cost tables alone, so the CPU run shows the CUDA run takes every path."""
+    model = dict(model=EMBEDDED_MODEL, load_format="dummy", dtype="float32", device=device)
+    gen = torch.Generator().manual_seed(0)
+    vocab_size = create_loader(EMBEDDED_MODEL, "dummy").config.vocab_size
+    prompts = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in (4, 6, 5, 7, 8, 9, 5, 6)]
+    with LLM(offload="off", **model) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(MAX_TOKENS))]
+    tables = write_cost_tables(tmp_path, create_loader(EMBEDDED_MODEL, "dummy").config.num_layers)
+    with LLM(offload="on", cost_tables=tables, **SMALL_POOLS, **model) as llm:
+        outputs, seen = generate_recording_paths(llm, prompts, greedy(MAX_TOKENS))
+    assert seen == ALL_PATHS
     assert outputs == reference

@@ -25,6 +25,10 @@ TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_l
             max_position_embeddings=256, rms_norm_eps=1e-5, num_attention_heads=8, num_key_value_heads=2,
             tie_word_embeddings=False, rope_theta=10000.0)
 TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
+# Every device the pipeline runs on: serial inline, the host-only testbed, and real CUDA streams.
+DEVICES = ["cpu",
+           pytest.param("testbed", marks=pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")),
+           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,7 @@ def decode(request, pools):
 
 
 def check_and_advance(runner, hf_model, plan, gen):
-    logits = runner.compute_logits(plan)
+    logits = runner.compute_logits(plan).cpu()
     assert logits.shape[0] == len(plan.scheduled)
     for row, seq in enumerate(plan.scheduled):
         expected = hf_model(torch.tensor([seq.request.all_token_ids])).logits[0, -1].float()
@@ -77,8 +81,7 @@ def check_and_advance(runner, hf_model, plan, gen):
         seq.request.output_token_ids.append(int(torch.randint(0, 256, (1,), generator=gen)))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("testbed", marks=pytest.mark.skipif(
-    not TWO_CORES, reason="the testbed needs 2 cores"))])
+@pytest.mark.parametrize("device", DEVICES)
 @torch.no_grad()
 def test_two_tier_pipeline_matches_hf(tiny_model, device):
     hf_model, path = tiny_model
