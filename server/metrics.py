@@ -62,6 +62,10 @@ class Metrics:
                               ["model_name", "direction"], registry=r)
         self._swapped_blocks = Counter("tandem:swapped_blocks", "KV blocks moved between the pools.",
                                        ["model_name", "direction"], registry=r)
+        self.cpu_service_rate = gauge(
+            "cpu_runqueue_service_rate", "CPU decodes placed per iteration lately (0 before any was to place).")
+        self.cpu_admission_limit = gauge(
+            "cpu_admission_limit", "CPU-requests beyond which prefills wait instead of entering the host pool.")
         self.cpu_attention_seconds = counter("cpu_attention_seconds", "Time in the CPU decoding attention kernel.")
         self.pipeline_cpu_wait_seconds = counter(
             "pipeline_cpu_wait_seconds", "Pipelined iterations: time the CPU side waited on the accelerator (bubbles).")
@@ -125,6 +129,9 @@ class Metrics:
         self._tier_usage.labels(name, "gpu").set(scheduler.block_pool.usage)
         cpu_pool = getattr(scheduler, "cpu_pool", None)
         self._tier_usage.labels(name, "cpu").set(cpu_pool.usage if cpu_pool is not None and cpu_pool.num_blocks else 0.0)
+        if cpu_pool is not None:  # the Neo scheduler's backpressure (+Inf until it has a rate)
+            self.cpu_service_rate.set(scheduler.cpu_service_rate or 0.0)
+            self.cpu_admission_limit.set(scheduler.max_cpu_admitted)
 
     def record_abort(self, engine: LLMEngine, request_id: str, num_sequences: int) -> None:
         """Called on the engine thread for a request aborted before it finished. An abort that

@@ -57,6 +57,9 @@ def test_offloading_server_matches_engine_and_reports_tiers(start_server, llm, t
         assert metric(samples, "swapped_blocks_total", direction="out") >= metric(
             samples, "swapped_requests_total", direction="out")
         assert metric(samples, "cpu_attention_seconds_total") > 0
+        # CPU decodes were placed, so the backpressure has a rate and a finite limit from it
+        rate = metric(samples, "cpu_runqueue_service_rate")
+        assert rate > 0 and metric(samples, "cpu_admission_limit") == pytest.approx(max(1.0, rate * 0.25 * 64))
         assert metric(samples, "cost_model_relative_error_count") == (
             metric(samples, "iterations_total", mode="pipelined") + metric(samples, "iterations_total", mode="gpu_only"))
         assert metric(samples, "generation_tokens_total") == len(PROMPTS) * MAX_TOKENS
