@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test bench bench-neo clean
+.PHONY: install serve test bench bench-neo bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -47,12 +47,18 @@ NEO_SERVE := $(PY) -m server.cli serve --port {port} --device testbed --log-leve
 NEO_LOAD := --input-len 240 --length-spread 0.1 --output-len 320 --output-spread 0.6 --num-requests 32 \
 	--reps 2 --warmup 1 --no-progress
 bench-neo: install
-	$(PY) -m server.cli profile --device testbed --log-level warning > /dev/null
+	$(PY) -m server.cli profile --device testbed --force --log-level warning > /dev/null
 	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --num-gpu-blocks 196 --offload off' \
 		--system 'tandem=$(NEO_SERVE) --num-gpu-blocks 196' --rate 0.4 inf $(NEO_LOAD) \
 		--slo per_token_latency=0.2 --output benchmarks/results/neo_testbed.json
-	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --offload off' --system 'tandem=$(NEO_SERVE)' \
+	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --kv-cache-gib 4 --offload off' \
+		--system 'tandem=$(NEO_SERVE) --kv-cache-gib 4' \
 		--all-at-once $(NEO_LOAD) --no-plot --output benchmarks/results/neo_testbed_uncapped.json
+
+# Neo on a CUDA GPU (Llama-3.1-8B shape, random weights): GPU-only vs offloading, capped then not.
+bench-gpu: install
+	$(PY) benchmarks/neo_gpu.py --reps 2 --num-requests 24 --output-len 192
+	$(PY) benchmarks/update_readme.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(CPU_KERNEL) kernels/cpu/*.so
