@@ -290,14 +290,18 @@ class NeoScheduler(Scheduler):
         scheduled = {id(seq.request) for seq in plan.scheduled}
         for request in self.cpu_running:
             request.cpu_wait_iterations = 0 if id(request) in scheduled else request.cpu_wait_iterations + 1
-        just_prefilled = {id(seq.request) for seq in plan.prefills}
-        if any(id(r) not in just_prefilled for r in self.cpu_running):
+        if self._decoding_cpu_requests(plan):
             smoothing = 1 / self.neo.max_cpu_wait_iterations
             num_placed = len(plan.cpu_decodes) + len(plan.cpu_decodes1)
             self._service_average += smoothing * (num_placed - self._service_average)
             self._service_weight += smoothing * (1 - self._service_weight)
         self.num_cpu_prefills += sum(1 for seq in plan.prefills if seq.request.tier is Tier.CPU)
         return plan
+
+    def _decoding_cpu_requests(self, plan: IterationPlan) -> list[Request]:
+        """The CPU-requests that have a token to decode: all but those `plan` prefills now."""
+        just_prefilled = {id(seq.request) for seq in plan.prefills}
+        return [r for r in self.cpu_running if id(r) not in just_prefilled]
 
     def _num_new_blocks(self, request: Request) -> int:
         """Blocks `request` still needs for KV of all its tokens (the one decoded now included)."""
@@ -469,8 +473,7 @@ class NeoScheduler(Scheduler):
         overdue ones per iteration. With `use_batch1` false batch-1 stays empty (the one-batch
         candidate of step 6)."""
         batches = self._new_batches(plan)
-        just_prefilled = {id(s.request) for s in plan.prefills}
-        candidates = sorted((r for r in self.cpu_running if id(r) not in just_prefilled),
+        candidates = sorted(self._decoding_cpu_requests(plan),
                             key=lambda r: -r.cpu_wait_iterations)  # stable: ties keep queue order
         gpu_idle = not (plan.prefills or plan.decodes)
         for request in candidates:
@@ -507,8 +510,7 @@ class NeoScheduler(Scheduler):
         front of the waitqueue in their order, their host blocks freed."""
         if not (plan.cpu_decodes or plan.cpu_decodes1):
             return
-        just_prefilled = {id(s.request) for s in plan.prefills}
-        decoding = [r for r in self.cpu_running if id(r) not in just_prefilled]
+        decoding = self._decoding_cpu_requests(plan)
         cpu_work = self.cost_model.cpu_decode_attention(len(decoding), sum(r.num_tokens for r in decoding))
         dropped: list[Request] = []
         for index in reversed(range(len(plan.prefills))):
