@@ -57,7 +57,7 @@ bench-neo: install
 
 # Neo on a CUDA GPU (Llama-3.1-8B shape, random weights): GPU-only vs offloading, capped then not.
 bench-gpu: install
-	$(PY) benchmarks/neo_gpu.py --reps 2 --num-requests 24 --output-len 192
+	$(PY) benchmarks/neo_gpu.py
 	$(PY) benchmarks/update_readme.py
 
 clean:

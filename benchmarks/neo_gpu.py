@@ -77,9 +77,10 @@ def compare(args, engine_options: dict, workload, label: str) -> dict:
     finally:
         for llm in engines.values():
             llm.close()
-    throughput = [t["output_tokens_per_s"] / g["output_tokens_per_s"] for t, g in zip(runs["tandem"], runs["gpu-only"])]
-    latency = [t["p50_per_token_latency_ms"] / g["p50_per_token_latency_ms"]
-               for t, g in zip(runs["tandem"], runs["gpu-only"])]
+    def ratios(key: str) -> list[float]:  # tandem over GPU-only, repetition by repetition
+        return [t[key] / g[key] for t, g in zip(runs["tandem"], runs["gpu-only"])]
+
+    throughput, latency = ratios("output_tokens_per_s"), ratios("p50_per_token_latency_ms")
     return {"label": label, "runs": runs, "throughput_ratio": statistics.median(throughput),
             "throughput_ratios": throughput, "p50_latency_ratio": statistics.median(latency),
             "p50_latency_ratios": latency}
@@ -117,10 +118,10 @@ def main() -> int:
                         help="the capped accelerator pool, in 16-token blocks (196: four 784-token requests)")
     parser.add_argument("--uncapped-gib", type=float, default=8.0, help="the accelerator pool with the cap lifted")
     parser.add_argument("--cpu-kv-gib", type=float, default=16.0)
-    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--num-requests", type=int, default=24)
     parser.add_argument("--input-len", type=int, default=240)
     parser.add_argument("--input-spread", type=float, default=0.1)
-    parser.add_argument("--output-len", type=int, default=320)
+    parser.add_argument("--output-len", type=int, default=192)
     parser.add_argument("--output-spread", type=float, default=0.6)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=256)

@@ -106,11 +106,11 @@ def test_offloaded_greedy_tokens_equal_gpu_only_with_random_weights(device, tmp_
     plans depend on the cost tables alone, so the CPU run shows the CUDA run takes every path."""
     model = dict(model=EMBEDDED_MODEL, load_format="dummy", dtype="float32", device=device)
     gen = torch.Generator().manual_seed(0)
-    vocab_size = create_loader(EMBEDDED_MODEL, "dummy").config.vocab_size
-    prompts = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in (4, 6, 5, 7, 8, 9, 5, 6)]
+    config = create_loader(EMBEDDED_MODEL, "dummy").config
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (4, 6, 5, 7, 8, 9, 5, 6)]
     with LLM(offload="off", **model) as llm:
         reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(MAX_TOKENS))]
-    tables = write_cost_tables(tmp_path, create_loader(EMBEDDED_MODEL, "dummy").config.num_layers)
+    tables = write_cost_tables(tmp_path, config.num_layers)
     with LLM(offload="on", cost_tables=tables, **SMALL_POOLS, **model) as llm:
         outputs, seen = generate_recording_paths(llm, prompts, greedy(MAX_TOKENS))
     assert seen == ALL_PATHS
