@@ -36,7 +36,6 @@ constexpr int kReduceWidth = 8;
 
 inline int min_int(int a, int b) { return a < b ? a : b; }
 inline float max_float(float a, float b) { return a > b ? a : b; }
-inline int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
 
 constexpr size_t kCacheLine = 64;
 
@@ -44,13 +43,6 @@ inline void prefetch_lines(const void* start, size_t bytes) {
   const char* p = static_cast<const char*>(start);
   for (size_t offset = 0; offset < bytes; offset += kCacheLine) Isa::prefetch(p + offset);
 }
-
-// Where the block after the current one lives, for prefetching.
-template <class Kv>
-struct NextBlock {
-  const Kv* keys;
-  const Kv* values;
-};
 
 // Whether Isa can load bf16 split into even and odd elements (load_even/load_odd).
 template <class I, class = void>
@@ -157,7 +149,11 @@ TANDEM_ALWAYS_INLINE void score_tile(const float* q, const Kv* keys, int head_di
       }
 #pragma GCC unroll 8
       for (int h = 0; h < kHeads; ++h) {
-        const Vec qv = Isa::load(q + h * head_dim + (c + s) * kWidth);
+        Vec qv = Isa::load(q + h * head_dim + (c + s) * kWidth);
+        // Left alone, GCC folds this load into each of the kTokens fmas that
+        // use qv; the loads then outnumber the fmas and bound the loop (~12%
+        // slower on Zen 3). Pinned, it is loaded once.
+        if constexpr (kTokens > 1) Isa::pin(qv);
 #pragma GCC unroll 8
         for (int t = 0; t < kTokens; ++t) acc[h * kTokens + t] = Isa::fma(qv, k[t], acc[h * kTokens + t]);
       }
@@ -177,53 +173,46 @@ TANDEM_ALWAYS_INLINE void score_tile(const float* q, const Kv* keys, int head_di
 }
 
 // Scores of kHeads query rows against all num_tokens keys of a block. When
-// `next` is set, the rows of the next block (its K and V) are prefetched as
-// the same rows of this one are scored, half a tile's rows before the tile and
-// half after, so the requests are spread over the block's work instead of
-// flooding the miss buffers at once.
+// next_keys is set, the same rows of the next unit's keys are prefetched as
+// these are scored, half a tile's rows before the tile and half after, so the
+// requests are spread over the work instead of flooding the miss buffers at
+// once (the next unit's values are prefetched alike by value_heads).
 template <class Kv, bool kSplit, int kHeads>
 inline void score_heads(const float* q, const Kv* keys, int head_dim, int num_tokens,
-                        float* scores, int score_stride, const NextBlock<Kv>* next) {
+                        float* scores, int score_stride, const Kv* next_keys) {
   constexpr int kTokens = kTile / kHeads < kMaxTileTokens ? kTile / kHeads : kMaxTileTokens;
   constexpr int kEarlyRows = (kTokens + 1) / 2;
   const size_t row_bytes = head_dim * sizeof(Kv);
   int t = 0;
   for (; t + kTokens <= num_tokens; t += kTokens) {
-    if (next != nullptr) {
-      prefetch_lines(next->keys + t * head_dim, kEarlyRows * row_bytes);
-      prefetch_lines(next->values + t * head_dim, kEarlyRows * row_bytes);
-    }
+    if (next_keys != nullptr) prefetch_lines(next_keys + t * head_dim, kEarlyRows * row_bytes);
     score_tile<Kv, kSplit, kHeads, kTokens>(q, keys + t * head_dim, head_dim, scores + t, score_stride);
-    if (next != nullptr && kTokens > kEarlyRows) {
-      prefetch_lines(next->keys + (t + kEarlyRows) * head_dim, (kTokens - kEarlyRows) * row_bytes);
-      prefetch_lines(next->values + (t + kEarlyRows) * head_dim, (kTokens - kEarlyRows) * row_bytes);
+    if (next_keys != nullptr && kTokens > kEarlyRows) {
+      prefetch_lines(next_keys + (t + kEarlyRows) * head_dim, (kTokens - kEarlyRows) * row_bytes);
     }
   }
   for (; t < num_tokens; ++t) {
-    if (next != nullptr) {
-      prefetch_lines(next->keys + t * head_dim, row_bytes);
-      prefetch_lines(next->values + t * head_dim, row_bytes);
-    }
+    if (next_keys != nullptr) prefetch_lines(next_keys + t * head_dim, row_bytes);
     score_tile<Kv, kSplit, kHeads, 1>(q, keys + t * head_dim, head_dim, scores + t, score_stride);
   }
 }
 
 template <class Kv, bool kSplit>
 inline void score_block(const float* q, const Kv* keys, int group_size, int head_dim,
-                        int num_tokens, float* scores, int score_stride, const NextBlock<Kv>* next) {
+                        int num_tokens, float* scores, int score_stride, const Kv* next_keys) {
   for (int h = 0; h < group_size; h += kMaxTileHeads) {
     const float* qh = q + h * head_dim;
     float* sh = scores + h * score_stride;
-    if (h > 0) next = nullptr;  // prefetched during the first pass over the keys
+    if (h > 0) next_keys = nullptr;  // prefetched during the first pass over the keys
     switch (min_int(group_size - h, kMaxTileHeads)) {
-      case 1: score_heads<Kv, kSplit, 1>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      case 2: score_heads<Kv, kSplit, 2>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      case 3: score_heads<Kv, kSplit, 3>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      case 4: score_heads<Kv, kSplit, 4>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      case 5: score_heads<Kv, kSplit, 5>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      case 6: score_heads<Kv, kSplit, 6>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      case 7: score_heads<Kv, kSplit, 7>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
-      default: score_heads<Kv, kSplit, 8>(qh, keys, head_dim, num_tokens, sh, score_stride, next); break;
+      case 1: score_heads<Kv, kSplit, 1>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
+      case 2: score_heads<Kv, kSplit, 2>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
+      case 3: score_heads<Kv, kSplit, 3>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
+      case 4: score_heads<Kv, kSplit, 4>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
+      case 5: score_heads<Kv, kSplit, 5>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
+      case 6: score_heads<Kv, kSplit, 6>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
+      case 7: score_heads<Kv, kSplit, 7>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
+      default: score_heads<Kv, kSplit, 8>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
     }
   }
 }
@@ -263,46 +252,64 @@ TANDEM_ALWAYS_INLINE void value_tile(const float* probs, int prob_stride, const 
   }
 }
 
+// A tile's share [tile * lines / tiles, (tile + 1) * lines / tiles) of the
+// cache lines of `rows` rows starting at `start`.
+template <class Kv>
+inline void prefetch_share(const Kv* start, int rows, int head_dim, int tile, int tiles) {
+  const size_t lines = (static_cast<size_t>(rows) * head_dim * sizeof(Kv) + kCacheLine - 1) / kCacheLine;
+  const size_t first = tile * lines / tiles;
+  prefetch_lines(reinterpret_cast<const char*>(start) + first * kCacheLine,
+                 ((tile + 1) * lines / tiles - first) * kCacheLine);
+}
+
+// When next_values is set, the next unit's value rows are prefetched over the
+// tiles, a share before each.
 template <class Kv, bool kSplit, int kHeads>
 inline void value_heads(const float* probs, int prob_stride, const Kv* values, int head_dim,
-                        int num_tokens, float* acc) {
+                        int num_tokens, float* acc, const Kv* next_values) {
   // Split rows need whole spans per tile (an even count) so each tile's chunk
   // parities are known at compile time; a single chunk alternates parities.
   constexpr int kFit = kTile / kHeads;
   constexpr int kChunks = kSplit && kFit >= 2 ? kFit / 2 * 2 : kFit;
   const int num_chunks = head_dim / kWidth;
+  const int num_tiles = num_chunks / kChunks + num_chunks % kChunks;
   int c = 0;
-  for (; c + kChunks <= num_chunks; c += kChunks) {
-    if (kChunks % 2 == 0 || c % 2 == 0) {
-      value_tile<Kv, kSplit, kHeads, kChunks, 0>(probs, prob_stride, values, head_dim, num_tokens, c, acc);
+  for (int tile = 0; c < num_chunks; ++tile) {
+    if (next_values != nullptr) prefetch_share(next_values, num_tokens, head_dim, tile, num_tiles);
+    if (c + kChunks <= num_chunks) {
+      if (kChunks % 2 == 0 || c % 2 == 0) {
+        value_tile<Kv, kSplit, kHeads, kChunks, 0>(probs, prob_stride, values, head_dim, num_tokens, c, acc);
+      } else {
+        value_tile<Kv, kSplit, kHeads, kChunks, 1>(probs, prob_stride, values, head_dim, num_tokens, c, acc);
+      }
+      c += kChunks;
     } else {
-      value_tile<Kv, kSplit, kHeads, kChunks, 1>(probs, prob_stride, values, head_dim, num_tokens, c, acc);
-    }
-  }
-  for (; c < num_chunks; ++c) {
-    if (c % 2 == 0) {
-      value_tile<Kv, kSplit, kHeads, 1, 0>(probs, prob_stride, values, head_dim, num_tokens, c, acc);
-    } else {
-      value_tile<Kv, kSplit, kHeads, 1, 1>(probs, prob_stride, values, head_dim, num_tokens, c, acc);
+      if (c % 2 == 0) {
+        value_tile<Kv, kSplit, kHeads, 1, 0>(probs, prob_stride, values, head_dim, num_tokens, c, acc);
+      } else {
+        value_tile<Kv, kSplit, kHeads, 1, 1>(probs, prob_stride, values, head_dim, num_tokens, c, acc);
+      }
+      ++c;
     }
   }
 }
 
 template <class Kv, bool kSplit>
 inline void accumulate_block(const float* probs, int prob_stride, const Kv* values,
-                             int group_size, int head_dim, int num_tokens, float* acc) {
+                             int group_size, int head_dim, int num_tokens, float* acc, const Kv* next_values) {
   for (int h = 0; h < group_size; h += kMaxTileHeads) {
     const float* ph = probs + h * prob_stride;
     float* ah = acc + h * head_dim;
+    if (h > 0) next_values = nullptr;  // prefetched during the first pass over the values
     switch (min_int(group_size - h, kMaxTileHeads)) {
-      case 1: value_heads<Kv, kSplit, 1>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      case 2: value_heads<Kv, kSplit, 2>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      case 3: value_heads<Kv, kSplit, 3>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      case 4: value_heads<Kv, kSplit, 4>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      case 5: value_heads<Kv, kSplit, 5>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      case 6: value_heads<Kv, kSplit, 6>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      case 7: value_heads<Kv, kSplit, 7>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
-      default: value_heads<Kv, kSplit, 8>(ph, prob_stride, values, head_dim, num_tokens, ah); break;
+      case 1: value_heads<Kv, kSplit, 1>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
+      case 2: value_heads<Kv, kSplit, 2>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
+      case 3: value_heads<Kv, kSplit, 3>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
+      case 4: value_heads<Kv, kSplit, 4>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
+      case 5: value_heads<Kv, kSplit, 5>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
+      case 6: value_heads<Kv, kSplit, 6>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
+      case 7: value_heads<Kv, kSplit, 7>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
+      default: value_heads<Kv, kSplit, 8>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
     }
   }
 }
@@ -338,27 +345,74 @@ inline void softmax_update(float* scores, int score_stride, int group_size, int 
   }
 }
 
+// One kv head's running state inside a thread's scratch (head_state_floats).
+struct HeadState {
+  float* q;          // [group_size, head_dim], pre-scaled (split order when kSplit)
+  float* acc;        // [group_size, head_dim]
+  float* run_max;    // [group_size]
+  float* sum_lanes;  // [group_size, kWidth]
+};
+
+inline HeadState head_state(const Problem& p, float* heads, int kv_head) {
+  const int g = p.group_size();
+  float* base = heads + kv_head * head_state_floats(p);
+  float* acc = base + g * p.head_dim;
+  float* run_max = acc + g * p.head_dim;
+  return HeadState{base, acc, run_max, run_max + g};
+}
+
+template <bool kSplit>
+void start_head(const Problem& p, int seq, int kv_head, const HeadState& state) {
+  const int group_size = p.group_size();
+  const size_t first_row = static_cast<size_t>(seq) * p.num_heads + kv_head * group_size;
+  load_row(p.query, p.query_dtype, first_row * p.head_dim, group_size * p.head_dim, p.scale, state.q);
+  if (kSplit) to_split_order(state.q, group_size, p.head_dim);
+  for (int i = 0; i < group_size * p.head_dim; ++i) state.acc[i] = 0.0f;
+  for (int h = 0; h < group_size; ++h) {
+    state.run_max[h] = -__builtin_inff();
+    Isa::store(state.sum_lanes + h * kWidth, Isa::zero());
+  }
+}
+
+// Writes a finished head to problem.out, or its partial state to `partial`.
+template <bool kSplit>
+void finish_head(const Problem& p, int seq, int kv_head, const HeadState& state, const PartialState* partial) {
+  const int group_size = p.group_size();
+  const int head_dim = p.head_dim;
+  if (kSplit) from_split_order(state.acc, group_size, head_dim);
+  if (partial != nullptr) {
+    for (int h = 0; h < group_size; ++h) {
+      partial->max[h] = state.run_max[h];
+      partial->sum[h] = Isa::reduce_add(Isa::load(state.sum_lanes + h * kWidth));
+    }
+    for (int i = 0; i < group_size * head_dim; ++i) partial->acc[i] = state.acc[i];
+    return;
+  }
+  const size_t first_row = static_cast<size_t>(seq) * p.num_heads + kv_head * group_size;
+  for (int h = 0; h < group_size; ++h) {
+    const float sum = Isa::reduce_add(Isa::load(state.sum_lanes + h * kWidth));
+    store_row(state.acc + h * head_dim, 1.0f / sum, head_dim, p.out, p.query_dtype, (first_row + h) * head_dim);
+  }
+}
+
+// Walks the segment's units in order: every covered kv head of a block, then
+// the next block. Each head keeps its own running state; the scores buffer is
+// shared, as one (block, head) unit is finished before the next starts.
 template <class Kv, bool kSplit>
 void attend_segment_typed(const Problem& p, const Segment& seg, float* scratch,
-                          const PartialState* partial) {
+                          const PartialState* partials) {
   const int group_size = p.group_size();
   const int head_dim = p.head_dim;
   const int block_size = p.block_size;
-  const int score_stride = round_up(block_size, kWidth);
+  const int num_kv_heads = p.num_kv_heads;
+  const int score_stride = static_cast<int>(score_stride_floats(p));
+  float* scores = scratch;  // [group_size, score_stride]
+  float* heads = scores + group_size * score_stride;
 
-  float* q = scratch;                              // [group_size, head_dim], pre-scaled
-  float* acc = q + group_size * head_dim;          // [group_size, head_dim]
-  float* scores = acc + group_size * head_dim;     // [group_size, score_stride]
-  float* run_max = scores + group_size * score_stride;  // [group_size]
-  float* sum_lanes = run_max + group_size;              // [group_size, kWidth]
-
-  const size_t first_row = static_cast<size_t>(seg.seq) * p.num_heads + seg.kv_head * group_size;
-  load_row(p.query, p.query_dtype, first_row * head_dim, group_size * head_dim, p.scale, q);
-  if (kSplit) to_split_order(q, group_size, head_dim);
-  for (int i = 0; i < group_size * head_dim; ++i) acc[i] = 0.0f;
-  for (int h = 0; h < group_size; ++h) {
-    run_max[h] = -__builtin_inff();
-    Isa::store(sum_lanes + h * kWidth, Isa::zero());
+  for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+    if (!head_blocks(seg, kv_head, num_kv_heads).empty()) {
+      start_head<kSplit>(p, seg.seq, kv_head, head_state(p, heads, kv_head));
+    }
   }
 
   const Kv* key_cache = static_cast<const Kv*>(p.key_cache);
@@ -366,56 +420,57 @@ void attend_segment_typed(const Problem& p, const Segment& seg, float* scratch,
   const int32_t* table = p.block_tables + static_cast<size_t>(seg.seq) * p.max_blocks_per_seq;
   const int context_len = p.context_lens[seg.seq];
   const size_t head_elems = static_cast<size_t>(block_size) * head_dim;
-  const size_t block_elems = head_elems * p.num_kv_heads;
+  const size_t block_elems = head_elems * num_kv_heads;
 
-  for (int b = seg.block_begin; b < seg.block_end; ++b) {
-    const size_t base = static_cast<size_t>(table[b]) * block_elems + seg.kv_head * head_elems;
+  for (int64_t unit = seg.unit_begin; unit < seg.unit_end; ++unit) {
+    const int b = static_cast<int>(unit / num_kv_heads);
+    const int kv_head = static_cast<int>(unit % num_kv_heads);
+    const HeadState state = head_state(p, heads, kv_head);
+    const size_t base = static_cast<size_t>(table[b]) * block_elems + kv_head * head_elems;
     const int num_tokens = min_int(block_size, context_len - b * block_size);
-    // The next physical block is anywhere in the pool, out of the hardware
-    // prefetchers' reach: fetch it while this one is worked on.
-    NextBlock<Kv> next{nullptr, nullptr};
-    if (b + 1 < seg.block_end) {
-      const size_t next_base = static_cast<size_t>(table[b + 1]) * block_elems + seg.kv_head * head_elems;
-      next = NextBlock<Kv>{key_cache + next_base, value_cache + next_base};
+    // The next unit's rows are prefetched while this one is worked on: past a
+    // block's last head they are anywhere in the pool, out of the hardware
+    // prefetchers' reach, and within a block the prefetchers alone fall behind.
+    const Kv* next_keys = nullptr;
+    const Kv* next_values = nullptr;
+    if (unit + 1 < seg.unit_end) {
+      const int next_block = static_cast<int>((unit + 1) / num_kv_heads);
+      const size_t next_base = static_cast<size_t>(table[next_block]) * block_elems +
+                               static_cast<int>((unit + 1) % num_kv_heads) * head_elems;
+      next_keys = key_cache + next_base;
+      next_values = value_cache + next_base;
     }
     for (int h = 0; h < group_size; ++h) {
       for (int t = num_tokens; t < score_stride; ++t) scores[h * score_stride + t] = -__builtin_inff();
     }
-    score_block<Kv, kSplit>(q, key_cache + base, group_size, head_dim, num_tokens, scores, score_stride,
-                            b + 1 < seg.block_end ? &next : nullptr);
-    softmax_update(scores, score_stride, group_size, head_dim, run_max, sum_lanes, acc);
+    score_block<Kv, kSplit>(state.q, key_cache + base, group_size, head_dim, num_tokens, scores, score_stride,
+                            next_keys);
+    softmax_update(scores, score_stride, group_size, head_dim, state.run_max, state.sum_lanes, state.acc);
     accumulate_block<Kv, kSplit>(scores, score_stride, value_cache + base, group_size, head_dim, num_tokens,
-                                 acc);
+                                 state.acc, next_values);
   }
 
-  if (kSplit) from_split_order(acc, group_size, head_dim);
-  if (partial != nullptr) {
-    for (int h = 0; h < group_size; ++h) {
-      partial->max[h] = run_max[h];
-      partial->sum[h] = Isa::reduce_add(Isa::load(sum_lanes + h * kWidth));
-    }
-    for (int i = 0; i < group_size * head_dim; ++i) partial->acc[i] = acc[i];
-    return;
-  }
-  for (int h = 0; h < group_size; ++h) {
-    const float sum = Isa::reduce_add(Isa::load(sum_lanes + h * kWidth));
-    store_row(acc + h * head_dim, 1.0f / sum, head_dim, p.out, p.query_dtype,
-              (first_row + h) * head_dim);
+  const int num_blocks = num_logical_blocks(context_len, block_size);
+  for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+    const BlockRange range = head_blocks(seg, kv_head, num_kv_heads);
+    if (range.empty()) continue;
+    const bool whole = range.begin == 0 && range.end == num_blocks;
+    finish_head<kSplit>(p, seg.seq, kv_head, head_state(p, heads, kv_head), whole ? nullptr : &partials[kv_head]);
   }
 }
 
 void attend_segment(const Problem& p, const Segment& seg, float* scratch,
-                    const PartialState* partial) {
+                    const PartialState* partials) {
   switch (p.kv_dtype) {
-    case DType::kFloat32: attend_segment_typed<float, false>(p, seg, scratch, partial); break;
+    case DType::kFloat32: attend_segment_typed<float, false>(p, seg, scratch, partials); break;
     case DType::kBFloat16:
       if (HasSplitLoads<Isa>::value && p.head_dim % (2 * kWidth) == 0) {
-        attend_segment_typed<BFloat16, HasSplitLoads<Isa>::value>(p, seg, scratch, partial);
+        attend_segment_typed<BFloat16, HasSplitLoads<Isa>::value>(p, seg, scratch, partials);
       } else {
-        attend_segment_typed<BFloat16, false>(p, seg, scratch, partial);
+        attend_segment_typed<BFloat16, false>(p, seg, scratch, partials);
       }
       break;
-    default: attend_segment_typed<Float16, false>(p, seg, scratch, partial); break;
+    default: attend_segment_typed<Float16, false>(p, seg, scratch, partials); break;
   }
 }
 

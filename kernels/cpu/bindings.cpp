@@ -63,10 +63,6 @@ const KernelTable& select_kernels(const std::string& isa) {
 
 size_t dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
-int num_logical_blocks(int context_len, int block_size) {
-  return (context_len + block_size - 1) / block_size;
-}
-
 std::string block_error(const Problem& p, int seq, int block) {
   return "block_tables[" + std::to_string(seq) + "][" + std::to_string(block) + "] = " +
          std::to_string(p.block_tables[static_cast<size_t>(seq) * p.max_blocks_per_seq + block]) +
@@ -107,19 +103,22 @@ void append_tokens(const Problem& p, const void* new_key, const void* new_value)
   }
 }
 
-// Where one thread left a partial softmax state.
+// Which (sequence, kv head) a partial softmax state belongs to, and where it is.
 struct PartialRecord {
-  int seq = -1;
-  int kv_head = -1;
+  int seq;
+  int kv_head;
+  PartialState state;
 };
 
 void run_attention(const Problem& p, const KernelTable& kernels, int num_threads) {
   const int group_size = p.group_size();
-  // Work units are (sequence, kv head, logical block), numbered sequence-major.
+  const int num_kv_heads = p.num_kv_heads;
+  // Work units are (sequence, logical block, kv head), numbered sequence-major
+  // and block-major within a sequence (see Segment).
   std::vector<int64_t> first_unit(p.batch + 1, 0);
   for (int s = 0; s < p.batch; ++s) {
     first_unit[s + 1] = first_unit[s] +
-                        static_cast<int64_t>(num_logical_blocks(p.context_lens[s], p.block_size)) * p.num_kv_heads;
+                        static_cast<int64_t>(num_logical_blocks(p.context_lens[s], p.block_size)) * num_kv_heads;
   }
   const size_t row_bytes = p.head_dim * dtype_size(p.query_dtype);
   for (int s = 0; s < p.batch; ++s) {
@@ -132,17 +131,27 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
   if (total_units == 0) return;
   const int threads = static_cast<int>(std::min<int64_t>(num_threads, total_units));
 
+  // Only a thread's first and last segment can be cut (middle ones are whole
+  // sequences), so each thread has two slots of num_kv_heads partial states.
   const size_t state_floats = static_cast<size_t>(group_size) * (p.head_dim + 2);
+  const size_t slot_floats = state_floats * num_kv_heads;
   const size_t thread_floats =
-      (segment_scratch_floats(p) + 2 * state_floats + kCacheLineFloats - 1) / kCacheLineFloats * kCacheLineFloats;
+      (segment_scratch_floats(p) + 2 * slot_floats + kCacheLineFloats - 1) / kCacheLineFloats * kCacheLineFloats;
   std::unique_ptr<float[]> scratch(new float[thread_floats * threads]);
-  std::vector<PartialRecord> records(2 * static_cast<size_t>(threads));
+  std::vector<PartialState> slots(2 * static_cast<size_t>(threads) * num_kv_heads);
+  for (int thread = 0; thread < threads; ++thread) {
+    for (int slot = 0; slot < 2; ++slot) {
+      for (int h = 0; h < num_kv_heads; ++h) {
+        float* base = scratch.get() + thread_floats * thread + segment_scratch_floats(p) + slot * slot_floats +
+                      h * state_floats;
+        slots[(2 * static_cast<size_t>(thread) + slot) * num_kv_heads + h] =
+            PartialState{base, base + group_size, base + 2 * group_size};
+      }
+    }
+  }
+  // Each slot's cut segment; seq -1 marks an unused slot.
+  std::vector<Segment> slot_segment(2 * static_cast<size_t>(threads), Segment{-1, 0, 0});
   std::atomic<int64_t> bad_block{-1};  // seq * max_blocks_per_seq + block of an invalid entry
-
-  auto state_at = [&](int thread, int slot) {
-    float* base = scratch.get() + thread_floats * thread + segment_scratch_floats(p) + slot * state_floats;
-    return PartialState{base, base + group_size, base + 2 * group_size};
-  };
 
   const std::function<void(int)> task = [&](int thread) {
     const int64_t begin = total_units * thread / threads;
@@ -152,15 +161,14 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
     int num_segments = 0;
     for (int64_t unit = begin; unit < end;) {
       while (first_unit[seq + 1] <= unit) ++seq;
-      const int num_blocks = num_logical_blocks(p.context_lens[seq], p.block_size);
-      const int64_t local = unit - first_unit[seq];
-      Segment segment{seq, static_cast<int>(local / num_blocks), static_cast<int>(local % num_blocks), 0};
-      segment.block_end = static_cast<int>(std::min<int64_t>(num_blocks, segment.block_begin + (end - unit)));
-      unit += segment.block_end - segment.block_begin;
+      const int64_t seq_units = first_unit[seq + 1] - first_unit[seq];
+      const Segment segment{seq, unit - first_unit[seq], std::min<int64_t>(seq_units, end - first_unit[seq])};
+      unit = first_unit[seq] + segment.unit_end;
 
       const int32_t* table = p.block_tables + static_cast<size_t>(seq) * p.max_blocks_per_seq;
       bool valid = true;
-      for (int b = segment.block_begin; b < segment.block_end; ++b) {
+      const int last_block = static_cast<int>((segment.unit_end - 1) / num_kv_heads);
+      for (int b = static_cast<int>(segment.unit_begin / num_kv_heads); b <= last_block; ++b) {
         if (table[b] < 0 || table[b] >= p.num_blocks) {
           int64_t none = -1;
           bad_block.compare_exchange_strong(none, static_cast<int64_t>(seq) * p.max_blocks_per_seq + b);
@@ -168,17 +176,16 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
           break;
         }
       }
-      const bool whole = segment.block_begin == 0 && segment.block_end == num_blocks;
-      // Only a thread's first and last segment can be cut; middle ones are whole.
+      const bool whole = segment.unit_begin == 0 && segment.unit_end == seq_units;
       const int slot = num_segments++ == 0 ? 0 : 1;
       if (!valid) continue;
-      if (whole) {
-        kernels.attend_segment(p, segment, thread_scratch, nullptr);
-      } else {
-        const PartialState state = state_at(thread, slot);
-        kernels.attend_segment(p, segment, thread_scratch, &state);
-        records[2 * thread + slot] = PartialRecord{segment.seq, segment.kv_head};
+      const PartialState* partials = nullptr;
+      if (!whole) {
+        const size_t index = 2 * static_cast<size_t>(thread) + slot;
+        partials = &slots[index * num_kv_heads];
+        slot_segment[index] = segment;
       }
+      kernels.attend_segment(p, segment, thread_scratch, partials);
     }
   };
   ThreadPool::instance().run(threads, task);
@@ -188,19 +195,28 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
     throw std::invalid_argument(block_error(p, static_cast<int>(bad / p.max_blocks_per_seq),
                                             static_cast<int>(bad % p.max_blocks_per_seq)));
   }
-  // Records are in unit order, so the pieces of one (seq, kv head) are adjacent.
+  // The partial states of each cut (sequence, kv head): the heads a cut segment
+  // covered in part, grouped by (sequence, kv head) for the merge.
+  std::vector<PartialRecord> records;
+  for (size_t index = 0; index < slot_segment.size(); ++index) {
+    const Segment& segment = slot_segment[index];
+    if (segment.seq < 0) continue;
+    const int num_blocks = num_logical_blocks(p.context_lens[segment.seq], p.block_size);
+    for (int h = 0; h < num_kv_heads; ++h) {
+      const BlockRange range = head_blocks(segment, h, num_kv_heads);
+      if (range.empty() || (range.begin == 0 && range.end == num_blocks)) continue;
+      records.push_back(PartialRecord{segment.seq, h, slots[index * num_kv_heads + h]});
+    }
+  }
+  std::stable_sort(records.begin(), records.end(), [](const PartialRecord& a, const PartialRecord& b) {
+    return a.seq != b.seq ? a.seq < b.seq : a.kv_head < b.kv_head;
+  });
   std::vector<PartialState> parts;
   for (size_t i = 0; i < records.size();) {
-    if (records[i].seq < 0) {
-      ++i;
-      continue;
-    }
     parts.clear();
     size_t j = i;
-    for (; j < records.size(); ++j) {
-      if (records[j].seq < 0) continue;
-      if (records[j].seq != records[i].seq || records[j].kv_head != records[i].kv_head) break;
-      parts.push_back(state_at(static_cast<int>(j / 2), static_cast<int>(j % 2)));
+    for (; j < records.size() && records[j].seq == records[i].seq && records[j].kv_head == records[i].kv_head; ++j) {
+      parts.push_back(records[j].state);
     }
     kernels.merge_partials(p, records[i].seq, records[i].kv_head, parts.data(), static_cast<int>(parts.size()));
     i = j;

@@ -68,6 +68,8 @@ struct Isa : ExpConstants {
     return _mm_cvtss_f32(s);
   }
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+  // Keeps v in a register (see score_tile).
+  static void pin(Vec& v) { __asm__("" : "+x"(v)); }
 
   // e^x: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (about 1 ulp),
   // scaled by 2^n through the exponent bits. Inputs below the fp32 range

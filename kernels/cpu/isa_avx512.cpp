@@ -56,6 +56,8 @@ struct Isa : ExpConstants {
   static float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
   static float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+  // Keeps v in a register (see score_tile).
+  static void pin(Vec& v) { __asm__("" : "+v"(v)); }
 
   // e^x: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (about 1 ulp),
   // scaled by 2^n. Inputs below the fp32 range (including -inf) give exactly 0.

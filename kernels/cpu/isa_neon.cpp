@@ -43,6 +43,8 @@ struct Isa : ExpConstants {
   static float reduce_add(Vec v) { return vaddvq_f32(v); }
   static float reduce_max(Vec v) { return vmaxvq_f32(v); }
   static void prefetch(const void* p) { __builtin_prefetch(p); }
+  // Keeps v in a register (see score_tile).
+  static void pin(Vec& v) { __asm__("" : "+w"(v)); }
 
   // e^x as in the x86 paths: range reduction, degree-6 polynomial, 2^n via the
   // exponent bits; inputs below the fp32 range (including -inf) give exactly 0.

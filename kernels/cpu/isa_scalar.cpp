@@ -72,6 +72,7 @@ struct Isa {
   static float reduce_add(Vec v) { return v; }
   static float reduce_max(Vec v) { return v; }
   static void prefetch(const void* p) { __builtin_prefetch(p); }
+  static void pin(Vec& v) { static_cast<void>(v); }  // one scalar register per value anyway
   static Vec exp(Vec x) { return std::exp(x); }
   static float exp_scalar(float x) { return std::exp(x); }
   static void reduce8(Vec v0, Vec v1, Vec v2, Vec v3, Vec v4, Vec v5, Vec v6, Vec v7, float* out) {

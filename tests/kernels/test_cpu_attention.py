@@ -125,6 +125,15 @@ def test_many_short_sequences(num_threads):
     check(make_problem(lengths, num_kv_heads=4, seed=2), num_threads=num_threads)
 
 
+@pytest.mark.parametrize("num_threads", range(2, 10))
+def test_cuts_between_kv_heads_of_one_block(num_threads):
+    # Work is walked block-major over kv heads, so with 3 kv heads most cuts fall
+    # inside a block: some heads of a sequence end whole in one thread, others
+    # are partial in two or three.
+    problem = make_problem([37, 5, 70], num_kv_heads=3, group_size=2, seed=num_threads)
+    check(problem, num_threads=num_threads)
+
+
 def test_one_long_sequence_with_many_threads():
     # More threads than a short sequence has blocks: most get one block or none.
     check(make_problem([50], group_size=8, block_size=16), num_threads=9)
