@@ -67,6 +67,8 @@ struct BlockRange {
   int begin;
   int end;
   bool empty() const { return begin >= end; }
+  // All num_blocks of the sequence: the head's result is final, not a partial state.
+  bool whole(int num_blocks) const { return begin == 0 && end == num_blocks; }
 };
 
 // Block b belongs to kv head h's range when unit_begin <= b * H + h < unit_end.

@@ -197,6 +197,23 @@ inline void score_heads(const float* q, const Kv* keys, int head_dim, int num_to
   }
 }
 
+// Calls f(std::integral_constant<int, n>{}) for n = min(heads, kMaxTileHeads), so
+// the tile functions get their head count at compile time.
+template <class F>
+TANDEM_ALWAYS_INLINE void with_tile_heads(int heads, F&& f) {
+  switch (min_int(heads, kMaxTileHeads)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+static_assert(kMaxTileHeads == 8, "with_tile_heads covers 1..8 heads");
+
 template <class Kv, bool kSplit>
 inline void score_block(const float* q, const Kv* keys, int group_size, int head_dim,
                         int num_tokens, float* scores, int score_stride, const Kv* next_keys) {
@@ -204,16 +221,9 @@ inline void score_block(const float* q, const Kv* keys, int group_size, int head
     const float* qh = q + h * head_dim;
     float* sh = scores + h * score_stride;
     if (h > 0) next_keys = nullptr;  // prefetched during the first pass over the keys
-    switch (min_int(group_size - h, kMaxTileHeads)) {
-      case 1: score_heads<Kv, kSplit, 1>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
-      case 2: score_heads<Kv, kSplit, 2>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
-      case 3: score_heads<Kv, kSplit, 3>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
-      case 4: score_heads<Kv, kSplit, 4>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
-      case 5: score_heads<Kv, kSplit, 5>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
-      case 6: score_heads<Kv, kSplit, 6>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
-      case 7: score_heads<Kv, kSplit, 7>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
-      default: score_heads<Kv, kSplit, 8>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys); break;
-    }
+    with_tile_heads(group_size - h, [&](auto heads) {
+      score_heads<Kv, kSplit, decltype(heads)::value>(qh, keys, head_dim, num_tokens, sh, score_stride, next_keys);
+    });
   }
 }
 
@@ -301,16 +311,9 @@ inline void accumulate_block(const float* probs, int prob_stride, const Kv* valu
     const float* ph = probs + h * prob_stride;
     float* ah = acc + h * head_dim;
     if (h > 0) next_values = nullptr;  // prefetched during the first pass over the values
-    switch (min_int(group_size - h, kMaxTileHeads)) {
-      case 1: value_heads<Kv, kSplit, 1>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
-      case 2: value_heads<Kv, kSplit, 2>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
-      case 3: value_heads<Kv, kSplit, 3>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
-      case 4: value_heads<Kv, kSplit, 4>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
-      case 5: value_heads<Kv, kSplit, 5>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
-      case 6: value_heads<Kv, kSplit, 6>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
-      case 7: value_heads<Kv, kSplit, 7>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
-      default: value_heads<Kv, kSplit, 8>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values); break;
-    }
+    with_tile_heads(group_size - h, [&](auto heads) {
+      value_heads<Kv, kSplit, decltype(heads)::value>(ph, prob_stride, values, head_dim, num_tokens, ah, next_values);
+    });
   }
 }
 
@@ -454,8 +457,8 @@ void attend_segment_typed(const Problem& p, const Segment& seg, float* scratch,
   for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
     const BlockRange range = head_blocks(seg, kv_head, num_kv_heads);
     if (range.empty()) continue;
-    const bool whole = range.begin == 0 && range.end == num_blocks;
-    finish_head<kSplit>(p, seg.seq, kv_head, head_state(p, heads, kv_head), whole ? nullptr : &partials[kv_head]);
+    finish_head<kSplit>(p, seg.seq, kv_head, head_state(p, heads, kv_head),
+                        range.whole(num_blocks) ? nullptr : &partials[kv_head]);
   }
 }
 

@@ -204,7 +204,7 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
     const int num_blocks = num_logical_blocks(p.context_lens[segment.seq], p.block_size);
     for (int h = 0; h < num_kv_heads; ++h) {
       const BlockRange range = head_blocks(segment, h, num_kv_heads);
-      if (range.empty() || (range.begin == 0 && range.end == num_blocks)) continue;
+      if (range.empty() || range.whole(num_blocks)) continue;
       records.push_back(PartialRecord{segment.seq, h, slots[index * num_kv_heads + h]});
     }
   }
