@@ -9,7 +9,9 @@ own, so a neighbour's load on a shared machine weighs on both alike.
 
 Calls rotate over enough layers' caches that the KV touched between two visits
 to one layer exceeds the last-level cache many times over, as in an engine
-walking its layers, so the numbers are from DRAM, not cache.
+walking its layers, so the numbers are from DRAM, not cache. The caches are
+allocated as the engine's host pool is (engine.kv_cache.host_zeros: transparent
+2 MiB pages where Linux grants them).
 
     .venv/bin/python benchmarks/cpu_attention.py [--quick]
 Prints a markdown table and writes benchmarks/results/cpu_attention.json.
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_cache import host_zeros
 from kernels import cpu
 from kernels.cpu import reference
 
@@ -85,9 +88,9 @@ def bench_config(batch: int, context: int, num_threads: int, reference_reps: int
     layer_shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
     layer_bytes = 2 * math.prod(layer_shape) * KV_DTYPE.itemsize
     num_layers = max(1, math.ceil(ROTATION_BYTES / layer_bytes))
-    # [layers, blocks, kv_heads, block_size, head_dim], as the engine holds it.
-    key_cache = torch.empty((num_layers, *layer_shape), dtype=KV_DTYPE).uniform_(-1, 1)
-    value_cache = torch.empty((num_layers, *layer_shape), dtype=KV_DTYPE).uniform_(-1, 1)
+    # [layers, blocks, kv_heads, block_size, head_dim] on 2 MiB pages, as the engine holds it.
+    key_cache = host_zeros((num_layers, *layer_shape), KV_DTYPE).uniform_(-1, 1)
+    value_cache = host_zeros((num_layers, *layer_shape), KV_DTYPE).uniform_(-1, 1)
     block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(batch, blocks_per_seq)
     context_lens = torch.full((batch,), context, dtype=torch.int32)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM).to(QUERY_DTYPE)

@@ -6,6 +6,9 @@ BlockPools; this module only owns the tensors and copies between them.
 """
 from __future__ import annotations
 
+import ctypes
+import math
+import sys
 from typing import Protocol, Sequence
 
 import torch
@@ -25,6 +28,37 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
     return [tuple(r) for r in runs]
 
 
+HUGE_PAGE_BYTES = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def _advise_huge_pages(address: int, length: int) -> bool:
+    """madvise(MADV_HUGEPAGE) on [address, address + length); False where the host refuses."""
+    if not sys.platform.startswith("linux") or length <= 0:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(address, length, _MADV_HUGEPAGE) == 0
+
+
+def host_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor on transparent 2 MiB pages where Linux grants them (plain pages elsewhere).
+
+    The CPU attention kernel reads each (block, kv head) slice, 4 KiB in the common shapes, from
+    anywhere in the pool: on 4 KiB pages that is a TLB miss and a page walk per slice, and the
+    kernel ran ~1.1-1.2x slower (benchmarks/cpu_attention.py). The buffer is over-allocated by one
+    huge page so the tensor can start on a 2 MiB boundary, advised before its first touch, then
+    zeroed, which faults it in."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE_BYTES:
+        return torch.zeros(tuple(shape), dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
+    _advise_huge_pages(raw.data_ptr() + offset, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
+    # A view: it keeps `raw`'s storage alive.
+    return raw[offset:offset + nbytes].view(dtype).view(tuple(shape)).zero_()
+
+
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", pin_memory: bool = False) -> None:
@@ -32,8 +66,11 @@ class KVCache:
         self.block_size = block_size
         shape = (config.num_layers, num_blocks, config.num_kv_heads, block_size, config.head_dim)
         # [layers, blocks, kv_heads, block_size, head_dim]
-        self.key = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-        self.value = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        if torch.device(device).type == "cpu" and not pin_memory:
+            self.key, self.value = host_zeros(shape, dtype), host_zeros(shape, dtype)
+        else:  # pinned memory comes from the CUDA allocator, which takes no page advice
+            self.key = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+            self.value = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
