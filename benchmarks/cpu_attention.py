@@ -5,7 +5,9 @@ heads, 8 kv heads of 128, bf16 KV in blocks of 16) this times the kernel and the
 plain torch reference, and compares the kernel's effective bandwidth (KV bytes
 read / time) with the machine's read bandwidth, measured by a large-tensor
 torch.sum on the kernel's thread count in rounds interleaved with the kernel's
-own, so a neighbour's load on a shared machine weighs on both alike.
+own, so a neighbour's load on a shared machine weighs on both alike. Each
+round's timed calls follow SETTLE_SECONDS of untimed ones, so torch's OpenMP
+threads, left spinning by the bandwidth sample, are not timed against the kernel.
 
 Calls rotate over enough layers' caches that the KV touched between two visits
 to one layer exceeds the last-level cache many times over, as in an engine
@@ -48,10 +50,22 @@ MAX_KV_BYTES = 2 << 30
 ROTATION_BYTES = 512 << 20
 BANDWIDTH_TENSOR_BYTES = 2 << 30
 KERNEL_REPS = 9
+# Kernel calls, untimed, after each read-bandwidth sample: torch's OpenMP threads go on spinning
+# for some milliseconds after torch.sum and take the kernel's cores (the first calls after it ran
+# up to 20x slower on the 2-core VM, and the next ~10 up to 1.6x).
+SETTLE_SECONDS = 0.05
 # Rounds of (read-bandwidth sample, KERNEL_REPS kernel calls) per configuration.
 ROUNDS = 3
 REFERENCE_REPS = 3
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_attention.json"
+
+
+def settle(fn, seconds: float) -> None:
+    """Calls fn, untimed, for `seconds` (at least once)."""
+    start = time.perf_counter()
+    fn()
+    while time.perf_counter() - start < seconds:
+        fn()
 
 
 def median_time(fn, reps: int, warmup: int = 1) -> float:
@@ -109,6 +123,7 @@ def bench_config(batch: int, context: int, num_threads: int, reference_reps: int
     kernel_times, bandwidths = [], []
     for _ in range(ROUNDS):
         bandwidths.append(bandwidth.sample())
+        settle(run_kernel, SETTLE_SECONDS)
         kernel_times.append(median_time(run_kernel, KERNEL_REPS, warmup=0))
     kernel_s = statistics.median(kernel_times)
     read_bps = statistics.median(bandwidths)
@@ -120,6 +135,7 @@ def bench_config(batch: int, context: int, num_threads: int, reference_reps: int
     reference_s = None
     if reference_reps:
         torch.set_num_threads(num_threads)
+        time.sleep(SETTLE_SECONDS)  # the kernel's pool workers poll for up to 1 ms after a call
         reference_s = median_time(
             lambda: reference.paged_decode_attention(query, key_cache[0], value_cache[0], block_tables,
                                                      context_lens, scale),
