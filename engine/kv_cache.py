@@ -7,6 +7,7 @@ BlockPools; this module only owns the tensors and copies between them.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import sys
 from typing import Protocol, Sequence
@@ -49,7 +50,7 @@ def host_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     kernel ran ~1.1-1.2x slower (benchmarks/cpu_attention.py). The buffer is over-allocated by one
     huge page so the tensor can start on a 2 MiB boundary, advised before its first touch, then
     zeroed, which faults it in."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(tuple(shape), dtype=dtype)
     raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
@@ -67,15 +68,14 @@ class KVCache:
         shape = (config.num_layers, num_blocks, config.num_kv_heads, block_size, config.head_dim)
         # [layers, blocks, kv_heads, block_size, head_dim]
         if torch.device(device).type == "cpu" and not pin_memory:
-            self.key, self.value = host_zeros(shape, dtype), host_zeros(shape, dtype)
+            zeros = host_zeros
         else:  # pinned memory comes from the CUDA allocator, which takes no page advice
-            self.key = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-            self.value = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+            zeros = functools.partial(torch.zeros, device=device, pin_memory=pin_memory)
+        self.key, self.value = zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * element_size
+        return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * dtype.itemsize
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
               slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:

@@ -436,24 +436,22 @@ void attend_segment_typed(const Problem& p, const Segment& seg, float* scratch,
   const size_t head_elems = static_cast<size_t>(block_size) * head_dim;
   const size_t block_elems = head_elems * num_kv_heads;
 
+  // Element offset of a unit's rows in either cache.
+  const auto unit_offset = [&](int64_t unit) {
+    return static_cast<size_t>(table[unit / num_kv_heads]) * block_elems + (unit % num_kv_heads) * head_elems;
+  };
+
   for (int64_t unit = seg.unit_begin; unit < seg.unit_end; ++unit) {
     const int b = static_cast<int>(unit / num_kv_heads);
-    const int kv_head = static_cast<int>(unit % num_kv_heads);
-    const HeadState state = head_state(p, heads, kv_head);
-    const size_t base = static_cast<size_t>(table[b]) * block_elems + kv_head * head_elems;
+    const HeadState state = head_state(p, heads, static_cast<int>(unit % num_kv_heads));
+    const size_t base = unit_offset(unit);
     const int num_tokens = min_int(block_size, context_len - b * block_size);
     // The next unit's rows are prefetched while this one is worked on: past a
     // block's last head they are anywhere in the pool, out of the hardware
     // prefetchers' reach, and within a block the prefetchers alone fall behind.
-    const Kv* next_keys = nullptr;
-    const Kv* next_values = nullptr;
-    if (unit + 1 < seg.unit_end) {
-      const int next_block = static_cast<int>((unit + 1) / num_kv_heads);
-      const size_t next_base = static_cast<size_t>(table[next_block]) * block_elems +
-                               static_cast<int>((unit + 1) % num_kv_heads) * head_elems;
-      next_keys = key_cache + next_base;
-      next_values = value_cache + next_base;
-    }
+    const bool has_next = unit + 1 < seg.unit_end;
+    const Kv* next_keys = has_next ? key_cache + unit_offset(unit + 1) : nullptr;
+    const Kv* next_values = has_next ? value_cache + unit_offset(unit + 1) : nullptr;
     for (int h = 0; h < group_size; ++h) {
       for (int t = num_tokens; t < score_stride; ++t) scores[h * score_stride + t] = -__builtin_inff();
     }

@@ -9,6 +9,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.kv_cache import HUGE_PAGE_BYTES, KVCache, host_zeros
+from engine.weights import EMBEDDED_MODEL
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -49,11 +50,8 @@ def test_small_host_tensors_take_plain_pages():
 
 @pytest.mark.skipif(not thp_available(), reason="no transparent huge pages on this host")
 def test_host_pool_is_advised_onto_huge_pages():
-    config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=128,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                         rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
-                         attention_bias=False)
-    cache = KVCache(config, num_blocks=1024, block_size=16, dtype=torch.float32)  # 4 MiB per tensor
+    config = ModelConfig.from_preset(EMBEDDED_MODEL)  # 30 layers, 3 kv heads of 64
+    cache = KVCache(config, num_blocks=32, block_size=16, dtype=torch.float32)  # 11 MiB per tensor
     for tensor in (cache.key, cache.value):
         assert tensor.data_ptr() % HUGE_PAGE_BYTES == 0
         assert "hg" in mapping_flags(tensor.data_ptr())  # VM_HUGEPAGE: madvise(MADV_HUGEPAGE) took
