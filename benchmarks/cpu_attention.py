@@ -9,6 +9,11 @@ own, so a neighbour's load on a shared machine weighs on both alike. Each
 round's timed calls follow SETTLE_SECONDS of untimed ones, so torch's OpenMP
 threads, left spinning by the bandwidth sample, are not timed against the kernel.
 
+In the same rounds a pure reader (benchmarks/pattern_reader.cpp, built here with
+g++ on x86 with AVX2) streams the same caches in the kernel's access order with
+no arithmetic: the share of the read bandwidth that the paged layout's access
+order leaves, which the kernel cannot exceed.
+
 Calls rotate over enough layers' caches that the KV touched between two visits
 to one layer exceeds the last-level cache many times over, as in an engine
 walking its layers, so the numbers are from DRAM, not cache. The caches are
@@ -22,11 +27,15 @@ Prints a markdown table and writes benchmarks/results/cpu_attention.json.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
 import platform
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,6 +67,7 @@ SETTLE_SECONDS = 0.05
 ROUNDS = 3
 REFERENCE_REPS = 3
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_attention.json"
+PATTERN_READER_SOURCE = Path(__file__).resolve().parent / "pattern_reader.cpp"
 
 
 def settle(fn, seconds: float) -> None:
@@ -79,6 +89,50 @@ def median_time(fn, reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+class PatternReader:
+    """benchmarks/pattern_reader.cpp, compiled into a temporary directory and loaded with ctypes."""
+
+    def __init__(self, library: Path):
+        self._library = ctypes.CDLL(str(library))
+        self._library.read_pattern.restype = ctypes.c_double
+        self._library.read_pattern.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+
+    @classmethod
+    def build(cls, directory: Path) -> "PatternReader | None":
+        """None (with the reason printed) where it cannot be built: not x86 with AVX2, or no g++."""
+        compiler = os.environ.get("CXX", "g++")
+        if "avx2" not in cpu.usable_isas() or shutil.which(compiler) is None:
+            print(f"pattern reader skipped: needs x86 with AVX2 and {compiler}")
+            return None
+        library = directory / "pattern_reader.so"
+        command = [compiler, "-O2", "-std=c++17", "-mavx2", "-shared", "-fPIC", "-pthread",
+                   str(PATTERN_READER_SOURCE), "-o", str(library)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SystemExit(f"building the pattern reader failed:\n{result.stderr}")
+        return cls(library)
+
+    def read(self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+             num_threads: int, reps: int, first_layer: int = 0) -> tuple[float, float]:
+        """(seconds per call, checksum) over reps + 1 calls, the first untimed; call i reads layer
+        (first_layer + i) % num_layers of the [layers, blocks, kv_heads, block_size, head_dim] caches. The checksum
+        sums every fp32 word read (see pattern_reader.cpp)."""
+        num_layers, num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+        batch, blocks_per_seq = block_tables.shape
+        head_bytes = block_size * head_dim * key_cache.element_size()
+        if head_bytes % 64 or not (key_cache.is_contiguous() and value_cache.is_contiguous()
+                                   and block_tables.is_contiguous() and block_tables.dtype == torch.int32):
+            raise ValueError("the pattern reader needs contiguous caches with 64-byte (block, head) slices "
+                             "and contiguous int32 block tables")
+        checksum = ctypes.c_double()
+        seconds = self._library.read_pattern(
+            key_cache.data_ptr(), value_cache.data_ptr(), num_layers, first_layer, num_blocks, block_tables.data_ptr(), batch,
+            blocks_per_seq, num_kv_heads, head_bytes, num_threads, reps, ctypes.byref(checksum))
+        return seconds, checksum.value
+
+
 class ReadBandwidth:
     """Bytes/s of torch.sum over a tensor far larger than the caches, on num_threads threads."""
 
@@ -96,7 +150,7 @@ class ReadBandwidth:
 
 
 def bench_config(batch: int, context: int, num_threads: int, reference_reps: int,
-                 bandwidth: ReadBandwidth) -> dict:
+                 bandwidth: ReadBandwidth, reader: PatternReader | None) -> dict:
     blocks_per_seq = math.ceil(context / BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
     layer_shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
@@ -120,13 +174,21 @@ def bench_config(batch: int, context: int, num_threads: int, reference_reps: int
 
     for _ in range(num_layers):  # warm-up: one call per layer
         run_kernel()
-    kernel_times, bandwidths = [], []
+    kernel_times, bandwidths, reader_times = [], [], []
     for _ in range(ROUNDS):
         bandwidths.append(bandwidth.sample())
         settle(run_kernel, SETTLE_SECONDS)
         kernel_times.append(median_time(run_kernel, KERNEL_REPS, warmup=0))
+        if reader is not None:
+            time.sleep(SETTLE_SECONDS)  # the kernel's pool workers poll for up to 1 ms after a call
+            # From the layer the kernel would take next, the one it touched longest ago; the kernel
+            # then goes on past the reader's layers, so neither reads what the other left in cache.
+            reader_times.append(reader.read(key_cache, value_cache, block_tables, num_threads, KERNEL_REPS,
+                                            first_layer=layer)[0])
+            layer = (layer + KERNEL_REPS + 1) % num_layers
     kernel_s = statistics.median(kernel_times)
     read_bps = statistics.median(bandwidths)
+    reader_s = statistics.median(reader_times) if reader_times else None
     expected = reference.paged_decode_attention(query, key_cache[0], value_cache[0], block_tables,
                                                 context_lens, scale)
     cpu.paged_decode_attention(query, key_cache[0], value_cache[0], block_tables, context_lens, scale,
@@ -149,6 +211,7 @@ def bench_config(batch: int, context: int, num_threads: int, reference_reps: int
         "kernel_gbps": kv_bytes_read / kernel_s / 1e9,
         "read_bandwidth_gbps": read_bps / 1e9,
         "percent_of_read_bandwidth": 100 * kv_bytes_read / kernel_s / read_bps,
+        "pattern_reader_percent_of_read_bandwidth": None if reader_s is None else 100 * kv_bytes_read / reader_s / read_bps,
         "reference_ms": None if reference_s is None else reference_s * 1e3,
         "speedup": None if reference_s is None else reference_s / kernel_s,
         "max_abs_error_vs_reference": max_error,
@@ -169,27 +232,34 @@ def main() -> None:
     bandwidth = ReadBandwidth(num_threads)
     title = (f"isa {cpu.usable_isas()[0]}, {num_threads} kernel threads (cores available: "
              f"{len(os.sched_getaffinity(0))}); read BW: torch.sum over 2 GiB on {num_threads} threads, "
-             f"median of {ROUNDS} samples interleaved with each row's kernel rounds")
+             f"median of {ROUNDS} samples interleaved with each row's kernel rounds; pattern reader: the "
+             f"kernel's access order with no arithmetic, same rounds")
     print(title + "\n")
     lines = [title, ""]
     rows = []
-    header = ("| batch | context | KV MiB | kernel ms | GB/s | read BW GB/s | % of read BW | torch ref ms | speed-up |\n"
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    header = ("| batch | context | KV MiB | kernel ms | GB/s | read BW GB/s | % of read BW | pattern reader % "
+              "| kernel / reader | torch ref ms | speed-up |\n"
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(header)
     lines.append(header)
-    for batch in batches:
-        for context in contexts:
-            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
-            if kv_bytes > MAX_KV_BYTES:
-                continue
-            row = bench_config(batch, context, num_threads, REFERENCE_REPS if kv_bytes <= 256 << 20 else 1,
-                               bandwidth)
-            rows.append(row)
-            lines.append(f"| {batch} | {context} | {row['kv_mib']:.0f} | {row['kernel_ms']:.3f} | "
-                         f"{row['kernel_gbps']:.1f} | {row['read_bandwidth_gbps']:.1f} | "
-                         f"{row['percent_of_read_bandwidth']:.0f}% | "
-                         f"{row['reference_ms']:.1f} | {row['speedup']:.1f}x |")
-            print(lines[-1], flush=True)
+    with tempfile.TemporaryDirectory() as build_dir:
+        reader = PatternReader.build(Path(build_dir))
+        for batch in batches:
+            for context in contexts:
+                kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
+                if kv_bytes > MAX_KV_BYTES:
+                    continue
+                row = bench_config(batch, context, num_threads, REFERENCE_REPS if kv_bytes <= 256 << 20 else 1,
+                                   bandwidth, reader)
+                rows.append(row)
+                reader_percent = row["pattern_reader_percent_of_read_bandwidth"]
+                reader_cells = ("- | -" if reader_percent is None else
+                                f"{reader_percent:.0f}% | {row['percent_of_read_bandwidth'] / reader_percent:.2f}")
+                lines.append(f"| {batch} | {context} | {row['kv_mib']:.0f} | {row['kernel_ms']:.3f} | "
+                             f"{row['kernel_gbps']:.1f} | {row['read_bandwidth_gbps']:.1f} | "
+                             f"{row['percent_of_read_bandwidth']:.0f}% | {reader_cells} | "
+                             f"{row['reference_ms']:.1f} | {row['speedup']:.1f}x |")
+                print(lines[-1], flush=True)
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
