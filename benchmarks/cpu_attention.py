@@ -34,7 +34,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch
 from engine.kv_cache import host_zeros
 from kernels import cpu
 from kernels.cpu import reference
+from kernels.cpu.build import BuildError, default_compiler, run_command
 
 NUM_HEADS = 32
 NUM_KV_HEADS = 8
@@ -78,6 +78,11 @@ def settle(fn, seconds: float) -> None:
         fn()
 
 
+def wait_for_idle_pool() -> None:
+    """Lets the kernel's pool workers, which poll for up to 1 ms after a call, go to sleep."""
+    time.sleep(SETTLE_SECONDS)
+
+
 def median_time(fn, reps: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
@@ -102,23 +107,23 @@ class PatternReader:
     @classmethod
     def build(cls, directory: Path) -> "PatternReader | None":
         """None (with the reason printed) where it cannot be built: not x86 with AVX2, or no g++."""
-        compiler = os.environ.get("CXX", "g++")
+        compiler = default_compiler()
         if "avx2" not in cpu.usable_isas() or shutil.which(compiler) is None:
             print(f"pattern reader skipped: needs x86 with AVX2 and {compiler}")
             return None
         library = directory / "pattern_reader.so"
-        command = [compiler, "-O2", "-std=c++17", "-mavx2", "-shared", "-fPIC", "-pthread",
-                   str(PATTERN_READER_SOURCE), "-o", str(library)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise SystemExit(f"building the pattern reader failed:\n{result.stderr}")
+        try:
+            run_command([compiler, "-O2", "-std=c++17", "-mavx2", "-shared", "-fPIC", "-pthread",
+                         str(PATTERN_READER_SOURCE), "-o", str(library)])
+        except BuildError as exc:
+            raise SystemExit(f"building the pattern reader failed:\n{exc}") from exc
         return cls(library)
 
     def read(self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
              num_threads: int, reps: int, first_layer: int = 0) -> tuple[float, float]:
         """(seconds per call, checksum) over reps + 1 calls, the first untimed; call i reads layer
-        (first_layer + i) % num_layers of the [layers, blocks, kv_heads, block_size, head_dim] caches. The checksum
-        sums every fp32 word read (see pattern_reader.cpp)."""
+        (first_layer + i) % num_layers of the [layers, blocks, kv_heads, block_size, head_dim] caches.
+        The checksum sums every fp32 word read (see pattern_reader.cpp)."""
         num_layers, num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
         batch, blocks_per_seq = block_tables.shape
         head_bytes = block_size * head_dim * key_cache.element_size()
@@ -128,8 +133,9 @@ class PatternReader:
                              "and contiguous int32 block tables")
         checksum = ctypes.c_double()
         seconds = self._library.read_pattern(
-            key_cache.data_ptr(), value_cache.data_ptr(), num_layers, first_layer, num_blocks, block_tables.data_ptr(), batch,
-            blocks_per_seq, num_kv_heads, head_bytes, num_threads, reps, ctypes.byref(checksum))
+            key_cache.data_ptr(), value_cache.data_ptr(), num_layers, first_layer, num_blocks,
+            block_tables.data_ptr(), batch, blocks_per_seq, num_kv_heads, head_bytes, num_threads, reps,
+            ctypes.byref(checksum))
         return seconds, checksum.value
 
 
@@ -180,7 +186,7 @@ def bench_config(batch: int, context: int, num_threads: int, reference_reps: int
         settle(run_kernel, SETTLE_SECONDS)
         kernel_times.append(median_time(run_kernel, KERNEL_REPS, warmup=0))
         if reader is not None:
-            time.sleep(SETTLE_SECONDS)  # the kernel's pool workers poll for up to 1 ms after a call
+            wait_for_idle_pool()
             # From the layer the kernel would take next, the one it touched longest ago; the kernel
             # then goes on past the reader's layers, so neither reads what the other left in cache.
             reader_times.append(reader.read(key_cache, value_cache, block_tables, num_threads, KERNEL_REPS,
@@ -197,7 +203,7 @@ def bench_config(batch: int, context: int, num_threads: int, reference_reps: int
     reference_s = None
     if reference_reps:
         torch.set_num_threads(num_threads)
-        time.sleep(SETTLE_SECONDS)  # the kernel's pool workers poll for up to 1 ms after a call
+        wait_for_idle_pool()
         reference_s = median_time(
             lambda: reference.paged_decode_attention(query, key_cache[0], value_cache[0], block_tables,
                                                      context_lens, scale),
@@ -211,7 +217,8 @@ def bench_config(batch: int, context: int, num_threads: int, reference_reps: int
         "kernel_gbps": kv_bytes_read / kernel_s / 1e9,
         "read_bandwidth_gbps": read_bps / 1e9,
         "percent_of_read_bandwidth": 100 * kv_bytes_read / kernel_s / read_bps,
-        "pattern_reader_percent_of_read_bandwidth": None if reader_s is None else 100 * kv_bytes_read / reader_s / read_bps,
+        "pattern_reader_percent_of_read_bandwidth":
+            None if reader_s is None else 100 * kv_bytes_read / reader_s / read_bps,
         "reference_ms": None if reference_s is None else reference_s * 1e3,
         "speedup": None if reference_s is None else reference_s / kernel_s,
         "max_abs_error_vs_reference": max_error,

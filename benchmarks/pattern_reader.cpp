@@ -7,8 +7,8 @@
 // then its V rows, in address order, prefetching the next unit's rows alongside,
 // and adds every 32 bytes into a running sum so no load can be dropped. Layer l
 // of `reps` calls reads layer (first_layer + l) % num_layers of the caches, as the
-// benchmark's kernel calls rotate over layers. Built by the benchmark with g++; not part of
-// the product.
+// benchmark's kernel calls rotate over layers. Built by the benchmark with g++;
+// not part of the product.
 #include <immintrin.h>
 
 #include <atomic>

@@ -45,7 +45,12 @@ def _include_flags() -> list[str]:
     return ["-I" + pybind11.get_include(), "-I" + sysconfig.get_paths()["include"], "-I" + str(HERE)]
 
 
-def _run(command: list[str]) -> None:
+def default_compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def run_command(command: list[str]) -> None:
+    """Runs a compiler command; BuildError with its stderr on failure, its warnings echoed."""
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise BuildError(f"command failed ({result.returncode}): {shlex.join(command)}\n{result.stderr}")
@@ -54,7 +59,7 @@ def _run(command: list[str]) -> None:
 
 
 def build(compiler: str | None = None) -> Path:
-    compiler = compiler or os.environ.get("CXX", "g++")
+    compiler = compiler or default_compiler()
     includes = _include_flags()
     is_x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
     target = output_path()
@@ -63,11 +68,11 @@ def build(compiler: str | None = None) -> Path:
         for source in SOURCES:
             obj = os.path.join(build_dir, source.replace(".cpp", ".o"))
             isa_flags = X86_ISA_FLAGS.get(source, []) if is_x86 else []
-            _run([compiler, *COMMON_FLAGS, *isa_flags, *includes, "-c", str(HERE / source), "-o", obj])
+            run_command([compiler, *COMMON_FLAGS, *isa_flags, *includes, "-c", str(HERE / source), "-o", obj])
             objects.append(obj)
         # Link to a temporary name first so a failed build never leaves a half-written module.
         partial = target.with_suffix(".tmp")
-        _run([compiler, "-shared", "-pthread", *objects, "-o", str(partial)])
+        run_command([compiler, "-shared", "-pthread", *objects, "-o", str(partial)])
         os.replace(partial, target)
     return target
 
