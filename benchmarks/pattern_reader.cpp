@@ -2,13 +2,14 @@
 // benchmarks/cpu_attention.py: how fast the paged pool can be streamed in the
 // kernel's order when there is no arithmetic to overlap.
 //
-// Like the kernel it walks each sequence's (block, kv head) units block-major,
-// the batch's units split evenly over the threads; it reads a unit's K rows,
-// then its V rows, in address order, prefetching the next unit's rows alongside,
-// and adds every 32 bytes into a running sum so no load can be dropped. Layer l
-// of `reps` calls reads layer (first_layer + l) % num_layers of the caches, as the
-// benchmark's kernel calls rotate over layers. Built by the benchmark with g++;
-// not part of the product.
+// It mirrors the kernel's walk (kernels/cpu/attention_impl.h, bindings.cpp), and
+// a change there must be carried here: each sequence's (block, kv head) units
+// block-major, the batch's units split evenly over the threads. It reads a
+// unit's K rows, then its V rows, in address order, prefetching the next unit's
+// rows alongside, and adds every 32 bytes into a running sum so no load can be
+// dropped. Call l of `reps` reads layer (first_layer + l) % num_layers of the
+// caches, as the benchmark's kernel calls rotate over layers. Built by the
+// benchmark with g++; not part of the product.
 #include <immintrin.h>
 
 #include <atomic>
