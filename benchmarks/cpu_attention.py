@@ -122,11 +122,12 @@ class PatternReader:
     def read(self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
              num_threads: int, reps: int, first_layer: int = 0) -> tuple[float, float]:
         """(seconds per call, checksum) over reps + 1 calls, the first untimed; call i reads layer
-        (first_layer + i) % num_layers of the [layers, blocks, kv_heads, block_size, head_dim] caches.
+        (first_layer + i) % num_layers of the caches (values [layers, blocks, kv_heads, block_size,
+        head_dim], keys the same size per (block, head), in any order within it).
         The checksum sums every fp32 word read (see pattern_reader.cpp)."""
-        num_layers, num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+        num_layers, num_blocks, num_kv_heads, block_size, head_dim = value_cache.shape
         batch, blocks_per_seq = block_tables.shape
-        head_bytes = block_size * head_dim * key_cache.element_size()
+        head_bytes = block_size * head_dim * value_cache.element_size()
         if head_bytes % 64 or not (key_cache.is_contiguous() and value_cache.is_contiguous()
                                    and block_tables.is_contiguous() and block_tables.dtype == torch.int32):
             raise ValueError("the pattern reader needs contiguous caches with 64-byte (block, head) slices "
@@ -162,8 +163,10 @@ def bench_config(batch: int, context: int, num_threads: int, reference_reps: int
     layer_shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
     layer_bytes = 2 * math.prod(layer_shape) * KV_DTYPE.itemsize
     num_layers = max(1, math.ceil(ROTATION_BYTES / layer_bytes))
-    # [layers, blocks, kv_heads, block_size, head_dim] on 2 MiB pages, as the engine holds it.
-    key_cache = host_zeros((num_layers, *layer_shape), KV_DTYPE).uniform_(-1, 1)
+    # On 2 MiB pages, as the engine holds them: values [layers, blocks, kv_heads, block_size,
+    # head_dim], keys transposed within a block, [layers, blocks, kv_heads, head_dim, block_size].
+    key_shape = (num_layers, num_blocks, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    key_cache = host_zeros(key_shape, KV_DTYPE).uniform_(-1, 1)
     value_cache = host_zeros((num_layers, *layer_shape), KV_DTYPE).uniform_(-1, 1)
     block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(batch, blocks_per_seq)
     context_lens = torch.full((batch,), context, dtype=torch.int32)

@@ -53,7 +53,8 @@ __m256 read_rows(const char* rows, const char* next_rows, size_t bytes, __m256 s
 }  // namespace
 
 // Seconds per call, averaged over `reps` calls after one untimed warm-up call.
-// key_cache/value_cache: [num_layers, num_blocks, num_kv_heads, block_size, head_dim];
+// key_cache/value_cache: [num_layers, num_blocks, num_kv_heads, head_bytes] (the kernel's
+// keys are [head_dim, block_size] and values [block_size, head_dim] per slice: the same bytes);
 // block_tables: [batch, blocks_per_seq]; every sequence spans all its blocks.
 // head_bytes is block_size * head_dim * element size, a multiple of 64. *checksum
 // receives the sum of every fp32 word read by all reps + 1 calls (the tests' proof

@@ -79,7 +79,8 @@ class DecodeAttentionBackend(ABC):
                 new_key: torch.Tensor, new_value: torch.Tensor) -> torch.Tensor:
         """Append each sequence's new K/V at position context_len - 1 (fused, as Neo does), then attend.
 
-        query [batch, num_heads, head_dim]; key/value_cache [blocks, kv_heads, block_size, head_dim];
+        query [batch, num_heads, head_dim]; key_cache [blocks, kv_heads, head_dim, block_size] (keys
+        transposed within a block); value_cache [blocks, kv_heads, block_size, head_dim];
         block_tables [batch, max_blocks] int32; context_lens [batch] int32 (with the new token);
         new_key/new_value [batch, kv_heads, head_dim] -> [batch, num_heads, head_dim]."""
 
@@ -91,20 +92,21 @@ class TorchPagedDecode(DecodeAttentionBackend):
 
     def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale, new_key, new_value):
         batch, num_heads, head_dim = query.shape
-        _, num_kv_heads, block_size, _ = key_cache.shape
+        _, num_kv_heads, block_size, _ = value_cache.shape
+        key_rows = key_cache.transpose(-1, -2)  # a view in the value layout; writes go through
         group = num_heads // num_kv_heads
         tables = block_tables.long()
         max_blocks = tables.shape[1]
         last = context_lens.long() - 1
         slot_blocks = tables.gather(1, (last // block_size)[:, None]).squeeze(1)
-        key_cache[slot_blocks, :, last % block_size] = new_key
+        key_rows[slot_blocks, :, last % block_size] = new_key
         value_cache[slot_blocks, :, last % block_size] = new_value
 
         def gather(cache: torch.Tensor) -> torch.Tensor:
             # [batch, max_blocks, kv_heads, block_size, head_dim] -> [batch, kv_heads, ctx, head_dim]
             return cache[tables].transpose(1, 2).reshape(batch, num_kv_heads, max_blocks * block_size, head_dim)
 
-        keys, values = gather(key_cache).float(), gather(value_cache).float()
+        keys, values = gather(key_rows).float(), gather(value_cache).float()
         q = query.float().view(batch, num_kv_heads, group, head_dim)
         scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [batch, kv_heads, group, ctx]
         positions = torch.arange(max_blocks * block_size, device=query.device)

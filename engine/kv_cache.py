@@ -1,4 +1,7 @@
-"""The paged KV cache: one block pool per K and V, `[layers, blocks, kv_heads, block_size, head_dim]`.
+"""The paged KV cache: one block pool per K and V. Values are `[layers, blocks, kv_heads, block_size,
+head_dim]`; keys are transposed within a block, `[layers, blocks, kv_heads, head_dim, block_size]`, so
+the CPU kernel's vector loads take one element of several tokens and its scores need no horizontal
+sums (kernels/cpu). Both pools share the layout, so swaps stay plain block copies.
 
 Two tiers (Neo 3.1): the accelerator pool and the host pool (pinned when the accelerator is a
 CUDA GPU). A prefilled request lives wholly in one of them. Block ids come from the scheduler's
@@ -66,12 +69,17 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (config.num_layers, num_blocks, config.num_kv_heads, block_size, config.head_dim)
-        # [layers, blocks, kv_heads, block_size, head_dim]
+        key_shape = (*shape[:3], config.head_dim, block_size)
         if torch.device(device).type == "cpu" and not pin_memory:
             zeros = host_zeros
         else:  # pinned memory comes from the CUDA allocator, which takes no page advice
             zeros = functools.partial(torch.zeros, device=device, pin_memory=pin_memory)
-        self.key, self.value = zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)
+        self.key, self.value = zeros(key_shape, dtype=dtype), zeros(shape, dtype=dtype)
+
+    def key_rows(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s keys seen in the value layout [blocks, kv_heads, block_size, head_dim]
+        (a view: writes go to the pool)."""
+        return self.key[layer].transpose(-1, -2)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -81,7 +89,7 @@ class KVCache:
               slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
         """Store `key`/`value` [num_tokens, kv_heads, head_dim] at the given (block, offset) slots."""
         # advanced indices around a slice put the token dim first: [num_tokens, kv_heads, head_dim]
-        self.key[layer][slot_blocks, :, slot_offsets] = key
+        self.key_rows(layer)[slot_blocks, :, slot_offsets] = key
         self.value[layer][slot_blocks, :, slot_offsets] = value
 
     def write_blocks(self, layer: int, key: torch.Tensor, value: torch.Tensor, block_ids: Sequence[int]) -> None:
@@ -90,11 +98,13 @@ class KVCache:
         layer-by-layer copy-out of a prefill bound for the host pool (asynchronous into pinned memory)."""
         num_tokens, kv_heads, head_dim = key.shape
         padded = len(block_ids) * self.block_size
-        for cache, rows in ((self.key, key), (self.value, value)):
+        # [blocks, block_size, kv_heads, head_dim] -> keys [blocks, kv_heads, head_dim, block_size],
+        # values [blocks, kv_heads, block_size, head_dim]: the pool's own layout, so each run's
+        # destination is contiguous
+        for cache, rows, order in ((self.key, key, (0, 2, 3, 1)), (self.value, value, (0, 2, 1, 3))):
             if padded != num_tokens:  # the last block's tail is masked by context lengths
                 rows = torch.cat([rows, rows.new_zeros(padded - num_tokens, kv_heads, head_dim)])
-            # [blocks, block_size, kv_heads, head_dim] -> [blocks, kv_heads, block_size, head_dim]
-            blocks = rows.view(len(block_ids), self.block_size, kv_heads, head_dim).transpose(1, 2)
+            blocks = rows.view(len(block_ids), self.block_size, kv_heads, head_dim).permute(order)
             for src, dst, count in block_runs(range(len(block_ids)), block_ids):
                 cache[layer, dst:dst + count].copy_(blocks[src:src + count], non_blocking=True)
 

@@ -1,8 +1,9 @@
 """CPU paged decode attention: a C++ SIMD kernel for the decode step's attention.
 
 The compiled extension (`_cpu_attention`) is built by `python -m kernels.cpu.build`.
-KV caches are per layer `[num_blocks, num_kv_heads, block_size, head_dim]`, fp32,
-bf16 or fp16; arithmetic is fp32. kernels.cpu.reference holds the torch ground truth.
+Caches are per layer: values `[num_blocks, num_kv_heads, block_size, head_dim]`, keys transposed
+within a block, `[num_blocks, num_kv_heads, head_dim, block_size]` (a vector load then takes one
+element of several tokens, so scores need no horizontal sums); fp32, bf16 or fp16, arithmetic in fp32. kernels.cpu.reference holds the torch ground truth.
 """
 
 from __future__ import annotations
@@ -78,9 +79,9 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
                            new_key=None, new_value=None, num_threads=None, isa=None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache.
 
-    query [batch, num_heads, head_dim] fp32/bf16/fp16; key_cache, value_cache
-    [num_blocks, num_kv_heads, block_size, head_dim] fp32/bf16/fp16 (head_dim a
-    multiple of 16); block_tables int32 [batch, max_blocks_per_seq]; context_lens
+    query [batch, num_heads, head_dim] fp32/bf16/fp16; key_cache [num_blocks,
+    num_kv_heads, head_dim, block_size] and value_cache [num_blocks, num_kv_heads,
+    block_size, head_dim], fp32/bf16/fp16 (head_dim a multiple of 16); block_tables int32 [batch, max_blocks_per_seq]; context_lens
     int32 [batch], counting the new token. With new_key/new_value [batch,
     num_kv_heads, head_dim] (cache dtype) the new token's K/V is first written at
     position context_lens - 1. Returns out [batch, num_heads, head_dim] in the
@@ -92,13 +93,13 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     _check_tensor("query", query, 3, _DTYPE_CODES)
     _check_tensor("key_cache", key_cache, 4, _DTYPE_CODES)
     _check_tensor("value_cache", value_cache, 4, (key_cache.dtype,))
-    _check_shape("value_cache", value_cache, tuple(key_cache.shape))
     batch, num_heads, head_dim = query.shape
-    num_blocks, num_kv_heads, block_size, cache_head_dim = key_cache.shape
+    num_blocks, num_kv_heads, block_size, cache_head_dim = value_cache.shape
+    _check_shape("key_cache", key_cache, (num_blocks, num_kv_heads, cache_head_dim, block_size))
     if cache_head_dim != head_dim:
-        raise ValueError(f"key_cache head_dim {cache_head_dim} does not match query head_dim {head_dim}")
+        raise ValueError(f"value_cache head_dim {cache_head_dim} does not match query head_dim {head_dim}")
     if block_size < 1:
-        raise ValueError("key_cache block_size must be at least 1")
+        raise ValueError("value_cache block_size must be at least 1")
     _check_tensor("block_tables", block_tables, 2, (torch.int32,))
     if block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must have {batch} rows (the batch), got {block_tables.shape[0]}")
@@ -153,7 +154,7 @@ def default_num_threads() -> int:
     blocks_per_seq = _CALIBRATION_CONTEXT // _CALIBRATION_BLOCK
     num_blocks = _CALIBRATION_BATCH * blocks_per_seq
     shape = (num_blocks, _CALIBRATION_KV_HEADS, _CALIBRATION_BLOCK, _CALIBRATION_HEAD_DIM)
-    key_cache = torch.randn(shape, dtype=torch.bfloat16)
+    key_cache = torch.randn(shape, dtype=torch.bfloat16).transpose(-1, -2).contiguous()
     value_cache = torch.randn(shape, dtype=torch.bfloat16)
     query = torch.randn(_CALIBRATION_BATCH, _CALIBRATION_KV_HEADS * _CALIBRATION_GROUP, _CALIBRATION_HEAD_DIM)
     block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(_CALIBRATION_BATCH, blocks_per_seq)

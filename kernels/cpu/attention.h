@@ -34,8 +34,8 @@ struct Problem {
   const void* query;          // [batch, num_heads, head_dim], query_dtype
   void* out;                  // [batch, num_heads, head_dim], query_dtype
   DType query_dtype;
-  const void* key_cache;      // [num_blocks, num_kv_heads, block_size, head_dim], kv_dtype
-  const void* value_cache;    // same shape and dtype as key_cache
+  const void* key_cache;      // [num_blocks, num_kv_heads, head_dim, block_size], kv_dtype
+  const void* value_cache;    // [num_blocks, num_kv_heads, block_size, head_dim], kv_dtype
   DType kv_dtype;
   const int32_t* block_tables;  // [batch, max_blocks_per_seq]
   const int32_t* context_lens;  // [batch], including the token being decoded
@@ -99,9 +99,14 @@ inline size_t head_state_floats(const Problem& p) {
   return 2 * g * p.head_dim + g + g * kHeadDimMultiple;
 }
 
-// Floats of per-thread scratch one segment needs: the block scores, then every kv head's state.
+// Floats per key row of the tail tile: one token span (at most 16 fp32 or 32 bf16 tokens).
+constexpr int kTailRowFloats = 16;
+
+// Floats of per-thread scratch one segment needs: the block scores, every kv head's state, then
+// the tail tile that holds a partial token span of key columns ([head_dim, kTailRowFloats]).
 inline size_t segment_scratch_floats(const Problem& p) {
-  return static_cast<size_t>(p.group_size()) * score_stride_floats(p) + p.num_kv_heads * head_state_floats(p);
+  return static_cast<size_t>(p.group_size()) * score_stride_floats(p) + p.num_kv_heads * head_state_floats(p) +
+         static_cast<size_t>(p.head_dim) * kTailRowFloats;
 }
 
 // Entry points one instruction set provides.

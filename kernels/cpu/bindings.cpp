@@ -83,22 +83,28 @@ void check_context_lens(const Problem& p, bool appending) {
   }
 }
 
-// Writes each sequence's new K/V row at position context_len - 1.
+// Writes each sequence's new K column and V row at position context_len - 1.
 void append_tokens(const Problem& p, const void* new_key, const void* new_value) {
-  const size_t row_bytes = p.head_dim * dtype_size(p.kv_dtype);
+  const size_t elem_bytes = dtype_size(p.kv_dtype);
+  const size_t row_bytes = p.head_dim * elem_bytes;
+  char* key_cache = static_cast<char*>(const_cast<void*>(p.key_cache));
+  char* value_cache = static_cast<char*>(const_cast<void*>(p.value_cache));
   for (int s = 0; s < p.batch; ++s) {
     const int position = p.context_lens[s] - 1;
     const int block = position / p.block_size;
     const int64_t physical = p.block_tables[static_cast<size_t>(s) * p.max_blocks_per_seq + block];
     if (physical < 0 || physical >= p.num_blocks) throw std::invalid_argument(block_error(p, s, block));
     for (int h = 0; h < p.num_kv_heads; ++h) {
-      const size_t slot = (static_cast<size_t>(physical) * p.num_kv_heads + h) * p.block_size +
-                          position % p.block_size;
-      const size_t source = static_cast<size_t>(s) * p.num_kv_heads + h;
-      std::memcpy(static_cast<char*>(const_cast<void*>(p.key_cache)) + slot * row_bytes,
-                  static_cast<const char*>(new_key) + source * row_bytes, row_bytes);
-      std::memcpy(static_cast<char*>(const_cast<void*>(p.value_cache)) + slot * row_bytes,
-                  static_cast<const char*>(new_value) + source * row_bytes, row_bytes);
+      const size_t unit = static_cast<size_t>(physical) * p.num_kv_heads + h;  // [head_dim, block_size] elements
+      const size_t offset = position % p.block_size;
+      const size_t source = (static_cast<size_t>(s) * p.num_kv_heads + h) * row_bytes;
+      const char* key = static_cast<const char*>(new_key) + source;
+      for (int d = 0; d < p.head_dim; ++d) {
+        std::memcpy(key_cache + ((unit * p.head_dim + d) * p.block_size + offset) * elem_bytes, key + d * elem_bytes,
+                    elem_bytes);
+      }
+      std::memcpy(value_cache + (unit * p.block_size + offset) * row_bytes,
+                  static_cast<const char*>(new_value) + source, row_bytes);
     }
   }
 }

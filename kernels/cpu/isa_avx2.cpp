@@ -33,6 +33,14 @@ struct Isa : ExpConstants {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  // Stores 16 floats whose even elements are `even` and odd ones `odd` (the
+  // inverse of load_even/load_odd's split): interleave within 128-bit lanes, then swap the middle halves.
+  static void store_interleaved(float* p, Vec even, Vec odd) {
+    const Vec low = _mm256_unpacklo_ps(even, odd);   // elements 0-3 | 8-11
+    const Vec high = _mm256_unpackhi_ps(even, odd);  // elements 4-7 | 12-15
+    _mm256_storeu_ps(p, _mm256_permute2f128_ps(low, high, 0x20));
+    _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(low, high, 0x31));
+  }
   // Round to nearest even; NaNs stay NaN (quiet bit forced so rounding cannot make them inf).
   static void store(BFloat16* p, Vec v) {
     const __m256i bits = _mm256_castps_si256(v);
@@ -67,7 +75,6 @@ struct Isa : ExpConstants {
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   // Keeps v in a register (see score_tile).
   static void pin(Vec& v) { __asm__("" : "+x"(v)); }
 

@@ -55,7 +55,6 @@ struct Isa : ExpConstants {
   static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
   static float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
-  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   // Keeps v in a register (see score_tile).
   static void pin(Vec& v) { __asm__("" : "+v"(v)); }
 

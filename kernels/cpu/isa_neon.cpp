@@ -42,7 +42,6 @@ struct Isa : ExpConstants {
   static Vec fma(Vec a, Vec b, Vec c) { return vfmaq_f32(c, a, b); }
   static float reduce_add(Vec v) { return vaddvq_f32(v); }
   static float reduce_max(Vec v) { return vmaxvq_f32(v); }
-  static void prefetch(const void* p) { __builtin_prefetch(p); }
   // Keeps v in a register (see score_tile).
   static void pin(Vec& v) { __asm__("" : "+w"(v)); }
 

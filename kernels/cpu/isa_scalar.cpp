@@ -71,7 +71,6 @@ struct Isa {
   static Vec fma(Vec a, Vec b, Vec c) { return a * b + c; }
   static float reduce_add(Vec v) { return v; }
   static float reduce_max(Vec v) { return v; }
-  static void prefetch(const void* p) { __builtin_prefetch(p); }
   static void pin(Vec& v) { static_cast<void>(v); }  // one scalar register per value anyway
   static Vec exp(Vec x) { return std::exp(x); }
   static float exp_scalar(float x) { return std::exp(x); }

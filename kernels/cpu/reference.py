@@ -1,6 +1,7 @@
 """Plain torch paged decode attention: the ground truth for tests and benchmarks.
 
-Same signature as kernels.cpu.paged_decode_attention. Blocks are gathered into a
+Same signature and cache layouts as kernels.cpu.paged_decode_attention (keys
+transposed within a block). Blocks are gathered into a
 dense [batch, kv_heads, tokens, head_dim] tensor and softmax runs in fp32 with
 positions past each context length masked out. Sequences are processed in
 chunks so the fp32 copy of the gathered KV stays bounded.
@@ -16,18 +17,18 @@ GATHER_BYTES = 256 << 20
 
 def append_kv(key_cache, value_cache, block_tables, context_lens, new_key, new_value) -> None:
     """Writes new_key/new_value [batch, kv_heads, head_dim] at position context_lens - 1."""
-    block_size = key_cache.shape[2]
+    block_size = value_cache.shape[2]
     positions = context_lens.long() - 1  # [batch]
     rows = torch.arange(block_tables.shape[0])
     blocks = block_tables[rows, positions // block_size].long()  # [batch]
-    key_cache[blocks, :, positions % block_size] = new_key
+    key_cache.transpose(-1, -2)[blocks, :, positions % block_size] = new_key  # writes through the view
     value_cache[blocks, :, positions % block_size] = new_value
 
 
 def _attend_chunk(query, key_cache, value_cache, block_tables, context_lens, scale):
     # query [batch, num_heads, head_dim]; returns fp32 [batch, num_heads, head_dim]
     batch, num_heads, head_dim = query.shape
-    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    num_blocks, num_kv_heads, block_size, _ = value_cache.shape
     group_size = num_heads // num_kv_heads
     num_seq_blocks = int((context_lens.max().item() + block_size - 1) // block_size)
     # Entries past a sequence's length may be anything; point them at block 0 and mask.
@@ -39,7 +40,7 @@ def _attend_chunk(query, key_cache, value_cache, block_tables, context_lens, sca
         dense = cache[ids].float()  # [batch, blocks, kv_heads, block_size, head_dim]
         return dense.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)
 
-    keys, values = gather(key_cache), gather(value_cache)
+    keys, values = gather(key_cache.transpose(-1, -2)), gather(value_cache)
     q = query.float().view(batch, num_kv_heads, group_size, head_dim) * scale
     scores = q @ keys.transpose(-1, -2)  # [batch, kv_heads, group_size, tokens]
     positions = torch.arange(scores.shape[-1])
@@ -61,7 +62,7 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     batch = query.shape[0]
     if batch == 0:
         return out
-    num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
+    num_kv_heads, head_dim = value_cache.shape[1], value_cache.shape[3]
     bytes_per_seq = 2 * 4 * num_kv_heads * head_dim * max(int(context_lens.max().item()), 1)
     chunk = max(1, GATHER_BYTES // bytes_per_seq)
     for start in range(0, batch, chunk):

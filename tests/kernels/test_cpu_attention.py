@@ -47,7 +47,8 @@ def make_problem(context_lens, *, num_kv_heads=2, group_size=4, head_dim=128, bl
         block_tables[i, :count] = pool[start:start + count]
         start += count
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    key_cache = torch.randn(shape, generator=generator).to(kv_dtype)
+    # keys transposed within a block: [num_blocks, num_kv_heads, head_dim, block_size]
+    key_cache = torch.randn(shape, generator=generator).to(kv_dtype).transpose(-1, -2).contiguous()
     value_cache = torch.randn(shape, generator=generator).to(kv_dtype)
     # Scaled up so the softmax is peaked, not nearly uniform.
     query = (3 * torch.randn(len(context_lens), num_kv_heads * group_size, head_dim, generator=generator))
@@ -134,6 +135,32 @@ def test_cuts_between_kv_heads_of_one_block(num_threads):
     check(problem, num_threads=num_threads)
 
 
+@pytest.mark.parametrize("isa", usable_isas())
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [1, 5, 8, 24, 40])
+def test_block_sizes_off_the_vector_width(isa, kv_dtype, block_size):
+    # Key columns are scored a vector of tokens at a time; a block size that is not a multiple
+    # of that span leaves a partial span, scored from a zero-padded copy.
+    lengths = [1, block_size, block_size + 1, 3 * block_size - 1, 100]
+    problem = make_problem(lengths, group_size=4, block_size=block_size, kv_dtype=kv_dtype, seed=block_size)
+    check(problem, num_threads=2, isa=isa)
+
+
+@pytest.mark.parametrize("isa", usable_isas())
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+def test_stale_slots_past_the_context_are_ignored(isa, kv_dtype):
+    # A block's keys are scored a whole vector of tokens at a time, so slots past the context
+    # length are read; whatever they hold (NaN here) must not reach the output. Stale values are
+    # large but finite, as the reference multiplies them by a zero probability.
+    lengths = [1, 17, 40]
+    problem = make_problem(lengths, block_size=16, kv_dtype=kv_dtype, spare_blocks=0, seed=3)
+    for i, length in enumerate(lengths):
+        last = problem["block_tables"][i, (length - 1) // 16]
+        problem["key_cache"][last, :, :, length % 16:] = float("nan")
+        problem["value_cache"][last, :, length % 16:] = 1e4
+    check(problem, num_threads=2, isa=isa)
+
+
 def test_one_long_sequence_with_many_threads():
     # More threads than a short sequence has blocks: most get one block or none.
     check(make_problem([50], group_size=8, block_size=16), num_threads=9)
@@ -152,13 +179,13 @@ def test_fused_append(isa, kv_dtype):
     block_size = 16
     lengths = [1, block_size, block_size + 1, 100]
     problem = make_problem(lengths, block_size=block_size, kv_dtype=kv_dtype, seed=5)
-    shape = (len(lengths), problem["key_cache"].shape[1], problem["key_cache"].shape[3])
+    shape = (len(lengths), problem["value_cache"].shape[1], problem["value_cache"].shape[3])
     new_key, new_value = torch.randn(shape).to(kv_dtype), torch.randn(shape).to(kv_dtype)
     (key_cache, value_cache), (ref_key_cache, ref_value_cache) = check(problem, isa=isa,
                                                                        new_kv=(new_key, new_value))
     for i, length in enumerate(lengths):
         block = problem["block_tables"][i, (length - 1) // block_size]
-        assert torch.equal(key_cache[block, :, (length - 1) % block_size], new_key[i])
+        assert torch.equal(key_cache[block, :, :, (length - 1) % block_size], new_key[i])
         assert torch.equal(value_cache[block, :, (length - 1) % block_size], new_value[i])
     # Nothing else in the caches changed.
     assert torch.equal(key_cache, ref_key_cache)
@@ -215,6 +242,7 @@ def _bad(problem, **changes):
     (lambda p: _bad(p, query=p["query"].transpose(0, 1).contiguous().transpose(0, 1)), "query must be contiguous"),
     (lambda p: _bad(p, query=p["query"].double()), "query dtype"),
     (lambda p: _bad(p, value_cache=p["value_cache"].float()), "value_cache dtype"),
+    (lambda p: _bad(p, key_cache=p["value_cache"]), "key_cache must have shape"),
     (lambda p: _bad(p, query=p["query"][:, :, :64].contiguous()), "head_dim"),
     (lambda p: _bad(p, context_lens=p["context_lens"][:1].contiguous()), "context_lens must have shape"),
     (lambda p: _bad(p, context_lens=torch.tensor([10, 10_000], dtype=torch.int32)), "context_lens[1]"),
