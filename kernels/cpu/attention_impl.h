@@ -1,7 +1,8 @@
 // The decode-attention kernel, written once over an instruction-set traits class.
 //
 // Each isa_*.cpp translation unit defines `struct Isa` (vector type, width, loads
-// with bf16/fp16 widening, fma, exp, an 8-way horizontal sum) and then includes
+// with bf16/fp16 widening, fma, exp; optionally split bf16 loads and the
+// matching interleaved store) and then includes
 // this file, which must be included exactly once per translation unit. Every
 // name here has internal linkage (unnamed namespace), so the same inline code
 // compiled with different -m flags never merges across translation units.
@@ -25,10 +26,6 @@ constexpr int kMaxTileHeads = 8;
 // Accumulators one register tile may hold: AVX-512 (the only 16-lane path) has
 // 32 vector registers, the others 16.
 constexpr int kTile = kWidth >= 16 ? 16 : 8;
-// Most key rows one score tile reads at once, bounding its live registers.
-constexpr int kMaxTileTokens = 8;
-// reduce8's width.
-constexpr int kReduceWidth = 8;
 
 // The tile functions must inline into their loops: as calls, the accumulator
 // arrays would go through the stack.

@@ -75,8 +75,6 @@ struct Isa : ExpConstants {
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  // Keeps v in a register (see score_tile).
-  static void pin(Vec& v) { __asm__("" : "+x"(v)); }
 
   // e^x: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (about 1 ulp),
   // scaled by 2^n through the exponent bits. Inputs below the fp32 range
@@ -101,20 +99,6 @@ struct Isa : ExpConstants {
     return _mm256_andnot_ps(underflow, result);
   }
   static float exp_scalar(float x) { return _mm256_cvtss_f32(exp(_mm256_set1_ps(x))); }
-
-  // Horizontal sums of 8 vectors at once: interleave-and-add pairs, then quads,
-  // then the two 128-bit halves. Single-uop shuffles; a vhaddps tree was ~3% slower on Zen 3.
-  static Vec pair_sums(Vec a, Vec b) { return _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b)); }
-  static Vec quad_sums(Vec ab, Vec cd) {
-    return _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  static void reduce8(Vec v0, Vec v1, Vec v2, Vec v3, Vec v4, Vec v5, Vec v6, Vec v7, float* out) {
-    const Vec s0123 = quad_sums(pair_sums(v0, v1), pair_sums(v2, v3));
-    const Vec s4567 = quad_sums(pair_sums(v4, v5), pair_sums(v6, v7));
-    const __m256 low = _mm256_permute2f128_ps(s0123, s4567, 0x20);
-    const __m256 high = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-    _mm256_storeu_ps(out, _mm256_add_ps(low, high));
-  }
 
  private:
   static constexpr int kHighHalf = static_cast<int>(0xffff0000u);

@@ -55,8 +55,6 @@ struct Isa : ExpConstants {
   static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
   static float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
-  // Keeps v in a register (see score_tile).
-  static void pin(Vec& v) { __asm__("" : "+v"(v)); }
 
   // e^x: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (about 1 ulp),
   // scaled by 2^n. Inputs below the fp32 range (including -inf) give exactly 0.
@@ -77,26 +75,6 @@ struct Isa : ExpConstants {
     return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(poly, n));
   }
   static float exp_scalar(float x) { return _mm512_cvtss_f32(exp(_mm512_set1_ps(x))); }
-
-  // Horizontal sums of 8 vectors at once: a transpose-and-add tree costs about
-  // 3 instructions per vector instead of 8 for separate reductions.
-  static Vec fold_halves(Vec a, Vec b) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  }
-  static Vec fold_quarters(Vec a, Vec b) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-  }
-  static void reduce8(Vec v0, Vec v1, Vec v2, Vec v3, Vec v4, Vec v5, Vec v6, Vec v7, float* out) {
-    // Fold 512 -> 256 bits, two inputs per result: [v0 | v1] halves summed.
-    // Then 256 -> 128 bits: each 128-bit lane now belongs to one input.
-    const __m512 g0 = fold_quarters(fold_halves(v0, v1), fold_halves(v2, v3));
-    const __m512 g1 = fold_quarters(fold_halves(v4, v5), fold_halves(v6, v7));
-    // Fold within 128-bit lanes: lane k holds inputs k (from g0) and 4 + k (from g1).
-    const __m512 h = _mm512_add_ps(_mm512_unpacklo_ps(g0, g1), _mm512_unpackhi_ps(g0, g1));
-    const __m512 s = _mm512_add_ps(h, _mm512_permute_ps(h, 0x4E));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, s)));
-  }
 
  private:
   static constexpr int kHighHalf = static_cast<int>(0xffff0000u);

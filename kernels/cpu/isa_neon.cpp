@@ -42,8 +42,6 @@ struct Isa : ExpConstants {
   static Vec fma(Vec a, Vec b, Vec c) { return vfmaq_f32(c, a, b); }
   static float reduce_add(Vec v) { return vaddvq_f32(v); }
   static float reduce_max(Vec v) { return vmaxvq_f32(v); }
-  // Keeps v in a register (see score_tile).
-  static void pin(Vec& v) { __asm__("" : "+w"(v)); }
 
   // e^x as in the x86 paths: range reduction, degree-6 polynomial, 2^n via the
   // exponent bits; inputs below the fp32 range (including -inf) give exactly 0.
@@ -65,12 +63,6 @@ struct Isa : ExpConstants {
     return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(result), underflow));
   }
   static float exp_scalar(float x) { return vgetq_lane_f32(exp(vdupq_n_f32(x)), 0); }
-
-  // Horizontal sums of 8 vectors with a pairwise-add tree.
-  static void reduce8(Vec v0, Vec v1, Vec v2, Vec v3, Vec v4, Vec v5, Vec v6, Vec v7, float* out) {
-    vst1q_f32(out, vpaddq_f32(vpaddq_f32(v0, v1), vpaddq_f32(v2, v3)));
-    vst1q_f32(out + 4, vpaddq_f32(vpaddq_f32(v4, v5), vpaddq_f32(v6, v7)));
-  }
 };
 
 }  // namespace

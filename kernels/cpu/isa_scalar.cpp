@@ -71,12 +71,8 @@ struct Isa {
   static Vec fma(Vec a, Vec b, Vec c) { return a * b + c; }
   static float reduce_add(Vec v) { return v; }
   static float reduce_max(Vec v) { return v; }
-  static void pin(Vec& v) { static_cast<void>(v); }  // one scalar register per value anyway
   static Vec exp(Vec x) { return std::exp(x); }
   static float exp_scalar(float x) { return std::exp(x); }
-  static void reduce8(Vec v0, Vec v1, Vec v2, Vec v3, Vec v4, Vec v5, Vec v6, Vec v7, float* out) {
-    out[0] = v0, out[1] = v1, out[2] = v2, out[3] = v3, out[4] = v4, out[5] = v5, out[6] = v6, out[7] = v7;
-  }
 };
 
 }  // namespace
