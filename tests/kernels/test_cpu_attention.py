@@ -243,6 +243,7 @@ def _bad(problem, **changes):
     (lambda p: _bad(p, query=p["query"].double()), "query dtype"),
     (lambda p: _bad(p, value_cache=p["value_cache"].float()), "value_cache dtype"),
     (lambda p: _bad(p, key_cache=p["value_cache"]), "key_cache must have shape"),
+    (lambda p: _bad(p, query=p["query"].to("meta")), "query must be on the CPU, got meta"),
     (lambda p: _bad(p, query=p["query"][:, :, :64].contiguous()), "head_dim"),
     (lambda p: _bad(p, context_lens=p["context_lens"][:1].contiguous()), "context_lens must have shape"),
     (lambda p: _bad(p, context_lens=torch.tensor([10, 10_000], dtype=torch.int32)), "context_lens[1]"),
