@@ -18,10 +18,12 @@ QUICK = ["--num-requests", "6", "--input-len", "20", "--output-len", "10", "--le
 
 def test_side_by_side_interleaves_and_reports_ratios(tmp_path, capsys):
     output = tmp_path / "sbs.json"
-    # Token delays long enough that a scheduling hiccup of the shared 2-core CI machine (~0.1 s was
-    # seen) cannot make the fast system's whole run slower than the slow one's.
+    # Runs long enough (30 tokens of 5 or 20 ms) that one stall on the shared 2-core machine (a 0.25 s
+    # first token was seen in a 3-client run of ~0.1 s) cannot lift the fast system's run time to
+    # near the slow one's.
     argv = ["--system", f"fast={FAKE} --token-delay 0.005", "--system", f"slow={FAKE} --token-delay 0.02",
-            "--concurrency", "1", "3", "--reps", "2", "--slo", "tpot=0.01", *QUICK, "--output", str(output)]
+            "--concurrency", "1", "3", "--reps", "2", "--slo", "tpot=0.01", *QUICK, "--output-len", "30",
+            "--output", str(output)]
     assert main(argv) == 0
     results = json.loads(output.read_text())
     fast, slow = results["systems"]
@@ -33,7 +35,7 @@ def test_side_by_side_interleaves_and_reports_ratios(tmp_path, capsys):
     for system in (fast, slow):
         for run in system["runs"]:
             assert run["summary"]["num_succeeded"] == 6
-            assert run["summary"]["num_output_tokens"] == run["server_counters"]["generation_tokens"] == 60
+            assert run["summary"]["num_output_tokens"] == run["server_counters"]["generation_tokens"] == 180
             assert run["prompts"]["exact"]
     ratios = {row["load"]: row["metrics"] for row in results["ratios"]}
     assert set(ratios) == {"1 client", "3 clients"}
