@@ -5,8 +5,8 @@
 // It mirrors the kernel's walk (kernels/cpu/attention_impl.h, bindings.cpp), and
 // a change there must be carried here: each sequence's (block, kv head) units
 // block-major, the batch's units split evenly over the threads. It reads a
-// unit's K rows, then its V rows, in address order, prefetching the next unit's
-// rows alongside, and adds every 32 bytes into a running sum so no load can be
+// unit's K slice (the kernel's key columns), then its V rows, in address order,
+// prefetching the next unit's alongside, and adds every 32 bytes into a running sum so no load can be
 // dropped. Call l of `reps` reads layer (first_layer + l) % num_layers of the
 // caches, as the benchmark's kernel calls rotate over layers. Built by the
 // benchmark with g++; not part of the product.

@@ -3,7 +3,8 @@
 The compiled extension (`_cpu_attention`) is built by `python -m kernels.cpu.build`.
 Caches are per layer: values `[num_blocks, num_kv_heads, block_size, head_dim]`, keys transposed
 within a block, `[num_blocks, num_kv_heads, head_dim, block_size]` (a vector load then takes one
-element of several tokens, so scores need no horizontal sums); fp32, bf16 or fp16, arithmetic in fp32. kernels.cpu.reference holds the torch ground truth.
+element of several tokens, so scores need no horizontal sums); fp32, bf16 or fp16, arithmetic in
+fp32. kernels.cpu.reference holds the torch ground truth.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
 
     query [batch, num_heads, head_dim] fp32/bf16/fp16; key_cache [num_blocks,
     num_kv_heads, head_dim, block_size] and value_cache [num_blocks, num_kv_heads,
-    block_size, head_dim], fp32/bf16/fp16 (head_dim a multiple of 16); block_tables int32 [batch, max_blocks_per_seq]; context_lens
-    int32 [batch], counting the new token. With new_key/new_value [batch,
+    block_size, head_dim], fp32/bf16/fp16 (head_dim a multiple of 16); block_tables
+    int32 [batch, max_blocks_per_seq]; context_lens int32 [batch], counting the new token. With new_key/new_value [batch,
     num_kv_heads, head_dim] (cache dtype) the new token's K/V is first written at
     position context_lens - 1. Returns out [batch, num_heads, head_dim] in the
     query's dtype. num_threads defaults to default_num_threads(); isa forces one

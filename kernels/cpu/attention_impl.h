@@ -245,7 +245,6 @@ TANDEM_ALWAYS_INLINE void score_span(const float* q, const Kv* keys, int head_di
 // are copied, zero-padded, into `tail` ([head_dim, kTailRowFloats] floats) and
 // scored there. The next unit's keys are prefetched during the first pass
 // over the columns when next_keys is set.
-
 template <class Kv, bool kSplit>
 inline void score_block(const float* q, const Kv* keys, int group_size, int head_dim, int block_size,
                         int num_tokens, float* scores, int score_stride, const Kv* next_keys, void* tail) {
