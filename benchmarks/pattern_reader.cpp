@@ -4,7 +4,9 @@
 //
 // It mirrors the kernel's walk (kernels/cpu/attention_impl.h, bindings.cpp), and
 // a change there must be carried here: each sequence's (block, kv head) units
-// block-major, the batch's units split evenly over the threads. It reads a
+// block-major, the batch's units split evenly over the threads (the kernel's
+// threads also take work from one another when one runs out; the reader, with
+// no arithmetic to fall behind on, keeps the even split). It reads a
 // unit's K slice (the kernel's key columns), then its V rows, in address order,
 // prefetching the next unit's alongside, and adds every 32 bytes into a running sum so no load can be
 // dropped. Call l of `reps` reads layer (first_layer + l) % num_layers of the

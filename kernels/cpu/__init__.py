@@ -58,6 +58,11 @@ def usable_isas() -> list[str]:
     return list(_extension().usable_isas())
 
 
+def stolen_ranges() -> int:
+    """Ranges of work that a kernel thread, having run out, took from another since import."""
+    return int(_extension().stolen_ranges())
+
+
 def _check_tensor(name: str, tensor, ndim: int, dtypes) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -88,7 +93,10 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     position context_lens - 1. Returns out [batch, num_heads, head_dim] in the
     query's dtype. num_threads defaults to default_num_threads(); isa forces one
     of usable_isas() (default: the best). Raises ValueError on malformed input.
-    The GIL is released while the kernel runs.
+    The GIL is released while the kernel runs. With more than one thread, a thread
+    that runs out takes work from another, so where sequences are cut and merged,
+    and with it the last bits of the result, can change from call to call; one
+    thread gives the same bits every time.
     """
     ext = _extension()
     _check_tensor("query", query, 3, _DTYPE_CODES)

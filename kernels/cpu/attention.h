@@ -7,10 +7,11 @@
 // one contiguous run; on random block placement that reads far faster than
 // visiting one head's slice of every block in turn (about 1.7x for a 2-core
 // pure reader on 32 KiB runs against 4 KiB ones). The batch's units are split
-// evenly over threads, so a thread may own only part of a sequence. A head whose
-// blocks are split leaves a partial softmax state (running max, running sum,
-// unnormalised accumulator) that is merged afterwards by log-sum-exp; a head
-// attended over all its blocks writes the output directly.
+// evenly over threads, and a thread that runs out takes half of what another has
+// left (bindings.cpp), so a thread may attend only part of a sequence: a
+// segment. A head whose blocks are split leaves a partial softmax state (running
+// max, running sum, unnormalised accumulator) that is merged afterwards by
+// log-sum-exp; a head attended over all its blocks writes the output directly.
 #pragma once
 
 #include <cstddef>
@@ -112,11 +113,19 @@ inline size_t segment_scratch_floats(const Problem& p) {
 // Entry points one instruction set provides.
 struct KernelTable {
   const char* name;
-  // Attends one segment. A kv head whose blocks the segment covers entirely
-  // writes its normalised result to problem.out; one it covers only in part
-  // leaves its state in partials[kv_head] (partials has num_kv_heads entries;
-  // it may be nullptr when every covered head is whole).
-  void (*attend_segment)(const Problem& problem, const Segment& segment, float* scratch,
+  // Attends the units [piece.unit_begin, piece.unit_end) of sequence piece.seq,
+  // continuing the segment that began at unit segment_begin <= piece.unit_begin:
+  // consecutive pieces of one segment go to the same thread's scratch, in order,
+  // and a kv head's running state is started at its first unit in the segment.
+  // Units before prefetch_end may be prefetched (a hint: they need not be attended).
+  void (*attend_units)(const Problem& problem, const Segment& piece, int64_t segment_begin,
+                       int64_t prefetch_end, float* scratch);
+  // Ends a segment whose units have all been attended into scratch. A kv head
+  // whose blocks the segment covers entirely writes its normalised result to
+  // problem.out; one it covers only in part leaves its state in
+  // partials[kv_head] (partials has num_kv_heads entries; it may be nullptr when
+  // every covered head is whole).
+  void (*finish_segment)(const Problem& problem, const Segment& segment, float* scratch,
                          const PartialState* partials);
   // Merges num_parts partial states of one (seq, kv_head) into problem.out.
   void (*merge_partials)(const Problem& problem, int seq, int kv_head, const PartialState* parts,

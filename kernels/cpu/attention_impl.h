@@ -445,14 +445,17 @@ void finish_head(const Problem& p, int seq, int kv_head, const HeadState& state,
   }
 }
 
-// Walks the segment's units in order: every covered kv head of a block, then
-// the next block. Each head keeps its own running state; the scores buffer is
-// shared, as one (block, head) unit is finished before the next starts.
+// Attends the units [piece.unit_begin, piece.unit_end) of sequence piece.seq in
+// order: every covered kv head of a block, then the next block. The piece
+// continues the segment that began at unit segment_begin; each kv head's running
+// state in scratch is started at that head's first unit in the segment and kept
+// between pieces. The scores buffer is shared, as one (block, head) unit is
+// finished before the next starts. Units before prefetch_end may be prefetched.
 // kKeySplit and kValueSplit: whether key columns and value rows are read split
 // (score_span, Rows).
 template <class Kv, bool kKeySplit, bool kValueSplit>
-void attend_segment_typed(const Problem& p, const Segment& seg, float* scratch,
-                          const PartialState* partials) {
+void attend_units_typed(const Problem& p, const Segment& piece, int64_t segment_begin, int64_t prefetch_end,
+                        float* scratch) {
   const int group_size = p.group_size();
   const int head_dim = p.head_dim;
   const int block_size = p.block_size;
@@ -462,16 +465,10 @@ void attend_segment_typed(const Problem& p, const Segment& seg, float* scratch,
   float* heads = scores + group_size * score_stride;
   float* tail = heads + num_kv_heads * head_state_floats(p);  // [head_dim, kTailRowFloats]
 
-  for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-    if (!head_blocks(seg, kv_head, num_kv_heads).empty()) {
-      start_head(p, seg.seq, kv_head, head_state(p, heads, kv_head));
-    }
-  }
-
   const Kv* key_cache = static_cast<const Kv*>(p.key_cache);
   const Kv* value_cache = static_cast<const Kv*>(p.value_cache);
-  const int32_t* table = p.block_tables + static_cast<size_t>(seg.seq) * p.max_blocks_per_seq;
-  const int context_len = p.context_lens[seg.seq];
+  const int32_t* table = p.block_tables + static_cast<size_t>(piece.seq) * p.max_blocks_per_seq;
+  const int context_len = p.context_lens[piece.seq];
   const size_t head_elems = static_cast<size_t>(block_size) * head_dim;
   const size_t block_elems = head_elems * num_kv_heads;
 
@@ -480,15 +477,16 @@ void attend_segment_typed(const Problem& p, const Segment& seg, float* scratch,
     return static_cast<size_t>(table[unit / num_kv_heads]) * block_elems + (unit % num_kv_heads) * head_elems;
   };
 
-  for (int64_t unit = seg.unit_begin; unit < seg.unit_end; ++unit) {
+  for (int64_t unit = piece.unit_begin; unit < piece.unit_end; ++unit) {
     const int b = static_cast<int>(unit / num_kv_heads);
     const HeadState state = head_state(p, heads, static_cast<int>(unit % num_kv_heads));
+    if (unit < segment_begin + num_kv_heads) start_head(p, piece.seq, static_cast<int>(unit % num_kv_heads), state);
     const size_t base = unit_offset(unit);
     const int num_tokens = min_int(block_size, context_len - b * block_size);
     // The next unit's rows are prefetched while this one is worked on: past a
     // block's last head they are anywhere in the pool, out of the hardware
     // prefetchers' reach, and within a block the prefetchers alone fall behind.
-    const bool has_next = unit + 1 < seg.unit_end;
+    const bool has_next = unit + 1 < prefetch_end;
     const Kv* next_keys = has_next ? key_cache + unit_offset(unit + 1) : nullptr;
     const Kv* next_values = has_next ? value_cache + unit_offset(unit + 1) : nullptr;
     score_block<Kv, kKeySplit>(state.q, key_cache + base, group_size, head_dim, block_size, num_tokens, scores,
@@ -496,43 +494,68 @@ void attend_segment_typed(const Problem& p, const Segment& seg, float* scratch,
     touch_lines(value_cache + base, static_cast<size_t>(num_tokens) * head_dim * sizeof(Kv));
     softmax_update(scores, score_stride, group_size, head_dim, state.run_max, state.sum_lanes, state.acc);
     accumulate_block<Kv, kValueSplit>(scores, score_stride, value_cache + base, group_size, head_dim, num_tokens,
-                                 state.acc, next_values);
-  }
-
-  const int num_blocks = num_logical_blocks(context_len, block_size);
-  for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-    const BlockRange range = head_blocks(seg, kv_head, num_kv_heads);
-    if (range.empty()) continue;
-    finish_head<kValueSplit>(p, seg.seq, kv_head, head_state(p, heads, kv_head),
-                        range.whole(num_blocks) ? nullptr : &partials[kv_head]);
+                                      state.acc, next_values);
   }
 }
 
-// bf16 with the split reads each layout allows; the split instantiations exist
-// only where Isa provides the split loads (and, for keys, the interleaved store).
-void attend_bf16_segment(const Problem& p, const Segment& seg, float* scratch, const PartialState* partials) {
+// Ends a segment whose units attend_units_typed has walked: every kv head it
+// covers writes its result, or its partial state where the segment covers only
+// some of the head's blocks.
+template <bool kValueSplit>
+void finish_segment_typed(const Problem& p, const Segment& seg, float* scratch, const PartialState* partials) {
+  float* heads = scratch + p.group_size() * score_stride_floats(p);
+  const int num_blocks = num_logical_blocks(p.context_lens[seg.seq], p.block_size);
+  for (int kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+    const BlockRange range = head_blocks(seg, kv_head, p.num_kv_heads);
+    if (range.empty()) continue;
+    finish_head<kValueSplit>(p, seg.seq, kv_head, head_state(p, heads, kv_head),
+                             range.whole(num_blocks) ? nullptr : &partials[kv_head]);
+  }
+}
+
+// The KV element type and split reads of one problem, as types.
+template <class Kv, bool kKeySplit, bool kValueSplit>
+struct Layout {
+  using KvType = Kv;
+  static constexpr bool kKeys = kKeySplit;
+  static constexpr bool kValues = kValueSplit;
+};
+
+// Calls f(Layout<...>{}) for the problem's KV dtype; bf16 takes the split reads
+// each layout allows. The split instantiations exist only where Isa provides the
+// split loads (and, for keys, the interleaved store).
+template <class F>
+void with_layout(const Problem& p, F&& f) {
   constexpr bool kValuesCanSplit = HasSplitLoads<Isa>::value;
   constexpr bool kKeysCanSplit = HasSplitLoads<Isa>::value && HasInterleavedStore<Isa>::value;
+  switch (p.kv_dtype) {
+    case DType::kFloat32: f(Layout<float, false, false>{}); return;
+    case DType::kFloat16: f(Layout<Float16, false, false>{}); return;
+    case DType::kBFloat16: break;
+  }
   const bool keys = kKeysCanSplit && p.block_size % (2 * kWidth) == 0;
   const bool values = kValuesCanSplit && p.head_dim % (2 * kWidth) == 0;
   if (keys && values) {
-    attend_segment_typed<BFloat16, kKeysCanSplit, kValuesCanSplit>(p, seg, scratch, partials);
+    f(Layout<BFloat16, kKeysCanSplit, kValuesCanSplit>{});
   } else if (keys) {
-    attend_segment_typed<BFloat16, kKeysCanSplit, false>(p, seg, scratch, partials);
+    f(Layout<BFloat16, kKeysCanSplit, false>{});
   } else if (values) {
-    attend_segment_typed<BFloat16, false, kValuesCanSplit>(p, seg, scratch, partials);
+    f(Layout<BFloat16, false, kValuesCanSplit>{});
   } else {
-    attend_segment_typed<BFloat16, false, false>(p, seg, scratch, partials);
+    f(Layout<BFloat16, false, false>{});
   }
 }
 
-void attend_segment(const Problem& p, const Segment& seg, float* scratch,
-                    const PartialState* partials) {
-  switch (p.kv_dtype) {
-    case DType::kFloat32: attend_segment_typed<float, false, false>(p, seg, scratch, partials); break;
-    case DType::kBFloat16: attend_bf16_segment(p, seg, scratch, partials); break;
-    default: attend_segment_typed<Float16, false, false>(p, seg, scratch, partials); break;
-  }
+void attend_units(const Problem& p, const Segment& piece, int64_t segment_begin, int64_t prefetch_end,
+                  float* scratch) {
+  with_layout(p, [&](auto layout) {
+    using L = decltype(layout);
+    attend_units_typed<typename L::KvType, L::kKeys, L::kValues>(p, piece, segment_begin, prefetch_end, scratch);
+  });
+}
+
+void finish_segment(const Problem& p, const Segment& segment, float* scratch, const PartialState* partials) {
+  with_layout(p, [&](auto layout) { finish_segment_typed<decltype(layout)::kValues>(p, segment, scratch, partials); });
 }
 
 // Log-sum-exp merge: out = sum_i e^(m_i - m) acc_i / sum_i e^(m_i - m) l_i.

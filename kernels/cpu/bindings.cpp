@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -83,7 +84,8 @@ void check_context_lens(const Problem& p, bool appending) {
   }
 }
 
-// Writes each sequence's new K column and V row at position context_len - 1.
+// Writes each sequence's new K column and V row at position context_len - 1
+// (the block tables have been checked).
 void append_tokens(const Problem& p, const void* new_key, const void* new_value) {
   const size_t elem_bytes = dtype_size(p.kv_dtype);
   const size_t row_bytes = p.head_dim * elem_bytes;
@@ -93,7 +95,6 @@ void append_tokens(const Problem& p, const void* new_key, const void* new_value)
     const int position = p.context_lens[s] - 1;
     const int block = position / p.block_size;
     const int64_t physical = p.block_tables[static_cast<size_t>(s) * p.max_blocks_per_seq + block];
-    if (physical < 0 || physical >= p.num_blocks) throw std::invalid_argument(block_error(p, s, block));
     for (int h = 0; h < p.num_kv_heads; ++h) {
       const size_t unit = static_cast<size_t>(physical) * p.num_kv_heads + h;  // [head_dim, block_size] elements
       const size_t offset = position % p.block_size;
@@ -116,6 +117,92 @@ struct PartialRecord {
   PartialState state;
 };
 
+// KV bytes a thread claims from its range at a time: small enough that a thread
+// that runs out finds most of a slower thread's range still unclaimed, large
+// enough that claiming (one compare-and-swap) costs nothing next to attending.
+constexpr int64_t kClaimBytes = 128 << 10;
+// Ranges a thread may take from others after its own; each can leave two cut
+// segments, so this bounds the partial-state slots a call sets aside.
+constexpr int kMaxSteals = 3;
+constexpr int kRangesPerThread = 1 + kMaxSteals;
+// Ranges taken by one thread from another since the module loaded (a statistic; tests read it).
+std::atomic<uint64_t> stolen_ranges{0};
+
+// Each thread's range of units still to claim, [next, end), packed into one
+// word so that the owner claiming from the front and a thief cutting off the
+// back can never both take a unit.
+class WorkRanges {
+ public:
+  explicit WorkRanges(int threads) : ranges_(threads) {}
+
+  void assign(int thread, int64_t begin, int64_t end) { ranges_[thread].bits.store(pack(begin, end)); }
+
+  // Claims up to max_units from the front of the thread's range: [*begin, *end).
+  // *range_end is where the range ended at that moment. False once it is empty.
+  bool claim(int thread, int64_t max_units, int64_t* begin, int64_t* end, int64_t* range_end) {
+    std::atomic<uint64_t>& bits = ranges_[thread].bits;
+    uint64_t word = bits.load(std::memory_order_relaxed);
+    while (true) {
+      const int64_t next = word >> 32, last = word & kLow;
+      if (next >= last) return false;
+      const int64_t take = std::min(max_units, last - next);
+      if (bits.compare_exchange_weak(word, pack(next + take, last), std::memory_order_relaxed)) {
+        *begin = next;
+        *end = next + take;
+        *range_end = last;
+        return true;
+      }
+    }
+  }
+
+  // Moves the back half of the largest range left among the other threads, if
+  // it holds at least min_units, to this thread's (drained) range.
+  bool steal(int thread, int64_t min_units) {
+    while (true) {
+      int victim = -1;
+      int64_t most = 0;
+      for (int t = 0; t < static_cast<int>(ranges_.size()); ++t) {
+        const uint64_t word = ranges_[t].bits.load(std::memory_order_relaxed);
+        const int64_t left = static_cast<int64_t>(word & kLow) - static_cast<int64_t>(word >> 32);
+        if (t != thread && left > most) {
+          victim = t;
+          most = left;
+        }
+      }
+      if (victim < 0 || most < min_units) return false;
+      std::atomic<uint64_t>& bits = ranges_[victim].bits;
+      uint64_t word = bits.load(std::memory_order_relaxed);
+      const int64_t next = word >> 32, last = word & kLow;
+      if (last - next < min_units) continue;  // claimed or stolen meanwhile: look again
+      const int64_t middle = next + (last - next) / 2;
+      if (bits.compare_exchange_strong(word, pack(next, middle), std::memory_order_relaxed)) {
+        assign(thread, middle, last);
+        stolen_ranges.fetch_add(1, std::memory_order_relaxed);
+        return true;
+      }
+    }
+  }
+
+ private:
+  static constexpr uint64_t kLow = 0xffffffffu;
+  static uint64_t pack(int64_t next, int64_t end) {
+    return static_cast<uint64_t>(next) << 32 | static_cast<uint64_t>(end);
+  }
+  struct alignas(64) Range {  // one cache line each: threads claim without sharing one
+    std::atomic<uint64_t> bits{0};
+  };
+  std::vector<Range> ranges_;
+};
+
+void check_block_tables(const Problem& p) {
+  for (int s = 0; s < p.batch; ++s) {
+    const int32_t* table = p.block_tables + static_cast<size_t>(s) * p.max_blocks_per_seq;
+    for (int b = 0; b < num_logical_blocks(p.context_lens[s], p.block_size); ++b) {
+      if (table[b] < 0 || table[b] >= p.num_blocks) throw std::invalid_argument(block_error(p, s, b));
+    }
+  }
+}
+
 void run_attention(const Problem& p, const KernelTable& kernels, int num_threads) {
   const int group_size = p.group_size();
   const int num_kv_heads = p.num_kv_heads;
@@ -135,72 +222,80 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
   }
   const int64_t total_units = first_unit[p.batch];
   if (total_units == 0) return;
+  if (total_units > static_cast<int64_t>(UINT32_MAX)) {
+    throw std::invalid_argument("one call attends at most 2^32 - 1 (block, kv head) pairs, got " +
+                                std::to_string(total_units) + "; split the batch");
+  }
   const int threads = static_cast<int>(std::min<int64_t>(num_threads, total_units));
+  const int64_t unit_bytes = 2 * static_cast<int64_t>(p.block_size) * p.head_dim * dtype_size(p.kv_dtype);
+  const int64_t claim_units = std::max<int64_t>(1, kClaimBytes / unit_bytes);
 
-  // Only a thread's first and last segment can be cut (middle ones are whole
-  // sequences), so each thread has two slots of num_kv_heads partial states.
+  // Only a range's first and last segment can be cut (middle ones are whole
+  // sequences), so each range has two slots of num_kv_heads partial states.
   const size_t state_floats = static_cast<size_t>(group_size) * (p.head_dim + 2);
   const size_t slot_floats = state_floats * num_kv_heads;
-  const size_t thread_floats =
-      (segment_scratch_floats(p) + 2 * slot_floats + kCacheLineFloats - 1) / kCacheLineFloats * kCacheLineFloats;
+  const int slots_per_thread = 2 * kRangesPerThread;
+  const size_t thread_floats = (segment_scratch_floats(p) + slots_per_thread * slot_floats + kCacheLineFloats - 1) /
+                               kCacheLineFloats * kCacheLineFloats;
   std::unique_ptr<float[]> scratch(new float[thread_floats * threads]);
-  std::vector<PartialState> slots(2 * static_cast<size_t>(threads) * num_kv_heads);
-  for (int thread = 0; thread < threads; ++thread) {
-    for (int slot = 0; slot < 2; ++slot) {
-      for (int h = 0; h < num_kv_heads; ++h) {
-        float* base = scratch.get() + thread_floats * thread + segment_scratch_floats(p) + slot * slot_floats +
-                      h * state_floats;
-        slots[(2 * static_cast<size_t>(thread) + slot) * num_kv_heads + h] =
-            PartialState{base, base + group_size, base + 2 * group_size};
-      }
+  const size_t num_slots = static_cast<size_t>(threads) * slots_per_thread;
+  std::vector<PartialState> slots(num_slots * num_kv_heads);
+  for (size_t slot = 0; slot < num_slots; ++slot) {
+    float* base = scratch.get() + thread_floats * (slot / slots_per_thread) + segment_scratch_floats(p) +
+                  (slot % slots_per_thread) * slot_floats;
+    for (int h = 0; h < num_kv_heads; ++h) {
+      float* state = base + h * state_floats;
+      slots[slot * num_kv_heads + h] = PartialState{state, state + group_size, state + 2 * group_size};
     }
   }
   // Each slot's cut segment; seq -1 marks an unused slot.
-  std::vector<Segment> slot_segment(2 * static_cast<size_t>(threads), Segment{-1, 0, 0});
-  std::atomic<int64_t> bad_block{-1};  // seq * max_blocks_per_seq + block of an invalid entry
+  std::vector<Segment> slot_segment(num_slots, Segment{-1, 0, 0});
 
+  WorkRanges work(threads);
+  for (int thread = 0; thread < threads; ++thread) {
+    work.assign(thread, total_units * thread / threads, total_units * (thread + 1) / threads);
+  }
   const std::function<void(int)> task = [&](int thread) {
-    const int64_t begin = total_units * thread / threads;
-    const int64_t end = total_units * (thread + 1) / threads;
     float* thread_scratch = scratch.get() + thread_floats * thread;
-    int seq = static_cast<int>(std::upper_bound(first_unit.begin(), first_unit.end(), begin) - first_unit.begin()) - 1;
-    int num_segments = 0;
-    for (int64_t unit = begin; unit < end;) {
-      while (first_unit[seq + 1] <= unit) ++seq;
-      const int64_t seq_units = first_unit[seq + 1] - first_unit[seq];
-      const Segment segment{seq, unit - first_unit[seq], std::min<int64_t>(seq_units, end - first_unit[seq])};
-      unit = first_unit[seq] + segment.unit_end;
-
-      const int32_t* table = p.block_tables + static_cast<size_t>(seq) * p.max_blocks_per_seq;
-      bool valid = true;
-      const int last_block = static_cast<int>((segment.unit_end - 1) / num_kv_heads);
-      for (int b = static_cast<int>(segment.unit_begin / num_kv_heads); b <= last_block; ++b) {
-        if (table[b] < 0 || table[b] >= p.num_blocks) {
-          int64_t none = -1;
-          bad_block.compare_exchange_strong(none, static_cast<int64_t>(seq) * p.max_blocks_per_seq + b);
-          valid = false;
-          break;
+    for (int range = 0; range < kRangesPerThread; ++range) {
+      if (range > 0 && (threads == 1 || !work.steal(thread, 2 * claim_units))) break;
+      Segment open{-1, 0, 0};  // the segment being attended, in sequence-relative units
+      int segments_closed = 0;
+      const auto close = [&] {
+        if (open.seq < 0) return;
+        const int64_t seq_units = first_unit[open.seq + 1] - first_unit[open.seq];
+        const PartialState* partials = nullptr;
+        const int slot_in_range = segments_closed++ == 0 ? 0 : 1;
+        if (open.unit_begin != 0 || open.unit_end != seq_units) {
+          const size_t slot = static_cast<size_t>(thread) * slots_per_thread + 2 * range + slot_in_range;
+          partials = &slots[slot * num_kv_heads];
+          slot_segment[slot] = open;
+        }
+        kernels.finish_segment(p, open, thread_scratch, partials);
+        open.seq = -1;
+      };
+      int64_t begin, end, range_end;
+      while (work.claim(thread, claim_units, &begin, &end, &range_end)) {
+        int seq = static_cast<int>(std::upper_bound(first_unit.begin(), first_unit.end(), begin) - first_unit.begin()) - 1;
+        for (int64_t unit = begin; unit < end; ++seq) {
+          const int64_t local_begin = unit - first_unit[seq];
+          const int64_t local_end = std::min(end, first_unit[seq + 1]) - first_unit[seq];
+          if (open.seq != seq || open.unit_end != local_begin) {
+            close();
+            open = Segment{seq, local_begin, local_begin};
+          }
+          const int64_t prefetch_end = std::min(range_end, first_unit[seq + 1]) - first_unit[seq];
+          kernels.attend_units(p, Segment{seq, local_begin, local_end}, open.unit_begin, prefetch_end,
+                               thread_scratch);
+          open.unit_end = local_end;
+          unit = first_unit[seq] + local_end;
         }
       }
-      const bool whole = segment.unit_begin == 0 && segment.unit_end == seq_units;
-      const int slot = num_segments++ == 0 ? 0 : 1;
-      if (!valid) continue;
-      const PartialState* partials = nullptr;
-      if (!whole) {
-        const size_t index = 2 * static_cast<size_t>(thread) + slot;
-        partials = &slots[index * num_kv_heads];
-        slot_segment[index] = segment;
-      }
-      kernels.attend_segment(p, segment, thread_scratch, partials);
+      close();
     }
   };
   ThreadPool::instance().run(threads, task);
 
-  const int64_t bad = bad_block.load();
-  if (bad >= 0) {
-    throw std::invalid_argument(block_error(p, static_cast<int>(bad / p.max_blocks_per_seq),
-                                            static_cast<int>(bad % p.max_blocks_per_seq)));
-  }
   // The partial states of each cut (sequence, kv head): the heads a cut segment
   // covered in part, grouped by (sequence, kv head) for the merge.
   std::vector<PartialRecord> records;
@@ -254,6 +349,7 @@ void paged_decode_attention(uintptr_t query, uintptr_t out, int query_dtype, uin
                   num_heads, num_kv_heads, head_dim, block_size, static_cast<float>(scale)};
   const bool appending = new_key != 0;
   check_context_lens(p, appending);
+  check_block_tables(p);  // before the append, so a rejected call leaves the caches as they were
   if (appending) append_tokens(p, reinterpret_cast<const void*>(new_key), reinterpret_cast<const void*>(new_value));
   run_attention(p, kernels, num_threads);
 }
@@ -272,5 +368,7 @@ PYBIND11_MODULE(_cpu_attention, m) {
   m.def("paged_decode_attention", &tandem::paged_decode_attention,
         "Raw-pointer entry; use kernels.cpu.paged_decode_attention instead.",
         py::call_guard<py::gil_scoped_release>());
+  m.def("stolen_ranges", [] { return tandem::stolen_ranges.load(); },
+        "Ranges of work one thread has taken from another since the module loaded.");
   m.def("usable_isas", &tandem::usable_isas, "Instruction sets compiled in and supported here, best first.");
 }

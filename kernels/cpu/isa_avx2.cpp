@@ -111,7 +111,7 @@ struct Isa : ExpConstants {
 
 namespace tandem {
 const KernelTable* avx2_kernels() {
-  static const KernelTable table{"avx2", attend_segment, merge_partials};
+  static const KernelTable table{"avx2", attend_units, finish_segment, merge_partials};
   return &table;
 }
 }  // namespace tandem

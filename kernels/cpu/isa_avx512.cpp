@@ -87,7 +87,7 @@ struct Isa : ExpConstants {
 
 namespace tandem {
 const KernelTable* avx512_kernels() {
-  static const KernelTable table{"avx512", attend_segment, merge_partials};
+  static const KernelTable table{"avx512", attend_units, finish_segment, merge_partials};
   return &table;
 }
 }  // namespace tandem

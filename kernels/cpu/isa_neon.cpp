@@ -72,7 +72,7 @@ struct Isa : ExpConstants {
 
 namespace tandem {
 const KernelTable* neon_kernels() {
-  static const KernelTable table{"neon", attend_segment, merge_partials};
+  static const KernelTable table{"neon", attend_units, finish_segment, merge_partials};
   return &table;
 }
 }  // namespace tandem

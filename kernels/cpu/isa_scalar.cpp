@@ -82,7 +82,7 @@ struct Isa {
 
 namespace tandem {
 const KernelTable* scalar_kernels() {
-  static const KernelTable table{"scalar", attend_segment, merge_partials};
+  static const KernelTable table{"scalar", attend_units, finish_segment, merge_partials};
   return &table;
 }
 }  // namespace tandem

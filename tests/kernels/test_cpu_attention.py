@@ -135,6 +135,23 @@ def test_cuts_between_kv_heads_of_one_block(num_threads):
     check(problem, num_threads=num_threads)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("num_kv_heads, group_size", [(2, 4), (3, 2)])
+def test_threads_that_run_out_take_work_from_others(kv_dtype, num_kv_heads, group_size):
+    # With more threads than cores, some start late or are descheduled; the ones that run out
+    # take the back half of their unclaimed units. Each taken range leaves cut segments of its
+    # own (inside a block with 3 kv heads), merged with the rest.
+    lengths = [4097, 1, 700, 1500, 33, 900]
+    stolen = 0
+    for seed in range(5):
+        problem = make_problem(lengths, num_kv_heads=num_kv_heads, group_size=group_size, kv_dtype=kv_dtype,
+                               seed=seed)
+        before = cpu.stolen_ranges()
+        check(problem, num_threads=4 * NUM_CORES)
+        stolen += cpu.stolen_ranges() - before
+    assert stolen > 0, "no thread took work from another: this test exercised nothing"
+
+
 @pytest.mark.parametrize("isa", usable_isas())
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", [1, 5, 8, 24, 40])
@@ -207,23 +224,25 @@ def test_returns_new_output_without_out():
 
 
 def test_concurrent_callers():
-    # Reentrant: two Python threads (the GIL is released) share the thread pool.
+    # Reentrant: two Python threads (the GIL is released) share the thread pool. Results are
+    # compared with the reference, not bit for bit: how the threads share the work out (and so
+    # where sequences are cut and merged) depends on their timing.
     problems = [make_problem([900, 300, 1200], seed=seed) for seed in range(2)]
-    expected = [cpu.paged_decode_attention(**p, num_threads=2).clone() for p in problems]
-    failures = []
+    expected = [reference.paged_decode_attention(p["query"], p["key_cache"], p["value_cache"], p["block_tables"],
+                                                 p["context_lens"], p["scale"]) for p in problems]
+    errors = []
 
     def hammer(index):
         for _ in range(20):
             out = cpu.paged_decode_attention(**problems[index], num_threads=2)
-            if not torch.equal(out, expected[index]):
-                failures.append(index)
+            errors.append(relative_error(out, expected[index]))
 
     threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert not failures
+    assert len(errors) == 40 and max(errors) <= TOLERANCE, max(errors)
 
 
 def test_default_num_threads():
