@@ -63,6 +63,14 @@ struct HasSplitLoads<
     I, std::void_t<decltype(static_cast<void>(I::load_even(static_cast<const BFloat16*>(nullptr))))>>
     : std::true_type {};
 
+// Whether Isa can store an even and an odd vector interleaved (the inverse of the split loads).
+template <class I, class = void>
+struct HasInterleavedStore : std::false_type {};
+template <class I>
+struct HasInterleavedStore<
+    I, std::void_t<decltype(I::store_interleaved(static_cast<float*>(nullptr), I::zero(), I::zero()))>>
+    : std::true_type {};
+
 // Reads chunk c (kWidth lanes, widened to fp32) of a value row. Split rows
 // (bf16 with head_dim a multiple of 2 * kWidth) are read in "split order": each
 // span of 2 * kWidth elements as its even elements, then its odd ones, which
@@ -83,14 +91,19 @@ struct Rows {
 };
 
 // Permutes each of `rows` rows of head_dim floats from split order back to natural order.
+template <class I = Isa>
 inline void from_split_order(float* data, int rows, int head_dim) {
-  float span[2 * kWidth];
   for (int start = 0; start < rows * head_dim; start += 2 * kWidth) {
-    for (int i = 0; i < kWidth; ++i) {
-      span[2 * i] = data[start + i];
-      span[2 * i + 1] = data[start + kWidth + i];
+    if constexpr (HasInterleavedStore<I>::value) {
+      I::store_interleaved(data + start, I::load(data + start), I::load(data + start + kWidth));
+    } else {
+      float span[2 * kWidth];
+      for (int i = 0; i < kWidth; ++i) {
+        span[2 * i] = data[start + i];
+        span[2 * i + 1] = data[start + kWidth + i];
+      }
+      for (int i = 0; i < 2 * kWidth; ++i) data[start + i] = span[i];
     }
-    for (int i = 0; i < 2 * kWidth; ++i) data[start + i] = span[i];
   }
 }
 
@@ -166,13 +179,7 @@ static_assert(kMaxTileHeads == 8, "with_tile_heads covers 1..8 heads");
 // over head_dim with a reduce8 per tile, L1-resident, g=4, head_dim 128, AVX2).
 // Split key rows (bf16, block_size a multiple of 2 * kWidth, Isa with
 // store_interleaved) load 2 * kWidth tokens at once as the even tokens and the
-// odd ones, interleaved back when the scores are stored.
-template <class I, class = void>
-struct HasInterleavedStore : std::false_type {};
-template <class I>
-struct HasInterleavedStore<
-    I, std::void_t<decltype(I::store_interleaved(static_cast<float*>(nullptr), I::zero(), I::zero()))>>
-    : std::true_type {};
+// odd ones, interleaved back when the scores are stored (HasInterleavedStore).
 
 constexpr int floor_pow2(int n) { return n >= 2 ? 2 * floor_pow2(n / 2) : 1; }
 
