@@ -89,6 +89,17 @@ struct PartialState {
   float* acc;  // [group_size, head_dim], not yet divided by sum
 };
 
+// Floats of one kv head's partial state, laid out max, sum, acc.
+inline size_t partial_state_floats(const Problem& p) {
+  return static_cast<size_t>(p.group_size()) * (p.head_dim + 2);
+}
+
+// kv_head's state in a slot holding num_kv_heads partial states back to back.
+inline PartialState partial_state(const Problem& p, float* slot, int kv_head) {
+  float* base = slot + kv_head * partial_state_floats(p);
+  return PartialState{base, base + p.group_size(), base + 2 * p.group_size()};
+}
+
 // Block scores' row stride: block_size rounded up to the widest vector.
 inline size_t score_stride_floats(const Problem& p) {
   return (static_cast<size_t>(p.block_size) + kHeadDimMultiple - 1) / kHeadDimMultiple * kHeadDimMultiple;
@@ -123,10 +134,9 @@ struct KernelTable {
   // Ends a segment whose units have all been attended into scratch. A kv head
   // whose blocks the segment covers entirely writes its normalised result to
   // problem.out; one it covers only in part leaves its state in
-  // partials[kv_head] (partials has num_kv_heads entries; it may be nullptr when
+  // partial_state(problem, partials, kv_head) (partials may be nullptr when
   // every covered head is whole).
-  void (*finish_segment)(const Problem& problem, const Segment& segment, float* scratch,
-                         const PartialState* partials);
+  void (*finish_segment)(const Problem& problem, const Segment& segment, float* scratch, float* partials);
   // Merges num_parts partial states of one (seq, kv_head) into problem.out.
   void (*merge_partials)(const Problem& problem, int seq, int kv_head, const PartialState* parts,
                          int num_parts);

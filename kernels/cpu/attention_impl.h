@@ -509,14 +509,18 @@ void attend_units_typed(const Problem& p, const Segment& piece, int64_t segment_
 // covers writes its result, or its partial state where the segment covers only
 // some of the head's blocks.
 template <bool kValueSplit>
-void finish_segment_typed(const Problem& p, const Segment& seg, float* scratch, const PartialState* partials) {
+void finish_segment_typed(const Problem& p, const Segment& seg, float* scratch, float* partials) {
   float* heads = scratch + p.group_size() * score_stride_floats(p);
   const int num_blocks = num_logical_blocks(p.context_lens[seg.seq], p.block_size);
   for (int kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
     const BlockRange range = head_blocks(seg, kv_head, p.num_kv_heads);
     if (range.empty()) continue;
-    finish_head<kValueSplit>(p, seg.seq, kv_head, head_state(p, heads, kv_head),
-                             range.whole(num_blocks) ? nullptr : &partials[kv_head]);
+    if (range.whole(num_blocks)) {
+      finish_head<kValueSplit>(p, seg.seq, kv_head, head_state(p, heads, kv_head), nullptr);
+    } else {
+      const PartialState partial = partial_state(p, partials, kv_head);
+      finish_head<kValueSplit>(p, seg.seq, kv_head, head_state(p, heads, kv_head), &partial);
+    }
   }
 }
 
@@ -561,7 +565,7 @@ void attend_units(const Problem& p, const Segment& piece, int64_t segment_begin,
   });
 }
 
-void finish_segment(const Problem& p, const Segment& segment, float* scratch, const PartialState* partials) {
+void finish_segment(const Problem& p, const Segment& segment, float* scratch, float* partials) {
   with_layout(p, [&](auto layout) { finish_segment_typed<decltype(layout)::kValues>(p, segment, scratch, partials); });
 }
 

@@ -204,7 +204,6 @@ void check_block_tables(const Problem& p) {
 }
 
 void run_attention(const Problem& p, const KernelTable& kernels, int num_threads) {
-  const int group_size = p.group_size();
   const int num_kv_heads = p.num_kv_heads;
   // Work units are (sequence, logical block, kv head), numbered sequence-major
   // and block-major within a sequence (see Segment).
@@ -232,24 +231,18 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
 
   // Only a range's first and last segment can be cut (middle ones are whole
   // sequences), so each range has two slots of num_kv_heads partial states.
-  const size_t state_floats = static_cast<size_t>(group_size) * (p.head_dim + 2);
-  const size_t slot_floats = state_floats * num_kv_heads;
+  // A thread's scratch is its segment scratch, then its slots.
+  const size_t slot_floats = partial_state_floats(p) * num_kv_heads;
   const int slots_per_thread = 2 * kRangesPerThread;
   const size_t thread_floats = (segment_scratch_floats(p) + slots_per_thread * slot_floats + kCacheLineFloats - 1) /
                                kCacheLineFloats * kCacheLineFloats;
   std::unique_ptr<float[]> scratch(new float[thread_floats * threads]);
-  const size_t num_slots = static_cast<size_t>(threads) * slots_per_thread;
-  std::vector<PartialState> slots(num_slots * num_kv_heads);
-  for (size_t slot = 0; slot < num_slots; ++slot) {
-    float* base = scratch.get() + thread_floats * (slot / slots_per_thread) + segment_scratch_floats(p) +
-                  (slot % slots_per_thread) * slot_floats;
-    for (int h = 0; h < num_kv_heads; ++h) {
-      float* state = base + h * state_floats;
-      slots[slot * num_kv_heads + h] = PartialState{state, state + group_size, state + 2 * group_size};
-    }
-  }
+  const auto slot_base = [&](size_t slot) {
+    return scratch.get() + thread_floats * (slot / slots_per_thread) + segment_scratch_floats(p) +
+           (slot % slots_per_thread) * slot_floats;
+  };
   // Each slot's cut segment; seq -1 marks an unused slot.
-  std::vector<Segment> slot_segment(num_slots, Segment{-1, 0, 0});
+  std::vector<Segment> slot_segment(static_cast<size_t>(threads) * slots_per_thread, Segment{-1, 0, 0});
 
   WorkRanges work(threads);
   for (int thread = 0; thread < threads; ++thread) {
@@ -264,11 +257,11 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
       const auto close = [&] {
         if (open.seq < 0) return;
         const int64_t seq_units = first_unit[open.seq + 1] - first_unit[open.seq];
-        const PartialState* partials = nullptr;
+        float* partials = nullptr;
         const int slot_in_range = segments_closed++ == 0 ? 0 : 1;
         if (open.unit_begin != 0 || open.unit_end != seq_units) {
           const size_t slot = static_cast<size_t>(thread) * slots_per_thread + 2 * range + slot_in_range;
-          partials = &slots[slot * num_kv_heads];
+          partials = slot_base(slot);
           slot_segment[slot] = open;
         }
         kernels.finish_segment(p, open, thread_scratch, partials);
@@ -306,7 +299,7 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
     for (int h = 0; h < num_kv_heads; ++h) {
       const BlockRange range = head_blocks(segment, h, num_kv_heads);
       if (range.empty() || range.whole(num_blocks)) continue;
-      records.push_back(PartialRecord{segment.seq, h, slots[index * num_kv_heads + h]});
+      records.push_back(PartialRecord{segment.seq, h, partial_state(p, slot_base(index), h)});
     }
   }
   std::stable_sort(records.begin(), records.end(), [](const PartialRecord& a, const PartialRecord& b) {
