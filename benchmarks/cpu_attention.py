@@ -158,6 +158,40 @@ class ReadBandwidth:
             torch.set_num_threads(previous)
 
 
+def kv_bytes(batch: int, context: int) -> int:
+    """K and V bytes one call reads."""
+    return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
+
+
+class Problem:
+    """Random caches of num_layers layers for `batch` sequences of `context` tokens each, blocks
+    scattered at random: values [layers, blocks, kv_heads, block_size, head_dim], keys transposed
+    within a block, [layers, blocks, kv_heads, head_dim, block_size]. By default on 2 MiB pages as
+    the engine holds them; `allocate(shape, dtype)` gives other memory."""
+
+    def __init__(self, batch: int, context: int, num_layers: int, allocate=host_zeros):
+        blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+        num_blocks = batch * blocks_per_seq
+        self.key_cache = allocate((num_layers, num_blocks, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE),
+                                  KV_DTYPE).uniform_(-1, 1)
+        self.value_cache = allocate((num_layers, num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM),
+                                    KV_DTYPE).uniform_(-1, 1)
+        self.block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(batch, blocks_per_seq)
+        self.context_lens = torch.full((batch,), context, dtype=torch.int32)
+        self.query = torch.randn(batch, NUM_HEADS, HEAD_DIM).to(QUERY_DTYPE)
+        self.out = torch.empty_like(self.query)
+        self.scale = 1 / math.sqrt(HEAD_DIM)
+        self.kv_bytes = kv_bytes(batch, context)
+
+    def run_kernel(self, layer: int, num_threads: int) -> None:
+        cpu.paged_decode_attention(self.query, self.key_cache[layer], self.value_cache[layer], self.block_tables,
+                                   self.context_lens, self.scale, out=self.out, num_threads=num_threads)
+
+    def run_reference(self) -> torch.Tensor:
+        return reference.paged_decode_attention(self.query, self.key_cache[0], self.value_cache[0],
+                                                self.block_tables, self.context_lens, self.scale)
+
+
 class InCacheRate:
     """Bytes/s of the kernel itself on 8 MiB of KV that stays in the last-level cache, called over
     and over: how fast its cores attend when memory is not what holds them back. A share of the
@@ -170,47 +204,22 @@ class InCacheRate:
 
     def __init__(self, num_threads: int):
         self.num_threads = num_threads
-        blocks = math.ceil(self.CONTEXT / BLOCK_SIZE)
-        self.key_cache = torch.empty(blocks, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype=KV_DTYPE).uniform_(-1, 1)
-        self.value_cache = torch.empty(blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, dtype=KV_DTYPE).uniform_(-1, 1)
-        self.block_tables = torch.randperm(blocks, dtype=torch.int32).view(1, blocks)
-        self.context_lens = torch.tensor([self.CONTEXT], dtype=torch.int32)
-        self.query = torch.randn(1, NUM_HEADS, HEAD_DIM).to(QUERY_DTYPE)
-        self.out = torch.empty_like(self.query)
-        self.kv_bytes = 2 * self.CONTEXT * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
-
-    def _call(self) -> None:
-        cpu.paged_decode_attention(self.query, self.key_cache, self.value_cache, self.block_tables,
-                                   self.context_lens, 1 / math.sqrt(HEAD_DIM), out=self.out,
-                                   num_threads=self.num_threads)
+        self.problem = Problem(1, self.CONTEXT, 1, allocate=lambda shape, dtype: torch.empty(shape, dtype=dtype))
 
     def sample(self) -> float:
-        return self.kv_bytes / median_time(self._call, self.REPS, warmup=2)
+        return self.problem.kv_bytes / median_time(lambda: self.problem.run_kernel(0, self.num_threads), self.REPS,
+                                                   warmup=2)
 
 
 def bench_config(batch: int, context: int, num_threads: int, reference_reps: int,
                  bandwidth: ReadBandwidth, reader: PatternReader | None, in_cache: InCacheRate) -> dict:
-    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
-    num_blocks = batch * blocks_per_seq
-    layer_shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-    layer_bytes = 2 * math.prod(layer_shape) * KV_DTYPE.itemsize
-    num_layers = max(1, math.ceil(ROTATION_BYTES / layer_bytes))
-    # On 2 MiB pages, as the engine holds them: values [layers, blocks, kv_heads, block_size,
-    # head_dim], keys transposed within a block, [layers, blocks, kv_heads, head_dim, block_size].
-    key_shape = (num_layers, num_blocks, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-    key_cache = host_zeros(key_shape, KV_DTYPE).uniform_(-1, 1)
-    value_cache = host_zeros((num_layers, *layer_shape), KV_DTYPE).uniform_(-1, 1)
-    block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(batch, blocks_per_seq)
-    context_lens = torch.full((batch,), context, dtype=torch.int32)
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM).to(QUERY_DTYPE)
-    out = torch.empty_like(query)
-    scale = 1 / math.sqrt(HEAD_DIM)
+    num_layers = max(1, math.ceil(ROTATION_BYTES / kv_bytes(batch, math.ceil(context / BLOCK_SIZE) * BLOCK_SIZE)))
+    problem = Problem(batch, context, num_layers)
     layer = 0
 
     def run_kernel():
         nonlocal layer
-        cpu.paged_decode_attention(query, key_cache[layer], value_cache[layer], block_tables, context_lens,
-                                   scale, out=out, num_threads=num_threads)
+        problem.run_kernel(layer, num_threads)
         layer = (layer + 1) % num_layers
 
     for _ in range(num_layers):  # warm-up: one call per layer
@@ -225,26 +234,21 @@ def bench_config(batch: int, context: int, num_threads: int, reference_reps: int
             wait_for_idle_pool()
             # From the layer the kernel would take next, the one it touched longest ago; the kernel
             # then goes on past the reader's layers, so neither reads what the other left in cache.
-            reader_times.append(reader.read(key_cache, value_cache, block_tables, num_threads, KERNEL_REPS,
-                                            first_layer=layer)[0])
+            reader_times.append(reader.read(problem.key_cache, problem.value_cache, problem.block_tables,
+                                            num_threads, KERNEL_REPS, first_layer=layer)[0])
             layer = (layer + KERNEL_REPS + 1) % num_layers
     kernel_s = statistics.median(kernel_times)
     read_bps = statistics.median(bandwidths)
     reader_s = statistics.median(reader_times) if reader_times else None
-    expected = reference.paged_decode_attention(query, key_cache[0], value_cache[0], block_tables,
-                                                context_lens, scale)
-    cpu.paged_decode_attention(query, key_cache[0], value_cache[0], block_tables, context_lens, scale,
-                               out=out, num_threads=num_threads)
-    max_error = (out.float() - expected.float()).abs().max().item()
+    expected = problem.run_reference()
+    problem.run_kernel(0, num_threads)
+    max_error = (problem.out.float() - expected.float()).abs().max().item()
     reference_s = None
     if reference_reps:
         torch.set_num_threads(num_threads)
         wait_for_idle_pool()
-        reference_s = median_time(
-            lambda: reference.paged_decode_attention(query, key_cache[0], value_cache[0], block_tables,
-                                                     context_lens, scale),
-            reference_reps, warmup=0)
-    kv_bytes_read = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
+        reference_s = median_time(problem.run_reference, reference_reps, warmup=0)
+    kv_bytes_read = problem.kv_bytes
     return {
         "batch": batch,
         "context": context,
@@ -292,10 +296,10 @@ def main() -> None:
         reader = PatternReader.build(Path(build_dir))
         for batch in batches:
             for context in contexts:
-                kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
-                if kv_bytes > MAX_KV_BYTES:
+                call_bytes = kv_bytes(batch, context)
+                if call_bytes > MAX_KV_BYTES:
                     continue
-                row = bench_config(batch, context, num_threads, REFERENCE_REPS if kv_bytes <= 256 << 20 else 1,
+                row = bench_config(batch, context, num_threads, REFERENCE_REPS if call_bytes <= 256 << 20 else 1,
                                    bandwidth, reader, in_cache)
                 rows.append(row)
                 reader_percent = row["pattern_reader_percent_of_read_bandwidth"]

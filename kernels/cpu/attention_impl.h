@@ -412,12 +412,18 @@ struct HeadState {
   float* sum_lanes;  // [group_size, kWidth]
 };
 
-inline HeadState head_state(const Problem& p, float* heads, int kv_head) {
+// A thread's segment scratch (segment_scratch_floats) is the block scores
+// [group_size, score_stride], every kv head's state, then the tail tile.
+inline HeadState head_state(const Problem& p, float* scratch, int kv_head) {
   const int g = p.group_size();
-  float* base = heads + kv_head * head_state_floats(p);
+  float* base = scratch + g * score_stride_floats(p) + kv_head * head_state_floats(p);
   float* acc = base + g * p.head_dim;
   float* run_max = acc + g * p.head_dim;
   return HeadState{base, acc, run_max, run_max + g};
+}
+
+inline float* tail_tile(const Problem& p, float* scratch) {  // [head_dim, kTailRowFloats]
+  return scratch + p.group_size() * score_stride_floats(p) + p.num_kv_heads * head_state_floats(p);
 }
 
 void start_head(const Problem& p, int seq, int kv_head, const HeadState& state) {
@@ -469,8 +475,7 @@ void attend_units_typed(const Problem& p, const Segment& piece, int64_t segment_
   const int num_kv_heads = p.num_kv_heads;
   const int score_stride = static_cast<int>(score_stride_floats(p));
   float* scores = scratch;  // [group_size, score_stride]
-  float* heads = scores + group_size * score_stride;
-  float* tail = heads + num_kv_heads * head_state_floats(p);  // [head_dim, kTailRowFloats]
+  float* tail = tail_tile(p, scratch);
 
   const Kv* key_cache = static_cast<const Kv*>(p.key_cache);
   const Kv* value_cache = static_cast<const Kv*>(p.value_cache);
@@ -486,8 +491,9 @@ void attend_units_typed(const Problem& p, const Segment& piece, int64_t segment_
 
   for (int64_t unit = piece.unit_begin; unit < piece.unit_end; ++unit) {
     const int b = static_cast<int>(unit / num_kv_heads);
-    const HeadState state = head_state(p, heads, static_cast<int>(unit % num_kv_heads));
-    if (unit < segment_begin + num_kv_heads) start_head(p, piece.seq, static_cast<int>(unit % num_kv_heads), state);
+    const int kv_head = static_cast<int>(unit % num_kv_heads);
+    const HeadState state = head_state(p, scratch, kv_head);
+    if (unit < segment_begin + num_kv_heads) start_head(p, piece.seq, kv_head, state);
     const size_t base = unit_offset(unit);
     const int num_tokens = min_int(block_size, context_len - b * block_size);
     // The next unit's rows are prefetched while this one is worked on: past a
@@ -510,17 +516,13 @@ void attend_units_typed(const Problem& p, const Segment& piece, int64_t segment_
 // some of the head's blocks.
 template <bool kValueSplit>
 void finish_segment_typed(const Problem& p, const Segment& seg, float* scratch, float* partials) {
-  float* heads = scratch + p.group_size() * score_stride_floats(p);
   const int num_blocks = num_logical_blocks(p.context_lens[seg.seq], p.block_size);
   for (int kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
     const BlockRange range = head_blocks(seg, kv_head, p.num_kv_heads);
     if (range.empty()) continue;
-    if (range.whole(num_blocks)) {
-      finish_head<kValueSplit>(p, seg.seq, kv_head, head_state(p, heads, kv_head), nullptr);
-    } else {
-      const PartialState partial = partial_state(p, partials, kv_head);
-      finish_head<kValueSplit>(p, seg.seq, kv_head, head_state(p, heads, kv_head), &partial);
-    }
+    const bool whole = range.whole(num_blocks);
+    const PartialState partial = whole ? PartialState{} : partial_state(p, partials, kv_head);
+    finish_head<kValueSplit>(p, seg.seq, kv_head, head_state(p, scratch, kv_head), whole ? nullptr : &partial);
   }
 }
 
