@@ -1,7 +1,8 @@
 """CPU paged decode attention: kernel time, effective bandwidth, and speed-up over torch.
 
-For each batch size and context length (Llama-3-8B attention shape: 32 query
-heads, 8 kv heads of 128, bf16 KV in blocks of 16) this times the kernel and the
+For each batch size and context length, in two attention shapes (Llama-3-8B's:
+32 query heads sharing 8 kv heads of 128, GQA 4; and Llama-2-7B's: 32 heads
+with a kv head each, MHA; bf16 KV in blocks of 16), this times the kernel and the
 plain torch reference, and compares the kernel's effective bandwidth (KV bytes
 read / time) with the machine's read bandwidth, measured by a large-tensor
 torch.sum on the kernel's thread count in rounds interleaved with the kernel's
@@ -22,14 +23,18 @@ walking its layers, so the numbers are from DRAM, not cache. The caches are
 allocated as the engine's host pool is (engine.kv_cache.host_zeros: transparent
 2 MiB pages where Linux grants them).
 
-    .venv/bin/python benchmarks/cpu_attention.py [--quick]
-Prints a markdown table and writes benchmarks/results/cpu_attention.json.
+At GQA 4 every bf16 element read costs four fp32 fmas, at MHA one: the MHA
+table shows the kernel's streaming with a quarter of the arithmetic per byte.
+
+    .venv/bin/python benchmarks/cpu_attention.py [--quick] [--shape gqa4|mha]
+Prints a markdown table per shape and writes benchmarks/results/<shape's name>.json and .md.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import math
 import os
@@ -47,10 +52,6 @@ from kernels import cpu
 from kernels.cpu import reference
 from kernels.cpu.build import BuildError, default_compiler, run_command
 
-NUM_HEADS = 32
-NUM_KV_HEADS = 8
-HEAD_DIM = 128
-BLOCK_SIZE = 16
 KV_DTYPE = torch.bfloat16
 QUERY_DTYPE = torch.bfloat16
 BATCHES = [1, 8, 32, 128]
@@ -68,7 +69,7 @@ SETTLE_SECONDS = 0.05
 # Rounds of (read-bandwidth sample, KERNEL_REPS kernel calls) per configuration.
 ROUNDS = 3
 REFERENCE_REPS = 3
-RESULTS = Path(__file__).resolve().parent / "results" / "cpu_attention.json"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PATTERN_READER_SOURCE = Path(__file__).resolve().parent / "pattern_reader.cpp"
 
 
@@ -158,30 +159,53 @@ class ReadBandwidth:
             torch.set_num_threads(previous)
 
 
-def kv_bytes(batch: int, context: int) -> int:
-    """K and V bytes one call reads."""
-    return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """An attention shape; `name` is its results files' stem and README block."""
+
+    name: str
+    model: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 128
+    block_size: int = 16
+
+    def kv_bytes(self, batch: int, context: int) -> int:
+        """K and V bytes one call reads."""
+        return 2 * batch * context * self.num_kv_heads * self.head_dim * KV_DTYPE.itemsize
+
+    def describe(self) -> str:
+        ratio = self.num_heads // self.num_kv_heads
+        grouping = "MHA" if ratio == 1 else f"GQA {ratio}"
+        return (f"{self.model} attention: {self.num_heads} query heads, {self.num_kv_heads} kv heads ({grouping}), "
+                f"head_dim {self.head_dim}, bf16 KV in blocks of {self.block_size}")
+
+
+SHAPES = {
+    "gqa4": Shape("cpu_attention", "Llama-3-8B", num_heads=32, num_kv_heads=8),
+    "mha": Shape("cpu_attention_mha", "Llama-2-7B", num_heads=32, num_kv_heads=32),
+}
 
 
 class Problem:
-    """Random caches of num_layers layers for `batch` sequences of `context` tokens each, blocks
+    """Random caches in `shape` of num_layers layers for `batch` sequences of `context` tokens each, blocks
     scattered at random: values [layers, blocks, kv_heads, block_size, head_dim], keys transposed
     within a block, [layers, blocks, kv_heads, head_dim, block_size]. By default on 2 MiB pages as
-    the engine holds them; `allocate(shape, dtype)` gives other memory."""
+    the engine holds them; `allocate(size, dtype)` gives other memory."""
 
-    def __init__(self, batch: int, context: int, num_layers: int, allocate=host_zeros):
-        blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+    def __init__(self, shape: Shape, batch: int, context: int, num_layers: int, allocate=host_zeros):
+        blocks_per_seq = math.ceil(context / shape.block_size)
         num_blocks = batch * blocks_per_seq
-        self.key_cache = allocate((num_layers, num_blocks, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE),
-                                  KV_DTYPE).uniform_(-1, 1)
-        self.value_cache = allocate((num_layers, num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM),
+        unit = (shape.head_dim, shape.block_size)
+        self.key_cache = allocate((num_layers, num_blocks, shape.num_kv_heads, *unit), KV_DTYPE).uniform_(-1, 1)
+        self.value_cache = allocate((num_layers, num_blocks, shape.num_kv_heads, *unit[::-1]),
                                     KV_DTYPE).uniform_(-1, 1)
         self.block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(batch, blocks_per_seq)
         self.context_lens = torch.full((batch,), context, dtype=torch.int32)
-        self.query = torch.randn(batch, NUM_HEADS, HEAD_DIM).to(QUERY_DTYPE)
+        self.query = torch.randn(batch, shape.num_heads, shape.head_dim).to(QUERY_DTYPE)
         self.out = torch.empty_like(self.query)
-        self.scale = 1 / math.sqrt(HEAD_DIM)
-        self.kv_bytes = kv_bytes(batch, context)
+        self.scale = 1 / math.sqrt(shape.head_dim)
+        self.kv_bytes = shape.kv_bytes(batch, context)
 
     def run_kernel(self, layer: int, num_threads: int) -> None:
         cpu.paged_decode_attention(self.query, self.key_cache[layer], self.value_cache[layer], self.block_tables,
@@ -199,22 +223,24 @@ class InCacheRate:
     at times take half of a core's arithmetic (L1-resident work ran up to 1.5x slower within
     minutes), which a memory-bound reduction barely notices."""
 
-    CONTEXT = 2048  # one sequence: 8 MiB of bf16 K + V in the benchmark's shape
+    KV_BYTES = 8 << 20  # one sequence
     REPS = 15
 
-    def __init__(self, num_threads: int):
+    def __init__(self, shape: Shape, num_threads: int):
         self.num_threads = num_threads
-        self.problem = Problem(1, self.CONTEXT, 1, allocate=lambda shape, dtype: torch.empty(shape, dtype=dtype))
+        context = self.KV_BYTES // shape.kv_bytes(1, 1)
+        self.problem = Problem(shape, 1, context, 1, allocate=lambda size, dtype: torch.empty(size, dtype=dtype))
 
     def sample(self) -> float:
         return self.problem.kv_bytes / median_time(lambda: self.problem.run_kernel(0, self.num_threads), self.REPS,
                                                    warmup=2)
 
 
-def bench_config(batch: int, context: int, num_threads: int, reference_reps: int,
+def bench_config(shape: Shape, batch: int, context: int, num_threads: int, reference_reps: int,
                  bandwidth: ReadBandwidth, reader: PatternReader | None, in_cache: InCacheRate) -> dict:
-    num_layers = max(1, math.ceil(ROTATION_BYTES / kv_bytes(batch, math.ceil(context / BLOCK_SIZE) * BLOCK_SIZE)))
-    problem = Problem(batch, context, num_layers)
+    whole_blocks = math.ceil(context / shape.block_size) * shape.block_size
+    num_layers = max(1, math.ceil(ROTATION_BYTES / shape.kv_bytes(batch, whole_blocks)))
+    problem = Problem(shape, batch, context, num_layers)
     layer = 0
 
     def run_kernel():
@@ -267,19 +293,11 @@ def bench_config(batch: int, context: int, num_threads: int, reference_reps: int
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer configurations (smoke test)")
-    parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: calibrated)")
-    args = parser.parse_args()
-    if not cpu.is_available():
-        raise SystemExit(f"the CPU attention extension is not built; run `{cpu.BUILD_COMMAND}`")
-
-    num_threads = args.threads or cpu.default_num_threads()
-    batches, contexts = ([1, 32], [256, 2048]) if args.quick else (BATCHES, CONTEXTS)
-    bandwidth = ReadBandwidth(num_threads)
-    in_cache = InCacheRate(num_threads)
-    title = (f"isa {cpu.usable_isas()[0]}, {num_threads} kernel threads (cores available: "
+def bench_shape(shape: Shape, batches: list[int], contexts: list[int], num_threads: int,
+                bandwidth: ReadBandwidth, reader: PatternReader | None) -> None:
+    """Runs the table of one shape and writes its results files."""
+    in_cache = InCacheRate(shape, num_threads)
+    title = (f"{shape.describe()}; isa {cpu.usable_isas()[0]}, {num_threads} kernel threads (cores available: "
              f"{len(os.sched_getaffinity(0))}); read BW: torch.sum over 2 GiB on {num_threads} threads, "
              f"median of {ROUNDS} samples interleaved with each row's kernel rounds; in-cache: the kernel on "
              f"8 MiB of KV held in the last-level cache, same rounds; pattern reader: the kernel's access "
@@ -292,36 +310,53 @@ def main() -> None:
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(header)
     lines.append(header)
-    with tempfile.TemporaryDirectory() as build_dir:
-        reader = PatternReader.build(Path(build_dir))
-        for batch in batches:
-            for context in contexts:
-                call_bytes = kv_bytes(batch, context)
-                if call_bytes > MAX_KV_BYTES:
-                    continue
-                row = bench_config(batch, context, num_threads, REFERENCE_REPS if call_bytes <= 256 << 20 else 1,
-                                   bandwidth, reader, in_cache)
-                rows.append(row)
-                reader_percent = row["pattern_reader_percent_of_read_bandwidth"]
-                reader_cells = ("- | -" if reader_percent is None else
-                                f"{reader_percent:.0f}% | {row['percent_of_read_bandwidth'] / reader_percent:.2f}")
-                lines.append(f"| {batch} | {context} | {row['kv_mib']:.0f} | {row['kernel_ms']:.3f} | "
-                             f"{row['kernel_gbps']:.1f} | {row['read_bandwidth_gbps']:.1f} | "
-                             f"{row['in_cache_gbps']:.1f} | {row['percent_of_read_bandwidth']:.0f}% | {reader_cells} | "
-                             f"{row['reference_ms']:.1f} | {row['speedup']:.1f}x |")
-                print(lines[-1], flush=True)
+    for batch in batches:
+        for context in contexts:
+            call_bytes = shape.kv_bytes(batch, context)
+            if call_bytes > MAX_KV_BYTES:
+                continue
+            row = bench_config(shape, batch, context, num_threads, REFERENCE_REPS if call_bytes <= 256 << 20 else 1,
+                               bandwidth, reader, in_cache)
+            rows.append(row)
+            reader_percent = row["pattern_reader_percent_of_read_bandwidth"]
+            reader_cells = ("- | -" if reader_percent is None else
+                            f"{reader_percent:.0f}% | {row['percent_of_read_bandwidth'] / reader_percent:.2f}")
+            lines.append(f"| {batch} | {context} | {row['kv_mib']:.0f} | {row['kernel_ms']:.3f} | "
+                         f"{row['kernel_gbps']:.1f} | {row['read_bandwidth_gbps']:.1f} | "
+                         f"{row['in_cache_gbps']:.1f} | {row['percent_of_read_bandwidth']:.0f}% | {reader_cells} | "
+                         f"{row['reference_ms']:.1f} | {row['speedup']:.1f}x |")
+            print(lines[-1], flush=True)
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    results = RESULTS_DIR / f"{shape.name}.json"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({
         "machine": {"processor": platform.processor() or platform.machine(),
                     "cores": len(os.sched_getaffinity(0)), "isa": cpu.usable_isas()[0]},
-        "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                  "block_size": BLOCK_SIZE, "kv_dtype": str(KV_DTYPE), "query_dtype": str(QUERY_DTYPE)},
+        "shape": {**dataclasses.asdict(shape), "kv_dtype": str(KV_DTYPE), "query_dtype": str(QUERY_DTYPE)},
         "kernel_threads": num_threads,
         "rows": rows,
     }, indent=2) + "\n")
-    RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n")  # the README's table
-    print(f"\nwrote {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
+    results.with_suffix(".md").write_text("\n".join(lines) + "\n")  # the README's table
+    print(f"\nwrote {results.relative_to(Path.cwd()) if results.is_relative_to(Path.cwd()) else results}\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer configurations (smoke test)")
+    parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: calibrated)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), action="append",
+                        help="attention shape (repeatable; default: all)")
+    args = parser.parse_args()
+    if not cpu.is_available():
+        raise SystemExit(f"the CPU attention extension is not built; run `{cpu.BUILD_COMMAND}`")
+
+    num_threads = args.threads or cpu.default_num_threads()
+    batches, contexts = ([1, 32], [256, 2048]) if args.quick else (BATCHES, CONTEXTS)
+    bandwidth = ReadBandwidth(num_threads)
+    with tempfile.TemporaryDirectory() as build_dir:
+        reader = PatternReader.build(Path(build_dir))
+        for name in args.shape or list(SHAPES):
+            bench_shape(SHAPES[name], batches, contexts, num_threads, bandwidth, reader)
 
 
 if __name__ == "__main__":
