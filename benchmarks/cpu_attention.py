@@ -196,10 +196,9 @@ class Problem:
     def __init__(self, shape: Shape, batch: int, context: int, num_layers: int, allocate=host_zeros):
         blocks_per_seq = math.ceil(context / shape.block_size)
         num_blocks = batch * blocks_per_seq
-        unit = (shape.head_dim, shape.block_size)
-        self.key_cache = allocate((num_layers, num_blocks, shape.num_kv_heads, *unit), KV_DTYPE).uniform_(-1, 1)
-        self.value_cache = allocate((num_layers, num_blocks, shape.num_kv_heads, *unit[::-1]),
-                                    KV_DTYPE).uniform_(-1, 1)
+        blocks = (num_layers, num_blocks, shape.num_kv_heads)
+        self.key_cache = allocate((*blocks, shape.head_dim, shape.block_size), KV_DTYPE).uniform_(-1, 1)
+        self.value_cache = allocate((*blocks, shape.block_size, shape.head_dim), KV_DTYPE).uniform_(-1, 1)
         self.block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(batch, blocks_per_seq)
         self.context_lens = torch.full((batch,), context, dtype=torch.int32)
         self.query = torch.randn(batch, shape.num_heads, shape.head_dim).to(QUERY_DTYPE)
