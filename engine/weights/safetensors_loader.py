@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.config import ModelConfig
+from engine.model import ModelConfig
 from engine.weights.base import (
     WeightLoader,
     WeightLoadError,

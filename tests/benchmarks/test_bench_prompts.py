@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.serving.prompts import WORDS, PromptBuilder
-from engine.tokenizer import Tokenizer
+from engine.text import Tokenizer
 from engine.weights import embedded_gguf_path
 
 TARGETS = (1, 2, 7, 64, 129, 500, 2000)

@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from engine.sampler import Sampler
+from engine.sampling import Sampler
 from scheduler.request import Request, SamplingParams
 
 VOCAB = 64

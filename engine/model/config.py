@@ -7,11 +7,11 @@ serves both).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 # HF architectures names -> our family names. All are the Llama block with small variations.
 _ARCHITECTURES = {

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file, save_file
 
-from engine.config import PRESET_DIR, ConfigError, ModelConfig, list_presets
+from engine.model import PRESET_DIR, ConfigError, ModelConfig, list_presets
 from engine.weights import (
     EMBEDDED_MODEL,
     WeightLoadError,

@@ -15,20 +15,19 @@ import torch
 from safetensors.torch import save_file
 
 from engine.attention import DecodeAttentionBackend, create_decode_backend
-from engine.config import ModelConfig
+from engine.model import ModelConfig
 from engine.model import LlamaModel
-from engine.profiler import (
+from engine.profiling import ProfileGrid, profile_costs
+from engine.profiling.cache import (
     CACHE_DIR_ENV,
     PROFILE_FORMAT_VERSION,
-    ProfileGrid,
     ProfileKey,
     host_cpu_model,
     load_cached,
     load_or_profile,
-    profile_costs,
     profile_path,
 )
-from engine.streams import InlineQueue, WorkerThreadQueue
+from engine.execution import InlineQueue, WorkerThreadQueue
 from engine.weights import create_loader, global_shapes, layer_shapes
 from engine.weights.safetensors_loader import layer_tensor_name
 from scheduler.cost_model import TableCostModel

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import queue
 import threading
-import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
@@ -34,7 +33,6 @@ class Future:
         self._wait = wait
         self._value: Any = None
         self._error: BaseException | None = None
-        self.busy_time = 0.0  # seconds spent running work: the accelerator's utilization
 
     def result(self) -> Any:
         if self._wait is not None:
@@ -94,7 +92,6 @@ class WorkerThreadQueue(AcceleratorQueue):
         # The first error of a forward: later items depend on the failed one, so they are skipped
         # and fail with it instead of computing on half-written tensors. Cleared by `recover`.
         self._error: BaseException | None = None
-        self.busy_time = 0.0  # seconds spent running work: the accelerator's utilization
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -115,13 +112,11 @@ class WorkerThreadQueue(AcceleratorQueue):
             elif self._error is not None:
                 future._error = self._error
             else:
-                start = time.perf_counter()
                 try:
                     with torch.inference_mode():
                         future._value = fn()
                 except BaseException as exc:  # handed to whoever waits on this or a later future
                     self._error = future._error = exc
-                self.busy_time += time.perf_counter() - start
             done.set()
 
     def submit(self, fn):

@@ -1,72 +1,14 @@
-"""Attention: per-batch metadata, packed varlen prefill through SDPA, and paged decode backends.
+"""Paged decode attention: one new query token per sequence over its paged K/V.
 
-Decode attention goes through `DecodeAttentionBackend` so the C++ CPU kernel (kernels/cpu) and
-GPU kernels plug in behind one interface; `TorchPagedDecode` is the plain reference.
+Backends plug in behind `DecodeAttentionBackend` and a name registry: `torch` is the plain
+reference, `cpu` the C++ SIMD kernel of kernels/cpu (GPU kernels join here).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-
-
-@dataclass
-class AttentionMetadata:
-    """Everything attention needs about one packed batch: prefill tokens first, then one token
-    per decoding sequence. Built by the runner, passed explicitly (no globals)."""
-
-    prefill_seq_lens: list[int]  # tokens of each prefill sequence, in batch order
-    num_prefill_tokens: int
-    # where each prefill token's K/V goes; decode tokens are appended by the decode backend
-    slot_blocks: torch.Tensor  # [num_prefill_tokens] int64: block
-    slot_offsets: torch.Tensor  # [num_prefill_tokens] int64: offset inside that block
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
-    decode_context_lens: torch.Tensor | None  # [num_decodes] int32, including the new token
-    # Prefills bound for the host pool (Neo: CPU-requests from birth): their tokens are left out of
-    # the slots above and copied out layer by layer. (first prefill token, num_tokens, host blocks)
-    cpu_prefills: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
-    slot_rows: torch.Tensor | None = None  # [num_slots] prefill tokens the slots are for; None: all
-
-    @property
-    def num_decodes(self) -> int:
-        return 0 if self.decode_context_lens is None else int(self.decode_context_lens.shape[0])
-
-
-@dataclass
-class CpuDecodeMetadata:
-    """Decode rows whose K/V lives in the host pool; their attention runs on the CPU."""
-
-    block_tables: torch.Tensor  # [num_cpu_decodes, max_blocks] int32, host pool blocks
-    context_lens: torch.Tensor  # [num_cpu_decodes] int32 (with the new token), on the host
-
-    @property
-    def num_decodes(self) -> int:
-        return int(self.context_lens.shape[0])
-
-
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
-                      scale: float) -> torch.Tensor:
-    """Causal attention over packed sequences, each through SDPA on its own tokens (no padding).
-
-    q [num_tokens, num_heads, head_dim], k/v [num_tokens, kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]
-    """
-    out = torch.empty_like(q)
-    start = 0
-    for length in seq_lens:
-        end = start + length
-        # SDPA wants [batch, heads, tokens, head_dim]
-        out[start:end] = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1).unsqueeze(0),
-            k[start:end].transpose(0, 1).unsqueeze(0),
-            v[start:end].transpose(0, 1).unsqueeze(0),
-            is_causal=True, scale=scale, enable_gqa=True,
-        ).squeeze(0).transpose(0, 1)
-        start = end
-    return out
-
 
 class DecodeAttentionBackend(ABC):
     """Attention of one new query token per sequence over its paged K/V."""

@@ -1,4 +1,4 @@
-"""Neo's asymmetric two-batch forward (fig. 5), written against engine/streams.py.
+"""Neo's asymmetric two-batch forward (fig. 5), written against engine/execution/queues.py.
 
 Batch-0 holds the prefills, the GPU-requests' decodes and a few CPU-requests' decodes; batch-1
 holds CPU-requests' decodes only. Per layer the accelerator runs one batch's linear stages while
@@ -18,29 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, CpuDecodeMetadata, DecodeAttentionBackend
-from engine.kv_cache import TwoTierKVCache
-from engine.model import LlamaModel
-from engine.streams import AcceleratorQueue
-
-
-@dataclass
-class BatchInputs:
-    """One sub-batch: accelerator rows (prefills, GPU decodes) then CPU decode rows."""
-
-    token_ids: torch.Tensor  # [num_tokens] on the accelerator
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata  # the accelerator rows
-    cpu: CpuDecodeMetadata | None  # the trailing CPU decode rows
-    last_indices: torch.Tensor  # [num_seqs] row of each sequence's last token
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.token_ids.shape[0])
-
-    @property
-    def num_accelerator_rows(self) -> int:
-        return self.meta.num_prefill_tokens + self.meta.num_decodes
+from engine.attention import DecodeAttentionBackend
+from engine.execution.batch import BatchInputs
+from engine.execution.queues import AcceleratorQueue
+from engine.kv import TwoTierKVCache
+from engine.model.llama import LlamaModel
 
 
 @dataclass

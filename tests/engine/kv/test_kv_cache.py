@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.kv_cache import HUGE_PAGE_BYTES, KVCache, host_zeros
+from engine.model import ModelConfig
+from engine.kv import HUGE_PAGE_BYTES, KVCache, host_zeros
 from engine.weights import EMBEDDED_MODEL
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")

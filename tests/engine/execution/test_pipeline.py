@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from engine.kv_cache import KVCache, block_runs
-from engine.runner import ModelRunner, Placement
-from engine.streams import InlineQueue, WorkerThreadQueue
+from engine.kv import KVCache, block_runs
+from engine.execution import CoreAssignment, ModelRunner
+from engine.execution import InlineQueue, WorkerThreadQueue
 from engine.weights import create_loader
 from scheduler.block_pool import BlockPool, blocks_for
 from scheduler.request import Request, SamplingParams, Tier
@@ -176,8 +176,8 @@ def test_inline_queue_runs_at_once():
 def test_testbed_placement_splits_cores():
     if not TWO_CORES:
         pytest.skip("needs 2 cores")
-    placement = Placement.for_device("testbed")
+    placement = CoreAssignment.for_device("testbed")
     assert placement.accelerator_cores and placement.cpu_attention_cores
     assert not placement.accelerator_cores & placement.cpu_attention_cores
     with pytest.raises(ValueError, match="no core"):
-        Placement.for_device("testbed", accelerator_threads=len(os.sched_getaffinity(0)))
+        CoreAssignment.for_device("testbed", accelerator_threads=len(os.sched_getaffinity(0)))

@@ -7,7 +7,6 @@ two sub-batches stage by stage with the very same functions.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -15,84 +14,63 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.attention import AttentionMetadata, DecodeAttentionBackend, prefill_attention
-from engine.config import ModelConfig, RopeScaling
-from engine.kv_cache import TwoTierKVCache
+from engine.kv import TwoTierKVCache
+from engine.model.config import ModelConfig
+from engine.model.layers import RotaryEmbedding, rms_norm
+from engine.quant import LinearMethod, LinearWeight, create_linear_method
 from engine.weights import WeightLoader
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden], Q, K and V fused into one matmul
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
-    o_proj: torch.Tensor  # [hidden, q_size]
+    qkv: LinearWeight  # [q_size + 2 * kv_size, hidden], Q, K and V fused into one matmul (bias: Qwen2)
+    o_proj: LinearWeight  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden], gate and up fused
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: LinearWeight  # [2 * intermediate, hidden], gate and up fused
+    down: LinearWeight  # [hidden, intermediate]
 
     @classmethod
-    def from_loaded(cls, w: dict[str, torch.Tensor]) -> "LayerWeights":
+    def from_loaded(cls, w: dict[str, torch.Tensor], linear: LinearMethod, dtype: torch.dtype,
+                    device: torch.device) -> "LayerWeights":
+        def make(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeight:
+            return linear.create_weight(weight, bias, dtype=dtype, device=device)
+
         bias = None
         if "q_bias" in w:
             bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])
         return cls(
-            input_norm=w["input_layernorm"],
-            qkv=torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]),
-            qkv_bias=bias,
-            o_proj=w["o_proj"],
-            post_norm=w["post_attention_layernorm"],
-            gate_up=torch.cat([w["gate_proj"], w["up_proj"]]),
-            down=w["down_proj"],
+            input_norm=w["input_layernorm"].to(device),
+            qkv=make(torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]), bias),
+            o_proj=make(w["o_proj"]),
+            post_norm=w["post_attention_layernorm"].to(device),
+            gate_up=make(torch.cat([w["gate_proj"], w["up_proj"]])),
+            down=make(w["down_proj"]),
         )
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # In fp32 as HF does, then back to the compute dtype before the weight multiply.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
-    old_len = scaling.original_max_position_embeddings
-    low_wavelen = old_len / scaling.low_freq_factor
-    high_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype,
                  device: torch.device | str, max_model_len: int, decode_backend: DecodeAttentionBackend,
-                 show_progress: bool = False) -> None:
+                 show_progress: bool = False, linear_method: LinearMethod | None = None) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         self.decode_backend = decode_backend
         self.scale = config.head_dim ** -0.5
+        self.linear_method = linear_method or create_linear_method("dense")
 
         globals_ = {k: v.to(self.device) for k, v in loader.load_globals(dtype).items()}
         self.embed_tokens = globals_["embed_tokens"]  # [vocab, hidden]
         self.final_norm = globals_["norm"]
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else globals_["lm_head"]
+        head = self.embed_tokens if config.tie_word_embeddings else globals_["lm_head"]
+        self.lm_head = self.linear_method.create_weight(head, None, dtype=dtype, device=self.device)
         self.layers = [
-            LayerWeights.from_loaded({k: v.to(self.device) for k, v in loader.load_layer(i, dtype).items()})
+            LayerWeights.from_loaded(loader.load_layer(i, dtype), self.linear_method, dtype, self.device)
             for i in tqdm(range(config.num_layers), desc="loading layers", unit="layer", disable=not show_progress)
         ]
-        # cos/sin per position, fp32, rotate-half layout: [max_model_len, head_dim]
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.rope_cos = emb.cos().to(self.device)
-        self.rope_sin = emb.sin().to(self.device)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_model_len,
+                                    self.device)
 
     # ---- stages ---------------------------------------------------------------------------
     def pre_layer(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -103,12 +81,10 @@ class LlamaModel:
         """RMSNorm, fused QKV projection and RoPE.
         -> q [num_tokens, num_heads, head_dim], k and v [num_tokens, kv_heads, head_dim]"""
         cfg, w = self.config, self.layers[layer]
-        qkv = F.linear(rms_norm(hidden, w.input_norm, cfg.rms_norm_eps), w.qkv, w.qkv_bias)
+        qkv = w.qkv.apply(rms_norm(hidden, w.input_norm, cfg.rms_norm_eps))
         qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
-        cos = self.rope_cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.rope_sin[positions].unsqueeze(1)
         # Q and K heads rotated in one pass: [num_tokens, num_heads + kv_heads, head_dim]
-        qk = _apply_rope(qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        qk = self.rope(qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), positions)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         return q, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
 
@@ -148,14 +124,14 @@ class LlamaModel:
         """O-proj, residual, RMSNorm, SwiGLU MLP, residual. attn_out [num_tokens, num_heads * head_dim]
         -> hidden [num_tokens, hidden]"""
         w = self.layers[layer]
-        hidden = hidden + F.linear(attn_out, w.o_proj)
-        gate, up = F.linear(rms_norm(hidden, w.post_norm, self.config.rms_norm_eps), w.gate_up).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, w.down)
+        hidden = hidden + w.o_proj.apply(attn_out)
+        gate, up = w.gate_up.apply(rms_norm(hidden, w.post_norm, self.config.rms_norm_eps)).chunk(2, dim=-1)
+        return hidden + w.down.apply(F.silu(gate) * up)
 
     def post_layer(self, hidden: torch.Tensor, last_indices: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on each sequence's last token. -> logits [num_seqs, vocab] fp32"""
         last = rms_norm(hidden[last_indices], self.final_norm, self.config.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+        return self.lm_head.apply(last).float()
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: TwoTierKVCache,
                 meta: AttentionMetadata, last_indices: torch.Tensor) -> torch.Tensor:
@@ -167,10 +143,3 @@ class LlamaModel:
             hidden = self.post_proj(layer, hidden, attn_out.view(q.shape[0], -1))
         return self.post_layer(hidden, last_indices)
 
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # rotate-half convention (HF): pairs are (i, i + head_dim/2); math in fp32
-    half = x.shape[-1] // 2
-    xf = x.float()
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)

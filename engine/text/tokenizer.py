@@ -1,10 +1,7 @@
-"""Tokenization, chat templates and incremental detokenization with stop strings.
-
-Tokenization and chat templates come from Hugging Face transformers/tokenizers (built from a
-GGUF file's metadata or from an HF model directory). Turning a stream of sampled token ids into
-text deltas is ours: `IncrementalDetokenizer` decodes a small window of recent tokens per step,
-holds back incomplete UTF-8 characters and anything that could still become a stop string.
-"""
+"""Tokenization and chat templates, from Hugging Face transformers/tokenizers (built from a
+GGUF file's metadata or from an HF model directory), plus what serving needs beside them: the
+ids that end a generation and the bytes of single tokens (engine/text/detokenizer.py turns
+sampled ids back into text)."""
 from __future__ import annotations
 
 import json
@@ -16,15 +13,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from jinja2 import TemplateError
 
-from scheduler.request import SamplingParams
-
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-# How many prompt tokens precede the first output token in the decode window: enough context
-# for a leading space or a character split across the prompt/output boundary.
-PROMPT_CONTEXT_TOKENS = 5
-REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
 
 # Files whose presence makes a directory an HF tokenizer directory.
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -171,113 +161,6 @@ class Tokenizer:
         if fallback:
             return bytes([int(fallback.group(1), 16)])
         return raw.replace(_SENTENCEPIECE_SPACE, " ").encode("utf-8")
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas for one request.
-
-    Each step decodes only a window: the tokens of the last emitted delta (context, so that a
-    leading space decodes as in the full text) and the tokens decoded since, so a step costs O(1)
-    in the output length.
-    A delta never ends in an incomplete character, never contains any part of a stop string
-    (unless `include_stop_str_in_output`), and nothing follows a matched stop string.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = params.skip_special_tokens
-        self._stop = params.stop
-        self._include_stop = params.include_stop_str_in_output
-        self._min_tokens = params.min_tokens
-        # the decode window: [context tokens, already emitted][tokens whose text is not out yet]
-        self._token_ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        self._num_context_tokens = len(self._token_ids)
-        self._held = ""  # decoded text that could be the start of a stop string
-        self._pieces: list[str] = []
-        self._num_output_tokens = 0
-        self._done = False
-        self.stop_string: str | None = None
-
-    @property
-    def text(self) -> str:
-        """Everything emitted so far."""
-        return "".join(self._pieces)
-
-    def add(self, token_id: int) -> str:
-        """Take one sampled token; return the text that may be emitted now (possibly "").
-        After a stop string has matched (`stop_string` is set) further tokens are ignored."""
-        if self._done:
-            return ""
-        self._token_ids.append(token_id)
-        self._num_output_tokens += 1
-        new_text = self._decode_complete()
-        if not self._stop:
-            return self._emit(new_text)
-        buffer = self._held + new_text
-        if self._num_output_tokens >= self._min_tokens:
-            match = self._find_stop(buffer, len(self._held))
-            if match is not None:
-                start, stop = match
-                self.stop_string = stop
-                self._held = ""
-                self._done = True
-                return self._emit(buffer[:start + len(stop)] if self._include_stop else buffer[:start])
-        num_held = self._partial_stop_length(buffer)
-        self._held = buffer[len(buffer) - num_held:]
-        return self._emit(buffer[:len(buffer) - num_held])
-
-    def finish(self) -> str:
-        """The request ended for another reason than a stop string: release held-back text,
-        including bytes that never completed a character."""
-        if self._done:
-            return ""
-        self._done = True
-        context_text, full_text = self._decode_window()
-        text = self._held + full_text[len(context_text):]
-        self._held = ""
-        return self._emit(text)
-
-    def _decode_window(self) -> tuple[str, str]:
-        """The text of the context tokens and of the whole window."""
-        decode = self._tokenizer.decode
-        context_ids = self._token_ids[:self._num_context_tokens]
-        context_text = decode(context_ids, skip_special_tokens=self._skip_special_tokens)
-        full_text = decode(self._token_ids, skip_special_tokens=self._skip_special_tokens)
-        return context_text, full_text
-
-    def _decode_complete(self) -> str:
-        """The new text up to the last complete character, and advance the window past it."""
-        context_text, full_text = self._decode_window()
-        if len(full_text) <= len(context_text) or full_text.endswith(REPLACEMENT_CHAR):
-            return ""  # a special token that decodes to nothing, or a character still incomplete
-        # the tokens just decoded become the next step's context; the old context is dropped
-        del self._token_ids[:self._num_context_tokens]
-        self._num_context_tokens = len(self._token_ids)
-        return full_text[len(context_text):]
-
-    def _find_stop(self, buffer: str, num_old_chars: int) -> tuple[int, str] | None:
-        """The earliest stop string in `buffer` that ends in its new text (after `num_old_chars`)."""
-        best: tuple[int, str] | None = None
-        for stop in self._stop:
-            start = buffer.find(stop, max(0, num_old_chars - len(stop) + 1))
-            if start >= 0 and (best is None or start < best[0]):
-                best = (start, stop)
-        return best
-
-    def _partial_stop_length(self, buffer: str) -> int:
-        """Length of the longest suffix of `buffer` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stop:
-            for length in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if buffer.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
-
-    def _emit(self, text: str) -> str:
-        if text:
-            self._pieces.append(text)
-        return text
 
 
 def _is_byte_level(decoder: Any) -> bool:

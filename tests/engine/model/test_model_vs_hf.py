@@ -3,7 +3,7 @@ import pytest
 import torch
 import transformers
 
-from engine.runner import ModelRunner
+from engine.execution import ModelRunner
 from engine.weights import create_loader
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError
+from engine.text import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError
 from scheduler.request import SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; never reach for the hub

@@ -1,0 +1,93 @@
+"""Packing a plan's sub-batch into flat tensors plus the attention metadata the model reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, CpuDecodeMetadata
+from scheduler.request import Tier
+from scheduler.scheduler import ScheduledSeq
+
+
+@dataclass
+class BatchInputs:
+    """One sub-batch: accelerator rows (prefills, GPU decodes) then CPU decode rows."""
+
+    token_ids: torch.Tensor  # [num_tokens] on the accelerator
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata  # the accelerator rows
+    cpu: CpuDecodeMetadata | None  # the trailing CPU decode rows
+    last_indices: torch.Tensor  # [num_seqs] row of each sequence's last token
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_accelerator_rows(self) -> int:
+        return self.meta.num_prefill_tokens + self.meta.num_decodes
+
+
+def build_batch(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], cpu_decodes: list[ScheduledSeq],
+                block_size: int, device: torch.device) -> BatchInputs:
+    """Pack one sub-batch: prefill tokens, then GPU decodes, then CPU decodes."""
+    token_ids, positions, last_indices = [], [], []
+    for seq in (*prefills, *gpu_decodes, *cpu_decodes):
+        start, count = seq.num_computed_tokens, seq.num_new_tokens
+        token_ids.extend(seq.token_ids)
+        positions.extend(range(start, start + count))
+        last_indices.append(len(token_ids) - 1)
+    cpu_meta = None
+    if cpu_decodes:
+        cpu_meta = CpuDecodeMetadata(*_decode_tables(cpu_decodes, torch.device("cpu")))
+    return BatchInputs(
+        token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        meta=_accelerator_metadata(prefills, gpu_decodes, block_size, device), cpu=cpu_meta,
+        last_indices=torch.tensor(last_indices, dtype=torch.int64, device=device),
+    )
+
+
+def _accelerator_metadata(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], block_size: int,
+                          device: torch.device) -> AttentionMetadata:
+    """Where each prefill token's K/V goes (accelerator slots, or a host-pool copy-out) and the
+    GPU decodes' block tables."""
+    slots, slot_rows, cpu_prefills, prefill_seq_lens = [], [], [], []
+    row = 0
+    for seq in prefills:
+        table, start, count = seq.request.block_ids, seq.num_computed_tokens, seq.num_new_tokens
+        prefill_seq_lens.append(count)
+        if seq.request.tier is Tier.CPU:
+            if start != 0:
+                raise RuntimeError(f"request {seq.request.request_id}: a prefill bound for the host pool "
+                                   f"must start at position 0, not {start}")
+            cpu_prefills.append((row, count, tuple(table)))
+        else:
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + count))
+            slot_rows.extend(range(row, row + count))
+        row += count
+    slot_tensor = torch.tensor(slots, dtype=torch.int64)
+    block_tables, context_lens = _decode_tables(gpu_decodes, device)
+    return AttentionMetadata(
+        prefill_seq_lens=prefill_seq_lens,
+        num_prefill_tokens=row,
+        slot_blocks=(slot_tensor // block_size).to(device),
+        slot_offsets=(slot_tensor % block_size).to(device),
+        decode_block_tables=block_tables,
+        decode_context_lens=context_lens,
+        cpu_prefills=tuple(cpu_prefills),
+        slot_rows=torch.tensor(slot_rows, dtype=torch.int64, device=device) if cpu_prefills else None,
+    )
+
+
+def _decode_tables(decodes: list[ScheduledSeq], device: torch.device):
+    """-> block tables [num_decodes, max_blocks] int32 (unused entries point at block 0 and are
+    masked by the context lengths) and context lengths [num_decodes] int32; (None, None) if empty."""
+    if not decodes:
+        return None, None
+    max_blocks = max(len(s.request.block_ids) for s in decodes)
+    tables = torch.tensor([s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)) for s in decodes],
+                          dtype=torch.int32, device=device)
+    context_lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes], dtype=torch.int32, device=device)
+    return tables, context_lens

@@ -1,0 +1,125 @@
+"""The model runner: owns every tensor (weights, both KV pools) and executes an IterationPlan.
+
+A plan's swaps are copied first (queued before the forward, adjacent blocks merged). A GPU-only
+plan runs the plain layer-by-layer forward on the accelerator; a pipelined plan runs Neo's
+asymmetric two-batch forward (engine/execution/pipeline.py) with the CPU-requests' decoding attention on
+the calling thread.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import create_decode_backend
+from engine.execution.batch import build_batch
+from engine.execution.cores import CoreAssignment
+from engine.execution.pipeline import PipelineTimes, pipelined_forward
+from engine.execution.queues import AcceleratorQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
+from engine.kv import KVCache, TwoTierKVCache
+from engine.model import ModelConfig
+from engine.model.llama import LlamaModel
+from engine.sampling import Sampler, SamplerOutput
+from engine.weights import WeightLoader
+from scheduler.scheduler import IterationPlan, PlanMode
+
+
+@dataclass
+class RunnerOutput:
+    """One sampled token per scheduled sequence, in plan order (batch-0, then batch-1)."""
+
+    sampled: SamplerOutput
+    forward_time: float = 0.0  # seconds from the first queued work to the logits
+    pipeline: PipelineTimes | None = None  # pipelined plans only
+
+    @property
+    def sampled_token_ids(self) -> list[int]:
+        return self.sampled.token_ids
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, loader: WeightLoader, *, dtype: torch.dtype,
+                 device: str, num_blocks: int, block_size: int, max_model_len: int,
+                 num_cpu_blocks: int = 0, cores: CoreAssignment | None = None,
+                 decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False) -> None:
+        self.config = config
+        self.cores = cores or CoreAssignment.for_device(device)
+        self.accelerator = self._make_accelerator(device)
+        self.device = self.accelerator.device
+        self.block_size = block_size
+        self.model = LlamaModel(config, loader, dtype, self.device, max_model_len,
+                                create_decode_backend(decode_backend, str(self.device)), show_progress=show_progress)
+        cpu_pool = None
+        if num_cpu_blocks:
+            cpu_pool = KVCache(config, num_cpu_blocks, block_size, dtype, "cpu",
+                               pin_memory=self.device.type == "cuda")
+        self.kv_cache = TwoTierKVCache(KVCache(config, num_blocks, block_size, dtype, self.device), cpu_pool)
+        # The CPU-requests' attention: the C++ kernel with the CPU's share of threads.
+        self.cpu_decode = None
+        if num_cpu_blocks:
+            self.cpu_decode = create_decode_backend(decode_backend, "cpu")
+            if hasattr(self.cpu_decode, "num_threads"):
+                self.cpu_decode.num_threads = self.cores.cpu_attention_threads
+        self.sampler = Sampler(config.vocab_size, seed=seed)
+
+    def _make_accelerator(self, device: str) -> AcceleratorQueue:
+        if self.cores.device == "testbed":
+            return WorkerThreadQueue(set(self.cores.accelerator_cores), self.cores.accelerator_threads)
+        if self.cores.device == "cuda":
+            return CudaStreamQueue(device)
+        return InlineQueue(device)
+
+    def close(self) -> None:
+        self.accelerator.close()
+
+    # ---- execution -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: IterationPlan) -> RunnerOutput:
+        start = time.perf_counter()
+        logits, times = self._forward(plan)
+        forward_time = time.perf_counter() - start
+        sampled = self.sampler(logits, [s.request for s in plan.scheduled])
+        return RunnerOutput(sampled, forward_time, times)
+
+    @torch.inference_mode()
+    def compute_logits(self, plan: IterationPlan) -> torch.Tensor:
+        """Run the model over the plan. -> [num_scheduled, vocab] fp32, rows in `plan.scheduled` order"""
+        return self._forward(plan)[0]
+
+    def _forward(self, plan: IterationPlan) -> tuple[torch.Tensor, PipelineTimes | None]:
+        with self.cores.on_cpu_cores():
+            try:
+                return self._forward_on_cores(plan)
+            except BaseException:
+                self.accelerator.recover()
+                raise
+
+    def _forward_on_cores(self, plan: IterationPlan) -> tuple[torch.Tensor, PipelineTimes | None]:
+        self._swap(plan)
+        if plan.mode == PlanMode.GPU_ONLY and not (plan.cpu_decodes or plan.cpu_decodes1):
+            batch = self._build_batch(plan.prefills, plan.decodes, [])
+            logits = self.accelerator.submit(lambda: self.model.forward(
+                batch.token_ids, batch.positions, self.kv_cache, batch.meta, batch.last_indices)).result()
+            return logits, None
+        if self.cpu_decode is None:
+            raise RuntimeError("a pipelined plan needs the host KV pool, but offloading is off")
+        times = PipelineTimes()
+        batch0 = self._build_batch(plan.prefills, plan.decodes, plan.cpu_decodes)
+        batch1 = self._build_batch([], [], plan.cpu_decodes1)
+        logits = pipelined_forward(self.model, self.accelerator, self.kv_cache, self.cpu_decode,
+                                   batch0, batch1, times)
+        return logits, times
+
+    def _build_batch(self, prefills, gpu_decodes, cpu_decodes):
+        return build_batch(prefills, gpu_decodes, cpu_decodes, self.block_size, self.device)
+
+    def _swap(self, plan: IterationPlan) -> None:
+        if not (plan.swap_out or plan.swap_in):
+            return
+        if plan.swap_out and plan.swap_in:
+            # a swap-in may reuse GPU blocks a swap-out still has to read, and the other way round
+            raise RuntimeError("a plan must not swap out and swap in in the same iteration")
+        kv, to_cpu = self.kv_cache, bool(plan.swap_out)
+        moves = plan.swap_out or plan.swap_in
+        self.accelerator.submit_copy(lambda: kv.copy_blocks(moves, to_cpu=to_cpu)).result()

@@ -1,0 +1,17 @@
+"""The model: its configuration (torch-free), the Llama family as stages, and its small layers.
+
+`engine.model.config` imports no torch, so planners can read model shapes cheaply; the model
+itself loads on first use of `LlamaModel`.
+"""
+from importlib import import_module
+
+from engine.model.config import PRESET_DIR, ConfigError, ModelConfig, RopeScaling, list_presets
+
+_LAZY = {"LlamaModel": "engine.model.llama", "LayerWeights": "engine.model.llama"}
+__all__ = ["PRESET_DIR", "ConfigError", "ModelConfig", "RopeScaling", "list_presets", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine.model' has no attribute {name!r}")

@@ -1,0 +1,54 @@
+"""The Llama block's small layers: RMSNorm and rotary position embeddings (matmuls live in
+engine/quant, behind weight objects)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.model.config import RopeScaling
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # In fp32 as HF does, then back to the compute dtype before the weight multiply.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin per position, fp32, rotate-half layout: [max_positions, head_dim]."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int,
+                 device: torch.device) -> None:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x [num_tokens, heads, head_dim] by each token's position (rotate-half, HF's
+        convention: pairs are (i, i + head_dim/2)); math in fp32."""
+        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        xf = x.float()
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,67 @@
+"""The linear-method seam: every matmul of the model goes through a weight object.
+
+A `LinearMethod` turns a loaded weight matrix into a `LinearWeight` in its own format (dense
+today; packed INT4, streamed or sliced weights later), and the weight applies itself:
+`apply(x) -> y = x @ W^T (+ bias)`. The model code only ever calls `apply`, so a new format or
+a new place for a weight plugs in here and the model does not change.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, TypeVar
+
+import torch
+
+
+class LinearWeight(ABC):
+    """One linear layer's weight (fused QKV or gate/up included), ready to apply."""
+
+    method: str  # the name of the LinearMethod that made it
+    out_features: int
+    in_features: int
+
+    @abstractmethod
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, in_features] -> [num_tokens, out_features], in x's dtype."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes the weight (and bias) occupy where they live."""
+
+
+class LinearMethod(ABC):
+    """Makes weight objects of one format from dense [out_features, in_features] matrices."""
+
+    name: str
+
+    @abstractmethod
+    def create_weight(self, weight: torch.Tensor, bias: torch.Tensor | None, *, dtype: torch.dtype,
+                      device: torch.device) -> LinearWeight:
+        """Wrap `weight` [out, in] and `bias` [out] (or None), computing in `dtype` on `device`."""
+
+
+_MethodT = TypeVar("_MethodT", bound=Callable[[], LinearMethod])
+_REGISTRY: dict[str, Callable[[], LinearMethod]] = {}
+
+
+def register_linear_method(name: str) -> Callable[[_MethodT], _MethodT]:
+    """Class decorator: make a linear method available to `create_linear_method` as `name`."""
+
+    def decorate(cls: _MethodT) -> _MethodT:
+        if name in _REGISTRY:
+            raise ValueError(f"linear method {name!r} registered twice")
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def linear_method_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_linear_method(name: str) -> LinearMethod:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown linear method {name!r}; known: {', '.join(linear_method_names())}")
+    return _REGISTRY[name]()
