@@ -11,8 +11,8 @@ _EXPORTS = {
     "EngineConfig": "engine.engine",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
-    "SamplingParams": "scheduler.request",
-    "ParamError": "scheduler.request",
+    "SamplingParams": "scheduler.sampling_params",
+    "ParamError": "scheduler.sampling_params",
 }
 __all__ = list(_EXPORTS)
 

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from engine.engine import LLMEngine, PreparedRequest
+from engine.engine import LLMEngine
+from engine.request import PreparedRequest
 from engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)

@@ -1,26 +1,28 @@
-"""LLMEngine: one iteration at a time — schedule, execute, update, detokenize.
+"""LLMEngine: one iteration at a time — schedule, execute, update, report.
 
 The engine is synchronous; the server runs `step()` in its own loop apart from the event
-loop. `add_request` validates input (ParamError names the field) before anything is queued,
-so bad input never reaches the model.
+loop. `add_request` checks input (engine/request.py; ParamError names the field) before anything
+is queued, so bad input never reaches the model. Each step's sampled tokens go to the
+scheduler's `update`, which feeds every sequence's text stream and decides which are finished.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.model import ConfigError, ModelConfig
 from engine.kv import KVCache
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.request import InputProcessor, PreparedRequest, Request
 from engine.execution import CoreAssignment, ModelRunner
-from engine.text import IncrementalDetokenizer, Tokenizer
+from engine.text import Tokenizer
 from engine.weights import create_loader
-from scheduler.request import ParamError, Request, RequestStatus, SamplingParams
+from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.cost_model import CostModel, TableCostModel
 from scheduler.neo import NeoConfig, NeoScheduler
 from scheduler.scheduler import PlanMode, Scheduler, SchedulerConfig
@@ -91,13 +93,6 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
 
-@dataclass(frozen=True)
-class PreparedRequest:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
 @dataclass
 class IterationStats:
     """What the last step did, for metrics."""
@@ -121,29 +116,6 @@ class IterationStats:
     estimated_time: float | None = None  # the cost model's prediction of forward_time
     cpu_attention_time: float = 0.0  # in the CPU decoding attention kernel
     cpu_wait_time: float = 0.0  # the CPU side waiting on the accelerator (pipeline bubbles)
-
-
-@dataclass
-class _Sequence:
-    """One of a request's n samples, with its text state."""
-
-    index: int
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    text: str = ""
-    logprobs: list[TokenLogprob] | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-@dataclass
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[_Sequence]
-    metrics: RequestMetrics
 
 
 class LLMEngine:
@@ -181,8 +153,8 @@ class LLMEngine:
             self.scheduler = Scheduler(scheduler_config)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.eos_token_ids = tuple(dict.fromkeys((*eos, *self.model_config.eos_token_ids)))
-        self._groups: dict[str, _Group] = {}
-        self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # by child request id
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = IterationStats()
 
@@ -227,84 +199,33 @@ class LLMEngine:
         return min(trained, DEFAULT_MAX_MODEL_LEN_CAP, capacity)
 
     # ---- requests -------------------------------------------------------------------------
-    def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> "PreparedRequest":
-        """Tokenize and validate without touching engine state (safe from another thread).
+    def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> PreparedRequest:
+        """Tokenize and check without touching engine state (safe from another thread).
         Raises ParamError naming the field the engine cannot serve."""
-        params = params or SamplingParams()
-        prompt_text, prompt_ids = self._tokenize_prompt(prompt)
-        params = self._check_lengths(prompt_ids, params)
-        vocab = self.model_config.vocab_size
-        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
-            raise ParamError("logit_bias", f"logit_bias has token ids outside the vocabulary (size {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ParamError("stop_token_ids", f"stop_token_ids has ids outside the vocabulary (size {vocab})")
-        return PreparedRequest(prompt_text, prompt_ids, params)
+        return self.inputs.prepare(prompt, params)
 
-    def add_request(self, prompt: "str | list[int] | PreparedRequest", params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int] | PreparedRequest, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request (raw, or prepared by prepare_request); returns its id."""
-        prepared = prompt if isinstance(prompt, PreparedRequest) else self.prepare_request(prompt, params)
-        params, prompt_ids = prepared.params, prepared.prompt_token_ids
+        prepared = prompt if isinstance(prompt, PreparedRequest) else self.inputs.prepare(prompt, params)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._groups:
+        if request_id in self._requests:
             raise ParamError("request_id", f"request id {request_id!r} is already in use")
-        group = _Group(request_id, prepared.prompt, prompt_ids, [], RequestMetrics(arrival_time=time.monotonic()))
-        for index in range(params.n):
-            child_params = params
-            if params.n > 1:  # each sample its own stream; seeded ones stay reproducible
-                child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            request = Request(child_id, list(prompt_ids), child_params, eos_token_ids=self.eos_token_ids,
-                              arrival_time=group.metrics.arrival_time)
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params) if self.tokenizer else None
-            seq = _Sequence(index, request, detok, logprobs=[] if params.logprobs is not None else None)
-            group.sequences.append(seq)
-            self._sequences[child_id] = (group, seq)
-        self._groups[request_id] = group
-        for seq in group.sequences:
-            self.scheduler.add_request(seq.request)
+        request = Request.create(request_id, prepared, RequestMetrics(arrival_time=time.monotonic()),
+                                 self.eos_token_ids, self.tokenizer)
+        self._requests[request_id] = request
+        for seq in request.sequences:
+            self.scheduler.add_sequence(seq)
         return request_id
-
-    def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ParamError("prompt", "this model has no tokenizer (dummy weights): pass token ids")
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        else:
-            ids = list(prompt)
-            text = None
-            vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab})")
-        if not ids:
-            raise ParamError("prompt", "the prompt is empty")
-        return text, ids
-
-    def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
-        limit = self.max_model_len
-        if len(prompt_ids) >= limit:
-            raise ParamError("prompt", f"the prompt has {len(prompt_ids)} tokens; this model's context "
-                                       f"length is {limit}, leaving no room to generate")
-        if params.max_tokens is None:
-            return replace(params, max_tokens=limit - len(prompt_ids))
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise ParamError("max_tokens", f"this model's context length is {limit} tokens, but "
-                                           f"{len(prompt_ids)} prompt tokens + {params.max_tokens} max_tokens "
-                                           f"= {len(prompt_ids) + params.max_tokens}")
-        return params
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request and free its blocks now; no further output for it."""
-        group = self._groups.pop(request_id, None)
-        if group is None:
-            return
-        for seq in group.sequences:
-            self._sequences.pop(seq.request.request_id, None)
-        self.scheduler.abort_requests(seq.request.request_id for seq in group.sequences)
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.abort_sequences(seq.seq_id for seq in request.sequences)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_sequences()
 
     # ---- the iteration ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -325,59 +246,25 @@ class LLMEngine:
         if plan.is_empty:
             return []
         now = time.monotonic()
-        for seq in plan.prefills:
-            group, _ = self._sequences[seq.request.request_id]
-            group.metrics.first_scheduled_time = group.metrics.first_scheduled_time or now
+        for scheduled in plan.prefills:
+            metrics = self._requests[scheduled.sequence.request_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
         output = self.runner.execute(plan)
         stats.forward_time = output.forward_time
         if output.pipeline is not None:
             stats.cpu_attention_time = output.pipeline.cpu_attention
             stats.cpu_wait_time = output.pipeline.cpu_waiting
-        updated = {id(r) for r in self.scheduler.update(plan, output.sampled_token_ids)}
-        sampled = output.sampled
-        touched: dict[str, _Group] = {}
-        now = time.monotonic()
-        for row, scheduled in enumerate(plan.scheduled):
-            request = scheduled.request
-            if id(request) not in updated:
-                continue
-            group, seq = self._sequences[request.request_id]
-            token_id = request.output_token_ids[-1]
-            seq.delta_token_ids.append(token_id)
-            if seq.logprobs is not None:
-                entry = TokenLogprob(token_id, sampled.logprobs[row], sampled.top_logprobs[row] or [])
-                seq.logprobs.append(entry)
-                seq.delta_logprobs.append(entry)
-            if seq.detokenizer is not None:
-                seq.delta_text += seq.detokenizer.add(token_id)
-                if seq.detokenizer.stop_string is not None and not request.finished:
-                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED,
-                                                  stop_reason=seq.detokenizer.stop_string)
-                elif request.finished:
-                    seq.delta_text += seq.detokenizer.finish()
-            group.metrics.first_token_time = group.metrics.first_token_time or now
-            group.metrics.num_preemptions = sum(s.request.num_preemptions for s in group.sequences)
-            touched[group.request_id] = group
-        return [self._make_output(group, now) for group in touched.values()]
+        updated = self.scheduler.update(plan, output.sampled.token_ids, output.sampled.token_logprobs())
+        return self._outputs({seq.request_id: self._requests[seq.request_id] for seq in updated})
 
-    def _make_output(self, group: _Group, now: float) -> RequestOutput:
+    def _outputs(self, requests: dict[str, Request]) -> list[RequestOutput]:
+        """The outputs of the requests that received tokens; finished ones leave the engine."""
+        now = time.monotonic()
         outputs = []
-        for seq in group.sequences:
-            request = seq.request
-            seq.text += seq.delta_text
-            outputs.append(CompletionOutput(
-                index=seq.index, text=seq.text, token_ids=list(request.output_token_ids),
-                finish_reason=request.status.value if request.finished else None,
-                stop_reason=request.stop_reason, logprobs=seq.logprobs,
-                delta_text=seq.delta_text, delta_token_ids=seq.delta_token_ids,
-                delta_logprobs=seq.delta_logprobs if seq.logprobs is not None else None,
-            ))
-            seq.delta_text, seq.delta_token_ids, seq.delta_logprobs = "", [], []
-        finished = all(seq.request.finished for seq in group.sequences)
-        if finished:
-            group.metrics.finished_time = now
-            del self._groups[group.request_id]
-            for seq in group.sequences:
-                del self._sequences[seq.request.request_id]
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
-                             group.metrics)
+        for request in requests.values():
+            request.metrics.first_token_time = request.metrics.first_token_time or now
+            if request.finished:
+                request.metrics.finished_time = now
+                del self._requests[request.request_id]
+            outputs.append(request.take_output())
+        return outputs

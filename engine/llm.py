@@ -6,7 +6,7 @@ from typing import Sequence
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.outputs import RequestOutput
-from scheduler.request import SamplingParams
+from scheduler.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

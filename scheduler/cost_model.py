@@ -115,7 +115,7 @@ class Grid:
                 raise TableError(f"cost grid axes must be non-empty and strictly increasing, got {axis}")
         if any(z < 0 for row in self.zs for z in row):
             raise TableError("cost grid times must be >= 0")
-        # the scheduler calls this per CPU-request per iteration: build the row curves once
+        # the scheduler calls this per CPU-sequence per iteration: build the row curves once
         object.__setattr__(self, "_rows", tuple(Curve(self.ys, row) for row in self.zs))
 
     def __call__(self, x: float, y: float) -> float:

@@ -1,25 +1,25 @@
 """Neo's load-aware scheduler (Neo 3.2): two KV tiers, three queues, two asymmetric sub-batches.
 
-Queues: `waiting` (prefill waitqueue), `running` (GPU-requests: KV in the accelerator pool,
-`block_pool`) and `cpu_running` (CPU-requests: KV in the host pool, `cpu_pool`, decoding
-attention on the CPU). A prefilled request lives wholly in the pool its `tier` names.
+Queues: `waiting` (prefill waitqueue), `running` (GPU-sequences: KV in the accelerator pool,
+`block_pool`) and `cpu_running` (CPU-sequences: KV in the host pool, `cpu_pool`, decoding
+attention on the CPU). A prefilled sequence lives wholly in the pool its `tier` names.
 
-A request's way between the queues:
+A sequence's way between the queues:
 
-    WAITING --prefill, the GPU pool holds it-----------------------------> GPU-request
-    WAITING --prefill, only the host pool holds it-----------------------> CPU-request
+    WAITING --prefill, the GPU pool holds it-----------------------------> GPU-sequence
+    WAITING --prefill, only the host pool holds it-----------------------> CPU-sequence
                 (step 5 may send it back to the front of the waitqueue within the iteration)
-    GPU-request --swap out: the GPU cannot hold this iteration's new KV--> CPU-request
-    CPU-request --swap in: room for the growth + reserve, cooldown over--> GPU-request
+    GPU-sequence --swap out: the GPU cannot hold this iteration's new KV--> CPU-sequence
+    CPU-sequence --swap in: room for the growth + reserve, cooldown over--> GPU-sequence
                 (or at once, cooldown ignored, when it has waited too long)
-    GPU-/CPU-request --preempt: neither pool can hold it---> WAITING (front; recomputed)
+    GPU-/CPU-sequence --preempt: neither pool can hold it---> WAITING (front; recomputed)
     any --finish / abort--> finished, blocks freed in its tier's pool
 
 Each `schedule()` follows the paper's steps, one method each:
   1. two empty batches: batch-0 (prefills, GPU decodes, a few CPU decodes), batch-1 (CPU decodes);
-  2. charge the new KV of every running request; swap out GPU-requests (newest first) while the
-     GPU cannot hold it, preempting when the host pool is full too; else swap CPU-requests in
-     (oldest first) while the GPU keeps free its requests' growth over the cooldown window
+  2. charge the new KV of every running sequence; swap out GPU-sequences (newest first) while the
+     GPU cannot hold it, preempting when the host pool is full too; else swap CPU-sequences in
+     (oldest first) while the GPU keeps free its sequences' growth over the cooldown window
      plus `swap_in_reserve_fraction` of its blocks;
   3. admit prefills first come first served, into the GPU pool, else the host pool while the CPU
      runqueue is not backed up (`cpu_admission_wait_fraction`), else stop;
@@ -31,13 +31,13 @@ Each `schedule()` follows the paper's steps, one method each:
      estimated sequences per second and keep the better.
 
 Hysteresis (no ping-pong): a swap-out fires only when the GPU cannot hold this iteration's new
-KV, and takes the newest request outside its cooldown first; a swap-in only when, after it, the
-GPU still holds every GPU-request's growth over the next `swap_cooldown_iterations` tokens plus
-a reserve of free blocks, and never within the cooldown of the request's last move.
+KV, and takes the newest sequence outside its cooldown first; a swap-in only when, after it, the
+GPU still holds every GPU-sequence's growth over the next `swap_cooldown_iterations` tokens plus
+a reserve of free blocks, and never within the cooldown of the sequence's last move.
 
-Bounded wait: a CPU-request skipped `max_cpu_wait_iterations` times in a row is swapped in
+Bounded wait: a CPU-sequence skipped `max_cpu_wait_iterations` times in a row is swapped in
 (cooldown ignored) or placed even if an inequality breaks (`IterationPlan.forced`), at most
-`max_forced_cpu_decodes` of them per iteration, longest waiting first; every CPU-request is
+`max_forced_cpu_decodes` of them per iteration, longest waiting first; every CPU-sequence is
 placed when the GPU has nothing to run. With `num_cpu_blocks == 0` every step reduces to
 the v0 `Scheduler`: same plans, same preemptions.
 
@@ -53,7 +53,7 @@ from typing import Iterable
 
 from scheduler.block_pool import BlockPool, blocks_for
 from scheduler.cost_model import CostModel
-from scheduler.request import Request, RequestStatus, Tier
+from scheduler.sequence import Sequence, SequenceStatus, Tier
 from scheduler.scheduler import (IterationPlan, PlanMode, ScheduledSeq, Scheduler, SchedulerConfig,
                                  SchedulerConfigError, Swap)
 
@@ -64,35 +64,35 @@ class NeoConfig:
 
     # Blocks in the host (CPU) KV pool; 0 turns offloading off and the scheduler behaves as v0.
     num_cpu_blocks: int = 0
-    # Swap a CPU-request in only while this share of the GPU pool stays free after it. The gap
+    # Swap a CPU-sequence in only while this share of the GPU pool stays free after it. The gap
     # between this and the swap-out trigger (the GPU cannot hold this iteration's new KV) is the
-    # hysteresis: a request swapped in has room to decode for a while before anyone goes out.
+    # hysteresis: a sequence swapped in has room to decode for a while before anyone goes out.
     # A tenth of the pool is several iterations of growth for a full batch of 16-token blocks.
     swap_in_reserve_fraction: float = 0.1
-    # A request moved between the pools stays put this many iterations. A move copies the
-    # request's whole KV once; staying put for 16 tokens amortizes that copy over 16 decodes.
+    # A sequence moved between the pools stays put this many iterations. A move copies the
+    # sequence's whole KV once; staying put for 16 tokens amortizes that copy over 16 decodes.
     swap_cooldown_iterations: int = 16
-    # A CPU-request skipped this many iterations in a row becomes overdue: it is swapped in or
+    # A CPU-sequence skipped this many iterations in a row becomes overdue: it is swapped in or
     # placed whatever the cost model says (see max_forced_cpu_decodes), which bounds its wait.
     # Neo's own policy has no bound (a skipped request "waits for the next iteration"). Forcing
-    # costs throughput whenever a decode step cannot hide even one request's attention (a fast
+    # costs throughput whenever a decode step cannot hide even one sequence's attention (a fast
     # GPU beside a slow host): with 8 the simulated 2xH100 fell to 0.87x GPU-only. 64 iterations
     # is a couple of seconds at worst on a fast GPU, and rarely reached.
     max_cpu_wait_iterations: int = 64
-    # At most this many overdue CPU-requests are placed past the inequalities per iteration (the
-    # longest waiting first). Forcing every overdue request at once stalls the accelerator behind
+    # At most this many overdue CPU-sequences are placed past the inequalities per iteration (the
+    # longest waiting first). Forcing every overdue sequence at once stalls the accelerator behind
     # the CPU for a whole iteration each time a crowd of them comes due together (the simulator
-    # showed 0.65x GPU-only with 185 CPU-requests); one per iteration keeps every request moving
+    # showed 0.65x GPU-only with 185 CPU-sequences); one per iteration keeps every sequence moving
     # (its wait is bounded by max_cpu_wait_iterations + the number overdue before it) at the cost
-    # of one request's attention beyond what the linear work hides.
+    # of one sequence's attention beyond what the linear work hides.
     max_forced_cpu_decodes: int = 1
-    # Host blocks kept free when admitting a CPU-bound prefill, so CPU-requests can grow for a
-    # while without preempting the request just admitted (the GPU pool's `watermark_blocks`).
+    # Host blocks kept free when admitting a CPU-bound prefill, so CPU-sequences can grow for a
+    # while without preempting the sequence just admitted (the GPU pool's `watermark_blocks`).
     cpu_watermark_blocks: int = 1
     # Backpressure on the CPU runqueue: a prefill goes into the host pool only while the
-    # CPU-requests, served at the rate CPU decodes were recently placed, would each wait at most
+    # CPU-sequences, served at the rate CPU decodes were recently placed, would each wait at most
     # this share of `max_cpu_wait_iterations` between their decodes. Past that the pipeline
-    # already holds more CPU work than the accelerator's linear work hides, and a request admitted
+    # already holds more CPU work than the accelerator's linear work hides, and a sequence admitted
     # on top only lengthens every wait until crowds come due and are forced (the simulated 2xH100
     # fell to 0.97x GPU-only with a runqueue of 241 served 4 per iteration). A quarter keeps
     # every simulated setup within 1% of its best; an eighth starves the runqueue's start-up.
@@ -178,7 +178,7 @@ class _TwoBatches:
 
     def cheaper_batch_for(self, context_tokens: int) -> int:
         """The sub-batch whose layer time grows less with one more CPU decode. An empty batch-1
-        costs a whole extra pass over the weights (its T_l1), so an overdue request usually goes
+        costs a whole extra pass over the weights (its T_l1), so an overdue sequence usually goes
         into batch-0, where only the part of its attention the accelerator cannot hide counts."""
         growth = []
         for batch in (0, 1):
@@ -216,7 +216,7 @@ class NeoScheduler(Scheduler):
         self.neo = neo
         self.cost_model = cost_model
         self.cpu_pool = BlockPool(neo.num_cpu_blocks, config.block_size)
-        self.cpu_running: list[Request] = []  # in the order they became CPU-requests: the last is the newest
+        self.cpu_running: list[Sequence] = []  # in the order they became CPU-sequences: the last is the newest
         self.iteration = 0
         self._reserve_blocks = math.ceil(neo.swap_in_reserve_fraction * config.num_blocks)
         # cumulative counters and the last iteration's estimates, for the engine's metrics
@@ -229,7 +229,7 @@ class NeoScheduler(Scheduler):
         self.last_pipelined_throughput = 0.0  # seqs/s, the two-batch plan
         self.last_one_batch_throughput = 0.0  # seqs/s, 0 when there was no such candidate
         # CPU decodes placed per iteration, averaged over about the last `max_cpu_wait_iterations`
-        # iterations that had CPU-requests to place: the runqueue's service rate, for backpressure.
+        # iterations that had CPU-sequences to place: the runqueue's service rate, for backpressure.
         # An exponential average with its start-up bias divided out (`_service_weight`).
         self._service_average = 0.0
         self._service_weight = 0.0
@@ -247,34 +247,34 @@ class NeoScheduler(Scheduler):
     def num_running(self) -> int:
         return len(self.running) + len(self.cpu_running)
 
-    def has_unfinished_requests(self) -> bool:
-        return super().has_unfinished_requests() or bool(self.cpu_running)
+    def has_unfinished_sequences(self) -> bool:
+        return super().has_unfinished_sequences() or bool(self.cpu_running)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
-        wanted = set(request_ids)
-        aborted = super().abort_requests(wanted)
-        on_cpu = [r for r in self.cpu_running if r.request_id in wanted]
+    def abort_sequences(self, seq_ids: Iterable[str]) -> list[Sequence]:
+        wanted = set(seq_ids)
+        aborted = super().abort_sequences(wanted)
+        on_cpu = [r for r in self.cpu_running if r.seq_id in wanted]
         if on_cpu:
-            self.cpu_running = [r for r in self.cpu_running if r.request_id not in wanted]
-            for request in on_cpu:
-                self._release(request, RequestStatus.FINISHED_ABORTED)
+            self.cpu_running = [r for r in self.cpu_running if r.seq_id not in wanted]
+            for seq in on_cpu:
+                self._release(seq, SequenceStatus.FINISHED_ABORTED)
         return aborted + on_cpu
 
-    def finish_request(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
-        if not request.finished and request.tier is Tier.CPU and request in self.cpu_running:
-            self.cpu_running.remove(request)
-        super().finish_request(request, status, stop_reason)
+    def finish_sequence(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        if not seq.finished and seq.tier is Tier.CPU and seq in self.cpu_running:
+            self.cpu_running.remove(seq)
+        super().finish_sequence(seq, status, stop_reason)
 
-    def _pool_of(self, request: Request) -> BlockPool:
-        return self.cpu_pool if request.tier is Tier.CPU else self.block_pool
+    def _pool_of(self, seq: Sequence) -> BlockPool:
+        return self.cpu_pool if seq.tier is Tier.CPU else self.block_pool
 
-    def _queue_of(self, request: Request) -> list[Request]:
-        return self.cpu_running if request.tier is Tier.CPU else self.running
+    def _queue_of(self, seq: Sequence) -> list[Sequence]:
+        return self.cpu_running if seq.tier is Tier.CPU else self.running
 
-    def _preempt(self, request: Request) -> None:
-        super()._preempt(request)
-        request.tier = Tier.GPU  # no blocks anywhere; the next prefill picks its pool again
-        request.cpu_wait_iterations = 0
+    def _preempt(self, seq: Sequence) -> None:
+        super()._preempt(seq)
+        seq.tier = Tier.GPU  # no blocks anywhere; the next prefill picks its pool again
+        seq.cpu_wait_iterations = 0
 
     # ---- planning -------------------------------------------------------------------------
     def schedule(self) -> IterationPlan:
@@ -287,48 +287,48 @@ class NeoScheduler(Scheduler):
         batches = self._place_cpu_decodes(plan)  # step 4
         self._drop_cpu_prefills(plan, batches)  # step 5
         self._choose_plan(plan, batches)  # step 6
-        scheduled = {id(seq.request) for seq in plan.scheduled}
-        for request in self.cpu_running:
-            request.cpu_wait_iterations = 0 if id(request) in scheduled else request.cpu_wait_iterations + 1
+        scheduled = {id(scheduled.sequence) for scheduled in plan.scheduled}
+        for seq in self.cpu_running:
+            seq.cpu_wait_iterations = 0 if id(seq) in scheduled else seq.cpu_wait_iterations + 1
         if self._decoding_cpu_requests(plan):
             smoothing = 1 / self.neo.max_cpu_wait_iterations
             num_placed = len(plan.cpu_decodes) + len(plan.cpu_decodes1)
             self._service_average += smoothing * (num_placed - self._service_average)
             self._service_weight += smoothing * (1 - self._service_weight)
-        self.num_cpu_prefills += sum(1 for seq in plan.prefills if seq.request.tier is Tier.CPU)
+        self.num_cpu_prefills += sum(1 for scheduled in plan.prefills if scheduled.sequence.tier is Tier.CPU)
         return plan
 
-    def _decoding_cpu_requests(self, plan: IterationPlan) -> list[Request]:
-        """The CPU-requests that have a token to decode: all but those `plan` prefills now."""
-        just_prefilled = {id(seq.request) for seq in plan.prefills}
+    def _decoding_cpu_requests(self, plan: IterationPlan) -> list[Sequence]:
+        """The CPU-sequences that have a token to decode: all but those `plan` prefills now."""
+        just_prefilled = {id(scheduled.sequence) for scheduled in plan.prefills}
         return [r for r in self.cpu_running if id(r) not in just_prefilled]
 
-    def _num_new_blocks(self, request: Request) -> int:
-        """Blocks `request` still needs for KV of all its tokens (the one decoded now included)."""
-        return blocks_for(request.num_tokens, self.config.block_size) - len(request.block_ids)
+    def _num_new_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` still needs for KV of all its tokens (the one decoded now included)."""
+        return blocks_for(seq.num_tokens, self.config.block_size) - len(seq.block_ids)
 
-    def _in_cooldown(self, request: Request) -> bool:
-        return self.iteration - request.last_swap_iteration < self.neo.swap_cooldown_iterations
+    def _in_cooldown(self, seq: Sequence) -> bool:
+        return self.iteration - seq.last_swap_iteration < self.neo.swap_cooldown_iterations
 
     def _charge_cpu_decodes(self, plan: IterationPlan) -> None:
-        """Step 2, host side: every CPU-request gets the block its next token needs, whether it
-        decodes this iteration or later; when the host pool is full the newest CPU-request is
+        """Step 2, host side: every CPU-sequence gets the block its next token needs, whether it
+        decodes this iteration or later; when the host pool is full the newest CPU-sequence is
         preempted (v0's rule). Done first so swap-outs only take host blocks that are spare."""
-        for request in list(self.cpu_running):  # oldest first
-            needed = self._num_new_blocks(request)
-            while request.status is RequestStatus.RUNNING and not self.cpu_pool.can_allocate(needed):
+        for seq in list(self.cpu_running):  # oldest first
+            needed = self._num_new_blocks(seq)
+            while seq.status is SequenceStatus.RUNNING and not self.cpu_pool.can_allocate(needed):
                 victim = self.cpu_running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
-            if request.status is not RequestStatus.RUNNING:
+            if seq.status is not SequenceStatus.RUNNING:
                 break  # it went itself, after every newer one
-            request.block_ids.extend(self.cpu_pool.allocate(needed))
+            seq.block_ids.extend(self.cpu_pool.allocate(needed))
 
     def _schedule_gpu_decodes(self, plan: IterationPlan) -> bool:
-        """Step 2, accelerator side: every GPU-request decodes in batch-0. While the GPU pool cannot
-        hold their new KV, the newest GPU-request outside its cooldown (else the newest) moves to
+        """Step 2, accelerator side: every GPU-sequence decodes in batch-0. While the GPU pool cannot
+        hold their new KV, the newest GPU-sequence outside its cooldown (else the newest) moves to
         the host pool, or, when the host pool cannot hold it either, the newest is preempted. The
-        requests that go are the fewest from the newest end, as v0 preempts them. Returns whether
+        sequences that go are the fewest from the newest end, as v0 preempts them. Returns whether
         the GPU was short of blocks."""
         needed = sum(self._num_new_blocks(r) for r in self.running)
         short = needed > self.block_pool.num_free_blocks
@@ -343,78 +343,78 @@ class NeoScheduler(Scheduler):
             else:
                 self._preempt(victim)
                 plan.preempted.append(victim)
-        for request in self.running:
-            request.block_ids.extend(self.block_pool.allocate(self._num_new_blocks(request)))
-            plan.decodes.append(ScheduledSeq(request, request.num_computed_tokens, 1))
+        for seq in self.running:
+            seq.block_ids.extend(self.block_pool.allocate(self._num_new_blocks(seq)))
+            plan.decodes.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
         return short
 
-    def _swap_out(self, request: Request, plan: IterationPlan) -> None:
-        source = request.block_ids
+    def _swap_out(self, seq: Sequence, plan: IterationPlan) -> None:
+        source = seq.block_ids
         destination = self.cpu_pool.allocate(len(source))
-        growth = self.cpu_pool.allocate(blocks_for(request.num_tokens, self.config.block_size) - len(source))
+        growth = self.cpu_pool.allocate(blocks_for(seq.num_tokens, self.config.block_size) - len(source))
         self.block_pool.free(source)
-        self.running.remove(request)
-        request.block_ids = destination + growth
-        request.tier = Tier.CPU
-        self._mark_moved(request)
-        self.cpu_running.append(request)  # may decode on the CPU this very iteration (step 4)
-        plan.swap_out.append(Swap(request, tuple(source), tuple(destination)))
+        self.running.remove(seq)
+        seq.block_ids = destination + growth
+        seq.tier = Tier.CPU
+        self._mark_moved(seq)
+        self.cpu_running.append(seq)  # may decode on the CPU this very iteration (step 4)
+        plan.swap_out.append(Swap(seq, tuple(source), tuple(destination)))
         self.num_swap_out += 1
         self.num_swap_out_blocks += len(source)
 
     def _swap_in(self, plan: IterationPlan) -> None:
-        """Step 2, maximizing the GPU: move CPU-requests in, oldest first and outside their
-        cooldown, while the GPU keeps free, after each: the blocks every GPU-request will grow
+        """Step 2, maximizing the GPU: move CPU-sequences in, oldest first and outside their
+        cooldown, while the GPU keeps free, after each: the blocks every GPU-sequence will grow
         into during the cooldown window (so the newcomer is not pushed out again before the
-        window ends), the reserve share and the watermark. A request that waited too long comes
+        window ends), the reserve share and the watermark. A sequence that waited too long comes
         in first whenever its blocks fit, cooldown or not. Not called when the GPU was short of
         blocks this iteration (so a plan never swaps both ways, and nothing comes in right after
-        a GPU-request was preempted)."""
+        a GPU-sequence was preempted)."""
         if not self.cpu_running:
             return
         watermark = self.config.watermark_blocks
-        for request in [r for r in self.cpu_running if r.cpu_wait_iterations >= self.neo.max_cpu_wait_iterations]:
-            if self.block_pool.can_allocate(len(request.block_ids) + watermark):
-                self._move_in(request, plan)
+        for seq in [r for r in self.cpu_running if r.cpu_wait_iterations >= self.neo.max_cpu_wait_iterations]:
+            if self.block_pool.can_allocate(len(seq.block_ids) + watermark):
+                self._move_in(seq, plan)
         growth = sum(self._growth_in_cooldown(r) for r in self.running)
-        for request in list(self.cpu_running):
-            if self._in_cooldown(request):
+        for seq in list(self.cpu_running):
+            if self._in_cooldown(seq):
                 continue
-            needed = len(request.block_ids) + self._growth_in_cooldown(request)
+            needed = len(seq.block_ids) + self._growth_in_cooldown(seq)
             if not self.block_pool.can_allocate(needed + growth + self._reserve_blocks + watermark):
                 break  # oldest first: later ones wait behind it
-            growth += self._growth_in_cooldown(request)
-            self._move_in(request, plan)
+            growth += self._growth_in_cooldown(seq)
+            self._move_in(seq, plan)
 
-    def _growth_in_cooldown(self, request: Request) -> int:
-        """Blocks `request` will add over the next `swap_cooldown_iterations` tokens, at most up to
+    def _growth_in_cooldown(self, seq: Sequence) -> int:
+        """Blocks `seq` will add over the next `swap_cooldown_iterations` tokens, at most up to
         its `max_tokens` or the context length."""
-        remaining = self.config.max_model_len - request.num_tokens
-        max_tokens = request.sampling_params.max_tokens
+        remaining = self.config.max_model_len - seq.num_tokens
+        max_tokens = seq.sampling_params.max_tokens
         if max_tokens is not None:
-            remaining = min(remaining, max_tokens - request.num_output_tokens)
+            remaining = min(remaining, max_tokens - seq.num_output_tokens)
         horizon = min(self.neo.swap_cooldown_iterations, max(remaining, 0))
         block_size = self.config.block_size
-        return blocks_for(request.num_tokens + horizon, block_size) - blocks_for(request.num_tokens, block_size)
+        return blocks_for(seq.num_tokens + horizon, block_size) - blocks_for(seq.num_tokens, block_size)
 
-    def _move_in(self, request: Request, plan: IterationPlan) -> None:
-        source = request.block_ids  # its next token's block included (charged in step 2)
+    def _move_in(self, seq: Sequence, plan: IterationPlan) -> None:
+        source = seq.block_ids  # its next token's block included (charged in step 2)
         destination = self.block_pool.allocate(len(source))
         self.cpu_pool.free(source)
-        self.cpu_running.remove(request)
-        request.block_ids = destination
-        request.tier = Tier.GPU
-        self._mark_moved(request)
-        self.running.append(request)
-        plan.swap_in.append(Swap(request, tuple(source), tuple(destination)))
-        plan.decodes.append(ScheduledSeq(request, request.num_computed_tokens, 1))
+        self.cpu_running.remove(seq)
+        seq.block_ids = destination
+        seq.tier = Tier.GPU
+        self._mark_moved(seq)
+        self.running.append(seq)
+        plan.swap_in.append(Swap(seq, tuple(source), tuple(destination)))
+        plan.decodes.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
         self.num_swap_in += 1
         self.num_swap_in_blocks += len(source)
 
-    def _mark_moved(self, request: Request) -> None:
-        request.num_swaps += 1
-        request.last_swap_iteration = self.iteration
-        request.cpu_wait_iterations = 0
+    def _mark_moved(self, seq: Sequence) -> None:
+        seq.num_swaps += 1
+        seq.last_swap_iteration = self.iteration
+        seq.cpu_wait_iterations = 0
 
     @property
     def cpu_service_rate(self) -> float | None:
@@ -423,7 +423,7 @@ class NeoScheduler(Scheduler):
 
     @property
     def max_cpu_admitted(self) -> float:
-        """CPU-requests beyond which no prefill enters the host pool (`cpu_admission_wait_fraction`):
+        """CPU-sequences beyond which no prefill enters the host pool (`cpu_admission_wait_fraction`):
         unbounded until the service rate is known, then at least one, so an idle runqueue restarts."""
         rate = self.cpu_service_rate
         if rate is None:
@@ -432,41 +432,41 @@ class NeoScheduler(Scheduler):
 
     def _schedule_prefills(self, plan: IterationPlan) -> None:
         """Step 3: first come first served into batch-0 while the token budget and `max_num_seqs`
-        (running requests of both tiers, as v0 counts them) allow. The KV goes to the GPU pool
+        (running seqs of both tiers, as v0 counts them) allow. The KV goes to the GPU pool
         if it holds the prompt, else to the host pool (the runner copies it out layer by layer) while
-        fewer than `max_cpu_admitted` CPU-requests run, else admission stops. None in an iteration
+        fewer than `max_cpu_admitted` CPU-sequences run, else admission stops. None in an iteration
         that had to preempt (v0's rule)."""
         if plan.preempted:
             return
         cfg = self.config
         token_budget = cfg.max_num_batched_tokens - len(plan.decodes)
         while self.waiting and self.num_running < cfg.max_num_seqs:
-            request = self.waiting[0]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            seq = self.waiting[0]
+            num_new_tokens = seq.num_tokens - seq.num_computed_tokens
             if num_new_tokens > token_budget:
                 break
-            num_blocks = blocks_for(request.num_tokens, cfg.block_size) - len(request.block_ids)
+            num_blocks = blocks_for(seq.num_tokens, cfg.block_size) - len(seq.block_ids)
             gpu_reserve = cfg.watermark_blocks if self.running else 0
             cpu_reserve = self.neo.cpu_watermark_blocks if self.cpu_running else 0
             if self.block_pool.can_allocate(num_blocks + gpu_reserve):
-                request.tier = Tier.GPU
+                seq.tier = Tier.GPU
             elif len(self.cpu_running) < self.max_cpu_admitted and self.cpu_pool.can_allocate(num_blocks + cpu_reserve):
-                request.tier = Tier.CPU
+                seq.tier = Tier.CPU
             else:
                 break
-            request.block_ids.extend(self._pool_of(request).allocate(num_blocks))
+            seq.block_ids.extend(self._pool_of(seq).allocate(num_blocks))
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self._queue_of(request).append(request)
-            plan.prefills.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
+            seq.status = SequenceStatus.RUNNING
+            self._queue_of(seq).append(seq)
+            plan.prefills.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new_tokens))
             token_budget -= num_new_tokens
 
     def _new_batches(self, plan: IterationPlan) -> _TwoBatches:
         return _TwoBatches(self.cost_model, [s.num_new_tokens for s in plan.prefills], len(plan.decodes),
-                           sum(s.request.num_tokens for s in plan.decodes))
+                           sum(s.sequence.num_tokens for s in plan.decodes))
 
     def _place_cpu_decodes(self, plan: IterationPlan, use_batch1: bool = True) -> _TwoBatches:
-        """Step 4: CPU-requests, longest waiting first, go to batch-1 while T_ca1 <= T_l0, else to
+        """Step 4: CPU-sequences, longest waiting first, go to batch-1 while T_ca1 <= T_l0, else to
         batch-0 while T_ca0 <= T_l1 + T_ga0, else wait. One that waited too long, or any when
         the GPU has nothing to run (the engine must progress), is placed regardless, in the batch
         whose layer time grows less, and recorded in `plan.forced`: at most `max_forced_cpu_decodes` of the
@@ -476,15 +476,15 @@ class NeoScheduler(Scheduler):
         candidates = sorted(self._decoding_cpu_requests(plan),
                             key=lambda r: -r.cpu_wait_iterations)  # stable: ties keep queue order
         gpu_idle = not (plan.prefills or plan.decodes)
-        for request in candidates:
-            context_tokens = request.num_tokens  # its KV with the token decoded now
-            seq = ScheduledSeq(request, request.num_computed_tokens, 1)
+        for seq in candidates:
+            context_tokens = seq.num_tokens  # its KV with the token decoded now
+            scheduled = ScheduledSeq(seq, seq.num_computed_tokens, 1)
             room0 = batches.num_tokens0 < self.config.max_num_batched_tokens
             if use_batch1 and batches.fits_batch1(context_tokens):
                 batch = 1
             elif room0 and batches.fits_batch0(context_tokens):
                 batch = 0
-            elif gpu_idle or (request.cpu_wait_iterations >= self.neo.max_cpu_wait_iterations
+            elif gpu_idle or (seq.cpu_wait_iterations >= self.neo.max_cpu_wait_iterations
                               and len(plan.forced) < self.neo.max_forced_cpu_decodes):
                 if use_batch1:
                     batch = batches.cheaper_batch_for(context_tokens) if room0 else 1
@@ -492,11 +492,11 @@ class NeoScheduler(Scheduler):
                     batch = 0
                 else:
                     continue
-                plan.forced.append(request)
+                plan.forced.append(seq)
             else:
                 continue
             batches.add(batch, context_tokens)
-            (plan.cpu_decodes1 if batch else plan.cpu_decodes).append(seq)
+            (plan.cpu_decodes1 if batch else plan.cpu_decodes).append(scheduled)
         return batches
 
     def _drop_cpu_prefills(self, plan: IterationPlan, batches: _TwoBatches) -> None:
@@ -504,7 +504,7 @@ class NeoScheduler(Scheduler):
         still hold without them: they only lengthen the accelerator's side of the pipeline.
 
         Deviation from the paper: a prefill is kept while the CPU runqueue holds too little decode
-        work to fill the pipeline (T_ca of all CPU-requests < T_l0 of the plan), since dropping
+        work to fill the pipeline (T_ca of all CPU-sequences < T_l0 of the plan), since dropping
         it would keep the CPU from ever getting work; and nothing is dropped when no CPU decode
         was placed, as there is then no pipeline to balance. Dropped prefills go back to the
         front of the waitqueue in their order, their host blocks freed."""
@@ -512,10 +512,10 @@ class NeoScheduler(Scheduler):
             return
         decoding = self._decoding_cpu_requests(plan)
         cpu_work = self.cost_model.cpu_decode_attention(len(decoding), sum(r.num_tokens for r in decoding))
-        dropped: list[Request] = []
+        dropped: list[Sequence] = []
         for index in reversed(range(len(plan.prefills))):
-            request = plan.prefills[index].request
-            if request.tier is not Tier.CPU:
+            seq = plan.prefills[index].sequence
+            if seq.tier is not Tier.CPU:
                 continue
             if cpu_work < batches.linear0():
                 break
@@ -524,14 +524,14 @@ class NeoScheduler(Scheduler):
                 batches.prefill_lens.insert(index, length)
                 break
             del plan.prefills[index]
-            dropped.append(request)
-        for request in dropped:  # newest first, each in front of the one after it
-            self.cpu_running.remove(request)
-            self.cpu_pool.free(request.block_ids)
-            request.block_ids = []
-            request.tier = Tier.GPU
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            dropped.append(seq)
+        for seq in dropped:  # newest first, each in front of the one after it
+            self.cpu_running.remove(seq)
+            self.cpu_pool.free(seq.block_ids)
+            seq.block_ids = []
+            seq.tier = Tier.GPU
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
 
     def _choose_plan(self, plan: IterationPlan, batches: _TwoBatches) -> None:
         """Step 6: estimate the GPU-only plan (batch-0 less its CPU decodes), the two-batch plan
@@ -561,8 +561,8 @@ class NeoScheduler(Scheduler):
         self.last_gpu_only_throughput = _rate(num_gpu_seqs, gpu_only_time)
         self.last_pipelined_throughput = _rate(len(plan.scheduled), two_time)
         self.last_one_batch_throughput = 0.0
-        # the one-batch plan may replace the two-batch plan only if it runs its overdue requests too
-        one_places_overdue = {id(s.request) for s in one.cpu_decodes} >= {id(r) for r in plan.forced}
+        # the one-batch plan may replace the two-batch plan only if it runs its overdue sequences too
+        one_places_overdue = {id(s.sequence) for s in one.cpu_decodes} >= {id(r) for r in plan.forced}
         if one_batches is not None and one.cpu_decodes and one_places_overdue:
             one_time = pipelined_time(one, one_batches)
             self.last_one_batch_throughput = _rate(len(one.scheduled), one_time)
@@ -570,7 +570,7 @@ class NeoScheduler(Scheduler):
                 plan.cpu_decodes, plan.cpu_decodes1, plan.forced = one.cpu_decodes, [], one.forced
                 two_time = one_time
         pipelined_throughput = max(self.last_pipelined_throughput, self.last_one_batch_throughput)
-        overdue = bool(plan.forced)  # a forced (overdue) request runs: no GPU-only plan
+        overdue = bool(plan.forced)  # a forced (overdue) sequence runs: no GPU-only plan
         num_cpu_seqs = len(plan.cpu_decodes) + len(plan.cpu_decodes1)
         if num_cpu_seqs and (overdue or pipelined_throughput > self.last_gpu_only_throughput):
             plan.mode = PlanMode.PIPELINED

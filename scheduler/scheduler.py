@@ -1,9 +1,9 @@
 """Scheduler v0: prefill waitqueue + decode runqueue, one mixed batch per iteration.
 
-Each iteration every running request decodes one token and waiting requests are admitted as
+Each iteration every running seq decodes one token and waiting seqs are admitted as
 prefills while `max_num_seqs`, `max_num_batched_tokens` and the block pool allow (Orca's
 selective batching: prefills and decodes share the linear layers of one forward). When a
-running request needs a block and none is free, the newest running request is preempted:
+running seq needs a block and none is free, the newest running seq is preempted:
 its blocks are freed and it goes back to the front of the waitqueue, to be recomputed from
 its prompt plus the tokens it already generated. Nothing is lost.
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable
 
 from scheduler.block_pool import BlockPool, blocks_for
-from scheduler.request import Request, RequestStatus
+from scheduler.sequence import Sequence, SequenceStatus, stop_check
 
 
 class SchedulerConfigError(ValueError):
@@ -31,7 +31,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: max(max_model_len, 2048)
     # Blocks kept free when admitting a prefill, so running decodes can grow for a while
-    # without preempting the request just admitted.
+    # without preempting the sequence just admitted.
     watermark_blocks: int = 1
 
     def __post_init__(self) -> None:
@@ -39,7 +39,7 @@ class SchedulerConfig:
             object.__setattr__(self, "max_num_batched_tokens", max(self.max_model_len, 2048))
         if self.max_num_seqs < 1:
             raise SchedulerConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        # No chunked prefill yet: a whole prompt (or a preempted request's prompt + output)
+        # No chunked prefill yet: a whole prompt (or a preempted sequence's prompt + output)
         # must fit in one iteration.
         if self.max_num_batched_tokens < self.max_model_len:
             raise SchedulerConfigError(
@@ -60,24 +60,24 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """One request's share of an iteration: compute `num_new_tokens` tokens after the cached ones."""
+    """One sequence's share of an iteration: compute `num_new_tokens` tokens after the cached ones."""
 
-    request: Request
+    sequence: Sequence
     num_computed_tokens: int
     num_new_tokens: int
 
     @property
     def token_ids(self) -> list[int]:
         start = self.num_computed_tokens
-        return self.request.all_token_ids[start:start + self.num_new_tokens]
+        return self.sequence.all_token_ids[start:start + self.num_new_tokens]
 
 
 @dataclass(frozen=True)
 class Swap:
-    """Move one request's KV between the pools: block `src[i]` of the source pool goes to
+    """Move one sequence's KV between the pools: block `src[i]` of the source pool goes to
     block `dst[i]` of the other. The runner does all swaps before the iteration's forward."""
 
-    request: Request
+    sequence: Sequence
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
 
@@ -91,24 +91,24 @@ class PlanMode:
 class IterationPlan:
     """What the runner executes this iteration.
 
-    Batch-0 packs `prefills`, `decodes` (GPU-requests) and `cpu_decodes` (CPU-requests) in that
-    order; batch-1 (`cpu_decodes1`) holds CPU-requests only. A prefill's KV goes to the pool of
-    its request's `tier` (CPU: copied out layer by layer). Sampled tokens come back in
+    Batch-0 packs `prefills`, `decodes` (GPU-sequences) and `cpu_decodes` (CPU-sequences) in that
+    order; batch-1 (`cpu_decodes1`) holds CPU-sequences only. A prefill's KV goes to the pool of
+    its sequence's `tier` (CPU: copied out layer by layer). Sampled tokens come back in
     `scheduled` order.
     """
 
     prefills: list[ScheduledSeq] = field(default_factory=list)
     decodes: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
     cpu_decodes: list[ScheduledSeq] = field(default_factory=list)
     cpu_decodes1: list[ScheduledSeq] = field(default_factory=list)
     swap_out: list[Swap] = field(default_factory=list)  # GPU pool -> CPU pool
     swap_in: list[Swap] = field(default_factory=list)  # CPU pool -> GPU pool
     mode: str = PlanMode.GPU_ONLY
     estimated_time: float | None = None  # seconds, from the cost model when there is one
-    # CPU-requests placed although a pipelining inequality breaks: they had waited too long, or
+    # CPU-sequences placed although a pipelining inequality breaks: they had waited too long, or
     # nothing else could run (Neo scheduler's bounded wait); their entries stay in the batches.
-    forced: list[Request] = field(default_factory=list)
+    forced: list[Sequence] = field(default_factory=list)
 
     @property
     def batch0(self) -> list[ScheduledSeq]:
@@ -132,55 +132,55 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_pool = BlockPool(config.num_blocks, config.block_size)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last is the newest
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        if request.num_tokens > self.config.max_model_len:
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.num_tokens > self.config.max_model_len:
             raise SchedulerConfigError(
-                f"request {request.request_id} has {request.num_tokens} tokens, more than max_model_len "
+                f"seq {seq.seq_id} has {seq.num_tokens} tokens, more than max_model_len "
                 f"({self.config.max_model_len})"
             )
-        request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
-        """Finish the given requests as aborted and free their blocks; unknown ids are ignored.
-        One pass over the queues, however many requests go."""
-        wanted = set(request_ids)
-        aborted = [r for r in (*self.waiting, *self.running) if r.request_id in wanted]
+    def abort_sequences(self, seq_ids: Iterable[str]) -> list[Sequence]:
+        """Finish the given sequences as aborted and free their blocks; unknown ids are ignored.
+        One pass over the queues, however many sequences go."""
+        wanted = set(seq_ids)
+        aborted = [r for r in (*self.waiting, *self.running) if r.seq_id in wanted]
         if aborted:
-            self.waiting = deque(r for r in self.waiting if r.request_id not in wanted)
-            self.running = [r for r in self.running if r.request_id not in wanted]
-            for request in aborted:
-                self._release(request, RequestStatus.FINISHED_ABORTED)
+            self.waiting = deque(r for r in self.waiting if r.seq_id not in wanted)
+            self.running = [r for r in self.running if r.seq_id not in wanted]
+            for seq in aborted:
+                self._release(seq, SequenceStatus.FINISHED_ABORTED)
         return aborted
 
-    def finish_request(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
-        """End a request (also used by the engine for stop strings); frees its blocks."""
-        if request.finished:
+    def finish_sequence(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        """End a sequence and free its blocks."""
+        if seq.finished:
             return
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self._release(request, status, stop_reason)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq, status, stop_reason)
 
-    def _pool_of(self, request: Request) -> BlockPool:
-        """The pool holding `request`'s blocks (one pool here; the Neo scheduler has two)."""
+    def _pool_of(self, seq: Sequence) -> BlockPool:
+        """The pool holding `seq`'s blocks (one pool here; the Neo scheduler has two)."""
         return self.block_pool
 
-    def _queue_of(self, request: Request) -> list[Request]:
-        """The runqueue a running `request` sits in (one here; the Neo scheduler has two)."""
+    def _queue_of(self, seq: Sequence) -> list[Sequence]:
+        """The runqueue a running `seq` sits in (one here; the Neo scheduler has two)."""
         return self.running
 
-    def _release(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
-        self._pool_of(request).free(request.block_ids)
-        request.block_ids = []
-        request.status = status
-        request.stop_reason = stop_reason
+    def _release(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        self._pool_of(seq).free(seq.block_ids)
+        seq.block_ids = []
+        seq.status = status
+        seq.stop_reason = stop_reason
 
     @property
     def num_waiting(self) -> int:
@@ -190,7 +190,7 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def has_unfinished_requests(self) -> bool:
+    def has_unfinished_sequences(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ---- planning -------------------------------------------------------------------------
@@ -199,82 +199,75 @@ class Scheduler:
         cfg = self.config
         token_budget = cfg.max_num_batched_tokens
 
-        # 1. Decodes, oldest first; the newest running request yields its blocks when short.
+        # 1. Decodes, oldest first; the newest running sequence yields its blocks when short.
         index = 0
         while index < len(self.running):
-            request = self.running[index]
-            if not self._grow(request, request.num_tokens, plan):
-                break  # `request` was itself the newest and got preempted
-            plan.decodes.append(ScheduledSeq(request, request.num_computed_tokens, 1))
+            seq = self.running[index]
+            if not self._grow(seq, seq.num_tokens, plan):
+                break  # `seq` was itself the newest and got preempted
+            plan.decodes.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
             token_budget -= 1
             index += 1
 
         # 2. Prefills, first come first served; none in an iteration that had to preempt.
         while self.waiting and not plan.preempted and len(self.running) < cfg.max_num_seqs:
-            request = self.waiting[0]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            seq = self.waiting[0]
+            num_new_tokens = seq.num_tokens - seq.num_computed_tokens
             if num_new_tokens > token_budget:
                 break
-            num_blocks = blocks_for(request.num_tokens, cfg.block_size) - len(request.block_ids)
+            num_blocks = blocks_for(seq.num_tokens, cfg.block_size) - len(seq.block_ids)
             reserve = cfg.watermark_blocks if self.running else 0
             if not self.block_pool.can_allocate(num_blocks + reserve):
                 break
-            request.block_ids.extend(self.block_pool.allocate(num_blocks))
+            seq.block_ids.extend(self.block_pool.allocate(num_blocks))
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            plan.prefills.append(ScheduledSeq(request, request.num_computed_tokens, num_new_tokens))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            plan.prefills.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new_tokens))
             token_budget -= num_new_tokens
         return plan
 
-    def _grow(self, request: Request, num_tokens: int, plan: IterationPlan) -> bool:
-        """Give `request` blocks for `num_tokens` tokens, preempting the newest running
-        requests as needed. False if `request` itself had to be preempted."""
-        needed = blocks_for(num_tokens, self.config.block_size) - len(request.block_ids)
+    def _grow(self, seq: Sequence, num_tokens: int, plan: IterationPlan) -> bool:
+        """Give `seq` blocks for `num_tokens` tokens, preempting the newest running
+        sequences as needed. False if `seq` itself had to be preempted."""
+        needed = blocks_for(num_tokens, self.config.block_size) - len(seq.block_ids)
         while needed > 0 and not self.block_pool.can_allocate(needed):
             victim = self.running[-1]
             self._preempt(victim)
             plan.preempted.append(victim)
-            if victim is request:
+            if victim is seq:
                 return False
         if needed > 0:
-            request.block_ids.extend(self.block_pool.allocate(needed))
+            seq.block_ids.extend(self.block_pool.allocate(needed))
         return True
 
-    def _preempt(self, request: Request) -> None:
-        self._queue_of(request).remove(request)
-        self._pool_of(request).free(request.block_ids)
-        request.block_ids = []
-        request.num_computed_tokens = 0  # recompute prompt + generated tokens later
-        request.num_preemptions += 1
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+    def _preempt(self, seq: Sequence) -> None:
+        self._queue_of(seq).remove(seq)
+        self._pool_of(seq).free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0  # recompute prompt + generated tokens later
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     # ---- results --------------------------------------------------------------------------
-    def update(self, plan: IterationPlan, sampled_token_ids: Sequence[int]) -> list[Request]:
-        """Append each scheduled request's sampled token, finish those that are done and free
-        their blocks. Returns the requests that received a token, in plan order."""
+    def update(self, plan: IterationPlan, sampled_token_ids: list[int],
+               logprobs: list[Any] | None = None) -> list[Sequence]:
+        """Append each scheduled sequence's sampled token (and its logprobs entry, row for row),
+        finish those that are done (`stop_check`) and free their blocks. Returns the sequences
+        that received a token, in plan order."""
         updated = []
-        for seq, token_id in zip(plan.scheduled, sampled_token_ids):
-            request = seq.request
-            if request.finished:  # aborted while the iteration ran
+        for row, (scheduled, token_id) in enumerate(zip(plan.scheduled, sampled_token_ids)):
+            seq = scheduled.sequence
+            if seq.finished:  # aborted while the iteration ran
                 continue
-            request.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens
-            request.output_token_ids.append(int(token_id))
-            self._check_stop(request)
-            updated.append(request)
+            seq.num_computed_tokens = scheduled.num_computed_tokens + scheduled.num_new_tokens
+            seq.append_token(int(token_id), None if logprobs is None else logprobs[row])
+            stop = stop_check(seq, self.config.max_model_len)
+            if stop is not None:
+                self.finish_sequence(seq, *stop)
+                if seq.text is not None:
+                    seq.text.finish()
+            updated.append(seq)
         return updated
-
-    def _check_stop(self, request: Request) -> None:
-        params = request.sampling_params
-        token_id = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return self.finish_request(request, RequestStatus.FINISHED_STOPPED)
-            if token_id in params.stop_token_ids:
-                return self.finish_request(request, RequestStatus.FINISHED_STOPPED, stop_reason=token_id)
-        max_tokens = params.max_tokens
-        if (max_tokens is not None and request.num_output_tokens >= max_tokens) or \
-                request.num_tokens >= self.config.max_model_len:
-            self.finish_request(request, RequestStatus.FINISHED_LENGTH)

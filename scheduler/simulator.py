@@ -26,11 +26,11 @@ import math
 import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
 
 from scheduler.cost_model import CostModel, ModelShape
 from scheduler.neo import NeoConfig, NeoScheduler, cpu_stage_time
-from scheduler.request import Request, SamplingParams
+from scheduler.sampling_params import SamplingParams
+from scheduler.sequence import Sequence
 from scheduler.roofline import HardwareProfile, RooflineCostModel, size_pools
 from scheduler.scheduler import IterationPlan, PlanMode, SchedulerConfig, ScheduledSeq
 
@@ -43,7 +43,7 @@ NEO_LENGTH_SPREAD = 0.1
 # Relative slack when comparing this simulator's iteration time with the scheduler's estimate:
 # both sum the same floats, possibly in another order.
 ESTIMATE_TOLERANCE = 1e-9
-# vLLM's default cap on running requests; both tiers count against it.
+# vLLM's default cap on running sequences; both tiers count against it.
 DEFAULT_MAX_NUM_SEQS = 256
 # The smallest per-iteration token budget, as `SchedulerConfig` defaults it: room for a 2048-token
 # prompt or several shorter ones beside the decodes.
@@ -119,7 +119,7 @@ class Workload:
 
 
 # ---- iteration time -----------------------------------------------------------------------------
-def _context_tokens(seqs: Sequence[ScheduledSeq]) -> int:
+def _context_tokens(seqs: list[ScheduledSeq]) -> int:
     """A decode reads the KV of all its tokens, the one it computes now included."""
     return sum(s.num_computed_tokens + s.num_new_tokens for s in seqs)
 
@@ -175,8 +175,8 @@ class SimulationResult:
     num_forced: int  # CPU decodes placed past an inequality (bounded wait, or nothing else to run)
     mean_gpu_batch: float  # prefills + GPU decodes per iteration
     mean_cpu_batch: float  # CPU decodes per iteration
-    peak_gpu_requests: int  # most GPU-requests at once (KV in the accelerator pool)
-    peak_cpu_requests: int  # most CPU-requests at once (KV in the host pool)
+    peak_gpu_requests: int  # most GPU-sequences at once (KV in the accelerator pool)
+    peak_cpu_requests: int  # most CPU-sequences at once (KV in the host pool)
     num_estimate_mismatches: int  # iterations where the scheduler's estimate differs from ours
 
     @property
@@ -210,7 +210,7 @@ class SimulationResult:
         }
 
 
-def percentile(values: Sequence[float], quantile: float) -> float:
+def percentile(values: list[float], quantile: float) -> float:
     """Linear interpolation between the closest ranks (numpy's default)."""
     if not values:
         return math.nan
@@ -234,14 +234,14 @@ def simulate(scheduler: NeoScheduler, workload: Workload, cost: CostModel | None
     by_mode = {PlanMode.GPU_ONLY: 0, PlanMode.PIPELINED: 0}
     num_iterations = num_forced = num_gpu_seqs = num_cpu_seqs = num_mismatches = 0
     peak_gpu_requests = peak_cpu_requests = 0
-    while next_arrival < len(pending) or scheduler.has_unfinished_requests():
+    while next_arrival < len(pending) or scheduler.has_unfinished_sequences():
         while next_arrival < len(pending) and pending[next_arrival][0] <= clock:
             arrival, input_len, output_len = pending[next_arrival]
-            scheduler.add_request(Request(
+            scheduler.add_sequence(Sequence(
                 str(next_arrival), [SAMPLED_TOKEN] * input_len,
                 SamplingParams(max_tokens=output_len, ignore_eos=True), arrival_time=arrival))
             next_arrival += 1
-        plan = scheduler.schedule() if scheduler.has_unfinished_requests() else None
+        plan = scheduler.schedule() if scheduler.has_unfinished_sequences() else None
         if plan is None or plan.is_empty:
             if next_arrival == len(pending):
                 raise SimulationError(f"the scheduler planned nothing at t={clock:.3f}s with "
@@ -260,12 +260,12 @@ def simulate(scheduler: NeoScheduler, workload: Workload, cost: CostModel | None
         num_cpu_seqs += len(plan.cpu_decodes) + len(plan.cpu_decodes1)
         peak_gpu_requests = max(peak_gpu_requests, scheduler.num_gpu_running)
         peak_cpu_requests = max(peak_cpu_requests, scheduler.num_cpu_running)
-        for request in scheduler.update(plan, [SAMPLED_TOKEN] * len(plan.scheduled)):
-            first_token.setdefault(request.request_id, clock)
-            if request.finished:
-                records.append(RequestRecord(request.request_id, request.arrival_time,
-                                             first_token[request.request_id], clock,
-                                             request.num_prompt_tokens, request.num_output_tokens))
+        for seq in scheduler.update(plan, [SAMPLED_TOKEN] * len(plan.scheduled)):
+            first_token.setdefault(seq.seq_id, clock)
+            if seq.finished:
+                records.append(RequestRecord(seq.seq_id, seq.arrival_time,
+                                             first_token[seq.seq_id], clock,
+                                             seq.num_prompt_tokens, seq.num_output_tokens))
     return SimulationResult(
         makespan_s=clock - (pending[0][0] if pending else 0.0),
         num_output_tokens=sum(r.num_output_tokens for r in records),

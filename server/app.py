@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.text import TokenizerError
-from scheduler.request import ParamError
+from scheduler.sampling_params import ParamError
 from server import protocol
 from server.errors import APIError, bad_request
 from server.metrics import Metrics

@@ -5,7 +5,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from scheduler.request import ParamError, SamplingParams
+from scheduler.sampling_params import ParamError, SamplingParams
 from server.errors import APIError, bad_request
 
 # Parameters of the OpenAI API that tandem does not implement: refused, never ignored.

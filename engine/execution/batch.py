@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, CpuDecodeMetadata
-from scheduler.request import Tier
+from scheduler.sequence import Tier
 from scheduler.scheduler import ScheduledSeq
 
 
@@ -56,11 +56,11 @@ def _accelerator_metadata(prefills: list[ScheduledSeq], gpu_decodes: list[Schedu
     slots, slot_rows, cpu_prefills, prefill_seq_lens = [], [], [], []
     row = 0
     for seq in prefills:
-        table, start, count = seq.request.block_ids, seq.num_computed_tokens, seq.num_new_tokens
+        table, start, count = seq.sequence.block_ids, seq.num_computed_tokens, seq.num_new_tokens
         prefill_seq_lens.append(count)
-        if seq.request.tier is Tier.CPU:
+        if seq.sequence.tier is Tier.CPU:
             if start != 0:
-                raise RuntimeError(f"request {seq.request.request_id}: a prefill bound for the host pool "
+                raise RuntimeError(f"sequence {seq.sequence.seq_id}: a prefill bound for the host pool "
                                    f"must start at position 0, not {start}")
             cpu_prefills.append((row, count, tuple(table)))
         else:
@@ -86,8 +86,8 @@ def _decode_tables(decodes: list[ScheduledSeq], device: torch.device):
     masked by the context lengths) and context lengths [num_decodes] int32; (None, None) if empty."""
     if not decodes:
         return None, None
-    max_blocks = max(len(s.request.block_ids) for s in decodes)
-    tables = torch.tensor([s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)) for s in decodes],
+    max_blocks = max(len(s.sequence.block_ids) for s in decodes)
+    tables = torch.tensor([s.sequence.block_ids + [0] * (max_blocks - len(s.sequence.block_ids)) for s in decodes],
                           dtype=torch.int32, device=device)
     context_lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes], dtype=torch.int32, device=device)
     return tables, context_lens

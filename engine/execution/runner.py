@@ -79,7 +79,7 @@ class ModelRunner:
         start = time.perf_counter()
         logits, times = self._forward(plan)
         forward_time = time.perf_counter() - start
-        sampled = self.sampler(logits, [s.request for s in plan.scheduled])
+        sampled = self.sampler(logits, [s.sequence for s in plan.scheduled])
         return RunnerOutput(sampled, forward_time, times)
 
     @torch.inference_mode()

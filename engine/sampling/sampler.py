@@ -1,4 +1,4 @@
-"""Turn a batch of next-token logits into tokens, one row per request.
+"""Turn a batch of next-token logits into tokens, one row per sequence.
 
 Processing follows vLLM V1's order: min_tokens masking and logit_bias, then the repetition,
 frequency and presence penalties. Greedy rows take the argmax of those logits; sampled rows are
@@ -12,12 +12,13 @@ the sampler's generator.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from scheduler.request import Request, SamplingParams
+from engine.outputs import TokenLogprob
+from scheduler.sampling_params import SamplingParams
+from scheduler.sequence import Sequence
 
 _NEG_INF = float("-inf")
 
@@ -36,47 +37,52 @@ class SamplerOutput:
     logprobs: list[float | None]  # the sampled token's logprob; None where params.logprobs is None
     top_logprobs: list[list[tuple[int, float]] | None]  # params.logprobs alternatives, highest first
 
+    def token_logprobs(self) -> list[TokenLogprob | None]:
+        """Each row's logprobs entry for the output, None where they were not asked for."""
+        return [None if logprob is None else TokenLogprob(token_id, logprob, top or [])
+                for token_id, logprob, top in zip(self.token_ids, self.logprobs, self.top_logprobs)]
+
 
 class Sampler:
     """Samples one token per row from [batch, vocab] logits, vectorized over the batch."""
 
     def __init__(self, vocab_size: int, seed: int | None = None) -> None:
         self.vocab_size = vocab_size
-        self.seed = seed  # for the generator the unseeded requests share; None: seeded from the OS
+        self.seed = seed  # for the generator the unseeded seqs share; None: seeded from the OS
         self._shared_generators: dict[torch.device, torch.Generator] = {}
         self._seeded_generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        """Sample a token for each row; row i of `logits` belongs to `requests[i]`.
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Sample a token for each row; row i of `logits` belongs to `seqs[i]`.
 
-        `requests[i].output_token_ids` must hold the tokens generated before this step.
+        `seqs[i].output_token_ids` must hold the tokens generated before this step.
         """
-        logits = self._vocab_logits(logits, requests)
-        params = [request.sampling_params for request in requests]
-        if all(p.greedy for p in params) and not _needs_processing(requests):
+        logits = self._vocab_logits(logits, seqs)
+        params = [seq.sampling_params for seq in seqs]
+        if all(p.greedy for p in params) and not _needs_processing(seqs):
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = self._sample(self.process(logits, requests), params, requests)
+            token_ids = self._sample(self.process(logits, seqs), params, seqs)
         return _output(logits, token_ids, params)
 
-    def process(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """fp32 logits after min_tokens masking, logit_bias and penalties: what greedy rows argmax.
 
         Leaves `logits` untouched; returns a new [batch, vocab] tensor.
         """
-        logits = self._vocab_logits(logits, requests).to(torch.float32, copy=True)
-        _mask_stop_tokens_before_min_tokens(logits, requests)
-        _add_logit_bias(logits, requests)
-        return _apply_penalties(logits, requests)
+        logits = self._vocab_logits(logits, seqs).to(torch.float32, copy=True)
+        _mask_stop_tokens_before_min_tokens(logits, seqs)
+        _add_logit_bias(logits, seqs)
+        return _apply_penalties(logits, seqs)
 
-    def _vocab_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        if logits.dim() != 2 or logits.shape[0] != len(requests) or logits.shape[1] < self.vocab_size:
-            raise ValueError(f"logits of shape {tuple(logits.shape)} do not cover {len(requests)} requests "
+    def _vocab_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not cover {len(seqs)} seqs "
                              f"over a vocabulary of {self.vocab_size}")
         return logits[:, : self.vocab_size]  # columns past vocab_size are lm_head padding
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                requests: Sequence[Request]) -> torch.Tensor:
+                seqs: list[Sequence]) -> torch.Tensor:
         token_ids = logits.argmax(dim=-1)  # [batch]; final for greedy rows
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
@@ -86,28 +92,28 @@ class Sampler:
         sampled_params = [params[i] for i in rows]
         temperature = torch.tensor([p.temperature for p in sampled_params], device=device)
         scaled = _filter(logits[row_index] / temperature[:, None], sampled_params)  # [num_sampled, vocab]
-        noise = self._exponential_noise([requests[i] for i in rows], scaled.shape[1], device)
+        noise = self._exponential_noise([seqs[i] for i in rows], scaled.shape[1], device)
         token_ids[row_index] = (scaled - noise.log()).argmax(dim=-1)
         return token_ids
 
-    def _exponential_noise(self, requests: list[Request], vocab_size: int,
+    def _exponential_noise(self, seqs: list[Sequence], vocab_size: int,
                            device: torch.device) -> torch.Tensor:
-        """Exp(1) noise, [len(requests), vocab_size], clamped away from 0 so that log() stays finite."""
+        """Exp(1) noise, [len(seqs), vocab_size], clamped away from 0 so that log() stays finite."""
         def draw(num_rows: int, generator: torch.Generator) -> torch.Tensor:
             return torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device).exponential_(
                 generator=generator)
 
-        unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
-        if len(unseeded) == len(requests):
-            noise = draw(len(requests), self._shared_generator(device))
+        unseeded = [i for i, r in enumerate(seqs) if r.sampling_params.seed is None]
+        if len(unseeded) == len(seqs):
+            noise = draw(len(seqs), self._shared_generator(device))
         else:
-            noise = torch.empty(len(requests), vocab_size, dtype=torch.float32, device=device)
+            noise = torch.empty(len(seqs), vocab_size, dtype=torch.float32, device=device)
             if unseeded:
                 noise[unseeded] = draw(len(unseeded), self._shared_generator(device))
         generator = self._seeded_generator(device)
-        for i, request in enumerate(requests):
-            if request.sampling_params.seed is not None:
-                generator.manual_seed(_step_seed(request.sampling_params.seed, request.num_output_tokens))
+        for i, seq in enumerate(seqs):
+            if seq.sampling_params.seed is not None:
+                generator.manual_seed(_step_seed(seq.sampling_params.seed, seq.num_output_tokens))
                 # drawn on its own so the stream cannot depend on the row's place in `noise`
                 noise[i] = draw(1, generator)[0]
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
@@ -128,30 +134,30 @@ class Sampler:
         return self._seeded_generators[device]
 
 
-def _needs_processing(requests: Sequence[Request]) -> bool:
+def _needs_processing(seqs: list[Sequence]) -> bool:
     return any(_min_tokens_active(r) or _uses_penalties(r.sampling_params) or r.sampling_params.logit_bias
-               for r in requests)
+               for r in seqs)
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _min_tokens_active(request: Request) -> bool:
-    return request.num_output_tokens < request.sampling_params.min_tokens
+def _min_tokens_active(seq: Sequence) -> bool:
+    return seq.num_output_tokens < seq.sampling_params.min_tokens
 
 
-def _mask_stop_tokens_before_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+def _mask_stop_tokens_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     rows: list[int] = []
     cols: list[int] = []
     vocab_size = logits.shape[1]
-    for i, request in enumerate(requests):
-        if not _min_tokens_active(request):
+    for i, seq in enumerate(seqs):
+        if not _min_tokens_active(seq):
             continue
-        params = request.sampling_params
+        params = seq.sampling_params
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
-            stop_ids.update(request.eos_token_ids)
+            stop_ids.update(seq.eos_token_ids)
         for token in stop_ids:
             if token < vocab_size:  # an id past the vocabulary can never be sampled anyway
                 rows.append(i)
@@ -160,12 +166,12 @@ def _mask_stop_tokens_before_min_tokens(logits: torch.Tensor, requests: Sequence
         logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
 
 
-def _add_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+def _add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     rows: list[int] = []
     cols: list[int] = []
     biases: list[float] = []
-    for i, request in enumerate(requests):
-        for token, bias in (request.sampling_params.logit_bias or {}).items():
+    for i, seq in enumerate(seqs):
+        for token, bias in (seq.sampling_params.logit_bias or {}).items():
             rows.append(i)
             cols.append(token)
             biases.append(bias)
@@ -175,16 +181,16 @@ def _add_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
                           torch.tensor(biases, device=device), accumulate=True)
 
 
-def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    params = [r.sampling_params for r in requests]
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    params = [r.sampling_params for r in seqs]
     use_repetition = any(p.repetition_penalty != 1.0 for p in params)
     use_additive = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
     if not (use_repetition or use_additive):
         return logits
     device = logits.device
-    output_counts = _token_counts([r.output_token_ids for r in requests], logits.shape[1], device)
+    output_counts = _token_counts([r.output_token_ids for r in seqs], logits.shape[1], device)
     if use_repetition:
-        seen = (output_counts > 0) | (_token_counts([r.prompt_token_ids for r in requests],
+        seen = (output_counts > 0) | (_token_counts([r.prompt_token_ids for r in seqs],
                                                     logits.shape[1], device) > 0)
         penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -253,7 +259,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 
 def _step_seed(seed: int, step: int) -> int:
-    """A generator seed that depends only on the request's seed and how many tokens it has."""
+    """A generator seed that depends only on the seq's seed and how many tokens it has."""
     return _splitmix64((_splitmix64(seed) + step) & _UINT64_MASK)
 
 

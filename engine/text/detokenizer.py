@@ -9,7 +9,7 @@ from typing import Sequence
 
 from engine.text.stop_strings import StopStrings
 from engine.text.tokenizer import Tokenizer
-from scheduler.request import SamplingParams
+from scheduler.sampling_params import SamplingParams
 
 # How many prompt tokens precede the first output token in the decode window: enough context
 # for a leading space or a character split across the prompt/output boundary.
@@ -38,6 +38,7 @@ class IncrementalDetokenizer:
         self._num_context_tokens = len(self._token_ids)
         self._held = ""  # decoded text that could be the start of a stop string
         self._pieces: list[str] = []
+        self._num_taken_pieces = 0  # pieces already handed out by take_text()
         self._num_output_tokens = 0
         self._done = False
         self.stop_string: str | None = None
@@ -46,6 +47,12 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """Everything emitted so far."""
         return "".join(self._pieces)
+
+    def take_text(self) -> str:
+        """The text emitted since the previous call (the delta an output carries)."""
+        new = "".join(self._pieces[self._num_taken_pieces:])
+        self._num_taken_pieces = len(self._pieces)
+        return new
 
     def add(self, token_id: int) -> str:
         """Take one sampled token; return the text that may be emitted now (possibly "").

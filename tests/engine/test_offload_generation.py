@@ -14,7 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.weights import EMBEDDED_MODEL, create_loader
-from scheduler.request import Tier
+from scheduler.sequence import Tier
 from scheduler.scheduler import PlanMode
 
 PROMPTS = [
@@ -64,7 +64,7 @@ def generate_recording_paths(llm, prompts, params):
         plan = schedule()
         seen.update(name for name, happened in (
             ("swap-out", plan.swap_out), ("swap-in", plan.swap_in),
-            ("CPU-bound prefill", any(s.request.tier is Tier.CPU for s in plan.prefills)),
+            ("CPU-bound prefill", any(s.sequence.tier is Tier.CPU for s in plan.prefills)),
             ("CPU decode in batch-0", plan.mode == PlanMode.PIPELINED and plan.cpu_decodes),
             ("CPU decode in batch-1", plan.mode == PlanMode.PIPELINED and plan.cpu_decodes1)) if happened)
         return plan

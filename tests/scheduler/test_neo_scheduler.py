@@ -1,4 +1,4 @@
-"""Neo's load-aware scheduler in milliseconds: plain requests, a real TableCostModel built from
+"""Neo's load-aware scheduler in milliseconds: plain seqs, a real TableCostModel built from
 small explicit tables, fake sampled tokens. No torch."""
 import random
 import subprocess
@@ -8,13 +8,14 @@ import pytest
 
 from scheduler.cost_model import Curve, Grid, TableCostModel
 from scheduler.neo import NeoConfig, NeoScheduler
-from scheduler.request import Request, RequestStatus, SamplingParams, Tier
+from scheduler.sampling_params import SamplingParams
+from scheduler.sequence import Sequence, SequenceStatus, Tier
 from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig, SchedulerConfigError
 
 EOS = 2
 BLOCK_SIZE = 4
 TOLERANCE = 1e-12  # float slack when comparing stage times the scheduler summed in another order
-SAMPLED = (EOS, *range(5, 25))  # fake sampled tokens: EOS one time in 21, so requests run for a while
+SAMPLED = (EOS, *range(5, 25))  # fake sampled tokens: EOS one time in 21, so seqs run for a while
 
 
 # ---- factories ------------------------------------------------------------------------------
@@ -50,8 +51,8 @@ def make_scheduler(num_gpu_blocks=16, num_cpu_blocks=64, max_model_len=48, max_n
     return NeoScheduler(config, NeoConfig(num_cpu_blocks=num_cpu_blocks, **neo), cost_model or make_cost_model())
 
 
-def make_request(request_id, num_prompt_tokens=10, max_tokens=8, **params):
-    return Request(str(request_id), list(range(100, 100 + num_prompt_tokens)),
+def make_sequence(seq_id, num_prompt_tokens=10, max_tokens=8, **params):
+    return Sequence(str(seq_id), list(range(100, 100 + num_prompt_tokens)),
                    SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=(EOS,))
 
 
@@ -64,7 +65,7 @@ def step(sched, token=7):
 
 
 def ids(seqs):
-    return [s.request.request_id for s in seqs]
+    return [s.sequence.seq_id for s in seqs]
 
 
 def stage_times(plan, cost):
@@ -100,7 +101,7 @@ def estimated_time(plan, cost):
 
 def check_blocks(sched):
     """After schedule(): no block owned twice, owned + free = pool size in both pools, every
-    running request's blocks cover all its tokens and sit in the pool of its tier."""
+    running sequence's blocks cover all its tokens and sit in the pool of its tier."""
     for pool, queue, tier in ((sched.block_pool, sched.running, Tier.GPU),
                               (sched.cpu_pool, sched.cpu_running, Tier.CPU)):
         owned = [b for r in queue for b in r.block_ids]
@@ -108,9 +109,9 @@ def check_blocks(sched):
         assert all(0 <= b < pool.num_blocks for b in owned)
         assert len(owned) + pool.num_free_blocks == pool.num_blocks
         for r in queue:
-            assert r.tier is tier and r.status is RequestStatus.RUNNING
+            assert r.tier is tier and r.status is SequenceStatus.RUNNING
             assert len(r.block_ids) * BLOCK_SIZE >= r.num_tokens
-    assert all(not r.block_ids and r.status is RequestStatus.WAITING for r in sched.waiting)
+    assert all(not r.block_ids and r.status is SequenceStatus.WAITING for r in sched.waiting)
 
 
 def check_plan(plan, cost):
@@ -124,45 +125,45 @@ def check_plan(plan, cost):
     assert not (plan.swap_in and plan.swap_out), "one copy direction per plan"
     for swap in (*plan.swap_out, *plan.swap_in):
         assert len(swap.src_blocks) == len(swap.dst_blocks)
-        assert tuple(swap.request.block_ids[:len(swap.dst_blocks)]) == swap.dst_blocks
-    for seq in plan.prefills:  # a prefill bound for the host pool starts at 0 (the runner's rule)
-        assert seq.request.tier is Tier.GPU or seq.num_computed_tokens == 0
-    for seq in plan.decodes:
-        assert seq.request.tier is Tier.GPU
-    for seq in (*plan.cpu_decodes, *plan.cpu_decodes1):
-        assert seq.request.tier is Tier.CPU
-    assert len({id(s.request) for s in plan.scheduled}) == len(plan.scheduled)
+        assert tuple(swap.sequence.block_ids[:len(swap.dst_blocks)]) == swap.dst_blocks
+    for scheduled in plan.prefills:  # a prefill bound for the host pool starts at 0 (the runner's rule)
+        assert scheduled.sequence.tier is Tier.GPU or scheduled.num_computed_tokens == 0
+    for scheduled in plan.decodes:
+        assert scheduled.sequence.tier is Tier.GPU
+    for scheduled in (*plan.cpu_decodes, *plan.cpu_decodes1):
+        assert scheduled.sequence.tier is Tier.CPU
+    assert len({id(s.sequence) for s in plan.scheduled}) == len(plan.scheduled)
     assert plan.estimated_time == pytest.approx(estimated_time(plan, cost), rel=1e-9)
 
 
 def run_trace(sched, seed, num_steps=300, arrival_rate=0.8, abort_rate=0.03, max_prompt=30, max_output=30,
               sampled=SAMPLED):
     """Random arrivals, prompt and output lengths, aborts and EOS; checks every plan and the
-    block accounting, drains the scheduler and returns [(plan, tokens received per request)]."""
+    block accounting, drains the scheduler and returns [(plan, tokens received per seq)]."""
     rng = random.Random(seed)
-    requests, history = [], []
+    seqs, history = [], []
     for index in range(num_steps):
         if rng.random() < arrival_rate:
-            request = make_request(f"r{len(requests)}", rng.randint(1, max_prompt), rng.randint(1, max_output))
-            requests.append(request)
-            sched.add_request(request)
+            seq = make_sequence(f"r{len(seqs)}", rng.randint(1, max_prompt), rng.randint(1, max_output))
+            seqs.append(seq)
+            sched.add_sequence(seq)
         if rng.random() < abort_rate:
-            live = [r for r in requests if not r.finished]
+            live = [r for r in seqs if not r.finished]
             if live:
-                sched.abort_requests([rng.choice(live).request_id])
+                sched.abort_sequences([rng.choice(live).seq_id])
         plan = sched.schedule()
         check_blocks(sched)
         check_plan(plan, sched.cost_model)
         history.append(plan)
         sched.update(plan, [rng.choice(sampled) for _ in plan.scheduled])
-    while sched.has_unfinished_requests():
+    while sched.has_unfinished_sequences():
         plan = sched.schedule()
         check_blocks(sched)
         check_plan(plan, sched.cost_model)
         history.append(plan)
         sched.update(plan, [rng.choice(sampled) for _ in plan.scheduled])
         assert len(history) < num_steps * 50, "the scheduler stopped making progress"
-    assert all(r.finished and not r.block_ids for r in requests)
+    assert all(r.finished and not r.block_ids for r in seqs)
     assert sched.block_pool.num_free_blocks == sched.block_pool.num_blocks
     assert sched.cpu_pool.num_free_blocks == sched.cpu_pool.num_blocks
     return history
@@ -195,14 +196,14 @@ def test_empty_host_pool_reproduces_v0(seed):
     for index in range(400):
         if len(pairs) < 60 and rng.random() < 0.4:
             num_prompt_tokens, max_tokens = rng.randint(1, 20), rng.randint(1, 20)  # max_model_len 40
-            pair = (make_request(f"r{len(pairs)}", num_prompt_tokens, max_tokens),
-                    make_request(f"r{len(pairs)}", num_prompt_tokens, max_tokens))
+            pair = (make_sequence(f"r{len(pairs)}", num_prompt_tokens, max_tokens),
+                    make_sequence(f"r{len(pairs)}", num_prompt_tokens, max_tokens))
             pairs.append(pair)
-            v0.add_request(pair[0])
-            neo.add_request(pair[1])
+            v0.add_sequence(pair[0])
+            neo.add_sequence(pair[1])
         if rng.random() < 0.04:
-            victim = rng.choice(pairs)[0].request_id
-            assert ids_of(v0.abort_requests([victim])) == ids_of(neo.abort_requests([victim]))
+            victim = rng.choice(pairs)[0].seq_id
+            assert ids_of(v0.abort_sequences([victim])) == ids_of(neo.abort_sequences([victim]))
         expected, plan = v0.schedule(), neo.schedule()
         for name in ("prefills", "decodes"):
             assert shape(getattr(plan, name)) == shape(getattr(expected, name)), (index, name)
@@ -218,19 +219,19 @@ def test_empty_host_pool_reproduces_v0(seed):
     assert neo.num_preemptions == v0.num_preemptions and neo.num_swap_out == neo.num_swap_in == 0
 
 
-def ids_of(requests):
-    return [r.request_id for r in requests]
+def ids_of(seqs):
+    return [r.seq_id for r in seqs]
 
 
 def shape(seqs):
-    return [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in seqs]
+    return [(s.sequence.seq_id, s.num_computed_tokens, s.num_new_tokens) for s in seqs]
 
 
 # ---- invariants over long random traces ---------------------------------------------------------
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("cpu_seconds_per_token", [2e-6, 2e-5])
 def test_random_traces_keep_both_inequalities_and_account_every_block(seed, cpu_seconds_per_token):
-    # a GPU pool for a few requests, a host pool for many; CPU attention cheap enough that batch-1
+    # a GPU pool for a few seqs, a host pool for many; CPU attention cheap enough that batch-1
     # takes every CPU decode, or dear enough that batch-0 takes some and GPU-only plans win often
     sched = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=96, max_model_len=64, max_num_seqs=24,
                            cost_model=make_cost_model(cpu_seconds_per_token=cpu_seconds_per_token))
@@ -241,12 +242,12 @@ def test_random_traces_keep_both_inequalities_and_account_every_block(seed, cpu_
     if cpu_seconds_per_token > 1e-5:
         assert any(plan.cpu_decodes for plan in history)
     assert sched.num_swap_out > 0 and sched.num_swap_in > 0 and sched.num_cpu_prefills > 0
-    assert sched.num_running == 0 and not sched.has_unfinished_requests()
+    assert sched.num_running == 0 and not sched.has_unfinished_sequences()
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_random_traces_with_tiny_host_pool_preempt_and_still_finish(seed):
-    # the host pool fills too: requests are preempted (recomputed) from both tiers
+    # the host pool fills too: seqs are preempted (recomputed) from both tiers
     sched = make_scheduler(num_gpu_blocks=16, num_cpu_blocks=16, max_model_len=48, max_num_seqs=16)
     run_trace(sched, seed, arrival_rate=0.7, abort_rate=0.0, sampled=(5, 6, 7))  # no EOS: all run long
     assert sched.num_preemptions > 0 and sched.num_swap_out > 0
@@ -269,7 +270,7 @@ def test_gpu_only_plans_run_no_cpu_work_and_pipelined_stages_overlap():
 @pytest.mark.parametrize("handoff_seconds", [0.0, 2e-4, 2e-3])
 def test_hand_offs_count_against_the_cpu_stages(handoff_seconds):
     """The hand-off of each CPU stage lengthens it: with a hand-off longer than batch-0's linear
-    work nothing hides under it and only overdue requests are ever placed (forced); shorter ones
+    work nothing hides under it and only overdue seqs are ever placed (forced); shorter ones
     still pipeline, with both inequalities holding hand-offs included."""
     cost = make_cost_model(cpu_seconds_per_token=1e-7, handoff_seconds=handoff_seconds)
     sched = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=96, max_model_len=64, cost_model=cost)
@@ -285,14 +286,14 @@ def test_hand_offs_count_against_the_cpu_stages(handoff_seconds):
 
 # ---- greedy plan choice --------------------------------------------------------------------------
 def fill_both_tiers(cost_model):
-    """A GPU pool that holds five requests and seven more on the host, all decoding."""
+    """A GPU pool that holds five seqs and seven more on the host, all decoding."""
     sched = make_scheduler(num_gpu_blocks=16, num_cpu_blocks=64, max_model_len=32, cost_model=cost_model)
-    requests = [make_request(i, num_prompt_tokens=11, max_tokens=20) for i in range(12)]
-    for request in requests:
-        sched.add_request(request)
+    seqs = [make_sequence(i, num_prompt_tokens=11, max_tokens=20) for i in range(12)]
+    for seq in seqs:
+        sched.add_sequence(seq)
     plan = step(sched)
     # 3 blocks each and a watermark block: 5 on the GPU
-    assert sum(r.tier is Tier.GPU for r in requests) == 5 and sum(r.tier is Tier.CPU for r in requests) == 7
+    assert sum(r.tier is Tier.GPU for r in seqs) == 5 and sum(r.tier is Tier.CPU for r in seqs) == 7
     return sched, plan
 
 
@@ -309,7 +310,7 @@ def test_greedy_choice_follows_estimated_throughput(cpu_seconds_per_token, expec
     assert (best_pipelined > sched.last_gpu_only_throughput) == (plan.mode == PlanMode.PIPELINED)
     chosen = max(best_pipelined, sched.last_gpu_only_throughput)
     assert chosen == pytest.approx(len(plan.scheduled) / plan.estimated_time)
-    if cpu_seconds_per_token == 1e-6:  # all seven CPU-requests hide under batch-0's linear work
+    if cpu_seconds_per_token == 1e-6:  # all seven CPU-sequences hide under batch-0's linear work
         assert len(plan.cpu_decodes1) == 7
     elif cpu_seconds_per_token == 5e-5:
         # some CPU decodes fit the inequalities, yet too few to pay for the second stage
@@ -320,17 +321,17 @@ def test_greedy_choice_follows_estimated_throughput(cpu_seconds_per_token, expec
 
 @pytest.mark.parametrize("ga_seconds_per_token, expected_batch0", [(1e-8, 0), (2e-6, 3), (1e-5, 3)])
 def test_one_batch_plan_when_a_second_weight_pass_does_not_pay(ga_seconds_per_token, expected_batch0):
-    """Three CPU-requests beside five GPU-requests: Neo's step 4 opens batch-1 for them, which
+    """Three CPU-sequences beside five GPU-sequences: Neo's step 4 opens batch-1 for them, which
     costs a second pass over the weights (T_l1 = 1 ms a layer). When the accelerator's attention
     (T_ga0) is long enough to hide them in batch-0, the one-batch plan carries them at almost no
     cost and wins over both; when it is not, they wait under GPU-only."""
     cost = make_cost_model(cpu_seconds_per_token=1e-6, gpu_seconds_per_token=ga_seconds_per_token)
     sched = make_scheduler(num_gpu_blocks=16, num_cpu_blocks=64, max_model_len=32, cost_model=cost)
-    requests = [make_request(i, num_prompt_tokens=11, max_tokens=20) for i in range(8)]
-    for request in requests:
-        sched.add_request(request)
+    seqs = [make_sequence(i, num_prompt_tokens=11, max_tokens=20) for i in range(8)]
+    for seq in seqs:
+        sched.add_sequence(seq)
     step(sched)
-    assert sum(r.tier is Tier.CPU for r in requests) == 3
+    assert sum(r.tier is Tier.CPU for r in seqs) == 3
     plan = sched.schedule()
     check_plan(plan, cost)
     assert sched.last_pipelined_throughput < sched.last_gpu_only_throughput  # batch-1 does not pay
@@ -348,7 +349,7 @@ def test_one_batch_plan_when_a_second_weight_pass_does_not_pay(ga_seconds_per_to
 def test_no_cpu_request_means_gpu_only():
     sched = make_scheduler(num_gpu_blocks=64)
     for i in range(4):
-        sched.add_request(make_request(i))
+        sched.add_sequence(make_sequence(i))
     for _ in range(5):
         plan = step(sched)
         assert plan.mode == PlanMode.GPU_ONLY and sched.num_cpu_running == 0
@@ -358,13 +359,13 @@ def test_no_cpu_request_means_gpu_only():
 # ---- GPU filled first -------------------------------------------------------------------------
 def test_prefills_fill_the_gpu_first_then_go_to_the_host_pool():
     sched = make_scheduler(num_gpu_blocks=16, num_cpu_blocks=64, max_model_len=32)
-    requests = [make_request(i, num_prompt_tokens=11, max_tokens=20) for i in range(6)]
-    for request in requests:
-        sched.add_request(request)
+    seqs = [make_sequence(i, num_prompt_tokens=11, max_tokens=20) for i in range(6)]
+    for seq in seqs:
+        sched.add_sequence(seq)
     plan = sched.schedule()
     # 3 blocks each; the GPU keeps a watermark block: 5 fit in 16 blocks, the sixth goes to the host
     assert ids(plan.prefills) == ["0", "1", "2", "3", "4", "5"]
-    assert [r.tier for r in requests] == [Tier.GPU] * 5 + [Tier.CPU]
+    assert [r.tier for r in seqs] == [Tier.GPU] * 5 + [Tier.CPU]
     assert sched.num_gpu_running == 5 and sched.num_cpu_running == 1 and sched.num_cpu_prefills == 1
     assert sched.block_pool.num_free_blocks == 1 and sched.cpu_pool.num_free_blocks == 61
     assert plan.mode == PlanMode.GPU_ONLY  # nothing to decode on the CPU yet
@@ -373,40 +374,40 @@ def test_prefills_fill_the_gpu_first_then_go_to_the_host_pool():
 def test_swap_in_oldest_first_when_room_appears():
     sched = make_scheduler(num_gpu_blocks=16, num_cpu_blocks=64, max_model_len=32, swap_in_reserve_fraction=0.1,
                            swap_cooldown_iterations=4)
-    requests = [make_request(i, num_prompt_tokens=11, max_tokens=20) for i in range(8)]
-    for request in requests:
-        sched.add_request(request)
+    seqs = [make_sequence(i, num_prompt_tokens=11, max_tokens=20) for i in range(8)]
+    for seq in seqs:
+        sched.add_sequence(seq)
     step(sched)
-    assert [r.tier for r in requests] == [Tier.GPU] * 5 + [Tier.CPU] * 3
-    sched.abort_requests(["0", "1", "2"])  # 9 GPU blocks come free: 10 free
+    assert [r.tier for r in seqs] == [Tier.GPU] * 5 + [Tier.CPU] * 3
+    sched.abort_sequences(["0", "1", "2"])  # 9 GPU blocks come free: 10 free
     plan = step(sched)
-    # a CPU-request of 12 tokens holds 3 blocks and grows by 1 over the 4-iteration cooldown, as
-    # does each GPU-request; the reserve is ceil(0.1 * 16) = 2 blocks, the watermark 1.
+    # a CPU-sequence of 12 tokens holds 3 blocks and grows by 1 over the 4-iteration cooldown, as
+    # does each GPU-sequence; the reserve is ceil(0.1 * 16) = 2 blocks, the watermark 1.
     # "5": 3 + 1 + growth 2 + 2 + 1 = 9 <= 10 comes in; "6": 3 + 1 + 3 + 2 + 1 = 10 > 7 waits
-    assert ids(plan.swap_in) == ["5"] and requests[5].tier is Tier.GPU
+    assert ids(plan.swap_in) == ["5"] and seqs[5].tier is Tier.GPU
     assert ids(plan.decodes) == ["3", "4", "5"] and sched.num_swap_in == 1 and sched.num_swap_in_blocks == 3
-    assert plan.swap_in[0].dst_blocks == tuple(requests[5].block_ids)
+    assert plan.swap_in[0].dst_blocks == tuple(seqs[5].block_ids)
     plan = step(sched)
     assert not plan.swap_in
-    sched.abort_requests(["3", "4"])
+    sched.abort_sequences(["3", "4"])
     plan = step(sched)
     assert ids(plan.swap_in) == ["6", "7"] and sched.num_cpu_running == 0
 
 
 def test_swap_out_newest_when_the_gpu_cannot_hold_new_kv():
     sched = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=64, max_model_len=32, watermark_blocks=0)
-    requests = [make_request(i, num_prompt_tokens=12, max_tokens=20) for i in range(4)]
-    for request in requests:
-        sched.add_request(request)
+    seqs = [make_sequence(i, num_prompt_tokens=12, max_tokens=20) for i in range(4)]
+    for seq in seqs:
+        sched.add_sequence(seq)
     plan = step(sched)  # 3 blocks each, all 12 GPU blocks used
-    assert [r.tier for r in requests] == [Tier.GPU] * 4 and sched.block_pool.num_free_blocks == 0
-    gpu_blocks = list(requests[3].block_ids)
+    assert [r.tier for r in seqs] == [Tier.GPU] * 4 and sched.block_pool.num_free_blocks == 0
+    gpu_blocks = list(seqs[3].block_ids)
     plan = sched.schedule()  # token 13 needs a 4th block each: the newest makes room for the others
     check_plan(plan, sched.cost_model)
     assert ids(plan.swap_out) == ["3"] and not plan.preempted
     swap = plan.swap_out[0]
-    assert list(swap.src_blocks) == gpu_blocks and requests[3].tier is Tier.CPU
-    assert requests[3].block_ids[:3] == list(swap.dst_blocks) and len(requests[3].block_ids) == 4
+    assert list(swap.src_blocks) == gpu_blocks and seqs[3].tier is Tier.CPU
+    assert seqs[3].block_ids[:3] == list(swap.dst_blocks) and len(seqs[3].block_ids) == 4
     assert ids(plan.decodes) == ["0", "1", "2"] and sched.num_swap_out == 1 and sched.num_swap_out_blocks == 3
     # it was placed on the CPU this very iteration (the pipelined estimate counts it), but one CPU
     # decode does not pay for a second stage: GPU-only wins and it waits
@@ -414,21 +415,21 @@ def test_swap_out_newest_when_the_gpu_cannot_hold_new_kv():
     assert sched.last_pipelined_throughput == pytest.approx(4 / (
         estimated_time(plan, sched.cost_model) + sched.cost_model.num_layers * sched.cost_model.linear(1)
         + sched.cost_model.head(4) - sched.cost_model.head(3)))
-    assert requests[3].cpu_wait_iterations == 1
+    assert seqs[3].cpu_wait_iterations == 1
 
 
 def test_preempts_when_the_host_pool_is_full_too():
     sched = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=3, max_model_len=32, watermark_blocks=0)
-    requests = [make_request(i, num_prompt_tokens=8, max_tokens=20) for i in range(6)]
-    for request in requests:
-        sched.add_request(request)
+    seqs = [make_sequence(i, num_prompt_tokens=8, max_tokens=20) for i in range(6)]
+    for seq in seqs:
+        sched.add_sequence(seq)
     step(sched)  # 2 blocks each: the GPU pool is full
-    sched.add_request(make_request("late", num_prompt_tokens=1))
+    sched.add_sequence(make_sequence("late", num_prompt_tokens=1))
     plan = sched.schedule()
     # token 9 needs a 3rd block each (6 short): the newest goes to the host pool (3 blocks with its
     # next token), which then has no room for the next newest: that one is preempted
     assert ids(plan.swap_out) == ["5"] and ids_of(plan.preempted) == ["4"]
-    assert requests[4].status is RequestStatus.WAITING and requests[4].num_computed_tokens == 0
+    assert seqs[4].status is SequenceStatus.WAITING and seqs[4].num_computed_tokens == 0
     assert ids_of(sched.waiting) == ["4", "late"] and sched.num_preemptions == 1
     assert not plan.prefills  # none in an iteration that had to preempt (v0's rule)
     check_blocks(sched)
@@ -437,14 +438,14 @@ def test_preempts_when_the_host_pool_is_full_too():
 def test_cpu_request_growth_preempts_the_newest_cpu_request():
     sched = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=6, max_model_len=32, cpu_watermark_blocks=0,
                            cost_model=make_cost_model(cpu_seconds_per_token=1e-7))
-    requests = [make_request(i, num_prompt_tokens=12, max_tokens=20) for i in range(4)]
-    for request in requests:
-        sched.add_request(request)
+    seqs = [make_sequence(i, num_prompt_tokens=12, max_tokens=20) for i in range(4)]
+    for seq in seqs:
+        sched.add_sequence(seq)
     step(sched)  # two on the GPU (3 blocks + watermark), two on the host (3 blocks each: full)
-    assert [r.tier for r in requests] == [Tier.GPU, Tier.GPU, Tier.CPU, Tier.CPU]
-    plan = sched.schedule()  # both CPU-requests need a 4th host block: the newest yields
-    assert requests[3] in plan.preempted and requests[3].status is RequestStatus.WAITING
-    assert requests[2].tier is Tier.CPU and len(requests[2].block_ids) == 4
+    assert [r.tier for r in seqs] == [Tier.GPU, Tier.GPU, Tier.CPU, Tier.CPU]
+    plan = sched.schedule()  # both CPU-sequences need a 4th host block: the newest yields
+    assert seqs[3] in plan.preempted and seqs[3].status is SequenceStatus.WAITING
+    assert seqs[2].tier is Tier.CPU and len(seqs[2].block_ids) == 4
     check_blocks(sched)
 
 
@@ -456,31 +457,31 @@ def test_bounded_wait_even_when_cpu_attention_looks_terrible(max_wait):
     sched = make_scheduler(num_gpu_blocks=16, num_cpu_blocks=128, max_model_len=48, cost_model=cost,
                            max_cpu_wait_iterations=max_wait, cpu_admission_wait_fraction=0.99)
     rng = random.Random(max_wait)
-    last_token, requests, num_forced = {}, [], 0
+    last_token, seqs, num_forced = {}, [], 0
     for iteration in range(300):
         if rng.random() < 0.4:
-            request = make_request(f"r{iteration}", rng.randint(4, 20), rng.randint(5, 25))
-            requests.append(request)
-            sched.add_request(request)
+            seq = make_sequence(f"r{iteration}", rng.randint(4, 20), rng.randint(5, 25))
+            seqs.append(seq)
+            sched.add_sequence(seq)
         plan = sched.schedule()
         check_plan(plan, cost)
         num_forced += len(plan.forced)
-        for request in plan.forced:
+        for seq in plan.forced:
             assert plan.mode == PlanMode.PIPELINED
-            assert request in [s.request for s in plan.cpu_decodes + plan.cpu_decodes1]
+            assert seq in [s.sequence for s in plan.cpu_decodes + plan.cpu_decodes1]
         for updated in sched.update(plan, [5] * len(plan.scheduled)):
-            last_token[updated.request_id] = iteration
-        # one overdue request is forced per iteration, longest waiting first: a request waits at
-        # most max_wait iterations plus one for each overdue request ahead of it
-        for request in sched.cpu_running:
-            assert iteration - last_token[request.request_id] <= max_wait + len(sched.cpu_running), request.request_id
+            last_token[updated.seq_id] = iteration
+        # one overdue seq is forced per iteration, longest waiting first: a sequence waits at
+        # most max_wait iterations plus one for each overdue sequence ahead of it
+        for seq in sched.cpu_running:
+            assert iteration - last_token[seq.seq_id] <= max_wait + len(sched.cpu_running), seq.seq_id
         assert len(plan.forced) <= sched.neo.max_forced_cpu_decodes or not (plan.decodes or plan.prefills)
     assert num_forced > 0 and sched.num_cpu_prefills > 0
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5])
 def test_host_admission_backs_off_while_the_cpu_runqueue_is_served_slowly(fraction):
-    """A CPU whose attention never fits serves only the overdue request forced each iteration:
+    """A CPU whose attention never fits serves only the overdue seq forced each iteration:
     prefills then enter the host pool only while the runqueue, at that rate, waits at most
     `fraction` of the bound."""
     max_wait = 8
@@ -489,11 +490,11 @@ def test_host_admission_backs_off_while_the_cpu_runqueue_is_served_slowly(fracti
                            cpu_admission_wait_fraction=fraction)
     num_refused = 0
     for i in range(80):  # one arrival per iteration
-        sched.add_request(make_request(i, num_prompt_tokens=11, max_tokens=30))
+        sched.add_sequence(make_sequence(i, num_prompt_tokens=11, max_tokens=30))
         cap = sched.max_cpu_admitted
         plan = step(sched, token=5)
-        if any(s.request.tier is Tier.CPU for s in plan.prefills):
-            assert sched.num_cpu_running - 1 < cap  # the last one admitted saw one CPU-request fewer
+        if any(s.sequence.tier is Tier.CPU for s in plan.prefills):
+            assert sched.num_cpu_running - 1 < cap  # the last one admitted saw one CPU-sequence fewer
         elif sched.waiting and sched.cpu_pool.num_free_blocks > 16 and sched.num_running < 64:
             num_refused += 1  # the host pool had room, the runqueue had work enough
     rate = sched.cpu_service_rate
@@ -503,18 +504,18 @@ def test_host_admission_backs_off_while_the_cpu_runqueue_is_served_slowly(fracti
 
 
 def test_a_plan_never_idles_while_cpu_requests_wait():
-    # CPU attention too slow to fit anywhere, the CPU-request in cooldown: the GPU-requests leave and
+    # CPU attention too slow to fit anywhere, the CPU-sequence in cooldown: the GPU-sequences leave and
     # the plan must still schedule it rather than come back empty
     cost = make_cost_model(cpu_seconds_per_token=1.0)
     sched = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=64, max_model_len=32, watermark_blocks=0, cost_model=cost,
                            swap_cooldown_iterations=100, max_cpu_wait_iterations=50)
-    requests = [make_request(i, num_prompt_tokens=12, max_tokens=30) for i in range(4)]
-    for request in requests:
-        sched.add_request(request)
+    seqs = [make_sequence(i, num_prompt_tokens=12, max_tokens=30) for i in range(4)]
+    for seq in seqs:
+        sched.add_sequence(seq)
     step(sched)
     plan = step(sched)
     assert ids(plan.swap_out) == ["3"]
-    sched.abort_requests(["0", "1", "2"])
+    sched.abort_sequences(["0", "1", "2"])
     for _ in range(5):
         plan = sched.schedule()
         check_plan(plan, cost)
@@ -526,22 +527,22 @@ def test_a_plan_never_idles_while_cpu_requests_wait():
 
 # ---- no swap ping-pong ------------------------------------------------------------------------------
 def oscillating_run(seed, **neo):
-    """Waves of requests whose KV grows past the GPU pool and shrinks below it as they finish
+    """Waves of seqs whose KV grows past the GPU pool and shrinks below it as they finish
     (some early, by EOS, freeing room all at once).
-    Returns the scheduler and each request's moves [(iteration, 'out' | 'in')]."""
+    Returns the scheduler and each sequence's moves [(iteration, 'out' | 'in')]."""
     sched = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=128, max_model_len=64, max_num_seqs=32,
                            cost_model=make_cost_model(cpu_seconds_per_token=1e-6), **neo)
     rng = random.Random(seed)
     moves = {}
     for iteration in range(400):
         if iteration % 40 < 8:  # a burst, then a lull
-            sched.add_request(make_request(f"r{iteration}", rng.randint(8, 16), rng.randint(20, 44)))
+            sched.add_sequence(make_sequence(f"r{iteration}", rng.randint(8, 16), rng.randint(20, 44)))
         plan = sched.schedule()
         check_blocks(sched)
         check_plan(plan, sched.cost_model)
         for direction, swaps in (("out", plan.swap_out), ("in", plan.swap_in)):
             for swap in swaps:
-                moves.setdefault(swap.request.request_id, []).append((sched.iteration, direction))
+                moves.setdefault(swap.sequence.seq_id, []).append((sched.iteration, direction))
         sched.update(plan, [rng.choice(SAMPLED) for _ in plan.scheduled])  # EOS frees room suddenly
     return sched, moves
 
@@ -551,9 +552,9 @@ def test_no_swap_ping_pong(seed):
     cooldown = 16
     sched, moves = oscillating_run(seed, swap_cooldown_iterations=cooldown, max_cpu_wait_iterations=10 * cooldown)
     assert sched.num_swap_out > 0 and sched.num_swap_in > 0
-    for request_id, history in moves.items():
+    for seq_id, history in moves.items():
         for (earlier, _), (later, _) in zip(history, history[1:]):
-            assert later - earlier >= cooldown, (request_id, history)
+            assert later - earlier >= cooldown, (seq_id, history)
     # the hysteresis matters: without reserve and cooldown the same workload moves far more
     baseline, _ = oscillating_run(seed, swap_cooldown_iterations=0, swap_in_reserve_fraction=0.0,
                                   max_cpu_wait_iterations=10 * cooldown)
@@ -564,30 +565,30 @@ def test_no_swap_ping_pong(seed):
 
 # ---- step 5: CPU-bound prefills ------------------------------------------------------------------------
 def host_heavy_scheduler(num_cpu_requests):
-    """Two GPU-requests filling the GPU pool and `num_cpu_requests` CPU-requests decoding."""
+    """Two GPU-sequences filling the GPU pool and `num_cpu_requests` CPU-sequences decoding."""
     cost = make_cost_model(cpu_seconds_per_token=4e-6, prefill_seconds_per_token=1e-8)
     sched = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=256, max_model_len=32, watermark_blocks=0, cost_model=cost,
                            cpu_watermark_blocks=0)
-    requests = [make_request(i, num_prompt_tokens=14, max_tokens=16) for i in range(2 + num_cpu_requests)]
-    for request in requests:
-        sched.add_request(request)
+    seqs = [make_sequence(i, num_prompt_tokens=14, max_tokens=16) for i in range(2 + num_cpu_requests)]
+    for seq in seqs:
+        sched.add_sequence(seq)
     step(sched)
-    assert sum(r.tier is Tier.CPU for r in requests) == num_cpu_requests
+    assert sum(r.tier is Tier.CPU for r in seqs) == num_cpu_requests
     return sched, cost
 
 
 def test_cpu_bound_prefill_dropped_when_the_cpu_has_work_enough():
     sched, cost = host_heavy_scheduler(num_cpu_requests=20)
-    late = make_request("late", num_prompt_tokens=14)
-    sched.add_request(late)
-    free_before = sched.cpu_pool.num_free_blocks  # the CPU-requests need no new block this iteration
+    late = make_sequence("late", num_prompt_tokens=14)
+    sched.add_sequence(late)
+    free_before = sched.cpu_pool.num_free_blocks  # the CPU-sequences need no new block this iteration
     num_cpu_prefills = sched.num_cpu_prefills
     plan = sched.schedule()
     check_plan(plan, cost)
     # the CPU has more decode work than batch-0's linear stage and the inequalities hold without
     # the prefill: it only lengthens the accelerator's side, so it waits
     assert plan.mode == PlanMode.PIPELINED and plan.cpu_decodes and plan.cpu_decodes1 and not plan.prefills
-    assert list(sched.waiting) == [late] and late.status is RequestStatus.WAITING and not late.block_ids
+    assert list(sched.waiting) == [late] and late.status is SequenceStatus.WAITING and not late.block_ids
     assert sched.cpu_pool.num_free_blocks == free_before and sched.num_cpu_prefills == num_cpu_prefills
     check_blocks(sched)
     cpu_work = cost.cpu_decode_attention(20, sum(r.num_tokens for r in sched.cpu_running))
@@ -597,15 +598,15 @@ def test_cpu_bound_prefill_dropped_when_the_cpu_has_work_enough():
 @pytest.mark.parametrize("num_cpu_requests", [4, 12])
 def test_cpu_bound_prefill_kept_while_the_cpu_would_run_dry(num_cpu_requests):
     sched, cost = host_heavy_scheduler(num_cpu_requests)
-    late = make_request("late", num_prompt_tokens=14)
-    sched.add_request(late)
+    late = make_sequence("late", num_prompt_tokens=14)
+    sched.add_sequence(late)
     num_cpu_prefills = sched.num_cpu_prefills
     plan = sched.schedule()
     check_plan(plan, cost)
     assert ids(plan.prefills) == ["late"] and late.tier is Tier.CPU and late in sched.cpu_running
     assert not sched.waiting and sched.num_cpu_prefills == num_cpu_prefills + 1
     # the paper's rule would drop it (the CPU decodes fit beside batch-0 without it), but the
-    # CPU-requests hold less decode work than one linear stage: the CPU needs more requests
+    # CPU-sequences hold less decode work than one linear stage: the CPU needs more sequences
     without = IterationPlan(decodes=plan.decodes, cpu_decodes=plan.cpu_decodes, cpu_decodes1=plan.cpu_decodes1)
     t = stage_times(without, cost)
     assert plan.cpu_decodes1 and t["ca1"] <= t["l0"] and t["ca0"] <= t["l1"] + t["ga0"]
@@ -623,31 +624,31 @@ def test_scheduled_order_matches_update():
     num_complete = 0
     for index in range(200):
         if rng.random() < 0.8:
-            sched.add_request(make_request(f"r{index}", rng.randint(1, 30), rng.randint(1, 30)))
+            sched.add_sequence(make_sequence(f"r{index}", rng.randint(1, 30), rng.randint(1, 30)))
         plan = sched.schedule()
         expected = plan.prefills + plan.decodes + plan.cpu_decodes + plan.cpu_decodes1
         assert [id(s) for s in plan.scheduled] == [id(s) for s in expected]
         num_complete += bool(plan.prefills and plan.decodes and plan.cpu_decodes and plan.cpu_decodes1)
         tokens = [1000 + i for i in range(len(plan.scheduled))]
-        assert sched.update(plan, tokens) == [s.request for s in plan.scheduled]
-        for seq, token in zip(plan.scheduled, tokens):
-            assert seq.request.output_token_ids[-1] == token
-            assert seq.request.num_computed_tokens == seq.num_computed_tokens + seq.num_new_tokens
+        assert sched.update(plan, tokens) == [s.sequence for s in plan.scheduled]
+        for scheduled, token in zip(plan.scheduled, tokens):
+            assert scheduled.sequence.output_token_ids[-1] == token
+            assert scheduled.sequence.num_computed_tokens == scheduled.num_computed_tokens + scheduled.num_new_tokens
     assert num_complete > 0, "some plan must use all four parts"
 
 
 def test_finish_and_abort_free_blocks_in_the_right_pool():
     sched = make_scheduler(num_gpu_blocks=16, num_cpu_blocks=64, max_model_len=32)
-    requests = [make_request(i, num_prompt_tokens=11, max_tokens=3) for i in range(7)]
-    for request in requests:
-        sched.add_request(request)
+    seqs = [make_sequence(i, num_prompt_tokens=11, max_tokens=3) for i in range(7)]
+    for seq in seqs:
+        sched.add_sequence(seq)
     step(sched)
-    assert requests[6].tier is Tier.CPU and requests[5].tier is Tier.CPU
-    aborted = sched.abort_requests(["6", "0", "missing"])
-    assert sorted(ids_of(aborted)) == ["0", "6"] and all(r.status is RequestStatus.FINISHED_ABORTED for r in aborted)
-    sched.finish_request(requests[5], RequestStatus.FINISHED_STOPPED)
+    assert seqs[6].tier is Tier.CPU and seqs[5].tier is Tier.CPU
+    aborted = sched.abort_sequences(["6", "0", "missing"])
+    assert sorted(ids_of(aborted)) == ["0", "6"] and all(r.status is SequenceStatus.FINISHED_ABORTED for r in aborted)
+    sched.finish_sequence(seqs[5], SequenceStatus.FINISHED_STOPPED)
     assert sched.num_cpu_running == 0 and sched.cpu_pool.num_free_blocks == 64
     check_blocks(sched)
-    while sched.has_unfinished_requests():  # the rest finish by length
+    while sched.has_unfinished_sequences():  # the rest finish by length
         step(sched)
     assert sched.block_pool.num_free_blocks == 16 and sched.num_running == 0

@@ -182,7 +182,7 @@ def test_pools_fit_the_memory(profile, model):
 
 def test_pool_sizes_match_what_the_machines_are_known_for():
     t4, a10g, h100 = (pools_for(profile, model) for profile, model in NEO_SETUPS)
-    # a 7B model leaves a T4 room for only a couple of 500-token requests: Neo's motivating case
+    # a 7B model leaves a T4 room for only a couple of 500-token seqs: Neo's motivating case
     assert 500 < t4.num_gpu_blocks * 16 < 4000
     assert 20_000 < a10g.num_gpu_blocks * 16 < 80_000
     assert 20_000 < h100.num_gpu_blocks * 16 < 80_000

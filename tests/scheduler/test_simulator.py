@@ -1,4 +1,4 @@
-"""The simulator drives the real NeoScheduler in simulated time: every request ends with exactly
+"""The simulator drives the real NeoScheduler in simulated time: every seq ends with exactly
 its tokens, runs repeat exactly, the GPU-only baseline never plans CPU work, and offloading pays
 where GPU memory is short. Small workloads on Neo's real shapes; no torch."""
 import math
@@ -7,7 +7,8 @@ import pytest
 
 from scheduler.neo import NeoConfig
 from scheduler.roofline import HardwareProfile, RooflineCostModel
-from scheduler.request import Request, SamplingParams
+from scheduler.sampling_params import SamplingParams
+from scheduler.sequence import Sequence
 from scheduler.scheduler import IterationPlan, PlanMode
 from scheduler.simulator import (Workload, build_scheduler, compare, iteration_time, load_model_preset, percentile,
                                  simulate)
@@ -54,13 +55,13 @@ def test_workload_lengths_stay_within_ten_percent():
 
 
 def test_poisson_arrivals_idle_the_clock_between_requests():
-    rate = 0.5  # one request every 2 s, far slower than a 32-token request takes on a T4
+    rate = 0.5  # one sequence every 2 s, far slower than a 32-token seq takes on a T4
     result, work, _ = run(num_requests=30, request_rate=rate)
     arrivals = [a for a, _, _ in work.sample()]
     assert all(b > a for a, b in zip(arrivals, arrivals[1:]))
     assert (arrivals[-1] / (len(arrivals) - 1)) == pytest.approx(1 / rate, rel=0.5)
     assert result.makespan_s > arrivals[-1]
-    # unloaded, a request's per-token time is its own prefill and decodes, not a queue
+    # unloaded, a sequence's per-token time is its own prefill and decodes, not a queue
     loaded, _, _ = run(num_requests=30)
     assert result.per_token_latency(0.9) < loaded.per_token_latency(0.5)
 
@@ -79,7 +80,7 @@ def test_offloading_beats_gpu_only_where_gpu_memory_is_short():
     comparison = compare(shape, HardwareProfile.load(T4), Workload(60, 200, 64, seed=1), dtype_bytes=dtype_bytes)
     assert comparison.relative_throughput > 1.5
     assert comparison.tandem.iterations_by_mode[PlanMode.PIPELINED] > 0
-    assert comparison.tandem.mean_cpu_batch > comparison.tandem.mean_gpu_batch  # most requests decode on the CPU
+    assert comparison.tandem.mean_cpu_batch > comparison.tandem.mean_gpu_batch  # most seqs decode on the CPU
     assert comparison.tandem.peak_cpu_requests > comparison.gpu_only.peak_gpu_requests
     assert comparison.tandem.num_output_tokens == comparison.gpu_only.num_output_tokens
 
@@ -103,10 +104,10 @@ def test_iteration_time_follows_the_plan_mode():
     scheduler, _ = build_scheduler(shape, hardware, work, offload=True, dtype_bytes=dtype_bytes)
     cost = RooflineCostModel(shape, hardware, dtype_bytes)
     for index, (_, input_len, output_len) in enumerate(work.sample()):
-        scheduler.add_request(Request(str(index), [0] * input_len,
+        scheduler.add_sequence(Sequence(str(index), [0] * input_len,
                                       SamplingParams(max_tokens=output_len, ignore_eos=True)))
     num_pipelined = 0
-    while scheduler.has_unfinished_requests():
+    while scheduler.has_unfinished_sequences():
         plan = scheduler.schedule()
         seconds = iteration_time(plan, cost)
         assert seconds == pytest.approx(plan.estimated_time, rel=1e-9)

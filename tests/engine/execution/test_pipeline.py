@@ -16,7 +16,8 @@ from engine.execution import CoreAssignment, ModelRunner
 from engine.execution import InlineQueue, WorkerThreadQueue
 from engine.weights import create_loader
 from scheduler.block_pool import BlockPool, blocks_for
-from scheduler.request import Request, SamplingParams, Tier
+from scheduler.sampling_params import SamplingParams
+from scheduler.sequence import Sequence, Tier
 from scheduler.scheduler import IterationPlan, PlanMode, ScheduledSeq, Swap
 
 BLOCK_SIZE = 4
@@ -74,11 +75,11 @@ def check_and_advance(runner, hf_model, plan, gen):
     logits = runner.compute_logits(plan).cpu()
     assert logits.shape[0] == len(plan.scheduled)
     for row, seq in enumerate(plan.scheduled):
-        expected = hf_model(torch.tensor([seq.request.all_token_ids])).logits[0, -1].float()
+        expected = hf_model(torch.tensor([seq.sequence.all_token_ids])).logits[0, -1].float()
         torch.testing.assert_close(logits[row], expected, atol=TOLERANCE, rtol=TOLERANCE,
-                                   msg=lambda m: f"request {seq.request.request_id}: {m}")
+                                   msg=lambda m: f"sequence {seq.sequence.seq_id}: {m}")
     for seq in plan.scheduled:  # teacher forcing: random next tokens
-        seq.request.output_token_ids.append(int(torch.randint(0, 256, (1,), generator=gen)))
+        seq.sequence.output_token_ids.append(int(torch.randint(0, 256, (1,), generator=gen)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -93,7 +94,7 @@ def test_two_tier_pipeline_matches_hf(tiny_model, device):
         pools = Pools(40, 40)
 
         def new(name, length, tier):
-            return Request(name, torch.randint(0, 256, (length,), generator=gen).tolist(),
+            return Sequence(name, torch.randint(0, 256, (length,), generator=gen).tolist(),
                            SamplingParams(max_tokens=50), tier=tier)
 
         gpu_a, gpu_b = new("gpu-a", 7, Tier.GPU), new("gpu-b", 12, Tier.GPU)

@@ -5,7 +5,8 @@ import transformers
 
 from engine.execution import ModelRunner
 from engine.weights import create_loader
-from scheduler.request import Request, SamplingParams
+from scheduler.sampling_params import SamplingParams
+from scheduler.sequence import Sequence
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 4
@@ -54,19 +55,19 @@ def test_prefill_and_paged_decode_logits_match_hf(tiny_model, backend):
                          block_size=BLOCK_SIZE, max_model_len=128, decode_backend=backend)
     sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=128))
     gen = torch.Generator().manual_seed(1)
-    requests = [Request(str(i), torch.randint(0, 256, (n,), generator=gen).tolist(), SamplingParams(max_tokens=20))
+    requests = [Sequence(str(i), torch.randint(0, 256, (n,), generator=gen).tolist(), SamplingParams(max_tokens=20))
                 for i, n in enumerate([7, 1, 16, 13])]  # mixed lengths, one an exact block multiple
     for r in requests:
-        sched.add_request(r)
+        sched.add_sequence(r)
     for step in range(6):
         if step == 3:  # a late arrival prefills while the others decode
-            late = Request("late", torch.randint(0, 256, (9,), generator=gen).tolist(), SamplingParams(max_tokens=20))
+            late = Sequence("late", torch.randint(0, 256, (9,), generator=gen).tolist(), SamplingParams(max_tokens=20))
             requests.append(late)
-            sched.add_request(late)
+            sched.add_sequence(late)
         plan = sched.schedule()
         logits = runner.compute_logits(plan)
         for row, seq in enumerate(plan.scheduled):
-            tokens = seq.request.all_token_ids
+            tokens = seq.sequence.all_token_ids
             expected = hf_logits(hf_model, tokens)[-1]
             torch.testing.assert_close(logits[row], expected, atol=TOLERANCE, rtol=TOLERANCE)
         # teacher forcing with random tokens keeps the test independent of sampling

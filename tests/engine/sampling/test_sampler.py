@@ -7,15 +7,16 @@ import pytest
 import torch
 
 from engine.sampling import Sampler
-from scheduler.request import Request, SamplingParams
+from scheduler.sampling_params import SamplingParams
+from scheduler.sequence import Sequence
 
 VOCAB = 64
 _ids = itertools.count()
 
 
 def make_request(prompt: list[int] | None = None, output: list[int] | None = None,
-                 eos: tuple[int, ...] = (), **params) -> Request:
-    return Request(request_id=f"r{next(_ids)}", prompt_token_ids=list(prompt or [1, 2, 3]),
+                 eos: tuple[int, ...] = (), **params) -> Sequence:
+    return Sequence(seq_id=f"r{next(_ids)}", prompt_token_ids=list(prompt or [1, 2, 3]),
                    sampling_params=SamplingParams(**params), eos_token_ids=eos,
                    output_token_ids=list(output or []))
 
@@ -48,7 +49,7 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     return out / out.sum()
 
 
-def reference_process(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def reference_process(logits: torch.Tensor, requests: list[Sequence]) -> torch.Tensor:
     """Per-row Python: min_tokens masking, logit_bias, repetition, frequency and presence penalties."""
     out = logits.float().clone()
     for i, request in enumerate(requests):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.text import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError
-from scheduler.request import SamplingParams
+from scheduler.sampling_params import SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; never reach for the hub
 

@@ -1,14 +1,12 @@
-"""Request state and sampling parameters: plain Python, no torch.
+"""Sampling parameters: how to pick tokens and when to stop. Plain Python, no torch.
 
-The scheduler, the runner and the server all read these objects; only the scheduler
-mutates a request's lifecycle fields.
+This is where a seq's parameters are validated, once: every check raises `ParamError`
+naming the field, which the server turns into an OpenAI-shaped 400.
 """
 from __future__ import annotations
 
-import enum
 import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_TOP_LOGPROBS = 20
 
@@ -97,64 +95,3 @@ class SamplingParams:
 
 def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-class Tier(enum.Enum):
-    """Which KV pool holds a prefilled request's blocks (Neo 3.1): it lives wholly in one."""
-
-    GPU = "gpu"  # the accelerator pool
-    CPU = "cpu"  # the host pool; its decoding attention runs on the CPU
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
-    FINISHED_LENGTH = "length"  # max_tokens or the context length
-    FINISHED_ABORTED = "abort"
-
-    @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
-
-
-@dataclass(eq=False)
-class Request:
-    """One sequence being generated. `block_ids` is its KV block table."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
-    arrival_time: float = field(default_factory=time.monotonic)
-    output_token_ids: list[int] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    block_ids: list[int] = field(default_factory=list)  # in the pool of `tier`
-    tier: Tier = Tier.GPU
-    num_preemptions: int = 0
-    num_swaps: int = 0  # moves between the pools
-    last_swap_iteration: int = -(2**31)  # scheduler iteration of the last move (hysteresis)
-    cpu_wait_iterations: int = 0  # iterations in a row a CPU-request was not scheduled
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def finished(self) -> bool:
-        return self.status.finished

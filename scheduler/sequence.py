@@ -1,0 +1,121 @@
+"""One generated sequence (one of a request's n samples): the scheduler's unit of work.
+
+Plain Python, no torch. The scheduler owns a sequence's lifecycle fields (status, blocks, tier,
+computed tokens) and decides, in `Scheduler.update`, when it is finished (see `stop_check`).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from scheduler.sampling_params import SamplingParams
+
+
+class Tier(enum.Enum):
+    """Which KV pool holds a prefilled sequence's blocks (Neo 3.1): it lives wholly in one."""
+
+    GPU = "gpu"  # the accelerator pool
+    CPU = "cpu"  # the host pool; its decoding attention runs on the CPU
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context length
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+class TextStream(Protocol):
+    """A sequence's text as it grows (engine.text.IncrementalDetokenizer): fed every sampled
+    token, it knows when a stop string has matched."""
+
+    stop_string: str | None
+
+    def add(self, token_id: int) -> str:
+        """Take one sampled token; return the text it releases."""
+
+    def finish(self) -> str:
+        """The sequence ended for another reason: release the text held back."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One of a request's n samples being generated. `block_ids` is its KV block table."""
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)  # in the pool of `tier`
+    tier: Tier = Tier.GPU
+    num_preemptions: int = 0
+    num_swaps: int = 0  # moves between the pools
+    last_swap_iteration: int = -(2**31)  # scheduler iteration of the last move (hysteresis)
+    cpu_wait_iterations: int = 0  # iterations in a row a CPU-sequence was not scheduled
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    request_id: str = ""  # the user request this sequence is a sample of
+    text: TextStream | None = None  # None: no tokenizer (token ids only, no stop strings)
+    logprobs: list[Any] | None = None  # one entry per output token, when the request asked for them
+    num_reported_tokens: int = 0  # output tokens already handed to the client
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int, logprob: Any = None) -> None:
+        """One sampled token: into the token ids, the logprobs and the text."""
+        self.output_token_ids.append(token_id)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
+        if self.text is not None:
+            self.text.add(token_id)
+
+
+def stop_check(seq: Sequence, max_model_len: int) -> tuple[SequenceStatus, int | str | None] | None:
+    """Whether `seq` is finished after its last token, and why: (status, stop reason) or None.
+
+    The one place a generation's end is decided. In order: EOS and stop token ids (once
+    min_tokens are out), max_tokens or the context length, then a stop string the text matched
+    (the text stream itself ignores stop strings before min_tokens). Aborts are the scheduler's.
+    """
+    params = seq.sampling_params
+    token_id = seq.output_token_ids[-1]
+    if seq.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token_id in seq.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, None
+        if token_id in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, token_id
+    max_tokens = params.max_tokens
+    if (max_tokens is not None and seq.num_output_tokens >= max_tokens) or seq.num_tokens >= max_model_len:
+        return SequenceStatus.FINISHED_LENGTH, None
+    if seq.text is not None and seq.text.stop_string is not None:
+        return SequenceStatus.FINISHED_STOPPED, seq.text.stop_string
+    return None
