@@ -7,7 +7,6 @@ one engine iteration.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -28,6 +27,7 @@ from scheduler.request import ParamError
 from server import protocol
 from server.errors import APIError, bad_request
 from server.metrics import Metrics
+from server.middleware import AuthMiddleware, read_json_body
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -56,7 +56,7 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
 
     app = FastAPI(title="tandem", version=VERSION, lifespan=lifespan)
     if settings.api_keys:
-        app.add_middleware(_AuthMiddleware, api_keys=settings.api_keys)
+        app.add_middleware(AuthMiddleware, api_keys=settings.api_keys)
     if settings.cors_origins:  # outermost, so a 401 carries CORS headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
@@ -76,26 +76,6 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
         return APIError(500, f"internal server error: {exc!r}", type="internal_error").response()
 
     # ---- helpers ------------------------------------------------------------------------
-    async def read_json(request: Request) -> object:
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > settings.max_body_bytes:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of "
-                                f"{settings.max_body_bytes} bytes", code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > settings.max_body_bytes:
-                raise APIError(413, f"request body exceeds the limit of {settings.max_body_bytes} bytes",
-                               code="request_too_large")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        try:
-            return json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise bad_request("the request body is not valid UTF-8") from None
-        except json.JSONDecodeError as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}") from None
-
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
@@ -236,7 +216,7 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
     # ---- OpenAI routes ------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = protocol.parse(protocol.CompletionRequest, await read_json(request))
+        req = protocol.parse(protocol.CompletionRequest, await read_json_body(request, settings.max_body_bytes))
         check_model(req.model)
         prompts = _normalize_prompts(req.prompt)
         if any(isinstance(p, str) for p in prompts):
@@ -305,7 +285,7 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = protocol.parse(protocol.ChatCompletionRequest, await read_json(request))
+        req = protocol.parse(protocol.ChatCompletionRequest, await read_json_body(request, settings.max_body_bytes))
         check_model(req.model)
         require_tokenizer()
         if req.top_logprobs is not None and not req.logprobs:
@@ -368,7 +348,7 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
     # ---- utility routes -----------------------------------------------------------------
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        req = protocol.parse(protocol.TokenizeRequest, await read_json(request))
+        req = protocol.parse(protocol.TokenizeRequest, await read_json_body(request, settings.max_body_bytes))
         check_model(req.model)
         require_tokenizer()
         if (req.prompt is None) == (req.messages is None):
@@ -381,7 +361,7 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        req = protocol.parse(protocol.DetokenizeRequest, await read_json(request))
+        req = protocol.parse(protocol.DetokenizeRequest, await read_json_body(request, settings.max_body_bytes))
         check_model(req.model)
         require_tokenizer()
         vocab = engine.model_config.vocab_size
@@ -405,32 +385,6 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
         return {"version": VERSION}
 
     return app
-
-
-class _AuthMiddleware:
-    """Bearer-key check as a plain ASGI middleware. (Starlette's BaseHTTPMiddleware would hide
-    client disconnects from request.is_disconnected(), and non-streaming aborts rely on it.)"""
-
-    _OPEN_PATHS = ("/health", "/metrics", "/version")
-
-    def __init__(self, app, api_keys: tuple[str, ...]) -> None:
-        self.app = app
-        self.api_keys = [key.encode() for key in api_keys]
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self._OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            token = given[7:] if given[:7].lower() == b"bearer " else b""
-            # compare against every key so timing reveals nothing about which one matched
-            ok = False
-            for key in self.api_keys:
-                ok |= hmac.compare_digest(token, key)
-            if not ok:
-                response = APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
-                                    type="authentication_error", code="invalid_api_key").response()
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _normalize_prompts(prompt) -> list:
