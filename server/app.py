@@ -70,6 +70,8 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
         """Unknown routes and wrong methods answer in OpenAI's shape too."""
         return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
+    app.add_exception_handler(ParamError, _param_error)
+
     @app.exception_handler(Exception)
     async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
@@ -85,13 +87,11 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
         if tokenizer is None:
             raise bad_request("this model has no tokenizer (dummy weights): send token ids", param="prompt")
 
-    def submit(prompts: list, params, renames: dict[str, str]) -> tuple[list[str], list[RequestStream], list]:
+    def submit(prompts: list, params) -> tuple[list[str], list[RequestStream], list]:
         try:
             prepared = [async_engine.prepare(p, params) for p in prompts]
-        except ParamError as exc:
-            raise protocol.param_error(exc, renames) from None
         except TokenizerError as exc:
-            raise bad_request(str(exc), param=renames.get("prompt", "prompt")) from None
+            raise ParamError("prompt", str(exc)) from None
         base = uuid.uuid4().hex
         request_ids, streams = [], []
         try:
@@ -218,16 +218,11 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
     async def completions(request: Request):
         req = protocol.parse(protocol.CompletionRequest, await read_json_body(request, settings.max_body_bytes))
         check_model(req.model)
-        prompts = _normalize_prompts(req.prompt)
+        prompts = req.prompts()
         if any(isinstance(p, str) for p in prompts):
             require_tokenizer()
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs (prompt logprobs) is not supported", param="echo")
-        try:
-            params = req.sampling_params(req.max_tokens, req.logprobs)
-        except ParamError as exc:
-            raise protocol.param_error(exc) from None
-        request_ids, streams, prepared = submit(prompts, params, {})
+        params = req.sampling_params()
+        request_ids, streams, prepared = submit(prompts, params)
         response_id, created, n = f"cmpl-{request_ids[0].split('-')[0]}", int(time.time()), params.n
 
         def echo_text(i: int) -> str:
@@ -287,19 +282,11 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
     async def chat_completions(request: Request):
         req = protocol.parse(protocol.ChatCompletionRequest, await read_json_body(request, settings.max_body_bytes))
         check_model(req.model)
+        request.state.param_renames = req.param_renames()  # read by the ParamError handler
         require_tokenizer()
-        if req.top_logprobs is not None and not req.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         prompt_ids = _render_chat(tokenizer, req.messages, req.add_generation_prompt)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        renames = {"prompt": "messages", "logprobs": "top_logprobs"}
-        if req.max_completion_tokens is not None:
-            renames["max_tokens"] = "max_completion_tokens"
-        try:
-            params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        except ParamError as exc:
-            raise protocol.param_error(exc, renames) from None
-        request_ids, streams, prepared = submit([prompt_ids], params, renames)
+        params = req.sampling_params()
+        request_ids, streams, prepared = submit([prompt_ids], params)
         response_id, created = f"chatcmpl-{request_ids[0].split('-')[0]}", int(time.time())
 
         if not req.stream:
@@ -387,17 +374,10 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
     return app
 
 
-def _normalize_prompts(prompt) -> list:
-    """str | list[str] | list[int] | list[list[int]] -> a list of prompts."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise bad_request("prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [prompt]
-    if any(isinstance(p, list) and not p for p in prompt):
-        raise bad_request("prompt token lists must not be empty", param="prompt")
-    return list(prompt)
+async def _param_error(request: Request, exc: ParamError) -> JSONResponse:
+    """A 400 naming the field as the client spelled it: a route whose fields differ from the
+    engine's leaves its renames in request.state.param_renames."""
+    return protocol.param_error(exc, getattr(request.state, "param_renames", {})).response()
 
 
 def _render_chat(tokenizer, messages: list[protocol.ChatMessage], add_generation_prompt: bool) -> list[int]:
