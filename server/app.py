@@ -6,32 +6,31 @@ one engine iteration.
 """
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.async_engine import AsyncEngine
+from engine.outputs import TokenLogprob
 from engine.text import TokenizerError
 from scheduler.request import ParamError
 from server import protocol
+from server.disconnect import collect_final_outputs
 from server.errors import APIError, bad_request
 from server.metrics import Metrics
 from server.middleware import AuthMiddleware, read_json_body
+from server.sse import event_stream_response, merge_streams, sse_event
+from server.submission import Submission, submit
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
-_DISCONNECT_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -87,109 +86,8 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
         if tokenizer is None:
             raise bad_request("this model has no tokenizer (dummy weights): send token ids", param="prompt")
 
-    def submit(prompts: list, params) -> tuple[list[str], list[RequestStream], list]:
-        try:
-            prepared = [async_engine.prepare(p, params) for p in prompts]
-        except TokenizerError as exc:
-            raise ParamError("prompt", str(exc)) from None
-        base = uuid.uuid4().hex
-        request_ids, streams = [], []
-        try:
-            for i, prep in enumerate(prepared):
-                request_ids.append(f"{base}-{i}")
-                streams.append(async_engine.add_request(request_ids[-1], prep))
-        except QueueFullError as exc:
-            for request_id in request_ids[:-1]:
-                async_engine.abort(request_id)
-            raise APIError(429, f"the server is busy: {exc}; retry later", type="rate_limit_error",
-                           code="queue_full", headers={"Retry-After": str(exc.retry_after_s)}) from None
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": "5"}) from None
-        return request_ids, streams, prepared
-
-    def abort_all(request_ids: list[str], streams: list[RequestStream]) -> None:
-        for request_id, stream in zip(request_ids, streams):
-            if not stream.finished:
-                async_engine.abort(request_id)
-
-    async def collect(request: Request, request_ids: list[str], streams: list[RequestStream]) -> list[RequestOutput]:
-        """Final outputs of every stream; aborts them all if the client disconnects first."""
-        async def last(stream: RequestStream) -> RequestOutput:
-            final = None
-            async for output in stream:
-                final = output
-            return final
-
-        task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    task.cancel()
-                    abort_all(request_ids, streams)
-                    raise APIError(499, "client disconnected")
-        except (RequestFailedError, EngineDeadError) as exc:
-            abort_all(request_ids, streams)
-            raise APIError(500 if isinstance(exc, RequestFailedError) else 503, str(exc),
-                           type="internal_error") from None
-        finally:
-            if not task.done():
-                task.cancel()
-
-    async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several streams as they come, tagged with the stream's index."""
-        if len(streams) == 1:
-            async for output in streams[0]:
-                yield 0, output
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, stream: RequestStream) -> None:
-            try:
-                async for output in stream:
-                    await queue.put((index, output))
-            except BaseException as exc:  # forwarded to the consumer
-                await queue.put((index, exc))
-            await queue.put((index, None))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-        remaining = len(streams)
-        try:
-            while remaining:
-                index, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    def event_stream(body: AsyncIterator[str], request_ids: list[str], streams: list[RequestStream]):
-        """SSE response around `body`'s events: `[DONE]` at the end, an error event if the engine
-        failed the request, and an abort of whatever is unfinished when the client goes away."""
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for event in body:
-                    yield event
-                yield "data: [DONE]\n\n"
-            except (RequestFailedError, EngineDeadError) as exc:
-                yield sse(APIError(500, str(exc), type="internal_error").body())
-            finally:
-                await body.aclose()
-                abort_all(request_ids, streams)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    def sse(payload: dict) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-    def usage(prepared: list, outputs_tokens: int) -> dict:
-        prompt_tokens = sum(len(p.prompt_token_ids) for p in prepared)
+    def usage(submission: Submission, outputs_tokens: int) -> dict:
+        prompt_tokens = submission.num_prompt_tokens
         return {"prompt_tokens": prompt_tokens, "completion_tokens": outputs_tokens,
                 "total_tokens": prompt_tokens + outputs_tokens}
 
@@ -222,13 +120,13 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
         if any(isinstance(p, str) for p in prompts):
             require_tokenizer()
         params = req.sampling_params()
-        request_ids, streams, prepared = submit(prompts, params)
-        response_id, created, n = f"cmpl-{request_ids[0].split('-')[0]}", int(time.time()), params.n
+        submission = submit(async_engine, prompts, params)
+        response_id, created, n = f"cmpl-{submission.id}", int(time.time()), params.n
 
         def echo_text(i: int) -> str:
             if not req.echo:
                 return ""
-            p = prepared[i]
+            p = submission.prepared[i]
             return p.prompt if p.prompt is not None else (tokenizer.decode(p.prompt_token_ids) if tokenizer else "")
 
         def choice(prompt_index: int, completion, text: str, logprobs_entries, offset: int) -> dict:
@@ -237,7 +135,7 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
 
         if not req.stream:
-            finals = await collect(request, request_ids, streams)
+            finals = await collect_final_outputs(request, submission)
             choices, generated = [], 0
             for i, final in enumerate(finals):
                 for completion in final.outputs:
@@ -246,7 +144,7 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
                                           len(prefix)))
                     generated += len(completion.token_ids)
             return {"id": response_id, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": choices, "usage": usage(prepared, generated)}
+                    "choices": choices, "usage": usage(submission, generated)}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -254,7 +152,7 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
             generated = 0
             offsets: dict[int, int] = {}
             echoed: set[int] = set()
-            async for i, output in merged(streams):
+            async for i, output in merge_streams(submission.streams):
                 for completion in output.outputs:
                     if not completion.delta_token_ids and completion.finish_reason is None:
                         continue
@@ -271,12 +169,12 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
                     offsets[key] = offsets.get(key, 0) + len(text)
                     if include_usage:
                         chunk["usage"] = None
-                    yield sse(chunk)
+                    yield sse_event(chunk)
             if include_usage:
-                yield sse({"id": response_id, "object": "text_completion", "created": created,
-                           "model": model_name, "choices": [], "usage": usage(prepared, generated)})
+                yield sse_event({"id": response_id, "object": "text_completion", "created": created,
+                           "model": model_name, "choices": [], "usage": usage(submission, generated)})
 
-        return event_stream(events(), request_ids, streams)
+        return event_stream_response(events(), submission.abort_unfinished)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -286,17 +184,17 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
         require_tokenizer()
         prompt_ids = _render_chat(tokenizer, req.messages, req.add_generation_prompt)
         params = req.sampling_params()
-        request_ids, streams, prepared = submit([prompt_ids], params)
-        response_id, created = f"chatcmpl-{request_ids[0].split('-')[0]}", int(time.time())
+        submission = submit(async_engine, [prompt_ids], params)
+        response_id, created = f"chatcmpl-{submission.id}", int(time.time())
 
         if not req.stream:
-            (final,) = await collect(request, request_ids, streams)
+            (final,) = await collect_final_outputs(request, submission)
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                         "logprobs": chat_logprobs(c.logprobs or []) if req.logprobs else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
             generated = sum(len(c.token_ids) for c in final.outputs)
             return {"id": response_id, "object": "chat.completion", "created": created, "model": model_name,
-                    "choices": choices, "usage": usage(prepared, generated)}
+                    "choices": choices, "usage": usage(submission, generated)}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -305,14 +203,14 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
                     "choices": choices, **extra}
             if include_usage and "usage" not in body:
                 body["usage"] = None
-            return sse(body)
+            return sse_event(body)
 
         async def events() -> AsyncIterator[str]:
             generated = 0
             for index in range(params.n):  # the assistant role opens every choice
                 yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
-            async for _, output in merged(streams):
+            async for _, output in merge_streams(submission.streams):
                 for c in output.outputs:
                     if not c.delta_token_ids and c.finish_reason is None:
                         continue
@@ -322,9 +220,9 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
                                   "logprobs": chat_logprobs(c.delta_logprobs or []) if req.logprobs else None,
                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
             if include_usage:
-                yield chunk([], usage=usage(prepared, generated))
+                yield chunk([], usage=usage(submission, generated))
 
-        return event_stream(events(), request_ids, streams)
+        return event_stream_response(events(), submission.abort_unfinished)
 
     @app.get("/v1/models")
     async def models():
