@@ -20,6 +20,7 @@ async def collect_final_outputs(request: Request, submission: Submission) -> lis
     first, aborts them all (HTTP 499); an engine failure aborts them too (500, or 503 when the
     engine died)."""
     task = asyncio.ensure_future(asyncio.gather(*(_last_output(s) for s in submission.streams)))
+    task.add_done_callback(_mark_exception_retrieved)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -43,3 +44,10 @@ async def _last_output(stream: RequestStream) -> RequestOutput:
     async for output in stream:
         final = output
     return final
+
+
+def _mark_exception_retrieved(future: asyncio.Future) -> None:
+    # a gather cancelled on disconnect ends with CancelledError that nobody awaits; asyncio would
+    # log it as an error ("exception was never retrieved") for every client that went away
+    if not future.cancelled():
+        future.exception()

@@ -3,6 +3,8 @@ with real RequestStreams fed by the test and a real Starlette Request over a fak
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 
 import pytest
 from starlette.requests import Request
@@ -81,6 +83,21 @@ def test_client_going_away_aborts_the_unfinished_with_499():
     error, aborted = run(scenario())
     assert (error.status, error.message) == (499, "client disconnected")
     assert aborted == ["base-0", "base-2"]
+
+
+def test_a_disconnect_leaves_no_unretrieved_exception_to_log(caplog):
+    async def scenario():
+        sub = submission(1)
+        disconnected = asyncio.Event()
+        disconnected.set()
+        with pytest.raises(APIError):
+            await collect_final_outputs(http_request(disconnected), sub)
+        await asyncio.sleep(0)  # let the cancelled gather finish
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        run(scenario())
+        gc.collect()  # asyncio reports an unretrieved exception when the future is collected
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
 @pytest.mark.parametrize("failure,status", [(RequestFailedError("internal error in the engine: boom"), 500),
