@@ -32,7 +32,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script (python benchmarks/serve.py): the package is not on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.serving.client import (Endpoint, EndpointError, check_endpoint, max_model_len,  # noqa: E402
                                        server_counters)

@@ -1,4 +1,5 @@
-"""The HTTP front end: OpenAI routes, SSE streaming, auth, body limits, /metrics.
+"""The app factory: one FastAPI app around an AsyncEngine, with its lifespan, middleware,
+exception handlers and the routers of every endpoint family.
 
 Handlers validate and tokenize, then hand the request to the AsyncEngine; they never run
 model work. A client that goes away aborts its requests, which frees their KV blocks within
@@ -6,451 +7,69 @@ one engine iteration.
 """
 from __future__ import annotations
 
-import asyncio
-import hmac
-import json
 import logging
-import time
-import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.text import TokenizerError
+from engine.async_engine import AsyncEngine
 from scheduler.sampling_params import ParamError
-from server import protocol
-from server.errors import APIError, bad_request
+from server import VERSION, protocol
+from server.context import ServerContext, ServerSettings
+from server.errors import APIError
 from server.metrics import Metrics
+from server.middleware import AuthMiddleware
+from server.routes import chat, completions, utility
 
 logger = logging.getLogger(__name__)
-VERSION = "0.1.0"
-_DISCONNECT_POLL_S = 0.1
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    served_model_name: str
-    api_keys: tuple[str, ...] = ()
-    max_body_bytes: int = 4 * 2**20
-    cors_origins: tuple[str, ...] = ()
 
 
 def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Metrics) -> FastAPI:
-    engine = async_engine.engine
-    tokenizer = engine.tokenizer
-    model_name = settings.served_model_name
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        if not async_engine.is_running:
-            async_engine.start()
-        yield
-        async_engine.shutdown()
-
-    app = FastAPI(title="tandem", version=VERSION, lifespan=lifespan)
+    """The OpenAI-compatible app; it starts the engine loop on startup and stops it on shutdown."""
+    app = FastAPI(title="tandem", version=VERSION, lifespan=_lifespan)
+    app.state.context = ServerContext.build(async_engine, settings, metrics)
     if settings.api_keys:
-        app.add_middleware(_AuthMiddleware, api_keys=settings.api_keys)
+        app.add_middleware(AuthMiddleware, api_keys=settings.api_keys)
     if settings.cors_origins:  # outermost, so a 401 carries CORS headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
-
-    @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        """Unknown routes and wrong methods answer in OpenAI's shape too."""
-        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return APIError(500, f"internal server error: {exc!r}", type="internal_error").response()
-
-    # ---- helpers ------------------------------------------------------------------------
-    async def read_json(request: Request) -> object:
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > settings.max_body_bytes:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of "
-                                f"{settings.max_body_bytes} bytes", code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > settings.max_body_bytes:
-                raise APIError(413, f"request body exceeds the limit of {settings.max_body_bytes} bytes",
-                               code="request_too_large")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        try:
-            return json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise bad_request("the request body is not valid UTF-8") from None
-        except json.JSONDecodeError as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}") from None
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
-                           param="model", code="model_not_found")
-
-    def require_tokenizer() -> None:
-        if tokenizer is None:
-            raise bad_request("this model has no tokenizer (dummy weights): send token ids", param="prompt")
-
-    def submit(prompts: list, params, renames: dict[str, str]) -> tuple[list[str], list[RequestStream], list]:
-        try:
-            prepared = [async_engine.prepare(p, params) for p in prompts]
-        except ParamError as exc:
-            raise protocol.param_error(exc, renames) from None
-        except TokenizerError as exc:
-            raise bad_request(str(exc), param=renames.get("prompt", "prompt")) from None
-        base = uuid.uuid4().hex
-        request_ids, streams = [], []
-        try:
-            for i, prep in enumerate(prepared):
-                request_ids.append(f"{base}-{i}")
-                streams.append(async_engine.add_request(request_ids[-1], prep))
-        except QueueFullError as exc:
-            for request_id in request_ids[:-1]:
-                async_engine.abort(request_id)
-            raise APIError(429, f"the server is busy: {exc}; retry later", type="rate_limit_error",
-                           code="queue_full", headers={"Retry-After": str(exc.retry_after_s)}) from None
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": "5"}) from None
-        return request_ids, streams, prepared
-
-    def abort_all(request_ids: list[str], streams: list[RequestStream]) -> None:
-        for request_id, stream in zip(request_ids, streams):
-            if not stream.finished:
-                async_engine.abort(request_id)
-
-    async def collect(request: Request, request_ids: list[str], streams: list[RequestStream]) -> list[RequestOutput]:
-        """Final outputs of every stream; aborts them all if the client disconnects first."""
-        async def last(stream: RequestStream) -> RequestOutput:
-            final = None
-            async for output in stream:
-                final = output
-            return final
-
-        task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    task.cancel()
-                    abort_all(request_ids, streams)
-                    raise APIError(499, "client disconnected")
-        except (RequestFailedError, EngineDeadError) as exc:
-            abort_all(request_ids, streams)
-            raise APIError(500 if isinstance(exc, RequestFailedError) else 503, str(exc),
-                           type="internal_error") from None
-        finally:
-            if not task.done():
-                task.cancel()
-
-    async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several streams as they come, tagged with the stream's index."""
-        if len(streams) == 1:
-            async for output in streams[0]:
-                yield 0, output
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, stream: RequestStream) -> None:
-            try:
-                async for output in stream:
-                    await queue.put((index, output))
-            except BaseException as exc:  # forwarded to the consumer
-                await queue.put((index, exc))
-            await queue.put((index, None))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-        remaining = len(streams)
-        try:
-            while remaining:
-                index, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    def event_stream(body: AsyncIterator[str], request_ids: list[str], streams: list[RequestStream]):
-        """SSE response around `body`'s events: `[DONE]` at the end, an error event if the engine
-        failed the request, and an abort of whatever is unfinished when the client goes away."""
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for event in body:
-                    yield event
-                yield "data: [DONE]\n\n"
-            except (RequestFailedError, EngineDeadError) as exc:
-                yield sse(APIError(500, str(exc), type="internal_error").body())
-            finally:
-                await body.aclose()
-                abort_all(request_ids, streams)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    def sse(payload: dict) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-    def usage(prepared: list, outputs_tokens: int) -> dict:
-        prompt_tokens = sum(len(p.prompt_token_ids) for p in prepared)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": outputs_tokens,
-                "total_tokens": prompt_tokens + outputs_tokens}
-
-    def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for entry in entries:
-            text = tokenizer.token_text(entry.token_id) if tokenizer else str(entry.token_id)
-            tokens.append(text)
-            token_logprobs.append(entry.logprob)
-            top.append({(tokenizer.token_text(t) if tokenizer else str(t)): lp for t, lp in entry.top})
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-    def chat_logprobs(entries: list[TokenLogprob]) -> dict:
-        def item(token_id: int, logprob: float) -> dict:
-            if tokenizer is None:
-                return {"token": str(token_id), "logprob": logprob, "bytes": None}
-            return {"token": tokenizer.token_text(token_id), "logprob": logprob,
-                    "bytes": list(tokenizer.token_bytes(token_id))}
-        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                            for e in entries]}
-
-    # ---- OpenAI routes ------------------------------------------------------------------
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = protocol.parse(protocol.CompletionRequest, await read_json(request))
-        check_model(req.model)
-        prompts = _normalize_prompts(req.prompt)
-        if any(isinstance(p, str) for p in prompts):
-            require_tokenizer()
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs (prompt logprobs) is not supported", param="echo")
-        try:
-            params = req.sampling_params(req.max_tokens, req.logprobs)
-        except ParamError as exc:
-            raise protocol.param_error(exc) from None
-        request_ids, streams, prepared = submit(prompts, params, {})
-        response_id, created, n = f"cmpl-{request_ids[0].split('-')[0]}", int(time.time()), params.n
-
-        def echo_text(i: int) -> str:
-            if not req.echo:
-                return ""
-            p = prepared[i]
-            return p.prompt if p.prompt is not None else (tokenizer.decode(p.prompt_token_ids) if tokenizer else "")
-
-        def choice(prompt_index: int, completion, text: str, logprobs_entries, offset: int) -> dict:
-            return {"index": prompt_index * n + completion.index, "text": text,
-                    "logprobs": completion_logprobs(logprobs_entries, offset) if req.logprobs is not None else None,
-                    "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
-
-        if not req.stream:
-            finals = await collect(request, request_ids, streams)
-            choices, generated = [], 0
-            for i, final in enumerate(finals):
-                for completion in final.outputs:
-                    prefix = echo_text(i)
-                    choices.append(choice(i, completion, prefix + completion.text, completion.logprobs or [],
-                                          len(prefix)))
-                    generated += len(completion.token_ids)
-            return {"id": response_id, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": choices, "usage": usage(prepared, generated)}
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        async def events() -> AsyncIterator[str]:
-            generated = 0
-            offsets: dict[int, int] = {}
-            echoed: set[int] = set()
-            async for i, output in merged(streams):
-                for completion in output.outputs:
-                    if not completion.delta_token_ids and completion.finish_reason is None:
-                        continue
-                    key = i * n + completion.index
-                    text = completion.delta_text
-                    if key not in echoed:
-                        echoed.add(key)
-                        text = echo_text(i) + text
-                    generated += len(completion.delta_token_ids)
-                    chunk = {"id": response_id, "object": "text_completion", "created": created,
-                             "model": model_name,
-                             "choices": [choice(i, completion, text, completion.delta_logprobs or [],
-                                                offsets.get(key, 0))]}
-                    offsets[key] = offsets.get(key, 0) + len(text)
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield sse(chunk)
-            if include_usage:
-                yield sse({"id": response_id, "object": "text_completion", "created": created,
-                           "model": model_name, "choices": [], "usage": usage(prepared, generated)})
-
-        return event_stream(events(), request_ids, streams)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = protocol.parse(protocol.ChatCompletionRequest, await read_json(request))
-        check_model(req.model)
-        require_tokenizer()
-        if req.top_logprobs is not None and not req.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        prompt_ids = _render_chat(tokenizer, req.messages, req.add_generation_prompt)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        renames = {"prompt": "messages", "logprobs": "top_logprobs"}
-        if req.max_completion_tokens is not None:
-            renames["max_tokens"] = "max_completion_tokens"
-        try:
-            params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        except ParamError as exc:
-            raise protocol.param_error(exc, renames) from None
-        request_ids, streams, prepared = submit([prompt_ids], params, renames)
-        response_id, created = f"chatcmpl-{request_ids[0].split('-')[0]}", int(time.time())
-
-        if not req.stream:
-            (final,) = await collect(request, request_ids, streams)
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": chat_logprobs(c.logprobs or []) if req.logprobs else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
-            generated = sum(len(c.token_ids) for c in final.outputs)
-            return {"id": response_id, "object": "chat.completion", "created": created, "model": model_name,
-                    "choices": choices, "usage": usage(prepared, generated)}
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(choices: list[dict], **extra) -> str:
-            body = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": choices, **extra}
-            if include_usage and "usage" not in body:
-                body["usage"] = None
-            return sse(body)
-
-        async def events() -> AsyncIterator[str]:
-            generated = 0
-            for index in range(params.n):  # the assistant role opens every choice
-                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
-            async for _, output in merged(streams):
-                for c in output.outputs:
-                    if not c.delta_token_ids and c.finish_reason is None:
-                        continue
-                    generated += len(c.delta_token_ids)
-                    delta = {"content": c.delta_text} if c.delta_text or c.finish_reason is None else {}
-                    yield chunk([{"index": c.index, "delta": delta,
-                                  "logprobs": chat_logprobs(c.delta_logprobs or []) if req.logprobs else None,
-                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
-            if include_usage:
-                yield chunk([], usage=usage(prepared, generated))
-
-        return event_stream(events(), request_ids, streams)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "tandem", "root": engine.config.model,
-                                            "max_model_len": engine.max_model_len}]}
-
-    # ---- utility routes -----------------------------------------------------------------
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        req = protocol.parse(protocol.TokenizeRequest, await read_json(request))
-        check_model(req.model)
-        require_tokenizer()
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
-        if req.messages is not None:
-            tokens = _render_chat(tokenizer, req.messages, req.add_generation_prompt)
-        else:
-            tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        req = protocol.parse(protocol.DetokenizeRequest, await read_json(request))
-        check_model(req.model)
-        require_tokenizer()
-        vocab = engine.model_config.vocab_size
-        if not all(0 <= t < vocab for t in req.tokens):
-            raise bad_request(f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
-
-    @app.get("/health")
-    async def health():
-        if async_engine.is_running:
-            return Response(status_code=200)
-        return APIError(503, async_engine.dead_reason or "the engine is not ready",
-                        type="service_unavailable").response()
-
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/version")
-    async def version():
-        return {"version": VERSION}
-
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(ParamError, _param_error)
+    app.add_exception_handler(Exception, _internal_error)
+    for family in (completions, chat, utility):
+        app.include_router(family.router)
     return app
 
 
-class _AuthMiddleware:
-    """Bearer-key check as a plain ASGI middleware. (Starlette's BaseHTTPMiddleware would hide
-    client disconnects from request.is_disconnected(), and non-streaming aborts rely on it.)"""
-
-    _OPEN_PATHS = ("/health", "/metrics", "/version")
-
-    def __init__(self, app, api_keys: tuple[str, ...]) -> None:
-        self.app = app
-        self.api_keys = [key.encode() for key in api_keys]
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self._OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            token = given[7:] if given[:7].lower() == b"bearer " else b""
-            # compare against every key so timing reveals nothing about which one matched
-            ok = False
-            for key in self.api_keys:
-                ok |= hmac.compare_digest(token, key)
-            if not ok:
-                response = APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
-                                    type="authentication_error", code="invalid_api_key").response()
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async_engine = app.state.context.async_engine
+    if not async_engine.is_running:
+        async_engine.start()
+    yield
+    async_engine.shutdown()
 
 
-def _normalize_prompts(prompt) -> list:
-    """str | list[str] | list[int] | list[list[int]] -> a list of prompts."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise bad_request("prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [prompt]
-    if any(isinstance(p, list) and not p for p in prompt):
-        raise bad_request("prompt token lists must not be empty", param="prompt")
-    return list(prompt)
+async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
 
 
-def _render_chat(tokenizer, messages: list[protocol.ChatMessage], add_generation_prompt: bool) -> list[int]:
-    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-    try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-    except TokenizerError as exc:
-        raise bad_request(str(exc), param="messages") from None
-    # the template writes its own special tokens
-    return tokenizer.encode(text, add_special_tokens=False)
+async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    """Unknown routes and wrong methods answer in OpenAI's shape too."""
+    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+
+async def _param_error(request: Request, exc: ParamError) -> JSONResponse:
+    """A 400 naming the field as the client spelled it: a route whose fields differ from the
+    engine's leaves its renames in request.state.param_renames."""
+    return protocol.param_error(exc, getattr(request.state, "param_renames", {})).response()
+
+
+async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error")
+    return APIError(500, f"internal server error: {exc!r}", type="internal_error").response()

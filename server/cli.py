@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_flags(profile)
     profile.add_argument("--force", action="store_true", help="measure again even if a cached profile exists")
-    bench = sub.add_parser("bench", help="run a benchmark: 'tandem bench serve --help' (needs a source checkout)")
+    bench = sub.add_parser("bench", help="run a benchmark: 'tandem bench serve --help'")
     bench.add_argument("suite", choices=["serve"], help="serve: load-latency sweeps and side-by-side runs")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own flags")
     return parser
@@ -105,17 +105,9 @@ def profile(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    """Forward to benchmarks/<suite>.py, which lives in the source tree next to this package."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "benchmarks" / f"{args.suite}.py").is_file():
-        print(f"tandem bench: benchmarks/{args.suite}.py is not here; run it from a source checkout",
-              file=sys.stderr)
-        return 2
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    """Forward to the installed `benchmarks.serve` (the one suite) with the suite's own flags."""
     from benchmarks.serve import main as serve_benchmark
+
     return serve_benchmark(args.args, prog=f"tandem bench {args.suite}")
 
 

@@ -1,4 +1,9 @@
-"""Request bodies of the OpenAI API (pydantic v2) and their mapping onto SamplingParams."""
+"""Request bodies of the OpenAI API (pydantic v2) and their mapping onto SamplingParams.
+
+Every check of an OpenAI parameter lives here: pydantic checks types and names, and turning a
+request into prompts and SamplingParams raises ParamError naming the field, which the app's one
+ParamError handler answers with a 400 (through `param_error`).
+"""
 from __future__ import annotations
 
 from typing import Literal, Union
@@ -53,8 +58,8 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Map onto SamplingParams; a ParamError names the request field."""
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Map the fields both endpoints share onto SamplingParams; a ParamError names the field."""
         if self.n > MAX_N:
             raise ParamError("n", f"n must be at most {MAX_N}, got {self.n}")
         bias = None
@@ -84,6 +89,24 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = None
 
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompt as a list of prompts: str | list[str] | list[int] | list[list[int]] -> a list."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if not self.prompt:
+            raise ParamError("prompt", "prompt must not be empty")
+        if all(isinstance(p, int) for p in self.prompt):
+            return [self.prompt]
+        if any(isinstance(p, list) and not p for p in self.prompt):
+            raise ParamError("prompt", "prompt token lists must not be empty")
+        return list(self.prompt)
+
+    def sampling_params(self) -> SamplingParams:
+        """The request as SamplingParams; a ParamError names the request field."""
+        if self.echo and self.logprobs is not None:
+            raise ParamError("echo", "echo together with logprobs (prompt logprobs) is not supported")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
 
 class TextPart(_Strict):
     type: Literal["text"]
@@ -109,6 +132,21 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        """The request as SamplingParams; a ParamError may name the engine's field (see `param_renames`)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def param_renames(self) -> dict[str, str]:
+        """The engine's field names -> this request's: chat sends messages, not a prompt, and
+        top_logprobs is the count the engine calls logprobs."""
+        renames = {"prompt": "messages", "logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        return renames
 
 
 class TokenizeRequest(_Strict):
@@ -151,5 +189,6 @@ def _is_type_tag(part: object) -> bool:
 
 
 def param_error(exc: ParamError, renames: dict[str, str] | None = None) -> APIError:
+    """The 400 for `exc`, naming the field as the client spelled it (`renames`: engine -> request)."""
     param = (renames or {}).get(exc.param, exc.param)
     return bad_request(exc.message, param=param)

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tandem_server import REQUEST_TIMEOUT_S, metric, scrape, wait_idle
+from tandem_server import REQUEST_TIMEOUT_S, metric, wait_idle
 
 TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
 PROMPTS = [f"Count from {i} to {i + 20}, one number per line:" for i in range(8)]

@@ -1,0 +1,1 @@
+"""One router per endpoint family; create_app includes them all."""

@@ -1,0 +1,102 @@
+"""/v1/chat/completions: messages through the chat template, an assistant message out, whole or
+streamed, with OpenAI's chat logprobs."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.text import Tokenizer
+from server.context import Context
+from server.disconnect import collect_final_outputs
+from server.protocol import ChatCompletionRequest
+from server.routes.shared import read_request, render_chat, require_tokenizer, usage
+from server.sse import event_stream_response, merge_streams, sse_event
+from server.submission import Submission, submit
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, ctx: Context):
+    req = await read_request(request, ChatCompletionRequest, ctx)
+    request.state.param_renames = req.param_renames()  # read by the app's ParamError handler
+    tokenizer = require_tokenizer(ctx)
+    prompt_ids = render_chat(tokenizer, req.messages, req.add_generation_prompt)
+    submission = submit(ctx.async_engine, [prompt_ids], req.sampling_params())
+    shaper = _ChatShaper(req, submission, tokenizer, ctx.model_name, int(time.time()))
+    if not req.stream:
+        (final,) = await collect_final_outputs(request, submission)
+        return shaper.response(final)
+    return event_stream_response(shaper.events(), submission.abort_unfinished)
+
+
+@dataclass(frozen=True)
+class _ChatShaper:
+    """Shapes one request's engine outputs into a chat.completion body or its stream of chunks."""
+    request: ChatCompletionRequest
+    submission: Submission
+    tokenizer: Tokenizer
+    model_name: str
+    created: int
+
+    def response(self, final: RequestOutput) -> dict:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason} for c in final.outputs]
+        num_generated = sum(len(c.token_ids) for c in final.outputs)
+        return {"id": self._id(), "object": "chat.completion", "created": self.created, "model": self.model_name,
+                "choices": choices, "usage": usage(self.submission, num_generated)}
+
+    async def events(self) -> AsyncIterator[str]:
+        num_generated = 0
+        for index in range(self.request.n):  # the assistant role opens every choice
+            yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}])
+        async for _, output in merge_streams(self.submission.streams):
+            for completion in output.outputs:
+                if not completion.delta_token_ids and completion.finish_reason is None:
+                    continue
+                num_generated += len(completion.delta_token_ids)
+                yield self._chunk([self._delta_choice(completion)])
+        if self._include_usage():
+            yield self._chunk([], usage=usage(self.submission, num_generated))
+
+    def _delta_choice(self, completion: CompletionOutput) -> dict:
+        # the finishing chunk has no content key unless it brings text
+        has_content = completion.delta_text or completion.finish_reason is None
+        return {"index": completion.index, "delta": {"content": completion.delta_text} if has_content else {},
+                "logprobs": self._logprobs(completion.delta_logprobs), "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason}
+
+    def _chunk(self, choices: list[dict], **extra) -> str:
+        body = {"id": self._id(), "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model_name, "choices": choices, **extra}
+        if self._include_usage() and "usage" not in body:
+            body["usage"] = None
+        return sse_event(body)
+
+    def _id(self) -> str:
+        return f"chatcmpl-{self.submission.id}"
+
+    def _include_usage(self) -> bool:
+        return bool(self.request.stream_options and self.request.stream_options.include_usage)
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        return chat_logprobs(self.tokenizer, entries or []) if self.request.logprobs else None
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:
+    """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and top alternatives."""
+    return {"content": [{**_token_logprob(tokenizer, entry.token_id, entry.logprob),
+                         "top_logprobs": [_token_logprob(tokenizer, token_id, logprob)
+                                          for token_id, logprob in entry.top]}
+                        for entry in entries]}
+
+
+def _token_logprob(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict:
+    return {"token": tokenizer.token_text(token_id), "logprob": logprob,
+            "bytes": list(tokenizer.token_bytes(token_id))}

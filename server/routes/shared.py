@@ -1,0 +1,51 @@
+"""What several endpoint families do alike: read and check a request, require a tokenizer,
+render a chat, count usage."""
+from __future__ import annotations
+
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from engine.text import Tokenizer, TokenizerError
+from server import protocol
+from server.context import ServerContext
+from server.errors import APIError, bad_request
+from server.middleware import read_json_body
+from server.submission import Submission
+
+RequestBody = TypeVar("RequestBody", bound=BaseModel)
+
+
+async def read_request(request: Request, body_cls: type[RequestBody], ctx: ServerContext) -> RequestBody:
+    """The body, size-limited and validated as `body_cls`; a 404 unless it names the served model."""
+    body = protocol.parse(body_cls, await read_json_body(request, ctx.settings.max_body_bytes))
+    if body.model is not None and body.model != ctx.model_name:
+        raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{ctx.model_name}'",
+                       param="model", code="model_not_found")
+    return body
+
+
+def require_tokenizer(ctx: ServerContext) -> Tokenizer:
+    """The tokenizer, or a 400 for a model that has none (dummy weights)."""
+    if ctx.tokenizer is None:
+        raise bad_request("this model has no tokenizer (dummy weights): send token ids", param="prompt")
+    return ctx.tokenizer
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[protocol.ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """The token ids of `messages` through the model's chat template; a template error is a 400."""
+    # OpenAI's newer 'developer' role is what chat templates know as 'system'
+    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    except TokenizerError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    # the template writes its own special tokens
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def usage(submission: Submission, num_generated: int) -> dict:
+    """OpenAI's usage object: the prompt tokens of every prompt, and the tokens generated."""
+    return {"prompt_tokens": submission.num_prompt_tokens, "completion_tokens": num_generated,
+            "total_tokens": submission.num_prompt_tokens + num_generated}

@@ -1,0 +1,111 @@
+"""The bearer-key middleware and the size-limited JSON body reader, each in a tiny Starlette app."""
+from __future__ import annotations
+
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from server.errors import APIError
+from server.middleware import AuthMiddleware, read_json_body
+
+KEYS = ("first-key", "second-key")
+BODY_LIMIT = 64
+
+
+async def ok(_request: Request) -> PlainTextResponse:
+    return PlainTextResponse("ok")
+
+
+async def echo_json(request: Request) -> JSONResponse:
+    return JSONResponse({"received": await read_json_body(request, BODY_LIMIT)})
+
+
+async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+@pytest.fixture(scope="module")
+def guarded() -> TestClient:
+    routes = [Route(path, ok) for path in ("/v1/models", "/health", "/metrics", "/version")]
+    return TestClient(Starlette(routes=routes, middleware=[Middleware(AuthMiddleware, api_keys=KEYS)]))
+
+
+@pytest.fixture(scope="module")
+def reader() -> TestClient:
+    return TestClient(Starlette(routes=[Route("/json", echo_json, methods=["POST"])],
+                                exception_handlers={APIError: api_error}))
+
+
+def error_of(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+# ---- auth ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong-key", "Bearer", "first-key", "Basic first-key",
+                                           "Bearer first-key-and-more"])
+def test_without_a_valid_bearer_key_is_401(guarded, authorization):
+    headers = {} if authorization is None else {"Authorization": authorization}
+    error = error_of(guarded.get("/v1/models", headers=headers), 401)
+    assert error == {"message": "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                     "type": "authentication_error", "param": None, "code": "invalid_api_key"}
+
+
+@pytest.mark.parametrize("authorization", ["Bearer first-key", "Bearer second-key", "bearer second-key"])
+def test_any_configured_key_passes(guarded, authorization):
+    response = guarded.get("/v1/models", headers={"Authorization": authorization})
+    assert response.status_code == 200 and response.text == "ok"
+
+
+@pytest.mark.parametrize("path", AuthMiddleware.OPEN_PATHS)
+def test_open_paths_need_no_key(guarded, path):
+    assert guarded.get(path).status_code == 200
+
+
+def test_preflight_passes_without_a_key(guarded):
+    # no CORS middleware here, so the route itself refuses the method: not a 401
+    assert guarded.options("/v1/models").status_code == 405
+
+
+# ---- body reader --------------------------------------------------------------------------
+def test_json_body_is_decoded(reader):
+    response = reader.post("/json", content=b'{"prompt": "h\xc3\xa9"}')
+    assert response.status_code == 200 and response.json() == {"received": {"prompt": "hé"}}
+
+
+def test_declared_length_over_the_limit_is_413(reader):
+    body = b"[" + b"1," * BODY_LIMIT + b"1]"
+    error = error_of(reader.post("/json", content=body), 413)
+    assert error["code"] == "request_too_large"
+    assert error["message"] == f"request body of {len(body)} bytes exceeds the limit of {BODY_LIMIT} bytes"
+
+
+def test_chunked_body_over_the_limit_is_413_while_reading(reader):
+    def chunks():
+        for _ in range(BODY_LIMIT + 1):
+            yield b" "
+
+    response = reader.post("/json", content=chunks())
+    assert "content-length" not in response.request.headers
+    error = error_of(response, 413)
+    assert error["message"] == f"request body exceeds the limit of {BODY_LIMIT} bytes"
+
+
+def test_body_at_the_limit_is_read(reader):
+    body = b'"' + b"a" * (BODY_LIMIT - 2) + b'"'
+    assert reader.post("/json", content=body).json() == {"received": "a" * (BODY_LIMIT - 2)}
+
+
+@pytest.mark.parametrize("body,message", [
+    (b'{"prompt": "\xff"}', "the request body is not valid UTF-8"),
+    (b'{"prompt": ', "the request body is not valid JSON: "),
+    (b"", "the request body is not valid JSON: "),
+])
+def test_bad_body_is_400(reader, body, message):
+    error = error_of(reader.post("/json", content=body), 400)
+    assert error["message"].startswith(message) and error["type"] == "invalid_request_error"
+    assert error["param"] is None
