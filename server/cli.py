@@ -105,8 +105,8 @@ def profile(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    """Forward to the installed `benchmarks.serve` (the one suite) with the suite's own flags."""
-    from benchmarks.serve import main as serve_benchmark
+    """Run the serving benchmark (server/bench) with the suite's own flags."""
+    from server.bench.serve import main as serve_benchmark
 
     return serve_benchmark(args.args, prog=f"tandem bench {args.suite}")
 

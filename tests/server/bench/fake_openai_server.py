@@ -4,7 +4,7 @@ Standard library only; starts in well under a second. Tokens are words: /tokeniz
 and a completion streams `max_tokens` words, one every `--token-delay` seconds. `--fail` answers
 every generation request with a 500 in OpenAI's error shape.
 
-    python tests/benchmarks/fake_openai_server.py --port 8001 --token-delay 0.002
+    python tests/server/bench/fake_openai_server.py --port 8001 --token-delay 0.002
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.serving.prompts import WORDS, PromptBuilder
+from server.bench.prompts import WORDS, PromptBuilder
 from engine.text import Tokenizer
 from engine.weights import embedded_gguf_path
 

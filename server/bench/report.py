@@ -1,7 +1,7 @@
 """Text output of a serving benchmark: one row per run, ratios against the baseline system."""
 from __future__ import annotations
 
-from benchmarks.serving.stats import ratio_spread
+from server.bench.stats import ratio_spread
 
 # (column header, how to read it from a run summary, format); latencies in milliseconds
 _COLUMNS = (

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.serving.client import RequestRecord
-from benchmarks.serving.stats import distribution, meets_slos, ratio_spread, request_latency, summarize
+from server.bench.client import RequestRecord
+from server.bench.stats import distribution, meets_slos, ratio_spread, request_latency, summarize
 
 
 def record(index=0, start=0.0, token_times=(), end=None, num_output=None, num_prompt=10, error=None,

@@ -14,8 +14,8 @@ import time
 import httpx
 from tqdm import tqdm
 
-from benchmarks.serving.client import Endpoint, RequestRecord, send
-from benchmarks.serving.workload import RequestSpec
+from server.bench.client import Endpoint, RequestRecord, send
+from server.bench.workload import RequestSpec
 
 CONNECT_TIMEOUT_S = 10.0
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.serving.workload import (WORKLOADS_DIR, Load, RequestSpec, WorkloadError, WorkloadFile,
+from server.bench.workload import (WORKLOADS_DIR, Load, RequestSpec, WorkloadError, WorkloadFile,
                                          poisson_arrivals, read_replay_csv, replay_arrivals, synthetic_lengths,
                                          workload_lengths)
 

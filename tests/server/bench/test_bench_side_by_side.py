@@ -1,4 +1,4 @@
-"""Side-by-side mode and error reporting of benchmarks/serve.py, against fake servers (fast)."""
+"""Side-by-side mode and error reporting of the serving benchmark (server/bench/serve.py), against fake servers (fast)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.serve import main
-from benchmarks.serving.systems import RunningSystem, SystemSpec
+from server.bench.serve import main
+from server.bench.systems import RunningSystem, SystemSpec
 
 FAKE = f"{sys.executable} {Path(__file__).with_name('fake_openai_server.py')} --port {{port}}"
 QUICK = ["--num-requests", "6", "--input-len", "20", "--output-len", "10", "--length-spread", "0",
@@ -63,7 +63,7 @@ def test_endpoint_that_answers_errors_is_reported(tmp_path, capsys):
 
 
 def test_endpoint_down_is_reported(tmp_path, capsys):
-    from benchmarks.serving.systems import free_port
+    from server.bench.systems import free_port
     assert main(["--base-url", f"http://127.0.0.1:{free_port()}", *QUICK, "--output", str(tmp_path / "x.json")]) == 1
     assert "cannot connect" in capsys.readouterr().err
 

@@ -7,10 +7,10 @@ import json
 import httpx
 import pytest
 
-from benchmarks.serving.client import Endpoint, EndpointError, check_endpoint, server_counters
-from benchmarks.serving.runner import run_requests
-from benchmarks.serving.systems import SystemSpec, free_port
-from benchmarks.serving.workload import Load, synthetic_lengths
+from server.bench.client import Endpoint, EndpointError, check_endpoint, server_counters
+from server.bench.runner import run_requests
+from server.bench.systems import SystemSpec, free_port
+from server.bench.workload import Load, synthetic_lengths
 
 COMPLETIONS = Endpoint("http://fake", "m", "completions")
 CHAT = Endpoint("http://fake", "m", "chat")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.serving.client import RequestRecord
+from server.bench.client import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2e", "per_token_latency")

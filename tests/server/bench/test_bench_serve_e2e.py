@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from benchmarks.serve import main
-from benchmarks.serving.systems import RunningSystem, SystemSpec
+from server.bench.serve import main
+from server.bench.systems import RunningSystem, SystemSpec
 
 STARTUP_TIMEOUT_S = 120.0
 COMMON = ["--num-requests", "5", "--input-len", "40", "--output-len", "6", "--length-spread", "0.2",

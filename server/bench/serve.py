@@ -1,0 +1,334 @@
+"""Serving benchmark for any OpenAI-compatible endpoint: load-latency sweeps and side-by-side runs.
+
+Drives /v1/completions or /v1/chat/completions with streaming and records, per request, TTFT,
+inter-token latencies, TPOT, end-to-end latency and Neo's per-token latency (latency / output
+tokens), with token counts from the server's usage. Each load level (a Poisson rate, a closed-loop
+concurrency, all at once, or a CSV replay) gives throughputs, p50/p90/p99 and goodput under SLOs;
+the results go to JSON and a load-latency PNG with one curve per system.
+
+Against a running server:
+    tandem bench serve --base-url http://127.0.0.1:8000 --rate 1 2 4 --num-requests 32
+Side by side, each system started from its command line ({port} is filled in), repetitions
+interleaved (A B, then B A) so drift hits both alike; ratios are against the first system:
+    tandem bench serve --rate 1 2 4 --reps 3 \\
+        --system 'seqs8=tandem serve --port {port} --max-num-seqs 8' \\
+        --system 'seqs32=tandem serve --port {port} --max-num-seqs 32'
+Workloads: --input-len/--output-len/--length-spread (synthetic; 0.1 is Neo's +-10%),
+--workload chat|code-completion|summarization|FILE.json, or --replay trace.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from server.bench.client import (Endpoint, EndpointError, check_endpoint, max_model_len,
+                                       server_counters)
+from server.bench.prompts import PromptBuilder, RemoteTokenCounter
+from server.bench.report import ratio_table, ratios, run_table
+from server.bench.runner import run_requests
+from server.bench.stats import SLO_METRICS, summarize
+from server.bench.systems import RunningSystem, SystemSpec, SystemStartError
+from server.bench.workload import (Load, RequestSpec, WorkloadError, WorkloadFile,
+                                         read_replay_csv, synthetic_lengths, workload_lengths)
+
+API_KEY_ENVS = ("OPENAI_API_KEY", "TANDEM_API_KEY")
+WARMUP_INPUT_TOKENS, WARMUP_OUTPUT_TOKENS = 16, 4
+DEFAULT_NUM_REQUESTS = 64
+COUNTER_SETTLE_S, COUNTER_POLL_S = 2.0, 0.05  # how long /metrics may lag the last response
+
+
+class BenchmarkError(RuntimeError):
+    """A run that cannot go on (every request failed); the message says why."""
+
+
+def build_parser(prog: str | None = None, default_output: Path = Path("serve.json")) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = ap.add_argument_group("target")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running endpoint")
+    target.add_argument("--system", action="append", default=[], metavar="NAME=COMMAND",
+                        help="start this system per repetition instead (repeatable; the first is the baseline)")
+    target.add_argument("--model", default=None, help="model name to send (default: the first in /v1/models)")
+    target.add_argument("--endpoint", choices=["completions", "chat"], default=None,
+                        help="default: the workload file's, else completions")
+    target.add_argument("--api-key", default=next((os.environ[e] for e in API_KEY_ENVS if e in os.environ), None))
+    target.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (a vLLM extension)")
+    target.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a --system to be healthy")
+    target.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "tandem-bench",
+                        help="where each --system's output goes (NAME.log)")
+    load = ap.add_argument_group("load (one of; a list sweeps)")
+    kinds = load.add_mutually_exclusive_group()
+    kinds.add_argument("--rate", type=float, nargs="+", help="Poisson arrivals at these req/s (inf: all at once)")
+    kinds.add_argument("--concurrency", type=int, nargs="+", help="closed loop with these numbers of clients")
+    kinds.add_argument("--all-at-once", action="store_true", help="send every request at t=0 (the default)")
+    work = ap.add_argument_group("workload")
+    work.add_argument("--num-requests", type=int, default=None, help=f"per level (default {DEFAULT_NUM_REQUESTS}; replay: all rows)")
+    work.add_argument("--input-len", type=int, default=128)
+    work.add_argument("--output-len", type=int, default=64)
+    work.add_argument("--length-spread", type=float, default=0.1,
+                      help="synthetic lengths uniform within +-this fraction (0: fixed)")
+    work.add_argument("--output-spread", type=float, default=None,
+                      help="the outputs' own spread (default: --length-spread)")
+    work.add_argument("--workload", default=None, help="a lognormal mix: a name in configs/workloads/ or a .json")
+    work.add_argument("--replay", default=None, metavar="CSV",
+                      help="(arrival s, input tokens, output tokens) rows; --rate rescales the arrivals")
+    work.add_argument("--seed", type=int, default=0)
+    run = ap.add_argument_group("run")
+    run.add_argument("--reps", type=int, default=1, help="repetitions (interleaved across systems)")
+    run.add_argument("--warmup", type=int, default=2, help="unrecorded requests before each system's runs")
+    run.add_argument("--slo", action="append", default=[], metavar="METRIC=SECONDS",
+                     help=f"for goodput; METRIC in {', '.join(SLO_METRICS)} (repeatable)")
+    run.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts as failed")
+    run.add_argument("--max-duration", type=float, default=600.0, help="seconds after which a level sends no more")
+    run.add_argument("--output", type=Path, default=default_output)
+    run.add_argument("--plot", type=Path, default=None, help="default: the --output path with .png")
+    run.add_argument("--no-plot", action="store_true")
+    run.add_argument("--save-requests", action="store_true", help="keep every request's record in the JSON")
+    run.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def parse_slos(items: list[str]) -> dict[str, float]:
+    slos = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in SLO_METRICS:
+            raise ValueError(f"--slo takes METRIC=SECONDS with METRIC in {SLO_METRICS}, got '{item}'")
+        slos[name] = float(value)
+    return slos
+
+
+def make_workload(args) -> tuple[list[RequestSpec], str, str]:
+    """The requests (lengths, and replay times), a description, and the endpoint kind to use."""
+    if args.replay:
+        specs = read_replay_csv(args.replay, args.num_requests)
+        return specs, f"replay of {Path(args.replay).name}", args.endpoint or "completions"
+    n = args.num_requests or DEFAULT_NUM_REQUESTS
+    if args.workload:
+        workload = WorkloadFile.load(args.workload)
+        return workload_lengths(workload, n, args.seed), f"{workload.name} mix", args.endpoint or workload.endpoint
+    specs = synthetic_lengths(n, args.input_len, args.output_len, args.length_spread, args.seed, args.output_spread)
+
+    def spread(value: float) -> str:
+        return f"+-{value:.0%}" if value else "fixed"
+
+    out_spread = args.length_spread if args.output_spread is None else args.output_spread
+    title = f"in {args.input_len} ({spread(args.length_spread)}) / out {args.output_len} ({spread(out_spread)}) tokens"
+    return specs, title, args.endpoint or "completions"
+
+
+def make_loads(args) -> list[Load]:
+    if args.concurrency:
+        return [Load("concurrency", c) for c in args.concurrency]
+    if args.rate:
+        if args.replay:
+            return [Load("replay", r) for r in args.rate]
+        return [Load("burst") if math.isinf(r) else Load("rate", r) for r in args.rate]
+    return [Load("replay")] if args.replay else [Load("burst")]
+
+
+def clip_to_context(specs: list[RequestSpec], limit: int | None) -> tuple[list[RequestSpec], int]:
+    """Shorten prompts (then outputs) so prompt + output fits the context; returns the count clipped."""
+    if limit is None:
+        return specs, 0
+    clipped, out = 0, []
+    for s in specs:
+        num_output = min(s.num_output_tokens, limit - 1)
+        num_input = min(s.num_input_tokens, limit - num_output)
+        clipped += (num_input, num_output) != (s.num_input_tokens, s.num_output_tokens)
+        out.append(dataclasses.replace(s, num_input_tokens=num_input, num_output_tokens=num_output))
+    return out, clipped
+
+
+class Bench:
+    """Holds what stays fixed across systems and repetitions: requests, loads, prompts per system."""
+
+    def __init__(self, args, specs: list[RequestSpec], endpoint_kind: str) -> None:
+        self.args, self.specs, self.endpoint_kind = args, specs, endpoint_kind
+        self.loads = make_loads(args)
+        self.slos = parse_slos(args.slo)
+        self.prompts: dict[str, tuple[dict[int, str], dict[int, str], dict]] = {}  # name -> (run, warm-up, info)
+        self.context_checked = False
+
+    def measure(self, url: str, name: str, rep: int) -> list[dict]:
+        """Every load level once against the endpoint at `url`."""
+        args = self.args
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        with httpx.Client(base_url=url, headers=headers, timeout=args.request_timeout) as http:
+            model = check_endpoint(http, args.model)
+            endpoint = Endpoint(url, model, self.endpoint_kind, args.api_key, not args.no_ignore_eos)
+            if not self.context_checked:  # the first system's context length fixes the workload for all
+                self.specs, num_clipped = clip_to_context(self.specs, max_model_len(http, model))
+                if num_clipped:
+                    print(f"note: {num_clipped} requests shortened to fit the context length", file=sys.stderr)
+                self.context_checked = True
+            if name not in self.prompts:
+                self.prompts[name] = self._build_prompts(http, endpoint)
+            prompts, warmup_prompts, prompt_info = self.prompts[name]
+            self._warm_up(endpoint, warmup_prompts)
+            runs = [self._run_level(http, endpoint, name, rep, load, prompts) for load in self.loads]
+        for run in runs:
+            run["prompts"] = prompt_info
+        return runs
+
+    def _build_prompts(self, http: httpx.Client, endpoint: Endpoint):
+        try:
+            builder = PromptBuilder(RemoteTokenCounter(http, endpoint.model, endpoint.kind == "chat"), self.args.seed)
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            print(f"note: {endpoint.base_url}/tokenize is not usable ({type(exc).__name__}); prompt lengths "
+                  f"are approximate (a word taken as a token)", file=sys.stderr)
+            builder = PromptBuilder(None, self.args.seed)
+        built = [builder.build(s.index, s.num_input_tokens) for s in self.specs]
+        first_warmup = len(self.specs)
+        warmup = {first_warmup + i: builder.build(first_warmup + i, WARMUP_INPUT_TOKENS).text
+                  for i in range(self.args.warmup)}
+        info = {"exact": builder.counter is not None and all(p.exact for p in built),
+                "num_inexact": sum(not p.exact for p in built)}
+        if builder.counter is not None and info["num_inexact"]:
+            print(f"note: {info['num_inexact']} prompts missed their exact token count", file=sys.stderr)
+        return {s.index: p.text for s, p in zip(self.specs, built)}, warmup, info
+
+    def _warm_up(self, endpoint: Endpoint, prompts: dict[int, str]) -> None:
+        if not prompts:
+            return
+        specs = [RequestSpec(i, WARMUP_INPUT_TOKENS, WARMUP_OUTPUT_TOKENS) for i in prompts]
+        records = asyncio.run(run_requests(endpoint, specs, prompts, concurrency=1,
+                                           request_timeout_s=self.args.request_timeout,
+                                           max_duration_s=self.args.request_timeout, progress=False))
+        failed = [r for r in records if not r.ok]
+        if failed:
+            raise BenchmarkError(f"warm-up requests to {endpoint.base_url}{endpoint.path} failed: "
+                                 f"{failed[0].error}: {failed[0].error_message}")
+
+    def _run_level(self, http: httpx.Client, endpoint: Endpoint, name: str, rep: int, load: Load,
+                   prompts: dict[int, str]) -> dict:
+        args = self.args
+        started_at, cpu_at_start = time.time(), time.process_time()
+        before = server_counters(http)
+        records = asyncio.run(run_requests(
+            endpoint, load.schedule(self.specs, args.seed), prompts, concurrency=load.concurrency,
+            request_timeout_s=args.request_timeout, max_duration_s=args.max_duration,
+            description=f"{name} {load.label}" + (f" rep {rep}" if args.reps > 1 else ""),
+            progress=not args.no_progress))
+        client_cpu_s = time.process_time() - cpu_at_start  # the harness shares the machine it measures
+        summary = summarize(records, self.slos)
+        after = _settled_counters(http, before, summary)
+        if summary["num_sent"] and not summary["num_succeeded"]:
+            raise BenchmarkError(f"every request to {endpoint.base_url}{endpoint.path} failed "
+                                 f"({summary['errors']}); first: {summary['first_error']}")
+        if summary["num_failed"]:
+            print(f"warning: {name} {load.label}: {summary['num_failed']} of {summary['num_sent']} requests "
+                  f"failed {summary['errors']}; first: {summary['first_error']}", file=sys.stderr)
+        sent = [r for r in records if r.start_s is not None]
+        run = {"rep": rep, "started_at": started_at, "client_cpu_s": client_cpu_s,
+               "load": {"kind": load.kind, "value": load.value, "label": load.label},
+               "summary": summary,
+               "targets": {"num_prompt_tokens": sum(r.num_target_input_tokens for r in sent),
+                           "num_output_tokens": sum(r.num_target_output_tokens for r in sent)},
+               "server_counters": ({k: after[k] - before.get(k, 0.0) for k in after}
+                                   if before is not None and after is not None else None)}
+        _check_counters(name, load, run)
+        if args.save_requests:
+            run["requests"] = [dataclasses.asdict(r) for r in records]
+        return run
+
+
+def _settled_counters(http: httpx.Client, before: dict | None, summary: dict) -> dict | None:
+    """/metrics after a run, re-read for a moment if it lags the responses (a server may count a
+    request's last tokens just after sending them)."""
+    after = server_counters(http)
+    deadline = time.monotonic() + COUNTER_SETTLE_S
+    while (before is not None and after is not None and "request_success" in after
+           and after["request_success"] - before.get("request_success", 0) < summary["num_succeeded"]
+           and time.monotonic() < deadline):
+        time.sleep(COUNTER_POLL_S)
+        after = server_counters(http)
+    return after
+
+
+def _check_counters(name: str, load: Load, run: dict) -> None:
+    """Warn when the server's /metrics deltas disagree with the usage the harness received."""
+    counters, summary = run["server_counters"], run["summary"]
+    if not counters or summary["num_failed"]:
+        return  # failed requests may have computed tokens no usage reports
+    pairs = (("generation_tokens", summary["num_output_tokens"]), ("prompt_tokens", summary["num_prompt_tokens"]),
+             ("request_success", summary["num_succeeded"]))
+    for key, harness in pairs:
+        if key in counters and counters[key] != harness:
+            print(f"warning: {name} {load.label}: /metrics counted {counters[key]:g} {key}, the usage "
+                  f"the harness received says {harness}", file=sys.stderr)
+
+
+def run_benchmark(args) -> dict:
+    specs, description, endpoint_kind = make_workload(args)
+    bench = Bench(args, specs, endpoint_kind)
+    systems = [SystemSpec.parse(s) for s in args.system]
+    names = [s.name for s in systems] or ["target"]
+    if len(set(names)) != len(names):
+        raise ValueError(f"system names must differ: {names}")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for rep in range(args.reps):
+        if not systems:
+            runs["target"] += bench.measure(args.base_url, "target", rep)
+            continue
+        for spec in (systems if rep % 2 == 0 else systems[::-1]):  # A B, then B A: drift hits both alike
+            log = args.log_dir / f"{spec.name}.log"
+            with RunningSystem(spec, log).start(args.startup_timeout) as running:
+                runs[spec.name] += bench.measure(running.url, spec.name, rep)
+    results = {
+        "benchmark": "serve",
+        "title": f"{' vs '.join(names)}: {description}, {len(bench.specs)} requests per level, "
+                 f"{bench.endpoint_kind}, {platform.machine()} {os.cpu_count()} CPUs",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count()},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"},
+        "workload": {"description": description, "endpoint": bench.endpoint_kind,
+                     "num_requests": len(bench.specs),
+                     "input_tokens": [s.num_input_tokens for s in bench.specs],
+                     "output_tokens": [s.num_output_tokens for s in bench.specs]},
+        "load_kind": bench.loads[0].kind,
+        "systems": [{"name": name, "command": next((s.command for s in systems if s.name == name), args.base_url),
+                     "runs": runs[name]} for name in names],
+    }
+    results["ratios"] = ratios(results)
+    return results
+
+
+def main(argv: list[str] | None = None, prog: str | None = None, default_output: Path = Path("serve.json")) -> int:
+    """Run the benchmark; results go to --output (default `default_output`) and beside it."""
+    args = build_parser(prog, default_output).parse_args(argv)
+    try:
+        results = run_benchmark(args)
+    except (EndpointError, SystemStartError, BenchmarkError, WorkloadError, ValueError) as exc:
+        print(f"serve benchmark: error: {exc}", file=sys.stderr)
+        return 1
+    table = run_table(results)
+    if results["ratios"]:
+        table += "\n\nRatios to the first system (median [min-max] over repetitions):\n\n"
+        table += ratio_table(results["ratios"])
+    print(table)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=1))
+    # the table the README shows (benchmarks/update_readme.py splices it in)
+    args.output.with_suffix(".md").write_text(f"{results.get('title', '')}\n\n{table}\n")
+    print(f"\nwrote {args.output}", file=sys.stderr)
+    if not args.no_plot:
+        from server.bench.plot import plot_load_latency
+        path = plot_load_latency(results, args.plot or args.output.with_suffix(".png"))
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
