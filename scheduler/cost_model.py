@@ -210,6 +210,12 @@ class TableCostModel(CostModel):
 
 
 # ---- model shapes (for the roofline model and the simulator) --------------------------------
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of K and V of one token across `num_layers` layers, `dtype_bytes` per element: the
+    one formula the engine's pools, the profiler's scratch pools and the roofline model size by."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers a cost model needs about a Llama-family model, read from an HF config dict."""
@@ -245,4 +251,4 @@ class ModelShape:
 
     def kv_bytes_per_token_layer(self, dtype_bytes: int) -> int:
         """K and V of one token in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+        return kv_bytes_per_token(1, self.num_kv_heads, self.head_dim, dtype_bytes)
