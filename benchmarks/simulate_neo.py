@@ -18,9 +18,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine.model import load_model_preset
 from scheduler.neo import NeoConfig
 from scheduler.roofline import HardwareProfile, RooflineCostModel, size_pools
-from scheduler.simulator import Comparison, Workload, compare, load_model_preset
+from scheduler.simulator import Comparison, Workload, compare
 
 RESULTS = Path(__file__).resolve().parent / "results" / "simulate_neo.json"
 

@@ -21,11 +21,9 @@ input and output lengths drawn uniformly within +-10% of fixed values, all reque
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Sequence
 
 from scheduler.cost_model import CostModel, ModelShape
@@ -33,8 +31,6 @@ from scheduler.neo import NeoConfig, NeoScheduler, cpu_stage_time
 from scheduler.request import Request, SamplingParams
 from scheduler.roofline import HardwareProfile, RooflineCostModel, size_pools
 from scheduler.scheduler import IterationPlan, PlanMode, SchedulerConfig, ScheduledSeq
-
-MODEL_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 
 # The token every simulated sampling returns; requests run to max_tokens (ignore_eos).
 SAMPLED_TOKEN = 0
@@ -48,25 +44,10 @@ DEFAULT_MAX_NUM_SEQS = 256
 # The smallest per-iteration token budget, as `SchedulerConfig` defaults it: room for a 2048-token
 # prompt or several shorter ones beside the decodes.
 MIN_NUM_BATCHED_TOKENS = 2048
-# Bytes of one element for the presets' `torch_dtype`.
-_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 class SimulationError(RuntimeError):
     """The simulation cannot go on (the scheduler stalls with requests left)."""
-
-
-def load_model_preset(name: str) -> tuple[ModelShape, int]:
-    """A model shape preset from `configs/models/<name>.json` and its dtype's bytes per element."""
-    path = MODEL_PRESET_DIR / f"{name}.json"
-    if not path.is_file():
-        known = sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.json"))
-        raise ValueError(f"unknown model preset {name!r}; known: {known}")
-    config = json.loads(path.read_text())
-    dtype = config.get("torch_dtype", "float16")
-    if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"{path}: unsupported torch_dtype {dtype!r}; supported: {sorted(_DTYPE_BYTES)}")
-    return ModelShape.from_hf_config(config), _DTYPE_BYTES[dtype]
 
 
 # ---- workloads ---------------------------------------------------------------------------------

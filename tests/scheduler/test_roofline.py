@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
+from engine.model import load_model_preset
 from scheduler.cost_model import kv_bytes_per_token
 from scheduler.roofline import (GIB, GPU_MEMORY_UTILIZATION, HARDWARE_DIR, HardwareProfile, HardwareProfileError,
                                 PoolSizingError, RooflineCostModel, list_hardware_profiles, size_pools, weight_bytes)
-from scheduler.simulator import load_model_preset
 
 # Neo's three machines and the model each one ran (Neo section 5.1).
 NEO_SETUPS = [("t4-g4dn.4xlarge", "llama-2-7b"), ("a10g-g5.4xlarge", "llama-3.1-8b"),
