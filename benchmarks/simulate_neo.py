@@ -18,9 +18,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from scheduler.neo import NeoConfig
+from engine.model import load_model_preset
+from scheduler.neo import NeoKnobs
 from scheduler.roofline import HardwareProfile, RooflineCostModel, size_pools
-from scheduler.simulator import Comparison, Workload, compare, load_model_preset
+from scheduler.simulator import Comparison, Workload, compare
 
 RESULTS = Path(__file__).resolve().parent / "results" / "simulate_neo.json"
 
@@ -69,7 +70,7 @@ def run_setup(setup: Setup, output_lens, num_requests: int) -> list[dict]:
         start = time.perf_counter()
         comparison = compare(shape, hardware, workload, dtype_bytes=dtype_bytes)
         ablation = compare(shape, hardware, workload, dtype_bytes=dtype_bytes,
-                           neo=NeoConfig(max_cpu_wait_iterations=UNBOUNDED_WAIT))
+                           neo=NeoKnobs(max_cpu_wait_iterations=UNBOUNDED_WAIT))
         rows.append(row_of(setup, workload, comparison, ablation, time.perf_counter() - start))
         print(format_row(rows[-1]), flush=True)
     return rows
@@ -203,7 +204,7 @@ def markdown(rows: list[dict], summary: list[dict], small_pool: list[dict], num_
             f"{worst['tandem']['peak_cpu_requests']} requests while a decode-only step hides the CPU attention of "
             f"about {hidden} of them; "
             f"pipelining such a step loses to GPU-only, so the step runs GPU-only and every CPU-request waits, "
-            f"their waits run out together after {NeoConfig().max_cpu_wait_iterations} iterations, and "
+            f"their waits run out together after {NeoKnobs().max_cpu_wait_iterations} iterations, and "
             f"{worst['tandem']['num_forced']} CPU decodes were placed past Neo's inequalities in iterations whose "
             f"CPU attention stalls the GPU.")
     lines += ["", HEADER, *(format_row(r) for r in rows), ""]

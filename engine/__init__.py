@@ -8,7 +8,7 @@ from importlib import import_module
 _EXPORTS = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.engine",
-    "EngineConfig": "engine.engine",
+    "EngineConfig": "engine.config",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "SamplingParams": "scheduler.sampling_params",

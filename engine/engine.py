@@ -15,82 +15,24 @@ from pathlib import Path
 
 import torch
 
-from engine.model import ConfigError, ModelConfig
-from engine.kv import KVCache
-from engine.outputs import RequestMetrics, RequestOutput
-from engine.request import InputProcessor, PreparedRequest, Request
+from engine.config import EngineConfig
 from engine.execution import CoreAssignment, ModelRunner
+from engine.kv import KVCache
+from engine.model import ConfigError, ModelConfig
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.profiling import compute_dtype
+from engine.request import InputProcessor, PreparedRequest, Request
 from engine.text import Tokenizer
 from engine.weights import create_loader
-from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.cost_model import CostModel, TableCostModel
+from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.neo import NeoConfig, NeoScheduler
 from scheduler.scheduler import PlanMode, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
-from engine.profiling import auto_dtype
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 # Without an explicit max_model_len, contexts are capped here to keep prefill buffers sane.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = "smollm2-135m"
-    load_format: str = "auto"  # auto | gguf | safetensors | dummy
-    dtype: str = "auto"  # auto (measured: engine/dtype_choice.py) | float32 | bfloat16 | float16
-    device: str = "cpu"
-    seed: int = 0  # dummy weights and the shared generator of unseeded requests
-    max_model_len: int | None = None  # None: the model's, capped by DEFAULT_MAX_MODEL_LEN_CAP and the cache
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    num_blocks: int | None = None  # None: from kv_cache_memory_gib
-    kv_cache_memory_gib: float = 1.0
-    decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
-    show_progress: bool = False  # progress bars while the weights load and the costs are profiled
-    # ---- Neo: CPU offloading -----------------------------------------------------------------
-    # auto: a host KV pool whenever the accelerator is not the host CPU itself (cuda, testbed);
-    # on: also with device cpu (everything serial: how tests check identical tokens); off: GPU-only.
-    offload: str = "auto"
-    num_cpu_blocks: int | None = None  # host pool blocks (default: from cpu_kv_cache_memory_gib)
-    cpu_kv_cache_memory_gib: float = 4.0
-    accelerator_threads: int | None = None  # testbed: cores that play the accelerator (default half)
-    cpu_attention_threads: int | None = None  # threads of the CPU decoding attention (default: the rest)
-    cost_tables: str | None = None  # a JSON file of cost tables; None: profile once, cached
-    profile_cache_dir: str | None = None  # None: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles
-    profile_grid: str = "default"  # default | quick (a coarse profile, for tests)
-    force_profile: bool = False  # measure again even if a cached profile exists
-    # The Neo scheduler's knobs (scheduler/neo.py NeoConfig says why each default); None: its default.
-    swap_cooldown_iterations: int | None = None
-    max_cpu_wait_iterations: int | None = None
-    swap_in_reserve_fraction: float | None = None
-    cpu_watermark_blocks: int | None = None
-    cpu_admission_wait_fraction: float | None = None
-
-    @property
-    def torch_device(self) -> str:
-        """Where the model's tensors live: the testbed's accelerator is a thread on the host."""
-        return "cpu" if self.device == "testbed" else self.device
-
-    @property
-    def offloading(self) -> bool:
-        if self.offload not in ("auto", "on", "off"):
-            raise ConfigError(f"offload must be auto, on or off, got {self.offload!r}")
-        if self.offload == "auto":
-            return self.device == "testbed" or self.device.startswith("cuda")
-        return self.offload == "on"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return auto_dtype(self.torch_device)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
-        return _DTYPES[self.dtype]
 
 
 @dataclass
@@ -124,30 +66,29 @@ class LLMEngine:
         loader = create_loader(config.model, config.load_format, seed=config.seed)
         self.model_config: ModelConfig = loader.config
         self.tokenizer = Tokenizer.from_source(loader.tokenizer_source) if loader.tokenizer_source else None
-        dtype = config.torch_dtype
-        block_bytes = KVCache.bytes_per_block(self.model_config, config.block_size, dtype)
-        num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gib * 2**30 // block_bytes))
-        num_cpu_blocks = 0
-        if config.offloading:
-            num_cpu_blocks = config.num_cpu_blocks or max(1, int(config.cpu_kv_cache_memory_gib * 2**30 // block_bytes))
+        # resolved here, once: `auto` runs the dtype probe, and everything after uses this value
+        self.dtype, reason = compute_dtype(config.dtype, config.torch_device)
+        logger.info("compute dtype: %s (%s)", str(self.dtype).removeprefix("torch."), reason)
+        cache = config.cache
+        block_bytes = KVCache.bytes_per_block(self.model_config, cache.block_size, self.dtype)
+        num_blocks = cache.num_gpu_blocks_for(block_bytes)
+        num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.offloading else 0
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         scheduler_config = SchedulerConfig(
-            num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
+            num_blocks=num_blocks, block_size=cache.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
-        cores = CoreAssignment.for_device(config.device, config.accelerator_threads, config.cpu_attention_threads)
+        offload = config.offload
+        cores = CoreAssignment.for_device(config.device, offload.accelerator_threads, offload.cpu_attention_threads)
         self.runner = ModelRunner(
-            self.model_config, loader, dtype=dtype, device=config.device, num_blocks=num_blocks,
-            num_cpu_blocks=num_cpu_blocks, cores=cores, block_size=config.block_size,
+            self.model_config, loader, dtype=self.dtype, device=config.device, num_blocks=num_blocks,
+            num_cpu_blocks=num_cpu_blocks, cores=cores, block_size=cache.block_size,
             max_model_len=self.max_model_len, decode_backend=config.decode_attention, seed=config.seed,
             show_progress=config.show_progress)
         self.cost_model: CostModel | None = None
         self.profile_path: Path | None = None  # the cached cost tables, when profiled
         if num_cpu_blocks:
-            self.cost_model = self._load_cost_model(loader, dtype)
-            knobs = ("swap_cooldown_iterations", "max_cpu_wait_iterations", "swap_in_reserve_fraction",
-                     "cpu_watermark_blocks", "cpu_admission_wait_fraction")
-            neo = {k: getattr(config, k) for k in knobs if getattr(config, k) is not None}
-            self.scheduler: Scheduler = NeoScheduler(scheduler_config, NeoConfig(num_cpu_blocks=num_cpu_blocks, **neo),
+            self.cost_model = self._load_cost_model(loader, self.dtype)
+            self.scheduler: Scheduler = NeoScheduler(scheduler_config, NeoConfig.from_knobs(config.neo, num_cpu_blocks),
                                                      self.cost_model)
         else:
             self.scheduler = Scheduler(scheduler_config)
@@ -160,36 +101,37 @@ class LLMEngine:
 
     def _load_cost_model(self, loader, dtype: torch.dtype) -> CostModel:
         """Cost tables from the given file, else this machine's profile (measured once per key)."""
-        config = self.config
-        if config.cost_tables:
-            return TableCostModel.load(config.cost_tables)
+        config, offload = self.config, self.config.offload
+        if offload.cost_tables:
+            return TableCostModel.load(offload.cost_tables)
         from engine.profiling import ProfileGrid, ProfileKey, load_or_profile, profile_costs, profile_path
 
         runner = self.runner
+        block_size = config.cache.block_size
         key = ProfileKey.create(model=config.model, load_format=config.load_format, dtype=dtype,
                                 device=config.device, accelerator_threads=runner.cores.accelerator_threads,
                                 cpu_attention_threads=runner.cores.cpu_attention_threads,
-                                block_size=config.block_size)
-        grid = ProfileGrid.quick() if config.profile_grid == "quick" else ProfileGrid()
+                                block_size=block_size)
+        grid = ProfileGrid.quick() if offload.profile_grid == "quick" else ProfileGrid()
 
         def build() -> TableCostModel:
             logger.info("profiling this machine's costs for the offloading scheduler (once per model/dtype/device)")
             with runner.cores.on_cpu_cores():
                 return profile_costs(runner.model, runner.accelerator, runner.model.decode_backend, runner.cpu_decode,
-                                     block_size=config.block_size, dtype=dtype, grid=grid,
+                                     block_size=block_size, dtype=dtype, grid=grid,
                                      progress=config.show_progress)
 
-        self.profile_path = profile_path(key, config.profile_cache_dir)
-        if config.force_profile and self.profile_path.exists():
+        self.profile_path = profile_path(key, offload.profile_cache_dir)
+        if offload.force_profile and self.profile_path.exists():
             self.profile_path.unlink()
-        return load_or_profile(key, build, config.profile_cache_dir)
+        return load_or_profile(key, build, offload.profile_cache_dir)
 
     def close(self) -> None:
         """Stop the runner's threads (the testbed's accelerator thread)."""
         self.runner.close()
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
-        capacity = num_blocks * self.config.block_size
+        capacity = num_blocks * self.config.cache.block_size
         trained = self.model_config.max_position_embeddings
         if self.config.max_model_len is not None:
             if self.config.max_model_len > trained:

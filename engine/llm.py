@@ -1,10 +1,10 @@
 """The offline API: `LLM(model=...).generate(prompts, params)`."""
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Sequence
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -12,7 +12,8 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Batch generation over the engine. Keyword arguments are EngineConfig fields.
+    """Batch generation over the engine. Keyword arguments are EngineConfig's flat names
+    (`EngineConfig.from_flat`: `block_size`, `offload`, `swap_cooldown_iterations`, ...).
 
     LLM(model="smollm2-135m")                      # the embedded default (real weights)
     LLM(model="/path/model.gguf") / LLM(model="/path/hf_dir")
@@ -20,11 +21,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs) -> None:
-        known = {f.name for f in fields(EngineConfig)}
-        unknown = set(kwargs) - known
-        if unknown:
-            raise TypeError(f"unknown LLM arguments {sorted(unknown)}; known: {sorted(known)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = LLMEngine(EngineConfig.from_flat(model=model, **kwargs))
 
     def close(self) -> None:
         """Stop the engine's threads (the testbed's accelerator thread); the LLM is unusable after."""

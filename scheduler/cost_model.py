@@ -210,9 +210,16 @@ class TableCostModel(CostModel):
 
 
 # ---- model shapes (for the roofline model and the simulator) --------------------------------
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of K and V of one token across `num_layers` layers, `dtype_bytes` per element: the
+    one formula the engine's pools, the profiler's scratch pools and the roofline model size by."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """The numbers a cost model needs about a Llama-family model, read from an HF config dict."""
+    """The numbers a cost model needs about a Llama-family model. The engine builds it from its
+    parsed model config (`engine.model.ModelConfig.shape`), so HF configs are read in one place."""
 
     num_layers: int
     hidden_size: int
@@ -221,20 +228,6 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-
-    @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelShape":
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        return cls(
-            num_layers=int(cfg["num_hidden_layers"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            vocab_size=int(cfg["vocab_size"]),
-        )
 
     @property
     def layer_params(self) -> int:
@@ -245,4 +238,4 @@ class ModelShape:
 
     def kv_bytes_per_token_layer(self, dtype_bytes: int) -> int:
         """K and V of one token in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+        return kv_bytes_per_token(1, self.num_kv_heads, self.head_dim, dtype_bytes)

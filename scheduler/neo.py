@@ -48,7 +48,7 @@ same plan. A plan swaps in one direction only (the runner's copies are one-direc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Iterable
 
 from scheduler.block_pool import BlockPool, blocks_for
@@ -59,11 +59,11 @@ from scheduler.scheduler import (IterationPlan, PlanMode, ScheduledSeq, Schedule
 
 
 @dataclass(frozen=True)
-class NeoConfig:
-    """The Neo scheduler's knobs on top of `SchedulerConfig`. Validated once, at construction."""
+class NeoKnobs:
+    """The Neo scheduler's policy knobs on top of `SchedulerConfig`: what a user tunes, apart from
+    the host pool's size, which the engine derives from memory (`NeoConfig` adds it). Validated
+    once, at construction."""
 
-    # Blocks in the host (CPU) KV pool; 0 turns offloading off and the scheduler behaves as v0.
-    num_cpu_blocks: int = 0
     # Swap a CPU-sequence in only while this share of the GPU pool stays free after it. The gap
     # between this and the swap-out trigger (the GPU cannot hold this iteration's new KV) is the
     # hysteresis: a sequence swapped in has room to decode for a while before anyone goes out.
@@ -99,18 +99,38 @@ class NeoConfig:
     cpu_admission_wait_fraction: float = 0.25
 
     def __post_init__(self) -> None:
-        for name, minimum in (("num_cpu_blocks", 0), ("swap_cooldown_iterations", 0),
-                              ("max_cpu_wait_iterations", 1), ("cpu_watermark_blocks", 0),
-                              ("max_forced_cpu_decodes", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise SchedulerConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        _require_ints(self, (("swap_cooldown_iterations", 0), ("max_cpu_wait_iterations", 1),
+                             ("cpu_watermark_blocks", 0), ("max_forced_cpu_decodes", 1)))
         for name, low_open in (("swap_in_reserve_fraction", False), ("cpu_admission_wait_fraction", True)):
             fraction = getattr(self, name)
             if (not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 <= fraction < 1
                     or (low_open and fraction == 0)):
                 bounds = "(0, 1)" if low_open else "[0, 1)"
                 raise SchedulerConfigError(f"{name} must be in {bounds}, got {fraction!r}")
+
+
+@dataclass(frozen=True)
+class NeoConfig(NeoKnobs):
+    """What the Neo scheduler runs with: its knobs and the host pool's size."""
+
+    # Blocks in the host (CPU) KV pool; 0 turns offloading off and the scheduler behaves as v0.
+    num_cpu_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        _require_ints(self, (("num_cpu_blocks", 0),))
+        super().__post_init__()
+
+    @classmethod
+    def from_knobs(cls, knobs: NeoKnobs, num_cpu_blocks: int) -> "NeoConfig":
+        """`knobs` over a host pool of `num_cpu_blocks` blocks (a `NeoConfig`'s own pool size is dropped)."""
+        return cls(num_cpu_blocks=num_cpu_blocks, **{f.name: getattr(knobs, f.name) for f in fields(NeoKnobs)})
+
+
+def _require_ints(config: NeoKnobs, minimums: Iterable[tuple[str, int]]) -> None:
+    for name, minimum in minimums:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise SchedulerConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def cpu_stage_time(cost: CostModel, num_seqs: int, context_tokens: int) -> float:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from scheduler.cost_model import CostModel, ModelShape
+from scheduler.cost_model import CostModel, ModelShape, kv_bytes_per_token
 
 HARDWARE_DIR = Path(__file__).resolve().parent.parent / "configs" / "hardware"
 
@@ -356,7 +356,8 @@ def size_pools(shape: ModelShape, hardware: HardwareProfile, *, dtype_bytes: int
     """GPU blocks: what `GPU_MEMORY_UTILIZATION` of each GPU leaves after its weight shard and its
     activations; host blocks: `HOST_KV_FRACTION` of host memory."""
     num_gpus = hardware.num_gpus
-    block_bytes = block_size * shape.num_layers * shape.kv_bytes_per_token_layer(dtype_bytes)
+    block_bytes = block_size * kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                                  dtype_bytes)
     weights = weight_bytes(shape, dtype_bytes)
     activations = num_gpus * activation_bytes_per_gpu(shape, num_gpus, dtype_bytes, max_num_batched_tokens,
                                                       max_num_seqs)

@@ -21,20 +21,16 @@ input and output lengths drawn uniformly within +-10% of fixed values, all reque
 """
 from __future__ import annotations
 
-import json
 import math
 import random
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from scheduler.cost_model import CostModel, ModelShape
-from scheduler.neo import NeoConfig, NeoScheduler, cpu_stage_time
+from scheduler.neo import NeoConfig, NeoKnobs, NeoScheduler, cpu_stage_time
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
 from scheduler.roofline import HardwareProfile, RooflineCostModel, size_pools
 from scheduler.scheduler import IterationPlan, PlanMode, SchedulerConfig, ScheduledSeq
-
-MODEL_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 
 # The token every simulated sampling returns; requests run to max_tokens (ignore_eos).
 SAMPLED_TOKEN = 0
@@ -48,25 +44,10 @@ DEFAULT_MAX_NUM_SEQS = 256
 # The smallest per-iteration token budget, as `SchedulerConfig` defaults it: room for a 2048-token
 # prompt or several shorter ones beside the decodes.
 MIN_NUM_BATCHED_TOKENS = 2048
-# Bytes of one element for the presets' `torch_dtype`.
-_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 class SimulationError(RuntimeError):
     """The simulation cannot go on (the scheduler stalls with requests left)."""
-
-
-def load_model_preset(name: str) -> tuple[ModelShape, int]:
-    """A model shape preset from `configs/models/<name>.json` and its dtype's bytes per element."""
-    path = MODEL_PRESET_DIR / f"{name}.json"
-    if not path.is_file():
-        known = sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.json"))
-        raise ValueError(f"unknown model preset {name!r}; known: {known}")
-    config = json.loads(path.read_text())
-    dtype = config.get("torch_dtype", "float16")
-    if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"{path}: unsupported torch_dtype {dtype!r}; supported: {sorted(_DTYPE_BYTES)}")
-    return ModelShape.from_hf_config(config), _DTYPE_BYTES[dtype]
 
 
 # ---- workloads ---------------------------------------------------------------------------------
@@ -301,11 +282,11 @@ class SystemSetup:
 def build_scheduler(shape: ModelShape, hardware: HardwareProfile, workload: Workload, *, offload: bool,
                     dtype_bytes: int = 2, block_size: int = 16, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                     num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
-                    neo: NeoConfig | None = None) -> tuple[NeoScheduler, SystemSetup]:
+                    neo: NeoKnobs | None = None) -> tuple[NeoScheduler, SystemSetup]:
     """A NeoScheduler over a `RooflineCostModel` with pools sized by `size_pools` (or the given
     block counts), long enough for the workload's longest request; `offload=False` empties the
-    host pool for the GPU-only baseline. `neo` sets the scheduler's other knobs; its
-    `num_cpu_blocks` is replaced by the host pool's size."""
+    host pool for the GPU-only baseline. `neo` sets the scheduler's knobs (a `NeoConfig`'s
+    `num_cpu_blocks` is replaced by the host pool's size)."""
     max_model_len = workload.max_input_len + workload.max_output_len
     max_num_batched_tokens = max(max_model_len, MIN_NUM_BATCHED_TOKENS)
     pools = size_pools(shape, hardware, dtype_bytes=dtype_bytes, block_size=block_size,
@@ -314,7 +295,7 @@ def build_scheduler(shape: ModelShape, hardware: HardwareProfile, workload: Work
     num_cpu = (pools.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks) if offload else 0
     config = SchedulerConfig(num_blocks=num_gpu, block_size=block_size, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    neo = replace(neo or NeoConfig(), num_cpu_blocks=num_cpu)
+    neo = NeoConfig.from_knobs(neo or NeoKnobs(), num_cpu)
     cost = RooflineCostModel(shape, hardware, dtype_bytes, block_size)
     setup = SystemSetup(num_gpu, num_cpu, max_model_len, max_num_batched_tokens, max_num_seqs)
     return NeoScheduler(config, neo, cost), setup

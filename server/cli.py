@@ -72,9 +72,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, **overrides):
-    from engine.engine import EngineConfig
+    """The flags' EngineConfig (with `overrides` on top), through its one flat-name mapping."""
+    from engine.config import EngineConfig
 
-    return EngineConfig(**{**dict(
+    return EngineConfig.from_flat(**{**dict(
         model=args.model, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
@@ -133,7 +134,7 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(async_engine, settings, metrics)
     url = f"http://{args.host}:{args.port}"
     auth = ' -H "Authorization: Bearer $TANDEM_API_KEY"' if keys else ""
-    print(f"tandem: serving '{name}' ({engine.config.dtype} -> {engine.runner.model.dtype}, "
+    print(f"tandem: serving '{name}' ({engine.config.dtype} -> {engine.dtype}, "
           f"max_model_len {engine.max_model_len}) at {url}\n"
           f"try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
           f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",

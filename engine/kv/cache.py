@@ -16,6 +16,7 @@ import torch
 
 from engine.kv.host_memory import host_zeros
 from engine.model.config import ModelConfig
+from scheduler.cost_model import kv_bytes_per_token
 
 
 def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -50,7 +51,9 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * dtype.itemsize
+        """K and V of `block_size` tokens in every layer of `config`."""
+        return block_size * kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
+                                               dtype.itemsize)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
               slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:

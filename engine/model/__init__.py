@@ -5,10 +5,10 @@ itself loads on first use of `LlamaModel`.
 """
 from importlib import import_module
 
-from engine.model.config import PRESET_DIR, ConfigError, ModelConfig, RopeScaling, list_presets
+from engine.model.config import PRESET_DIR, ConfigError, ModelConfig, RopeScaling, list_presets, load_model_preset
 
 _LAZY = {"LlamaModel": "engine.model.llama", "LayerWeights": "engine.model.llama"}
-__all__ = ["PRESET_DIR", "ConfigError", "ModelConfig", "RopeScaling", "list_presets", *_LAZY]
+__all__ = ["PRESET_DIR", "ConfigError", "ModelConfig", "RopeScaling", "list_presets", "load_model_preset", *_LAZY]
 
 
 def __getattr__(name: str):

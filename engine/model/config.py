@@ -1,8 +1,8 @@
-"""Model and engine configuration: frozen dataclasses, validated once.
+"""Model configuration: a frozen dataclass, validated once. The engine's own lives in engine/config.py.
 
 `ModelConfig` is read from a Hugging Face `config.json`, from GGUF metadata, or from a
 shape preset in `configs/models/` (presets are written as HF config dicts, so one reader
-serves both).
+serves both, and the scheduler's `ModelShape` is built from it rather than parsed again).
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
+
+from scheduler.cost_model import ModelShape
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
@@ -21,6 +23,11 @@ _ARCHITECTURES = {
 }
 # GGUF `general.architecture` values we can run.
 _GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# Bytes of one element of a checkpoint dtype (`torch_dtype` in an HF config), for planners that
+# size memory without torch.
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# What the simulator assumes of a preset whose config names no dtype: the usual serving precision.
+DEFAULT_CHECKPOINT_DTYPE = "float16"
 
 
 class ConfigError(ValueError):
@@ -56,6 +63,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    checkpoint_dtype: str | None = None  # the HF config's `torch_dtype`; None when it names none
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -77,6 +85,13 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def shape(self) -> ModelShape:
+        """The numbers the scheduler's cost models and simulator compute with."""
+        return ModelShape(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                          intermediate_size=self.intermediate_size, num_heads=self.num_heads,
+                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, vocab_size=self.vocab_size)
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], name: str = "") -> "ModelConfig":
@@ -106,6 +121,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name or str(d.get("_name_or_path", "")),
+            checkpoint_dtype=d.get("torch_dtype"),
         )
 
     @classmethod
@@ -184,3 +200,14 @@ def _parse_rope_scaling(d: Mapping[str, Any] | None) -> RopeScaling | None:
 
 def list_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_model_preset(name: str) -> tuple[ModelShape, int]:
+    """A preset's shape (`configs/models/<name>.json`) and its checkpoint dtype's bytes per element,
+    for the roofline model and the simulator."""
+    config = ModelConfig.from_preset(name)
+    dtype = config.checkpoint_dtype or DEFAULT_CHECKPOINT_DTYPE
+    if dtype not in _DTYPE_BYTES:
+        raise ConfigError(f"model preset {name!r}: unsupported torch_dtype {dtype!r}; "
+                          f"supported: {sorted(_DTYPE_BYTES)}")
+    return config.shape, _DTYPE_BYTES[dtype]

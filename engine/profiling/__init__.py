@@ -7,8 +7,8 @@ from engine.profiling.cache import (
     profile_path,
     resolve_cache_dir,
 )
-from engine.profiling.dtype_probe import auto_dtype
+from engine.profiling.dtype_probe import auto_dtype, compute_dtype
 from engine.profiling.profiler import ProfileGrid, profile_costs
 
-__all__ = ["ProfileGrid", "ProfileKey", "auto_dtype", "load_cached", "load_or_profile", "profile_costs",
-           "profile_path", "resolve_cache_dir"]
+__all__ = ["ProfileGrid", "ProfileKey", "auto_dtype", "compute_dtype", "load_cached", "load_or_profile",
+           "profile_costs", "profile_path", "resolve_cache_dir"]

@@ -11,17 +11,33 @@ import time
 
 import torch
 
+from engine.config import DTYPE_NAMES
+
 # bf16 must beat fp32 by this factor; below it the accuracy of fp32 is worth more.
 BF16_MIN_SPEEDUP = 1.3
 _PROBE_TOKENS, _PROBE_DIM, _PROBE_REPS = 128, 1024, 9
 
 
+def compute_dtype(name: str, device: str) -> tuple[torch.dtype, str]:
+    """The torch dtype an `EngineConfig.dtype` name stands for on `device`, and why (for the log):
+    `auto` is measured (`auto_dtype`), any other name is taken as given."""
+    if name == "auto":
+        return auto_dtype(device)
+    return getattr(torch, DTYPE_NAMES[name]), "as configured"
+
+
+# Once per process and device: every engine of a process runs on the same hardware.
 @functools.lru_cache(maxsize=None)
-def auto_dtype(device: str) -> torch.dtype:
+def auto_dtype(device: str) -> tuple[torch.dtype, str]:
+    """The compute dtype for `dtype="auto"` on `device`, and the measurement behind the choice."""
     if torch.device(device).type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "auto: this GPU supports bf16"
+        return torch.float16, "auto: this GPU lacks bf16"
     fp32, bf16 = probe_matmul_times()
-    return torch.bfloat16 if fp32 / bf16 >= BF16_MIN_SPEEDUP else torch.float32
+    speedup = fp32 / bf16
+    dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
+    return dtype, f"auto: bf16 matmul {speedup:.2f}x fp32's speed on this CPU; bf16 needs {BF16_MIN_SPEEDUP}x"
 
 
 def probe_matmul_times() -> tuple[float, float]:

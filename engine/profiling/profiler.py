@@ -31,7 +31,7 @@ from engine.execution.queues import AcceleratorQueue
 from engine.kv import KVCache, TwoTierKVCache
 from engine.model import ModelConfig
 from engine.model.llama import LlamaModel
-from scheduler.cost_model import Curve, Grid, TableCostModel
+from scheduler.cost_model import Curve, Grid, TableCostModel, kv_bytes_per_token
 
 # ---- the grid -------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -206,7 +206,8 @@ class _Profiler:
     def cold_pool_blocks(self, largest: int) -> int:
         """Blocks of a scratch pool to draw `largest`-block working sets from, cold."""
         cfg = self.config
-        block_bytes = 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * (torch.finfo(self.dtype).bits // 8)
+        # one layer, as the scratch pools hold
+        block_bytes = self.block_size * kv_bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, self.dtype.itemsize)
         return max(2 * largest, -(-self.grid.cold_bytes // block_bytes))
 
     def blocks_for(self, seq_lens: Sequence[int]) -> int:

@@ -7,9 +7,10 @@ from dataclasses import replace
 
 import pytest
 
+from engine.model import load_model_preset
+from scheduler.cost_model import kv_bytes_per_token
 from scheduler.roofline import (GIB, GPU_MEMORY_UTILIZATION, HARDWARE_DIR, HardwareProfile, HardwareProfileError,
                                 PoolSizingError, RooflineCostModel, list_hardware_profiles, size_pools, weight_bytes)
-from scheduler.simulator import load_model_preset
 
 # Neo's three machines and the model each one ran (Neo section 5.1).
 NEO_SETUPS = [("t4-g4dn.4xlarge", "llama-2-7b"), ("a10g-g5.4xlarge", "llama-3.1-8b"),
@@ -163,6 +164,17 @@ def test_cost_model_rejects_bad_sizes():
 
 
 # ---- pool sizing ----------------------------------------------------------------------------------
+def test_kv_bytes_per_token_is_k_and_v_of_every_layer():
+    # Llama-2-7B in fp16: 2 (K, V) x 32 layers x 32 KV heads x 128 dims x 2 bytes = 512 KiB a token
+    assert kv_bytes_per_token(32, 32, 128, 2) == 512 * 1024
+    # Llama-3.1-8B in bf16, 8 KV heads (GQA): 128 KiB a token, 4 KiB of it in each layer
+    shape, dtype_bytes = load_model_preset("llama-3.1-8b")
+    assert kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype_bytes) == 128 * 1024
+    assert shape.kv_bytes_per_token_layer(dtype_bytes) == 4 * 1024
+    assert size_pools(shape, HardwareProfile.load("a10g-g5.4xlarge"), dtype_bytes=dtype_bytes,
+                      block_size=16).block_bytes == 16 * 128 * 1024
+
+
 @pytest.mark.parametrize("model, billions", [("llama-2-7b", 6.74), ("llama-3.1-8b", 8.03), ("llama-3.1-70b", 70.6)])
 def test_weights_match_the_published_parameter_counts(model, billions):
     shape, _ = load_model_preset(model)

@@ -2,16 +2,18 @@
 its tokens, runs repeat exactly, the GPU-only baseline never plans CPU work, and offloading pays
 where GPU memory is short. Small workloads on Neo's real shapes; no torch."""
 import math
+import subprocess
+import sys
 
 import pytest
 
+from engine.model import ModelConfig, load_model_preset
 from scheduler.neo import NeoConfig
 from scheduler.roofline import HardwareProfile, RooflineCostModel
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
 from scheduler.scheduler import IterationPlan, PlanMode
-from scheduler.simulator import (Workload, build_scheduler, compare, iteration_time, load_model_preset, percentile,
-                                 simulate)
+from scheduler.simulator import Workload, build_scheduler, compare, iteration_time, percentile, simulate
 
 T4 = "t4-g4dn.4xlarge"
 
@@ -142,6 +144,14 @@ def test_bad_workloads_are_rejected(bad, message):
 def test_unknown_model_preset_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown model preset 'gpt-5'.*llama-2-7b"):
         load_model_preset("gpt-5")
+
+
+def test_model_presets_are_read_by_the_engines_torch_free_parser():
+    code = "import sys, engine.model; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    shape, dtype_bytes = load_model_preset("llama-3.1-70b")
+    assert shape == ModelConfig.from_preset("llama-3.1-70b").shape
+    assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, dtype_bytes) == (80, 64, 8, 128, 2)
 
 
 def test_percentile_interpolates_between_ranks():

@@ -1,0 +1,190 @@
+"""The engine's configuration: small frozen configs, each validated once, when it is built.
+
+`EngineConfig` composes `CacheConfig`, `OffloadConfig` and the Neo scheduler's `NeoKnobs`;
+`EngineConfig.from_flat(**kwargs)` is the one place flat keywords (`LLM(...)`, the CLI's flags)
+are routed to them. Derived values are properties that do no I/O: the compute dtype that
+`dtype="auto"` stands for is measured by `LLMEngine` when it starts, not here. No torch here.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from engine.model.config import ConfigError
+from scheduler.neo import NeoKnobs
+
+# Compute dtype names a user may give -> torch's names for them (the short ones are aliases).
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
+OFFLOAD_MODES = ("auto", "on", "off")
+PROFILE_GRIDS = ("default", "quick")  # quick: a coarse profile, for tests
+# cpu: the CPU plays both roles; testbed: an accelerator thread on its own cores beside the CPU
+# attention (Neo's overlap on a CPU-only host); cuda[:N]: a GPU
+_DEVICE_PATTERN = re.compile(r"cpu|testbed|cuda(:\d+)?")
+GIB_BYTES = 2**30
+# Field metadata key: the flat keyword of a section's field, where it differs from the field's name.
+FLAT_NAME = "flat_name"
+
+
+def _require_int(config: object, name: str, minimum: int, none_means: str | None = None) -> None:
+    """`config.<name>` must be an integer >= minimum; or None, where `none_means` says what None does."""
+    value = getattr(config, name)
+    if value is None and none_means is not None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        alternative = f" or None ({none_means})" if none_means is not None else ""
+        raise ConfigError(f"{name} must be an integer >= {minimum}{alternative}, got {value!r}")
+
+
+def _require_positive(config: object, name: str) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+
+
+def _require_choice(config: object, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _blocks_in(memory_gib: float, block_bytes: int) -> int:
+    return max(1, int(memory_gib * GIB_BYTES // block_bytes))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: the block size and the sizes of its two pools, in blocks or in memory."""
+
+    block_size: int = 16  # tokens per block
+    num_blocks: int | None = None  # the accelerator pool; None: as many as kv_cache_memory_gib holds
+    kv_cache_memory_gib: float = 1.0
+    num_cpu_blocks: int | None = None  # the host pool, when offloading; None: from cpu_kv_cache_memory_gib
+    cpu_kv_cache_memory_gib: float = 4.0
+
+    def __post_init__(self) -> None:
+        _require_int(self, "block_size", 1)
+        _require_int(self, "num_blocks", 1, none_means="size the pool by kv_cache_memory_gib")
+        _require_int(self, "num_cpu_blocks", 1,
+                     none_means="size the pool by cpu_kv_cache_memory_gib; offload='off' drops the pool")
+        _require_positive(self, "kv_cache_memory_gib")
+        _require_positive(self, "cpu_kv_cache_memory_gib")
+
+    def num_gpu_blocks_for(self, block_bytes: int) -> int:
+        """The accelerator pool's blocks of `block_bytes` each: `num_blocks`, else what
+        `kv_cache_memory_gib` holds (at least one)."""
+        return self.num_blocks if self.num_blocks is not None else _blocks_in(self.kv_cache_memory_gib, block_bytes)
+
+    def num_cpu_blocks_for(self, block_bytes: int) -> int:
+        """The host pool's blocks of `block_bytes` each: `num_cpu_blocks`, else what
+        `cpu_kv_cache_memory_gib` holds (at least one)."""
+        if self.num_cpu_blocks is not None:
+            return self.num_cpu_blocks
+        return _blocks_in(self.cpu_kv_cache_memory_gib, block_bytes)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Neo's CPU offloading: whether there is a host KV pool, the cores each side gets, and where
+    the cost tables the scheduler plans with come from."""
+
+    # auto: a host KV pool whenever the accelerator is not the host CPU itself (cuda, testbed);
+    # on: also with device cpu (everything serial: how tests check identical tokens); off: GPU-only.
+    mode: str = field(default="auto", metadata={FLAT_NAME: "offload"})
+    accelerator_threads: int | None = None  # testbed: cores that play the accelerator (default half)
+    cpu_attention_threads: int | None = None  # threads of the CPU decoding attention (default: the rest)
+    cost_tables: str | None = None  # a JSON file of cost tables; None: profile once, cached
+    profile_cache_dir: str | None = None  # None: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles
+    profile_grid: str = "default"
+    force_profile: bool = False  # measure again even if a cached profile exists
+
+    def __post_init__(self) -> None:
+        if self.mode not in OFFLOAD_MODES:
+            raise ConfigError(f"offload must be auto, on or off, got {self.mode!r}")
+        _require_int(self, "accelerator_threads", 1, none_means="half the testbed's cores")
+        _require_int(self, "cpu_attention_threads", 1, none_means="the cores the accelerator leaves")
+        _require_choice(self, "profile_grid", PROFILE_GRIDS)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from: the top-level fields below and three sections.
+    Users pass flat keywords through `from_flat`.
+
+    `load_format` and `decode_attention` name entries of registries that can grow
+    (engine.weights, engine.attention), so those registries check them as the engine starts;
+    the loader is the first thing it builds."""
+
+    model: str = "smollm2-135m"
+    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    dtype: str = "auto"  # auto (measured as the engine starts) | float32 | bfloat16 | float16 (or fp32, ...)
+    device: str = "cpu"  # cpu | testbed | cuda[:N]
+    seed: int = 0  # dummy weights and the shared generator of unseeded requests
+    max_model_len: int | None = None  # None: the model's, capped by the engine's default and the cache
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None: the scheduler's default
+    decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
+    show_progress: bool = False  # progress bars while the weights load and the costs are profiled
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    neo: NeoKnobs = field(default_factory=NeoKnobs)  # scheduler/neo.py says why each default
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(f"device must be cpu, testbed, cuda or cuda:<index>, got {self.device!r}")
+        _require_int(self, "seed", 0)
+        _require_int(self, "max_model_len", 1, none_means="the model's context length, capped")
+        _require_int(self, "max_num_seqs", 1)
+        _require_int(self, "max_num_batched_tokens", 1, none_means="the scheduler's default")
+        for section, config_type in _SECTIONS.items():  # a flat value here would fail much later
+            value = getattr(self, section)
+            if not isinstance(value, config_type):
+                raise ConfigError(f"{section} must be of type {config_type.__name__}, got {value!r}; "
+                                  f"flat keywords go through EngineConfig.from_flat")
+
+    @property
+    def torch_device(self) -> str:
+        """Where the model's tensors live: the testbed's accelerator is a thread on the host."""
+        return "cpu" if self.device == "testbed" else self.device
+
+    @property
+    def offloading(self) -> bool:
+        """Whether the engine keeps a host KV pool and plans with the Neo scheduler."""
+        if self.offload.mode == "auto":
+            return self.device == "testbed" or self.device.startswith("cuda")
+        return self.offload.mode == "on"
+
+    @classmethod
+    def from_flat(cls, **kwargs: Any) -> "EngineConfig":
+        """Route flat keywords to their sections (`block_size` to `cache`, `offload` to
+        `offload.mode`, `swap_cooldown_iterations` to `neo`, ...); an unknown keyword raises
+        TypeError listing the known ones."""
+        unknown = sorted(set(kwargs) - set(FLAT_NAMES))
+        if unknown:
+            raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(FLAT_NAMES)}")
+        values: dict[str | None, dict[str, Any]] = {None: {}, **{section: {} for section in _SECTIONS}}
+        for name, value in kwargs.items():
+            section, field_name = FLAT_NAMES[name]
+            values[section][field_name] = value
+        sections = {section: config_type(**values[section]) for section, config_type in _SECTIONS.items()}
+        return cls(**values[None], **sections)
+
+
+_SECTIONS = {"cache": CacheConfig, "offload": OffloadConfig, "neo": NeoKnobs}
+
+
+def _flat_names() -> dict[str, tuple[str | None, str]]:
+    """Every flat keyword -> (its section, or None for a top-level field; the field's name)."""
+    names: dict[str, tuple[str | None, str]] = {f.name: (None, f.name) for f in fields(EngineConfig)
+                                                if f.name not in _SECTIONS}
+    for section, config_type in _SECTIONS.items():
+        for f in fields(config_type):
+            names[f.metadata.get(FLAT_NAME, f.name)] = (section, f.name)
+    return names
+
+
+FLAT_NAMES = _flat_names()

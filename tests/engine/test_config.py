@@ -1,0 +1,126 @@
+"""EngineConfig: each section refuses a bad value when it is built, naming the field; flat keywords
+reach their sections through one mapping; the compute dtype is measured once, when the engine
+starts, and logged."""
+import logging
+from dataclasses import fields
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import FLAT_NAMES, CacheConfig, EngineConfig, OffloadConfig
+from engine.engine import LLMEngine
+from engine.model import ConfigError
+from engine.profiling import dtype_probe
+from scheduler.neo import NeoKnobs
+from scheduler.scheduler import SchedulerConfigError
+
+
+@pytest.mark.parametrize("section, kwargs, message", [
+    (CacheConfig, {"block_size": 0}, "block_size must be an integer >= 1"),
+    (CacheConfig, {"num_blocks": 0}, "num_blocks must be an integer >= 1 or None"),
+    (CacheConfig, {"num_cpu_blocks": 2.5}, "num_cpu_blocks must be an integer"),
+    (CacheConfig, {"kv_cache_memory_gib": 0}, "kv_cache_memory_gib must be a number > 0"),
+    (CacheConfig, {"cpu_kv_cache_memory_gib": float("nan")}, "cpu_kv_cache_memory_gib must be a number > 0"),
+    (OffloadConfig, {"mode": "maybe"}, "offload must be auto, on or off, got 'maybe'"),
+    (OffloadConfig, {"accelerator_threads": 0}, "accelerator_threads must be an integer >= 1"),
+    (OffloadConfig, {"cpu_attention_threads": -2}, "cpu_attention_threads must be an integer >= 1"),
+    (OffloadConfig, {"profile_grid": "fine"}, "profile_grid must be one of default, quick"),
+    (EngineConfig, {"dtype": "float64"}, "dtype must be auto or one of float32, fp32"),
+    (EngineConfig, {"device": "tpu"}, "device must be cpu, testbed, cuda or cuda:<index>, got 'tpu'"),
+    (EngineConfig, {"device": "cuda:x"}, "device must be"),
+    (EngineConfig, {"seed": -1}, "seed must be an integer >= 0"),
+    (EngineConfig, {"max_model_len": 0}, "max_model_len must be an integer >= 1 or None"),
+    (EngineConfig, {"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
+    (EngineConfig, {"max_num_batched_tokens": True}, "max_num_batched_tokens must be an integer"),
+    (EngineConfig, {"offload": "on"}, "offload must be of type OffloadConfig, got 'on'; flat keywords go through"),
+])
+def test_each_section_refuses_a_bad_value_when_built(section, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        section(**kwargs)
+
+
+def test_the_neo_knobs_refuse_a_bad_value_naming_it():
+    with pytest.raises(SchedulerConfigError, match="swap_in_reserve_fraction"):
+        NeoKnobs(swap_in_reserve_fraction=1.0)
+    with pytest.raises(SchedulerConfigError, match="swap_cooldown_iterations"):
+        EngineConfig.from_flat(swap_cooldown_iterations=-1)
+
+
+def test_flat_keywords_reach_their_sections():
+    config = EngineConfig.from_flat(model="qwen2-0.5b", device="testbed", block_size=4, num_cpu_blocks=64,
+                                    offload="on", accelerator_threads=1, swap_cooldown_iterations=4,
+                                    max_forced_cpu_decodes=2)
+    assert (config.model, config.device) == ("qwen2-0.5b", "testbed")
+    assert config.cache == CacheConfig(block_size=4, num_cpu_blocks=64)
+    assert config.offload == OffloadConfig(mode="on", accelerator_threads=1)
+    assert config.neo == NeoKnobs(swap_cooldown_iterations=4, max_forced_cpu_decodes=2)
+    assert EngineConfig.from_flat() == EngineConfig()
+    with pytest.raises(ConfigError, match="offload must be auto, on or off"):
+        EngineConfig.from_flat(offload="sometimes")
+
+
+def test_every_field_has_its_own_flat_name():
+    sections = (CacheConfig, OffloadConfig, NeoKnobs)
+    num_top_level = len(fields(EngineConfig)) - len(sections)
+    assert len(FLAT_NAMES) == num_top_level + sum(len(fields(s)) for s in sections)
+    assert FLAT_NAMES["offload"] == ("offload", "mode")
+
+
+def test_unknown_flat_names_are_refused_listing_the_known_ones():
+    with pytest.raises(TypeError, match=r"unknown engine arguments \['block_sise'\]; known: \[.*'block_size'"):
+        EngineConfig.from_flat(block_sise=4)
+    with pytest.raises(TypeError, match="unknown engine arguments"):
+        LLM(num_gpus=2)  # refused before anything loads
+
+
+@pytest.mark.parametrize("device, offload, offloading", [
+    ("cpu", "auto", False), ("testbed", "auto", True), ("cuda:1", "auto", True), ("cpu", "on", True),
+    ("cuda", "off", False),
+])
+def test_offloading_follows_the_mode_and_the_device(device, offload, offloading):
+    config = EngineConfig.from_flat(device=device, offload=offload)
+    assert config.offloading is offloading
+    assert config.torch_device == ("cpu" if device == "testbed" else device)
+
+
+def test_pool_sizes_come_from_blocks_or_memory():
+    cache = CacheConfig(num_blocks=7, kv_cache_memory_gib=1.0, cpu_kv_cache_memory_gib=0.5)
+    assert cache.num_gpu_blocks_for(2**20) == 7
+    assert cache.num_cpu_blocks_for(2**20) == 512
+    assert CacheConfig(kv_cache_memory_gib=1e-9).num_gpu_blocks_for(2**20) == 1  # never an empty pool
+
+
+@pytest.fixture
+def counted_probe(monkeypatch):
+    """The dtype probe, counting its runs and timing bf16 at half fp32's speed; its per-process
+    cache emptied before and after, so no other test sees these timings."""
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return 1.0, 2.0  # (fp32, bf16) seconds
+
+    dtype_probe.auto_dtype.cache_clear()
+    monkeypatch.setattr(dtype_probe, "probe_matmul_times", probe)
+    yield calls
+    dtype_probe.auto_dtype.cache_clear()
+
+
+def test_the_dtype_probe_runs_once_when_the_engine_starts_and_is_logged(counted_probe, caplog):
+    config = EngineConfig.from_flat(model="smollm2-135m", load_format="dummy", dtype="auto", num_blocks=4,
+                                    max_model_len=64)
+    assert (config.offloading, config.torch_device, config.dtype) == (False, "cpu", "auto")
+    assert counted_probe == []  # building and reading a config measures nothing
+    with caplog.at_level(logging.INFO, logger="engine.engine"):
+        engine = LLMEngine(config)
+    try:
+        assert counted_probe == [1]
+        assert engine.dtype == torch.float32 == engine.runner.model.dtype
+        assert "compute dtype: float32 (auto: bf16 matmul 0.50x fp32's speed on this CPU" in caplog.text
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert counted_probe == [1]
+    finally:
+        engine.close()
