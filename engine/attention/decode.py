@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from engine.registry import Registry
 class DecodeAttentionBackend(ABC):
     """Attention of one new query token per sequence over its paged K/V."""
 
@@ -83,14 +84,13 @@ class CpuPagedDecode(DecodeAttentionBackend):
                             num_threads=self.num_threads)
 
 
-_DECODE_BACKENDS: dict[str, Callable[[], DecodeAttentionBackend]] = {
-    "torch": TorchPagedDecode,
-    "cpu": CpuPagedDecode,
-}
+DECODE_BACKENDS: Registry[DecodeAttentionBackend] = Registry("decode attention backend")
+DECODE_BACKENDS.register("torch")(TorchPagedDecode)
+DECODE_BACKENDS.register("cpu")(CpuPagedDecode)
 
 
 def register_decode_backend(name: str, factory: Callable[[], DecodeAttentionBackend]) -> None:
-    _DECODE_BACKENDS[name] = factory
+    DECODE_BACKENDS.register(name)(factory)
 
 
 def default_decode_backend(device: str) -> str:
@@ -106,6 +106,4 @@ def default_decode_backend(device: str) -> str:
 def create_decode_backend(name: str, device: str = "cpu") -> DecodeAttentionBackend:
     if name == "auto":
         name = default_decode_backend(device)
-    if name not in _DECODE_BACKENDS:
-        raise ValueError(f"unknown decode attention backend {name!r}; known: {sorted(_DECODE_BACKENDS)}")
-    return _DECODE_BACKENDS[name]()
+    return DECODE_BACKENDS.create(name)

