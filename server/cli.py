@@ -155,13 +155,22 @@ def _shutdown_already_done(_signum: int, _frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return serve(args)
-    if args.command == "bench":
-        return bench(args)
-    if args.command == "profile":
-        return profile(args)
-    return 2
+    commands = {"serve": serve, "bench": bench, "profile": profile}
+    try:
+        return commands[args.command](args)
+    except _startup_errors() as exc:  # a flag or a model that cannot work: say what, not a traceback
+        print(f"tandem {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _startup_errors() -> tuple[type[BaseException], ...]:
+    """What a bad flag value or model raises while the engine is built."""
+    from engine.model import ConfigError
+    from engine.text import TokenizerError
+    from engine.weights import WeightLoadError
+    from scheduler.scheduler import SchedulerConfigError
+
+    return ConfigError, SchedulerConfigError, WeightLoadError, TokenizerError
 
 
 if __name__ == "__main__":
