@@ -27,7 +27,7 @@ from engine.weights import create_loader
 from scheduler.cost_model import CostModel, TableCostModel
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.neo import NeoConfig, NeoScheduler
-from scheduler.scheduler import PlanMode, Scheduler, SchedulerConfig
+from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -171,20 +171,10 @@ class LLMEngine:
 
     # ---- the iteration ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, hand the sampled tokens to the scheduler,
+        and report the requests that received one."""
         plan = self.scheduler.schedule()
-        self.stats = stats = IterationStats(
-            num_prompt_tokens=sum(s.num_new_tokens for s in plan.prefills),
-            num_batched_tokens=plan.num_batched_tokens,
-            num_generation_tokens=len(plan.scheduled), num_preemptions=len(plan.preempted),
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.scheduler.block_pool.usage, mode=plan.mode,
-            num_swapped_out=len(plan.swap_out), num_swapped_in=len(plan.swap_in),
-            num_blocks_swapped_out=sum(len(s.src_blocks) for s in plan.swap_out),
-            num_blocks_swapped_in=sum(len(s.src_blocks) for s in plan.swap_in),
-            estimated_time=plan.estimated_time)
-        if isinstance(self.scheduler, NeoScheduler):
-            stats.num_cpu_running = self.scheduler.num_cpu_running
-            stats.cpu_kv_cache_usage = self.scheduler.cpu_pool.usage
+        self.stats = stats = self._plan_stats(plan)
         if plan.is_empty:
             return []
         now = time.monotonic()
@@ -198,6 +188,22 @@ class LLMEngine:
             stats.cpu_wait_time = output.pipeline.cpu_waiting
         updated = self.scheduler.update(plan, output.sampled.token_ids, output.sampled.token_logprobs())
         return self._outputs({seq.request_id: self._requests[seq.request_id] for seq in updated})
+
+    def _plan_stats(self, plan: IterationPlan) -> IterationStats:
+        stats = IterationStats(
+            num_prompt_tokens=sum(s.num_new_tokens for s in plan.prefills),
+            num_batched_tokens=plan.num_batched_tokens,
+            num_generation_tokens=len(plan.scheduled), num_preemptions=len(plan.preempted),
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.scheduler.block_pool.usage, mode=plan.mode,
+            num_swapped_out=len(plan.swap_out), num_swapped_in=len(plan.swap_in),
+            num_blocks_swapped_out=sum(len(s.src_blocks) for s in plan.swap_out),
+            num_blocks_swapped_in=sum(len(s.src_blocks) for s in plan.swap_in),
+            estimated_time=plan.estimated_time)
+        if isinstance(self.scheduler, NeoScheduler):
+            stats.num_cpu_running = self.scheduler.num_cpu_running
+            stats.cpu_kv_cache_usage = self.scheduler.cpu_pool.usage
+        return stats
 
     def _outputs(self, requests: dict[str, Request]) -> list[RequestOutput]:
         """The outputs of the requests that received tokens; finished ones leave the engine."""
