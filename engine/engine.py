@@ -84,6 +84,7 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks, cores=cores, block_size=cache.block_size,
             max_model_len=self.max_model_len, decode_backend=config.decode_attention, seed=config.seed,
             show_progress=config.show_progress)
+        logger.info("weights: %s", _describe_bytes(self.runner.model.weight_bytes()))
         self.cost_model: CostModel | None = None
         self.profile_path: Path | None = None  # the cached cost tables, when profiled
         if num_cpu_blocks:
@@ -216,3 +217,10 @@ class LLMEngine:
                 del self._requests[request.request_id]
             outputs.append(request.take_output())
         return outputs
+
+
+def _describe_bytes(bytes_by_format_tier: dict[tuple[str, str], int]) -> str:
+    """"0.50 GiB (float32 on the accelerator 0.50 GiB)": the total, then each part."""
+    parts = ", ".join(f"{fmt} on the {tier} {nbytes / 2**30:.2f} GiB"
+                      for (fmt, tier), nbytes in sorted(bytes_by_format_tier.items()))
+    return f"{sum(bytes_by_format_tier.values()) / 2**30:.2f} GiB ({parts})"

@@ -127,6 +127,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config(args))
     name = args.served_model_name or args.model
     metrics = Metrics(name)
+    metrics.record_weights(engine.runner.model.weight_bytes())
     async_engine = AsyncEngine(engine, QueueBounds(args.max_waiting_requests, args.max_waiting_tokens),
                                on_iteration=metrics.record_iteration, on_abort=metrics.record_abort)
     settings = ServerSettings(served_model_name=name, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes,

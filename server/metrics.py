@@ -50,6 +50,9 @@ class Metrics:
                                             _LATENCY_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine iteration.",
                                           _TOKEN_BUCKETS)
+        self._weight_bytes = Gauge("tandem:weight_bytes", "Bytes of the model's weights by storage format and "
+                                   "where they live (accelerator: resident).", ["model_name", "format", "tier"],
+                                   registry=r)
         # ---- offloading (Neo): per tier, per mode, swaps, CPU attention, cost-model error ----------
         self._tier_running = Gauge("tandem:num_requests_running_by_tier",
                                    "Running requests by where their KV lives (gpu: accelerator pool, cpu: host pool).",
@@ -139,6 +142,11 @@ class Metrics:
         self._last_token_time.pop(request_id, None)
         self.request_success("abort").inc(num_sequences)
         self._record_state(engine)
+
+    def record_weights(self, weight_bytes: dict[tuple[str, str], int]) -> None:
+        """The model's weight bytes by (format, tier), set once the weights are loaded."""
+        for (fmt, tier), nbytes in weight_bytes.items():
+            self._weight_bytes.labels(self._model_name, fmt, tier).set(nbytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -72,6 +72,28 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_model_len,
                                     self.device)
 
+    # Where every weight lives today; weight streaming (host memory, disk) adds tiers.
+    RESIDENT_TIER = "accelerator"
+
+    def weight_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes of every weight by (format, tier): the linear weights as their objects report
+        them, embeddings and norms in the compute dtype (a tied LM head is counted once)."""
+        totals: dict[tuple[str, str], int] = {}
+
+        def count(fmt: str, nbytes: int) -> None:
+            key = (fmt, self.RESIDENT_TIER)
+            totals[key] = totals.get(key, 0) + nbytes
+
+        dense = str(self.dtype).removeprefix("torch.")
+        tensors = [self.embed_tokens, self.final_norm, *(t for w in self.layers for t in (w.input_norm, w.post_norm))]
+        count(dense, sum(t.numel() * t.element_size() for t in tensors))
+        linears = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        if not self.config.tie_word_embeddings:
+            linears.append(self.lm_head)
+        for weight in linears:
+            count(weight.format, weight.nbytes)
+        return totals
+
     # ---- stages ---------------------------------------------------------------------------
     def pre_layer(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [num_tokens] -> hidden [num_tokens, hidden]"""

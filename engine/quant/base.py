@@ -29,6 +29,11 @@ class LinearWeight(ABC):
     def nbytes(self) -> int:
         """Bytes the weight (and bias) occupy where they live."""
 
+    @property
+    @abstractmethod
+    def format(self) -> str:
+        """How the numbers are stored, for reports: "float32", "bfloat16", "int4", ..."""
+
 
 class LinearMethod(ABC):
     """Makes weight objects of one format from dense [out_features, in_features] matrices."""

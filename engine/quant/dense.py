@@ -19,6 +19,10 @@ class DenseWeight(LinearWeight):
         return F.linear(x, self.weight, self.bias)
 
     @property
+    def format(self) -> str:
+        return str(self.weight.dtype).removeprefix("torch.")
+
+    @property
     def nbytes(self) -> int:
         tensors = (self.weight,) if self.bias is None else (self.weight, self.bias)
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,12 +1,12 @@
 """The official openai SDK drives the real server: completions and chat, streaming and not,
 n > 1, logprobs in each endpoint's own shape, stop strings, seeds; the raw SSE framing; the
-utility routes."""
+utility routes, the weight bytes in /metrics."""
 from __future__ import annotations
 
 import json
 import math
 
-from tandem_server import MODEL, assert_openai_error
+from tandem_server import MODEL, assert_openai_error, metric, scrape
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
@@ -229,6 +229,13 @@ def test_tokenize_detokenize(http, llm):
 
 def test_tokenize_needs_prompt_or_messages(http):
     assert_openai_error(http.post("/tokenize", json={"model": MODEL}), 400, "prompt")
+
+
+def test_weight_bytes_are_exported_by_format_and_tier(http, llm):
+    expected = llm.engine.runner.model.weight_bytes()
+    assert expected == {("float32", "accelerator"): expected[("float32", "accelerator")]}
+    assert metric(scrape(http), "weight_bytes", format="float32", tier="accelerator") == \
+        expected[("float32", "accelerator")]
 
 
 def test_version_and_health(http):

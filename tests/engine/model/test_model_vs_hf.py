@@ -3,7 +3,9 @@ import pytest
 import torch
 import transformers
 
+from engine.attention import create_decode_backend
 from engine.execution import ModelRunner
+from engine.model import LlamaModel
 from engine.weights import create_loader
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
@@ -72,3 +74,13 @@ def test_prefill_and_paged_decode_logits_match_hf(tiny_model, backend):
             torch.testing.assert_close(logits[row], expected, atol=TOLERANCE, rtol=TOLERANCE)
         # teacher forcing with random tokens keeps the test independent of sampling
         sched.update(plan, torch.randint(0, 256, (len(plan.scheduled),), generator=gen).tolist())
+
+
+def test_weight_bytes_count_every_parameter_once(tiny_model):
+    """Linear weights as their objects report them, embeddings and norms dense, a tied LM head
+    once: the same total as the HF model's parameters (which counts tied ones once too)."""
+    hf_model, path = tiny_model
+    loader = create_loader(path)
+    model = LlamaModel(loader.config, loader, torch.float32, "cpu", 64, create_decode_backend("torch"))
+    num_params = sum(p.numel() for p in hf_model.parameters())
+    assert model.weight_bytes() == {("float32", "accelerator"): 4 * num_params}
