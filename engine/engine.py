@@ -187,6 +187,8 @@ class LLMEngine:
         if output.pipeline is not None:
             stats.cpu_attention_time = output.pipeline.cpu_attention
             stats.cpu_wait_time = output.pipeline.cpu_waiting
+        for row, entries in output.prompt_logprobs.items():
+            plan.scheduled[row].sequence.prompt_logprobs = entries
         updated = self.scheduler.update(plan, output.sampled.token_ids, output.sampled.token_logprobs())
         return self._outputs({seq.request_id: self._requests[seq.request_id] for seq in updated})
 

@@ -45,3 +45,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None

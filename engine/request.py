@@ -112,7 +112,11 @@ class Request:
         outputs = [_completion(index, seq) for index, seq in enumerate(self.sequences)]
         self.metrics.num_preemptions = sum(seq.num_preemptions for seq in self.sequences)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-                             self.metrics)
+                             self.metrics, self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> list | None:
+        """The same for every sample: whichever prefilled first."""
+        return next((seq.prompt_logprobs for seq in self.sequences if seq.prompt_logprobs is not None), None)
 
 
 def _completion(index: int, seq: Sequence) -> CompletionOutput:

@@ -40,6 +40,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0..20 top alternatives besides the sampled token
+    # None: none; 0..20: each prompt token's logprob (the first has none) with that many alternatives
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -60,8 +62,11 @@ class SamplingParams:
                 raise ParamError(param, message)
 
         check(isinstance(self.n, int) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-              "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        # max_tokens=0 scores a prompt without generating: only with prompt_logprobs
+        lowest = 0 if self.prompt_logprobs is not None else 1
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= lowest),
+              "max_tokens", f"max_tokens must be an integer >= 1 (0 only with prompt logprobs), "
+                            f"got {self.max_tokens!r}")
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
               "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
@@ -87,6 +92,10 @@ class SamplingParams:
         check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be >= 0")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
               "logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                               and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+              "prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                 f"got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

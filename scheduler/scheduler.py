@@ -263,6 +263,10 @@ class Scheduler:
             if seq.finished:  # aborted while the iteration ran
                 continue
             seq.num_computed_tokens = scheduled.num_computed_tokens + scheduled.num_new_tokens
+            if seq.sampling_params.max_tokens == 0:  # a prompt scored, nothing to generate
+                self.finish_sequence(seq, SequenceStatus.FINISHED_LENGTH)
+                updated.append(seq)
+                continue
             seq.append_token(int(token_id), None if logprobs is None else logprobs[row])
             stop = stop_check(seq, self.config.max_model_len)
             if stop is not None:

@@ -68,6 +68,7 @@ class Sequence:
     request_id: str = ""  # the user request this sequence is a sample of
     text: TextStream | None = None  # None: no tokenizer (token ids only, no stop strings)
     logprobs: list[Any] | None = None  # one entry per output token, when the request asked for them
+    prompt_logprobs: list[Any] | None = None  # one entry per prompt token (the first None), once computed
     num_reported_tokens: int = 0  # output tokens already handed to the client
 
     @property
@@ -89,6 +90,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and has none yet (a recomputed prefill does not redo them)."""
+        return self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None
 
     def append_token(self, token_id: int, logprob: Any = None) -> None:
         """One sampled token: into the token ids, the logprobs and the text."""

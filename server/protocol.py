@@ -58,7 +58,8 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Map the fields both endpoints share onto SamplingParams; a ParamError names the field."""
         if self.n > MAX_N:
             raise ParamError("n", f"n must be at most {MAX_N}, got {self.n}")
@@ -78,6 +79,7 @@ class _SamplingFields(_Strict):
             frequency_penalty=self.frequency_penalty, logit_bias=bias,
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )
@@ -102,10 +104,11 @@ class CompletionRequest(_SamplingFields):
         return list(self.prompt)
 
     def sampling_params(self) -> SamplingParams:
-        """The request as SamplingParams; a ParamError names the request field."""
-        if self.echo and self.logprobs is not None:
-            raise ParamError("echo", "echo together with logprobs (prompt logprobs) is not supported")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        """The request as SamplingParams; a ParamError names the request field. `echo` with
+        `logprobs` also asks for the prompt's logprobs (OpenAI's legacy scoring: with
+        max_tokens 0 nothing is generated)."""
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextPart(_Strict):

@@ -4,8 +4,8 @@ from engine.execution.batch import BatchInputs, build_batch
 from engine.execution.cores import CoreAssignment
 from engine.execution.pipeline import PipelineTimes, pipelined_forward
 from engine.execution.queues import AcceleratorQueue, CudaStreamQueue, Future, InlineQueue, WorkerThreadQueue
-from engine.execution.runner import ModelRunner, RunnerOutput
+from engine.execution.runner import ForwardLogits, ModelRunner, RunnerOutput
 
-__all__ = ["AcceleratorQueue", "BatchInputs", "CoreAssignment", "CudaStreamQueue", "Future", "InlineQueue",
+__all__ = ["AcceleratorQueue", "BatchInputs", "ForwardLogits", "CoreAssignment", "CudaStreamQueue", "Future", "InlineQueue",
            "ModelRunner", "PipelineTimes", "RunnerOutput", "WorkerThreadQueue", "build_batch",
            "pipelined_forward"]

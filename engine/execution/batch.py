@@ -19,6 +19,11 @@ class BatchInputs:
     meta: AttentionMetadata  # the accelerator rows
     cpu: CpuDecodeMetadata | None  # the trailing CPU decode rows
     last_indices: torch.Tensor  # [num_seqs] row of each sequence's last token
+    # Prefills that asked for prompt logprobs: the rows whose logits predict their prompt's next
+    # tokens ([num_prompt_rows], after `last_indices` in the forward's output), and per such
+    # prefill (its index among this batch's sequences, its number of rows), in row order.
+    prompt_rows: torch.Tensor
+    prompt_spans: list[tuple[int, int]]
 
     @property
     def num_tokens(self) -> int:
@@ -32,9 +37,12 @@ class BatchInputs:
 def build_batch(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], cpu_decodes: list[ScheduledSeq],
                 block_size: int, device: torch.device) -> BatchInputs:
     """Pack one sub-batch: prefill tokens, then GPU decodes, then CPU decodes."""
-    token_ids, positions, last_indices = [], [], []
-    for seq in (*prefills, *gpu_decodes, *cpu_decodes):
+    token_ids, positions, last_indices, prompt_rows, prompt_spans = [], [], [], [], []
+    for index, seq in enumerate((*prefills, *gpu_decodes, *cpu_decodes)):
         start, count = seq.num_computed_tokens, seq.num_new_tokens
+        if start == 0 and seq.sequence.wants_prompt_logprobs:  # a whole prompt, prefilled now
+            prompt_rows.extend(range(len(token_ids), len(token_ids) + count - 1))
+            prompt_spans.append((index, count - 1))
         token_ids.extend(seq.token_ids)
         positions.extend(range(start, start + count))
         last_indices.append(len(token_ids) - 1)
@@ -46,6 +54,7 @@ def build_batch(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], c
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         meta=_accelerator_metadata(prefills, gpu_decodes, block_size, device), cpu=cpu_meta,
         last_indices=torch.tensor(last_indices, dtype=torch.int64, device=device),
+        prompt_rows=torch.tensor(prompt_rows, dtype=torch.int64, device=device), prompt_spans=prompt_spans,
     )
 
 

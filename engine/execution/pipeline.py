@@ -46,7 +46,8 @@ class _Batch:
 def pipelined_forward(model: LlamaModel, accelerator: AcceleratorQueue, kv_cache: TwoTierKVCache,
                       cpu_decode: DecodeAttentionBackend, batch0: BatchInputs, batch1: BatchInputs,
                       times: PipelineTimes | None = None) -> torch.Tensor:
-    """-> logits [batch-0 seqs + batch-1 seqs, vocab] fp32, on the accelerator."""
+    """-> logits [batch-0 seqs + batch-1 seqs + batch-0's then batch-1's prompt rows, vocab] fp32,
+    on the accelerator."""
     times = times if times is not None else PipelineTimes()
     num_layers = model.config.num_layers
     host = torch.device("cpu")
@@ -125,7 +126,8 @@ def pipelined_forward(model: LlamaModel, accelerator: AcceleratorQueue, kv_cache
 
     def head() -> torch.Tensor:
         hidden = torch.cat([b0.hidden, b1.hidden])
-        last = torch.cat([batch0.last_indices, batch1.last_indices + batch0.num_tokens])
+        last = torch.cat([batch0.last_indices, batch1.last_indices + batch0.num_tokens, batch0.prompt_rows,
+                          batch1.prompt_rows + batch0.num_tokens])
         return model.post_layer(hidden, last)
 
     return wait(accelerator.submit(head))

@@ -8,7 +8,7 @@ the calling thread.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +20,8 @@ from engine.execution.queues import AcceleratorQueue, CudaStreamQueue, InlineQue
 from engine.kv import KVCache, TwoTierKVCache
 from engine.model import ModelConfig
 from engine.model.llama import LlamaModel
-from engine.sampling import Sampler, SamplerOutput
+from engine.outputs import TokenLogprob
+from engine.sampling import Sampler, SamplerOutput, prompt_logprobs
 from engine.weights import WeightLoader
 from scheduler.scheduler import IterationPlan, PlanMode
 
@@ -32,6 +33,17 @@ class RunnerOutput:
     sampled: SamplerOutput
     forward_time: float = 0.0  # seconds from the first queued work to the logits
     pipeline: PipelineTimes | None = None  # pipelined plans only
+    # row of plan.scheduled -> its prompt's logprobs, for prefills that asked for them
+    prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
+
+
+@dataclass
+class ForwardLogits:
+    """A forward's logits: one row per scheduled sequence, then the prompt rows."""
+
+    rows: torch.Tensor  # [num_scheduled + num_prompt_rows, vocab] fp32
+    prompt_spans: list[tuple[int, int]]  # (row of plan.scheduled, number of prompt rows), in order
+    pipeline: PipelineTimes | None
 
     @property
     def sampled_token_ids(self) -> list[int]:
@@ -77,17 +89,33 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: IterationPlan) -> RunnerOutput:
         start = time.perf_counter()
-        logits, times = self._forward(plan)
+        logits = self._forward(plan)
         forward_time = time.perf_counter() - start
-        sampled = self.sampler(logits, [s.sequence for s in plan.scheduled])
-        return RunnerOutput(sampled, forward_time, times)
+        sequences = [s.sequence for s in plan.scheduled]
+        sampled = self.sampler(logits.rows[:len(sequences)], sequences)
+        return RunnerOutput(sampled, forward_time, logits.pipeline, self._prompt_logprobs(plan, logits))
+
+    @torch.inference_mode()
+    def forward(self, plan: IterationPlan) -> ForwardLogits:
+        """Run the model over the plan: each scheduled sequence's logits, then its prompt rows'."""
+        return self._forward(plan)
 
     @torch.inference_mode()
     def compute_logits(self, plan: IterationPlan) -> torch.Tensor:
         """Run the model over the plan. -> [num_scheduled, vocab] fp32, rows in `plan.scheduled` order"""
-        return self._forward(plan)[0]
+        return self._forward(plan).rows[:len(plan.scheduled)]
 
-    def _forward(self, plan: IterationPlan) -> tuple[torch.Tensor, PipelineTimes | None]:
+    @staticmethod
+    def _prompt_logprobs(plan: IterationPlan, logits: ForwardLogits) -> dict[int, list[TokenLogprob | None]]:
+        result, first_row = {}, len(plan.scheduled)
+        for row, num_rows in logits.prompt_spans:
+            seq = plan.scheduled[row].sequence
+            result[row] = prompt_logprobs(logits.rows[first_row:first_row + num_rows], seq.prompt_token_ids,
+                                          seq.sampling_params.prompt_logprobs)
+            first_row += num_rows
+        return result
+
+    def _forward(self, plan: IterationPlan) -> ForwardLogits:
         with self.cores.on_cpu_cores():
             try:
                 return self._forward_on_cores(plan)
@@ -95,13 +123,14 @@ class ModelRunner:
                 self.accelerator.recover()
                 raise
 
-    def _forward_on_cores(self, plan: IterationPlan) -> tuple[torch.Tensor, PipelineTimes | None]:
+    def _forward_on_cores(self, plan: IterationPlan) -> ForwardLogits:
         self._swap(plan)
         if plan.mode == PlanMode.GPU_ONLY and not (plan.cpu_decodes or plan.cpu_decodes1):
             batch = self._build_batch(plan.prefills, plan.decodes, [])
+            output_rows = torch.cat([batch.last_indices, batch.prompt_rows])
             logits = self.accelerator.submit(lambda: self.model.forward(
-                batch.token_ids, batch.positions, self.kv_cache, batch.meta, batch.last_indices)).result()
-            return logits, None
+                batch.token_ids, batch.positions, self.kv_cache, batch.meta, output_rows)).result()
+            return ForwardLogits(logits, batch.prompt_spans, None)
         if self.cpu_decode is None:
             raise RuntimeError("a pipelined plan needs the host KV pool, but offloading is off")
         times = PipelineTimes()
@@ -109,7 +138,9 @@ class ModelRunner:
         batch1 = self._build_batch([], [], plan.cpu_decodes1)
         logits = pipelined_forward(self.model, self.accelerator, self.kv_cache, self.cpu_decode,
                                    batch0, batch1, times)
-        return logits, times
+        num_seqs0 = len(batch0.last_indices)
+        spans = batch0.prompt_spans + [(num_seqs0 + index, num_rows) for index, num_rows in batch1.prompt_spans]
+        return ForwardLogits(logits, spans, times)
 
     def _build_batch(self, prefills, gpu_decodes, cpu_decodes):
         return build_batch(prefills, gpu_decodes, cpu_decodes, self.block_size, self.device)

@@ -150,18 +150,19 @@ class LlamaModel:
         gate, up = w.gate_up.apply(rms_norm(hidden, w.post_norm, self.config.rms_norm_eps)).chunk(2, dim=-1)
         return hidden + w.down.apply(F.silu(gate) * up)
 
-    def post_layer(self, hidden: torch.Tensor, last_indices: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head on each sequence's last token. -> logits [num_seqs, vocab] fp32"""
-        last = rms_norm(hidden[last_indices], self.final_norm, self.config.rms_norm_eps)
-        return self.lm_head.apply(last).float()
+    def post_layer(self, hidden: torch.Tensor, output_rows: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the rows whose logits are wanted: each sequence's last token,
+        then any prompt rows. -> logits [len(output_rows), vocab] fp32"""
+        rows = rms_norm(hidden[output_rows], self.final_norm, self.config.rms_norm_eps)
+        return self.lm_head.apply(rows).float()
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: TwoTierKVCache,
-                meta: AttentionMetadata, last_indices: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, output_rows: torch.Tensor) -> torch.Tensor:
         """One batch, layer after layer, all attention on the accelerator (the GPU-only plan)."""
         hidden = self.pre_layer(token_ids)
         for layer in range(self.config.num_layers):
             q, k, v = self.pre_proj(layer, hidden, positions)
             attn_out = self.attention(layer, q, k, v, kv_cache, meta)
             hidden = self.post_proj(layer, hidden, attn_out.view(q.shape[0], -1))
-        return self.post_layer(hidden, last_indices)
+        return self.post_layer(hidden, output_rows)
 

@@ -259,7 +259,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 
 def _step_seed(seed: int, step: int) -> int:
-    """A generator seed that depends only on the seq's seed and how many tokens it has."""
+    """A generator seed that depends only on the sequence's seed and how many tokens it has."""
     return _splitmix64((_splitmix64(seed) + step) & _UINT64_MASK)
 
 
@@ -278,13 +278,28 @@ def _output(logits: torch.Tensor, token_ids: torch.Tensor, params: list[Sampling
     if rows:
         row_index = torch.tensor(rows, device=logits.device)
         # from the raw model logits, before penalties, bias and temperature: vLLM V1's default
-        row_logprobs = torch.log_softmax(logits[row_index].float(), dim=-1)  # [len(rows), vocab]
-        chosen = row_logprobs.gather(1, token_ids[row_index][:, None]).squeeze(1).tolist()
-        max_top = max(params[i].logprobs for i in rows)
-        top_values, top_ids = row_logprobs.topk(max_top, dim=-1)  # descending
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        chosen, top = logprobs_of(logits[row_index], token_ids[row_index],
+                                  max(params[i].logprobs for i in rows))
         for j, i in enumerate(rows):
-            num_top = params[i].logprobs
             logprobs[i] = chosen[j]
-            top_logprobs[i] = list(zip(top_ids[j][:num_top], top_values[j][:num_top]))
+            top_logprobs[i] = top[j][:params[i].logprobs]
     return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor,
+                num_top: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """The log-probability of each row's token under the row's softmax (fp32), and each row's
+    `num_top` most likely tokens with theirs, highest first. logits [rows, vocab], token_ids [rows]."""
+    row_logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = row_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    top_values, top_ids = row_logprobs.topk(num_top, dim=-1)  # descending
+    return chosen, [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], num_top: int) -> list[TokenLogprob | None]:
+    """One entry per prompt token: None for the first (nothing predicts it), then each token's
+    logprob from the prefill's logits at the position before it. logits [num_prompt_tokens - 1, vocab]."""
+    targets = prompt_token_ids[1:]
+    chosen, top = logprobs_of(logits, torch.tensor(targets, device=logits.device), num_top)
+    return [None, *(TokenLogprob(token_id, logprob, alternatives)
+                    for token_id, logprob, alternatives in zip(targets, chosen, top))]

@@ -1,4 +1,5 @@
-"""/v1/completions: prompts in, text out, whole or streamed, with OpenAI's completion logprobs."""
+"""/v1/completions: prompts in, text out, whole or streamed, with OpenAI's completion logprobs
+(of the prompt's tokens too, when `echo` asks for the prompt back)."""
 from __future__ import annotations
 
 import time
@@ -47,8 +48,8 @@ class _CompletionShaper:
         for prompt_index, final in enumerate(finals):
             for completion in final.outputs:
                 prefix = self._echo_text(prompt_index)
-                choices.append(self._choice(prompt_index, completion, prefix + completion.text,
-                                            completion.logprobs or [], len(prefix)))
+                logprobs = self._logprobs(final, completion.logprobs or [], self.request.echo, len(prefix))
+                choices.append(self._choice(prompt_index, completion, prefix + completion.text, logprobs))
                 num_generated += len(completion.token_ids)
         return {**self._header(), "choices": choices, "usage": usage(self.submission, num_generated)}
 
@@ -61,13 +62,15 @@ class _CompletionShaper:
                 if not completion.delta_token_ids and completion.finish_reason is None:
                     continue
                 choice_index = prompt_index * self.request.n + completion.index
-                text = completion.delta_text
+                text, echo = completion.delta_text, ""
                 if choice_index not in text_offsets:  # a choice's first chunk carries the echo
-                    text = self._echo_text(prompt_index) + text
+                    echo = self._echo_text(prompt_index)
+                    text = echo + text
                 num_generated += len(completion.delta_token_ids)
                 offset = text_offsets.get(choice_index, 0)
-                chunk = {**self._header(), "choices": [self._choice(prompt_index, completion, text,
-                                                                    completion.delta_logprobs or [], offset)]}
+                logprobs = self._logprobs(output, completion.delta_logprobs or [],
+                                          self.request.echo and choice_index not in text_offsets, offset + len(echo))
+                chunk = {**self._header(), "choices": [self._choice(prompt_index, completion, text, logprobs)]}
                 text_offsets[choice_index] = offset + len(text)
                 if include_usage:
                     chunk["usage"] = None
@@ -79,12 +82,22 @@ class _CompletionShaper:
         return {"id": f"cmpl-{self.submission.id}", "object": "text_completion", "created": self.created,
                 "model": self.model_name}
 
-    def _choice(self, prompt_index: int, completion: CompletionOutput, text: str, logprobs: list[TokenLogprob],
-                text_offset: int) -> dict:
-        return {"index": prompt_index * self.request.n + completion.index, "text": text,
-                "logprobs": (completion_logprobs(self.tokenizer, logprobs, text_offset)
-                             if self.request.logprobs is not None else None),
+    def _choice(self, prompt_index: int, completion: CompletionOutput, text: str, logprobs: dict | None) -> dict:
+        return {"index": prompt_index * self.request.n + completion.index, "text": text, "logprobs": logprobs,
                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+    def _logprobs(self, output: RequestOutput, entries: list[TokenLogprob], echoed: bool,
+                  text_offset: int) -> dict | None:
+        """The choice's logprobs object: the echoed prompt's tokens first (the first one has no
+        logprob), then the generated ones from `text_offset` on; None when not asked for."""
+        if self.request.logprobs is None:
+            return None
+        generated = completion_logprobs(self.tokenizer, _rows(entries), text_offset)
+        if not echoed:
+            return generated
+        prompt_rows = [(output.prompt_token_ids[0], None, None), *_rows(output.prompt_logprobs[1:])]
+        prompt = completion_logprobs(self.tokenizer, prompt_rows, 0)
+        return {key: prompt[key] + generated[key] for key in generated}
 
     def _echo_text(self, prompt_index: int) -> str:
         if not self.request.echo:
@@ -95,15 +108,23 @@ class _CompletionShaper:
         return self.tokenizer.decode(prepared.prompt_token_ids) if self.tokenizer else ""
 
 
-def completion_logprobs(tokenizer: Tokenizer | None, entries: list[TokenLogprob], text_offset: int) -> dict:
+# (token id, its logprob, the top alternatives): None for a token nothing predicts
+_LogprobRow = tuple[int, float | None, list[tuple[int, float]] | None]
+
+
+def _rows(entries: list[TokenLogprob]) -> list[_LogprobRow]:
+    return [(entry.token_id, entry.logprob, entry.top) for entry in entries]
+
+
+def completion_logprobs(tokenizer: Tokenizer | None, rows: list[_LogprobRow], text_offset: int) -> dict:
     """OpenAI's completion logprobs: parallel lists of tokens, their logprobs, the top
     alternatives and each token's character offset, starting at `text_offset`."""
     tokens, token_logprobs, top_logprobs, text_offsets = [], [], [], []
-    for entry in entries:
-        text = _token_text(tokenizer, entry.token_id)
+    for token_id, logprob, top in rows:
+        text = _token_text(tokenizer, token_id)
         tokens.append(text)
-        token_logprobs.append(entry.logprob)
-        top_logprobs.append({_token_text(tokenizer, token_id): logprob for token_id, logprob in entry.top})
+        token_logprobs.append(logprob)
+        top_logprobs.append(None if top is None else {_token_text(tokenizer, alt): lp for alt, lp in top})
         text_offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,

@@ -114,7 +114,8 @@ CASES = {
                                           "stream_options"),
     "stream_options_unknown_key": Case(CH, chat(stream=True, stream_options={"bogus": True}), 400,
                                        "stream_options.bogus"),
-    "echo_with_logprobs": Case(C, completion(echo=True, logprobs=1), 400, "echo"),
+    "echo_with_logprobs_above_20": Case(C, completion(echo=True, logprobs=21), 400, "logprobs"),
+    "max_tokens_0_without_prompt_logprobs": Case(C, completion(echo=True, max_tokens=0), 400, "max_tokens"),
     # routes
     "unknown_route": Case("/v1/engines", completion(), 404, None),
     # bodies that are not a JSON object

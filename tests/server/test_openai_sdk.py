@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+from engine import SamplingParams
 from tandem_server import MODEL, assert_openai_error, metric, scrape
 
 PROMPT = "The capital of France is"
@@ -47,6 +48,31 @@ def test_completion_streaming_matches_non_streaming(client):
 def test_completion_echo(client):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
     assert out.choices[0].text.startswith(PROMPT) and len(out.choices[0].text) > len(PROMPT)
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, llm):
+    """OpenAI's legacy scoring: the prompt's tokens with their logprobs (the first has none), as
+    the offline engine computes them, and nothing generated."""
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    (choice,) = out.choices
+    assert choice.text == PROMPT and choice.finish_reason == "length" and out.usage.completion_tokens == 0
+    (offline,) = llm.generate(PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(offline.prompt_token_ids) == out.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for served, entry in zip(lp.token_logprobs[1:], offline.prompt_logprobs[1:]):
+        assert math.isclose(served, entry.logprob, abs_tol=1e-4)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+
+
+def test_echo_with_logprobs_streams_the_prompt_first(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    full = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    streamed = [token for chunk in chunks if chunk.logprobs for token in chunk.logprobs.token_logprobs]
+    assert "".join(chunk.text for chunk in chunks) == full.text
+    assert len(full.logprobs.tokens) == len(streamed) and streamed[0] is None
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(streamed[1:], full.logprobs.token_logprobs[1:]))
 
 
 def test_completion_logprobs_shape(client):

@@ -47,10 +47,12 @@ def test_completion_sampling_params():
     assert (params.max_tokens, params.logprobs, params.stop, params.n, params.temperature) == (5, 2, ("\n",), 3, 0.5)
 
 
-def test_echo_with_logprobs_is_refused():
-    error = raised(completion(echo=True, logprobs=0).sampling_params)
-    assert error.param == "echo"
-    assert completion(echo=True).sampling_params().logprobs is None
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
+    params = completion(echo=True, logprobs=2, max_tokens=0).sampling_params()
+    assert (params.prompt_logprobs, params.logprobs, params.max_tokens) == (2, 2, 0)
+    assert completion(echo=True).sampling_params().prompt_logprobs is None
+    assert completion(logprobs=1).sampling_params().prompt_logprobs is None
+    assert raised(completion(logprobs=1, max_tokens=0).sampling_params).param == "max_tokens"
 
 
 def test_chat_logprobs_count_comes_from_top_logprobs():

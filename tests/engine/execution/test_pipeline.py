@@ -72,12 +72,21 @@ def decode(request, pools):
 
 
 def check_and_advance(runner, hf_model, plan, gen):
-    logits = runner.compute_logits(plan).cpu()
-    assert logits.shape[0] == len(plan.scheduled)
+    forward = runner.forward(plan)
+    logits = forward.rows.cpu()
+    num_prompt_rows = sum(num_rows for _, num_rows in forward.prompt_spans)
+    assert logits.shape[0] == len(plan.scheduled) + num_prompt_rows
     for row, seq in enumerate(plan.scheduled):
         expected = hf_model(torch.tensor([seq.sequence.all_token_ids])).logits[0, -1].float()
         torch.testing.assert_close(logits[row], expected, atol=TOLERANCE, rtol=TOLERANCE,
                                    msg=lambda m: f"sequence {seq.sequence.seq_id}: {m}")
+    first_row = len(plan.scheduled)  # prompt rows follow: every position but the last, in order
+    for row, num_rows in forward.prompt_spans:
+        prompt = plan.scheduled[row].sequence.prompt_token_ids
+        expected = hf_model(torch.tensor([prompt])).logits[0, :-1].float()
+        torch.testing.assert_close(logits[first_row:first_row + num_rows], expected, atol=TOLERANCE,
+                                   rtol=TOLERANCE)
+        first_row += num_rows
     for seq in plan.scheduled:  # teacher forcing: random next tokens
         seq.sequence.output_token_ids.append(int(torch.randint(0, 256, (1,), generator=gen)))
 
@@ -104,6 +113,7 @@ def test_two_tier_pipeline_matches_hf(tiny_model, device):
         check_and_advance(runner, hf_model, plan, gen)
         # 2. pipelined: a prefill and GPU decodes in batch-0 with one CPU decode, two CPU decodes in batch-1
         late = new("late", 6, Tier.GPU)
+        late.sampling_params = SamplingParams(max_tokens=50, prompt_logprobs=2)  # its prompt rows ride along
         for _ in range(2):
             plan = IterationPlan(prefills=[prefill(late, pools)] if not late.output_token_ids else [],
                                  decodes=[decode(r, pools) for r in (gpu_a, gpu_b) + ((late,) if late.output_token_ids else ())],

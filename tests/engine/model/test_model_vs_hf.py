@@ -84,3 +84,38 @@ def test_weight_bytes_count_every_parameter_once(tiny_model):
     model = LlamaModel(loader.config, loader, torch.float32, "cpu", 64, create_decode_backend("torch"))
     num_params = sum(p.numel() for p in hf_model.parameters())
     assert model.weight_bytes() == {("float32", "accelerator"): 4 * num_params}
+
+
+@torch.no_grad()
+def test_prompt_logprobs_match_hf_beside_plain_prefills(tiny_model):
+    """A prefill asking for prompt logprobs packed with one that does not: its entries are HF's
+    log-softmax at every position but the last, the first token has none, and the other
+    sequence's logits are untouched."""
+    hf_model, path = tiny_model
+    loader = create_loader(path)
+    runner = ModelRunner(loader.config, loader, dtype=torch.float32, device="cpu", num_blocks=64,
+                         block_size=BLOCK_SIZE, max_model_len=128)
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=128))
+    gen = torch.Generator().manual_seed(2)
+    plain = Sequence("plain", torch.randint(0, 256, (5,), generator=gen).tolist(),
+                     SamplingParams(max_tokens=2, temperature=0.0))
+    scored = Sequence("scored", torch.randint(0, 256, (11,), generator=gen).tolist(),
+                      SamplingParams(max_tokens=0, prompt_logprobs=3))
+    for seq in (plain, scored):
+        sched.add_sequence(seq)
+    plan = sched.schedule()
+    output = runner.execute(plan)
+    (row,) = output.prompt_logprobs
+    assert plan.scheduled[row].sequence is scored
+    entries = output.prompt_logprobs[row]
+    expected = torch.log_softmax(hf_logits(hf_model, scored.prompt_token_ids)[:-1], dim=-1)
+    assert entries[0] is None and len(entries) == len(scored.prompt_token_ids)
+    for position, entry in enumerate(entries[1:]):
+        assert entry.token_id == scored.prompt_token_ids[position + 1]
+        assert entry.logprob == pytest.approx(expected[position, entry.token_id].item(), abs=TOLERANCE)
+        top_values, top_ids = expected[position].topk(3)
+        assert [token for token, _ in entry.top] == top_ids.tolist()
+    plain_row = 1 - row
+    assert output.sampled.token_ids[plain_row] == int(hf_logits(hf_model, plain.prompt_token_ids)[-1].argmax())
+    sched.update(plan, output.sampled.token_ids)
+    assert scored.status.value == "length" and scored.output_token_ids == []  # scored, nothing generated
