@@ -452,7 +452,7 @@ class NeoScheduler(Scheduler):
 
     def _schedule_prefills(self, plan: IterationPlan) -> None:
         """Step 3: first come first served into batch-0 while the token budget and `max_num_seqs`
-        (running seqs of both tiers, as v0 counts them) allow. The KV goes to the GPU pool
+        (running sequences of both tiers, as v0 counts them) allow. The KV goes to the GPU pool
         if it holds the prompt, else to the host pool (the runner copies it out layer by layer) while
         fewer than `max_cpu_admitted` CPU-sequences run, else admission stops. None in an iteration
         that had to preempt (v0's rule)."""

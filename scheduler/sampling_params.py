@@ -1,6 +1,6 @@
 """Sampling parameters: how to pick tokens and when to stop. Plain Python, no torch.
 
-This is where a seq's parameters are validated, once: every check raises `ParamError`
+This is where a request's parameters are validated, once: every check raises `ParamError`
 naming the field, which the server turns into an OpenAI-shaped 400.
 """
 from __future__ import annotations

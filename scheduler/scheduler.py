@@ -1,9 +1,9 @@
 """Scheduler v0: prefill waitqueue + decode runqueue, one mixed batch per iteration.
 
-Each iteration every running seq decodes one token and waiting seqs are admitted as
+Each iteration every running sequence decodes one token and waiting ones are admitted as
 prefills while `max_num_seqs`, `max_num_batched_tokens` and the block pool allow (Orca's
 selective batching: prefills and decodes share the linear layers of one forward). When a
-running seq needs a block and none is free, the newest running seq is preempted:
+running sequence needs a block and none is free, the newest running one is preempted:
 its blocks are freed and it goes back to the front of the waitqueue, to be recomputed from
 its prompt plus the tokens it already generated. Nothing is lost.
 
@@ -140,7 +140,7 @@ class Scheduler:
     def add_sequence(self, seq: Sequence) -> None:
         if seq.num_tokens > self.config.max_model_len:
             raise SchedulerConfigError(
-                f"seq {seq.seq_id} has {seq.num_tokens} tokens, more than max_model_len "
+                f"sequence {seq.seq_id} has {seq.num_tokens} tokens, more than max_model_len "
                 f"({self.config.max_model_len})"
             )
         seq.status = SequenceStatus.WAITING

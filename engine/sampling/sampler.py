@@ -48,7 +48,7 @@ class Sampler:
 
     def __init__(self, vocab_size: int, seed: int | None = None) -> None:
         self.vocab_size = vocab_size
-        self.seed = seed  # for the generator the unseeded seqs share; None: seeded from the OS
+        self.seed = seed  # for the generator the unseeded sequences share; None: seeded from the OS
         self._shared_generators: dict[torch.device, torch.Generator] = {}
         self._seeded_generators: dict[torch.device, torch.Generator] = {}
 
@@ -77,7 +77,7 @@ class Sampler:
 
     def _vocab_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] < self.vocab_size:
-            raise ValueError(f"logits of shape {tuple(logits.shape)} do not cover {len(seqs)} seqs "
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not cover {len(seqs)} sequences "
                              f"over a vocabulary of {self.vocab_size}")
         return logits[:, : self.vocab_size]  # columns past vocab_size are lm_head padding
 

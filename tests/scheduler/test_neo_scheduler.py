@@ -15,7 +15,7 @@ from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerCon
 EOS = 2
 BLOCK_SIZE = 4
 TOLERANCE = 1e-12  # float slack when comparing stage times the scheduler summed in another order
-SAMPLED = (EOS, *range(5, 25))  # fake sampled tokens: EOS one time in 21, so seqs run for a while
+SAMPLED = (EOS, *range(5, 25))  # fake sampled tokens: EOS one time in 21, so sequences run for a while
 
 
 # ---- factories ------------------------------------------------------------------------------
@@ -270,7 +270,7 @@ def test_gpu_only_plans_run_no_cpu_work_and_pipelined_stages_overlap():
 @pytest.mark.parametrize("handoff_seconds", [0.0, 2e-4, 2e-3])
 def test_hand_offs_count_against_the_cpu_stages(handoff_seconds):
     """The hand-off of each CPU stage lengthens it: with a hand-off longer than batch-0's linear
-    work nothing hides under it and only overdue seqs are ever placed (forced); shorter ones
+    work nothing hides under it and only overdue sequences are ever placed (forced); shorter ones
     still pipeline, with both inequalities holding hand-offs included."""
     cost = make_cost_model(cpu_seconds_per_token=1e-7, handoff_seconds=handoff_seconds)
     sched = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=96, max_model_len=64, cost_model=cost)
@@ -286,7 +286,7 @@ def test_hand_offs_count_against_the_cpu_stages(handoff_seconds):
 
 # ---- greedy plan choice --------------------------------------------------------------------------
 def fill_both_tiers(cost_model):
-    """A GPU pool that holds five seqs and seven more on the host, all decoding."""
+    """A GPU pool that holds five sequences and seven more on the host, all decoding."""
     sched = make_scheduler(num_gpu_blocks=16, num_cpu_blocks=64, max_model_len=32, cost_model=cost_model)
     seqs = [make_sequence(i, num_prompt_tokens=11, max_tokens=20) for i in range(12)]
     for seq in seqs:
@@ -471,7 +471,7 @@ def test_bounded_wait_even_when_cpu_attention_looks_terrible(max_wait):
             assert seq in [s.sequence for s in plan.cpu_decodes + plan.cpu_decodes1]
         for updated in sched.update(plan, [5] * len(plan.scheduled)):
             last_token[updated.seq_id] = iteration
-        # one overdue seq is forced per iteration, longest waiting first: a sequence waits at
+        # one overdue sequence is forced per iteration, longest waiting first: a sequence waits at
         # most max_wait iterations plus one for each overdue sequence ahead of it
         for seq in sched.cpu_running:
             assert iteration - last_token[seq.seq_id] <= max_wait + len(sched.cpu_running), seq.seq_id
@@ -481,7 +481,7 @@ def test_bounded_wait_even_when_cpu_attention_looks_terrible(max_wait):
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5])
 def test_host_admission_backs_off_while_the_cpu_runqueue_is_served_slowly(fraction):
-    """A CPU whose attention never fits serves only the overdue seq forced each iteration:
+    """A CPU whose attention never fits serves only the overdue sequence forced each iteration:
     prefills then enter the host pool only while the runqueue, at that rate, waits at most
     `fraction` of the bound."""
     max_wait = 8
@@ -527,7 +527,7 @@ def test_a_plan_never_idles_while_cpu_requests_wait():
 
 # ---- no swap ping-pong ------------------------------------------------------------------------------
 def oscillating_run(seed, **neo):
-    """Waves of seqs whose KV grows past the GPU pool and shrinks below it as they finish
+    """Waves of sequences whose KV grows past the GPU pool and shrinks below it as they finish
     (some early, by EOS, freeing room all at once).
     Returns the scheduler and each sequence's moves [(iteration, 'out' | 'in')]."""
     sched = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=128, max_model_len=64, max_num_seqs=32,

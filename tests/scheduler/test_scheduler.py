@@ -80,7 +80,7 @@ def test_limits_on_seqs_and_tokens():
 
 
 def test_preempts_newest_and_recomputes_with_generated_tokens():
-    # 6 blocks of 4 tokens: two seqs of 10 prompt tokens take 3 blocks each
+    # 6 blocks of 4 tokens: two sequences of 10 prompt tokens take 3 blocks each
     sched = make_scheduler(num_blocks=6, block_size=4, max_model_len=24, watermark_blocks=0)
     old, new = make_sequence("old", max_tokens=10), make_sequence("new", max_tokens=10)
     sched.add_sequence(old)

@@ -1,4 +1,4 @@
-"""The simulator drives the real NeoScheduler in simulated time: every seq ends with exactly
+"""The simulator drives the real NeoScheduler in simulated time: every request ends with exactly
 its tokens, runs repeat exactly, the GPU-only baseline never plans CPU work, and offloading pays
 where GPU memory is short. Small workloads on Neo's real shapes; no torch."""
 import math
@@ -57,7 +57,7 @@ def test_workload_lengths_stay_within_ten_percent():
 
 
 def test_poisson_arrivals_idle_the_clock_between_requests():
-    rate = 0.5  # one sequence every 2 s, far slower than a 32-token seq takes on a T4
+    rate = 0.5  # one sequence every 2 s, far slower than a 32-token request takes on a T4
     result, work, _ = run(num_requests=30, request_rate=rate)
     arrivals = [a for a, _, _ in work.sample()]
     assert all(b > a for a, b in zip(arrivals, arrivals[1:]))
@@ -82,7 +82,7 @@ def test_offloading_beats_gpu_only_where_gpu_memory_is_short():
     comparison = compare(shape, HardwareProfile.load(T4), Workload(60, 200, 64, seed=1), dtype_bytes=dtype_bytes)
     assert comparison.relative_throughput > 1.5
     assert comparison.tandem.iterations_by_mode[PlanMode.PIPELINED] > 0
-    assert comparison.tandem.mean_cpu_batch > comparison.tandem.mean_gpu_batch  # most seqs decode on the CPU
+    assert comparison.tandem.mean_cpu_batch > comparison.tandem.mean_gpu_batch  # most sequences decode on the CPU
     assert comparison.tandem.peak_cpu_requests > comparison.gpu_only.peak_gpu_requests
     assert comparison.tandem.num_output_tokens == comparison.gpu_only.num_output_tokens
 
