@@ -19,6 +19,8 @@ from scheduler.neo import NeoKnobs
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}
 OFFLOAD_MODES = ("auto", "on", "off")
+# --quantization -> the linear method (engine/quant) every decoder-layer matmul uses
+QUANTIZATION_METHODS = {"none": "dense", "int4": "int4"}
 PROFILE_GRIDS = ("default", "quick")  # quick: a coarse profile, for tests
 # cpu: the CPU plays both roles; testbed: an accelerator thread on its own cores beside the CPU
 # attention (Neo's overlap on a CPU-only host); cuda[:N]: a GPU
@@ -126,6 +128,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: the scheduler's default
     decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
+    quantization: str = "none"  # none: weights dense in `dtype` | int4: round-to-nearest INT4 at load
     show_progress: bool = False  # progress bars while the weights load and the costs are profiled
     cache: CacheConfig = field(default_factory=CacheConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -140,6 +143,11 @@ class EngineConfig:
         _require_int(self, "max_model_len", 1, none_means="the model's context length, capped")
         _require_int(self, "max_num_seqs", 1)
         _require_int(self, "max_num_batched_tokens", 1, none_means="the scheduler's default")
+        _require_choice(self, "quantization", tuple(QUANTIZATION_METHODS))
+        if self.quantization == "int4" and self.device != "cpu":
+            raise ConfigError(f"quantization int4 runs on device cpu only for now, got device {self.device!r}: the "
+                              f"testbed's accelerator thread and CUDA need kernels of their own (not built yet); "
+                              f"use --quantization none there")
         for section, config_type in _SECTIONS.items():  # a flat value here would fail much later
             value = getattr(self, section)
             if not isinstance(value, config_type):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import QUANTIZATION_METHODS, EngineConfig
 from engine.execution import CoreAssignment, ModelRunner
 from engine.kv import KVCache
 from engine.model import ConfigError, ModelConfig
@@ -83,6 +83,7 @@ class LLMEngine:
             self.model_config, loader, dtype=self.dtype, device=config.device, num_blocks=num_blocks,
             num_cpu_blocks=num_cpu_blocks, cores=cores, block_size=cache.block_size,
             max_model_len=self.max_model_len, decode_backend=config.decode_attention, seed=config.seed,
+            linear_method=QUANTIZATION_METHODS[config.quantization],
             show_progress=config.show_progress)
         logger.info("weights: %s", _describe_bytes(self.runner.model.weight_bytes()))
         self.cost_model: CostModel | None = None

@@ -21,6 +21,7 @@ from engine.kv import KVCache, TwoTierKVCache
 from engine.model import ModelConfig
 from engine.model.llama import LlamaModel
 from engine.outputs import TokenLogprob
+from engine.quant import create_linear_method
 from engine.sampling import Sampler, SamplerOutput, prompt_logprobs
 from engine.weights import WeightLoader
 from scheduler.scheduler import IterationPlan, PlanMode
@@ -54,14 +55,16 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, loader: WeightLoader, *, dtype: torch.dtype,
                  device: str, num_blocks: int, block_size: int, max_model_len: int,
                  num_cpu_blocks: int = 0, cores: CoreAssignment | None = None,
-                 decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False) -> None:
+                 decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False,
+                 linear_method: str = "dense") -> None:
         self.config = config
         self.cores = cores or CoreAssignment.for_device(device)
         self.accelerator = self._make_accelerator(device)
         self.device = self.accelerator.device
         self.block_size = block_size
         self.model = LlamaModel(config, loader, dtype, self.device, max_model_len,
-                                create_decode_backend(decode_backend, str(self.device)), show_progress=show_progress)
+                                create_decode_backend(decode_backend, str(self.device)), show_progress=show_progress,
+                                linear_method=create_linear_method(linear_method))
         cpu_pool = None
         if num_cpu_blocks:
             cpu_pool = KVCache(config, num_cpu_blocks, block_size, dtype, "cpu",

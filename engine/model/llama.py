@@ -64,7 +64,8 @@ class LlamaModel:
         self.embed_tokens = globals_["embed_tokens"]  # [vocab, hidden]
         self.final_norm = globals_["norm"]
         head = self.embed_tokens if config.tie_word_embeddings else globals_["lm_head"]
-        self.lm_head = self.linear_method.create_weight(head, None, dtype=dtype, device=self.device)
+        # the LM head stays dense like the embeddings: quantization is for the decoder layers
+        self.lm_head = create_linear_method("dense").create_weight(head, None, dtype=dtype, device=self.device)
         self.layers = [
             LayerWeights.from_loaded(loader.load_layer(i, dtype), self.linear_method, dtype, self.device)
             for i in tqdm(range(config.num_layers), desc="loading layers", unit="layer", disable=not show_progress)

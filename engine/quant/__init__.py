@@ -8,7 +8,7 @@ from engine.quant.base import (
 )
 
 # Imported for their @register_linear_method side effect.
-from engine.quant import dense  # noqa: E402,F401  isort: skip
+from engine.quant import dense, int4  # noqa: E402,F401  isort: skip
 
 __all__ = ["LinearMethod", "LinearWeight", "create_linear_method", "linear_method_names",
            "register_linear_method"]

@@ -17,6 +17,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "int4.h"
+
 namespace tandem {
 
 // head_dim must be a multiple of the widest vector (16 fp32 lanes) and at most
@@ -140,6 +142,8 @@ struct KernelTable {
   // Merges num_parts partial states of one (seq, kv_head) into problem.out.
   void (*merge_partials)(const Problem& problem, int seq, int kv_head, const PartialState* parts,
                          int num_parts);
+  // The INT4 matmul's output columns [row_begin, row_end) (int4.h).
+  void (*int4_rows)(const Int4Problem& problem, int row_begin, int row_end);
 };
 
 // Constants of the vector e^x every SIMD path uses: x = n ln 2 + r, e^x = 2^n e^r, with e^r from

@@ -1,6 +1,6 @@
-// Python entry point of the CPU paged decode-attention kernel: picks the
+// Python entry points of the CPU kernels: paged decode attention (picks the
 // instruction set, validates the block tables, splits the work over threads,
-// and merges split sequences. Tensors arrive as raw pointers; kernels/cpu/__init__.py
+// and merges split sequences) and the INT4 matmul (int4.h). Tensors arrive as raw pointers; kernels/cpu/__init__.py
 // checks dtypes, shapes and contiguity before calling in.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -347,6 +347,32 @@ void paged_decode_attention(uintptr_t query, uintptr_t out, int query_dtype, uin
   run_attention(p, kernels, num_threads);
 }
 
+void int4_linear(uintptr_t x, uintptr_t x_group_sums, uintptr_t qweight, uintptr_t scales, uintptr_t mins,
+                 uintptr_t y, int batch, int n, int k, int group_size, int num_threads, const std::string& isa) {
+  if (num_threads < 1 || num_threads > kMaxThreads) {
+    throw std::invalid_argument("num_threads must be in [1, " + std::to_string(kMaxThreads) +
+                                "], got " + std::to_string(num_threads));
+  }
+  if (group_size <= 0 || group_size % kInt4Block != 0 || k <= 0 || k % group_size != 0) {
+    throw std::invalid_argument("k (" + std::to_string(k) + ") must be a positive multiple of group_size (" +
+                                std::to_string(group_size) + "), itself a multiple of " +
+                                std::to_string(kInt4Block));
+  }
+  if (batch < 1 || n < 1) throw std::invalid_argument("batch and n must be >= 1");
+  const KernelTable& kernels = select_kernels(isa);
+  const Int4Problem p{reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(x_group_sums),
+                      reinterpret_cast<const uint8_t*>(qweight), reinterpret_cast<const float*>(scales),
+                      reinterpret_cast<const float*>(mins), reinterpret_cast<float*>(y), batch, n, k, group_size};
+  const int threads = std::min(num_threads, n);
+  // Contiguous runs of output columns: each thread streams its own rows of the packed weight.
+  const auto task = [&](int thread) {
+    const int begin = static_cast<int>(static_cast<int64_t>(n) * thread / threads);
+    const int end = static_cast<int>(static_cast<int64_t>(n) * (thread + 1) / threads);
+    kernels.int4_rows(p, begin, end);
+  };
+  ThreadPool::instance().run(threads, task);
+}
+
 std::vector<std::string> usable_isas() {
   std::vector<std::string> names;
   for (const KernelTable* table : usable_kernels()) names.emplace_back(table->name);
@@ -363,5 +389,7 @@ PYBIND11_MODULE(_cpu_attention, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("stolen_ranges", [] { return tandem::stolen_ranges.load(); },
         "Ranges of work one thread has taken from another since the module loaded.");
+  m.def("int4_linear", &tandem::int4_linear, "Raw-pointer entry; use kernels.cpu.int4_linear instead.",
+        py::call_guard<py::gil_scoped_release>());
   m.def("usable_isas", &tandem::usable_isas, "Instruction sets compiled in and supported here, best first.");
 }

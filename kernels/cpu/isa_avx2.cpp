@@ -33,6 +33,17 @@ struct Isa : ExpConstants {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  // One INT4 block (int4.h): 16 bytes -> 32 weights 0..15, low nibbles then high, 8 at a time.
+  static void unpack_int4(const uint8_t* bytes, Vec* out) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i low = _mm_and_si128(packed, mask);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+  }
   // Stores 16 floats whose even elements are `even` and odd ones `odd` (the
   // inverse of load_even/load_odd's split): interleave within 128-bit lanes, then swap the middle halves.
   static void store_interleaved(float* p, Vec even, Vec odd) {
@@ -108,10 +119,11 @@ struct Isa : ExpConstants {
 }  // namespace tandem
 
 #include "attention_impl.h"
+#include "int4_impl.h"
 
 namespace tandem {
 const KernelTable* avx2_kernels() {
-  static const KernelTable table{"avx2", attend_units, finish_segment, merge_partials};
+  static const KernelTable table{"avx2", attend_units, finish_segment, merge_partials, int4_rows};
   return &table;
 }
 }  // namespace tandem

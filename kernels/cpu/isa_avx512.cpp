@@ -34,6 +34,13 @@ struct Isa : ExpConstants {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  // One INT4 block (int4.h): 16 bytes -> 32 weights 0..15, low nibbles then high.
+  static void unpack_int4(const uint8_t* bytes, Vec* out) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask)));
+    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
+  }
   // Round to nearest even; NaNs stay NaN (quiet bit forced so rounding cannot make them inf).
   static void store(BFloat16* p, Vec v) {
     const __m512i bits = _mm512_castps_si512(v);
@@ -84,10 +91,11 @@ struct Isa : ExpConstants {
 }  // namespace tandem
 
 #include "attention_impl.h"
+#include "int4_impl.h"
 
 namespace tandem {
 const KernelTable* avx512_kernels() {
-  static const KernelTable table{"avx512", attend_units, finish_segment, merge_partials};
+  static const KernelTable table{"avx512", attend_units, finish_segment, merge_partials, int4_rows};
   return &table;
 }
 }  // namespace tandem

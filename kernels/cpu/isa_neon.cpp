@@ -69,10 +69,11 @@ struct Isa : ExpConstants {
 }  // namespace tandem
 
 #include "attention_impl.h"
+#include "int4_impl.h"
 
 namespace tandem {
 const KernelTable* neon_kernels() {
-  static const KernelTable table{"neon", attend_units, finish_segment, merge_partials};
+  static const KernelTable table{"neon", attend_units, finish_segment, merge_partials, int4_rows};
   return &table;
 }
 }  // namespace tandem

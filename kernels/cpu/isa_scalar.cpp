@@ -79,10 +79,11 @@ struct Isa {
 }  // namespace tandem
 
 #include "attention_impl.h"
+#include "int4_impl.h"
 
 namespace tandem {
 const KernelTable* scalar_kernels() {
-  static const KernelTable table{"scalar", attend_units, finish_segment, merge_partials};
+  static const KernelTable table{"scalar", attend_units, finish_segment, merge_partials, int4_rows};
   return &table;
 }
 }  // namespace tandem
