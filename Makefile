@@ -34,6 +34,7 @@ test: install
 
 bench: install
 	$(PY) benchmarks/cpu_attention.py
+	$(PY) benchmarks/int4_matmul.py
 	$(PY) benchmarks/offline.py
 	$(PY) benchmarks/serve.py --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \

@@ -1,10 +1,12 @@
 """Group-wise INT4 weights (kernels/cpu/int4.py's layout) applied without widening them.
 
 Small batches (decode) go through the C++ kernel, which reads the packed bytes once and unpacks
-them in registers; larger ones (prefill) dequantize row tiles of the weight into a buffer that
-fits the caches and run torch's dense GEMM on each, so a prefill never pays for a whole fp32
-matrix. Weights arrive dense today and are quantized at load by round-to-nearest with each
-group's min and scale (`--quantization int4`).
+them in registers; larger ones (prefill) dequantize the weight in the compute dtype into one
+scratch buffer that all of a model's INT4 weights share (the size of the largest) and run torch's
+dense GEMM on it: measured on the 2-core VM, 4096x4096 at batch 16-256 took 1.05-1.8x the dense
+GEMM that way, and 1.1-10x when the weight went through in tiles of rows (torch's GEMM ran a
+[512, 4096] tile far below its speed on the whole matrix). Weights arrive dense today and are
+quantized at load by round-to-nearest with each group's min and scale (`--quantization int4`).
 """
 from __future__ import annotations
 
@@ -15,23 +17,37 @@ from engine.quant.base import LinearMethod, LinearWeight, register_linear_method
 from kernels.cpu import int4
 
 DEFAULT_GROUP_SIZE = 32
-# Rows of x up to which the packed kernel runs; above, dequantized tiles and a dense GEMM. The
-# kernel unpacks each block once per 4 rows, so its cost grows with the batch while the GEMM's
-# barely does (first measurement on the 2-core VM: faster than fp32 dense at batch 1-4, slower
-# at 16); to be set by benchmarks/int4_matmul.py.
+# Rows of x up to which the packed kernel runs; above, the dequantized weight and a dense GEMM.
+# The kernel unpacks each block once per 4 rows, so its cost grows with the batch while the
+# GEMM's barely does: 4096x4096 on the 2-core VM (2 threads) took 0.5 / 1.4 / 5.5-7.9 / 11-12 ms
+# at batch 1 / 4 / 8 / 16, against 10.6 ms for dequantize + fp32 GEMM at 16 (3.9 in bf16).
 MAX_KERNEL_ROWS = 8
-# Dequantized fp32 rows per tile of the large-batch path: a tile of 4 MiB stays in the caches.
-TILE_BYTES = 4 << 20
+
+
+class DequantScratch:
+    """The buffer the large-batch path dequantizes into: one per dtype, grown to the largest
+    weight seen, shared by the weights of one linear method (the engine applies one at a time)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def get(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous [rows, cols] view of the buffer."""
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < rows * cols:
+            buffer = self._buffers[dtype] = torch.empty(rows * cols, dtype=dtype)
+        return buffer[:rows * cols].view(rows, cols)
 
 
 class Int4Weight(LinearWeight):
     method = "int4"
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, scratch: DequantScratch) -> None:
         self.qweight, self.scales, self.mins = qweight, scales, mins  # int4.h's layout
         self.group_size = group_size
         self.bias = bias  # [out_features] in the compute dtype, or None
+        self.scratch = scratch
         self.out_features = qweight.shape[0]
         self.in_features = qweight.shape[1] * 2
 
@@ -40,19 +56,11 @@ class Int4Weight(LinearWeight):
             y = int4.int4_linear(x, self.qweight, self.scales, self.mins, self.group_size,
                                  num_threads=torch.get_num_threads())
         else:
-            y = self._tiled(x)
+            dense = self.scratch.get(self.out_features, self.in_features, x.dtype)
+            int4.dequantize_into(self.qweight, self.scales, self.mins, self.group_size, dense,
+                                 num_threads=torch.get_num_threads())
+            y = F.linear(x, dense)
         return y if self.bias is None else y + self.bias
-
-    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T one dequantized tile of output rows at a time."""
-        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        rows_per_tile = max(1, TILE_BYTES // (4 * self.in_features))
-        for start in range(0, self.out_features, rows_per_tile):
-            end = min(start + rows_per_tile, self.out_features)
-            tile = int4.dequantize(self.qweight[start:end], self.scales[start:end], self.mins[start:end],
-                                   self.group_size)
-            y[:, start:end] = F.linear(x, tile.to(x.dtype))
-        return y
 
     @property
     def format(self) -> str:
@@ -72,10 +80,12 @@ class Int4LinearMethod(LinearMethod):
 
     def __init__(self, group_size: int = DEFAULT_GROUP_SIZE) -> None:
         self.group_size = group_size
+        self.scratch = DequantScratch()
 
     def create_weight(self, weight, bias, *, dtype, device):
         if torch.device(device).type != "cpu":
             raise ValueError(f"int4 weights run on the host CPU's kernels only, not on {device}")
         int4.check_group_size(self.group_size, weight.shape[1])
         qweight, scales, mins = int4.quantize_rtn(weight, self.group_size)
-        return Int4Weight(qweight, scales, mins, self.group_size, None if bias is None else bias.to(dtype))
+        return Int4Weight(qweight, scales, mins, self.group_size, None if bias is None else bias.to(dtype),
+                          self.scratch)

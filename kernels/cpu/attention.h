@@ -144,6 +144,8 @@ struct KernelTable {
                          int num_parts);
   // The INT4 matmul's output columns [row_begin, row_end) (int4.h).
   void (*int4_rows)(const Int4Problem& problem, int row_begin, int row_end);
+  // Rows [row_begin, row_end) of the INT4 weight, dense in `dtype`, into out (from its first row).
+  void (*int4_dequantize)(const Int4Problem& problem, void* out, DType dtype, int row_begin, int row_end);
 };
 
 // Constants of the vector e^x every SIMD path uses: x = n ln 2 + r, e^x = 2^n e^r, with e^r from

@@ -373,6 +373,29 @@ void int4_linear(uintptr_t x, uintptr_t x_group_sums, uintptr_t qweight, uintptr
   ThreadPool::instance().run(threads, task);
 }
 
+void int4_dequantize(uintptr_t qweight, uintptr_t scales, uintptr_t mins, uintptr_t out, int out_dtype, int n,
+                     int k, int group_size, int num_threads, const std::string& isa) {
+  if (num_threads < 1 || num_threads > kMaxThreads) {
+    throw std::invalid_argument("num_threads must be in [1, " + std::to_string(kMaxThreads) + "]");
+  }
+  if (group_size <= 0 || group_size % kInt4Block != 0 || k <= 0 || k % group_size != 0 || n < 1) {
+    throw std::invalid_argument("k must be a positive multiple of group_size, itself a multiple of 32");
+  }
+  const KernelTable& kernels = select_kernels(isa);
+  const Int4Problem p{nullptr, nullptr, reinterpret_cast<const uint8_t*>(qweight),
+                      reinterpret_cast<const float*>(scales), reinterpret_cast<const float*>(mins), nullptr,
+                      0, n, k, group_size};
+  const int threads = std::min(num_threads, n);
+  const size_t row_bytes = static_cast<size_t>(k) * dtype_size(static_cast<DType>(out_dtype));
+  const auto task = [&](int thread) {
+    const int begin = static_cast<int>(static_cast<int64_t>(n) * thread / threads);
+    const int end = static_cast<int>(static_cast<int64_t>(n) * (thread + 1) / threads);
+    kernels.int4_dequantize(p, reinterpret_cast<char*>(out) + begin * row_bytes, static_cast<DType>(out_dtype),
+                            begin, end);
+  };
+  ThreadPool::instance().run(threads, task);
+}
+
 std::vector<std::string> usable_isas() {
   std::vector<std::string> names;
   for (const KernelTable* table : usable_kernels()) names.emplace_back(table->name);
@@ -390,6 +413,8 @@ PYBIND11_MODULE(_cpu_attention, m) {
   m.def("stolen_ranges", [] { return tandem::stolen_ranges.load(); },
         "Ranges of work one thread has taken from another since the module loaded.");
   m.def("int4_linear", &tandem::int4_linear, "Raw-pointer entry; use kernels.cpu.int4_linear instead.",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int4_dequantize", &tandem::int4_dequantize, "Raw-pointer entry; use kernels.cpu.int4.dequantize_into.",
         py::call_guard<py::gil_scoped_release>());
   m.def("usable_isas", &tandem::usable_isas, "Instruction sets compiled in and supported here, best first.");
 }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import _check_shape, _check_tensor, _extension
+from kernels.cpu import _DTYPE_CODES, _check_shape, _check_tensor, _extension
 
 BLOCK = 32  # weights per 16-byte block
 GROUP_SIZES = (32, 64, 128)
@@ -56,6 +56,23 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
     n, k = levels.shape
     groups = levels.reshape(n, k // group_size, group_size)
     return (groups * scales[..., None] + mins[..., None]).reshape(n, k)
+
+
+def dequantize_into(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+                    out: torch.Tensor, num_threads: int = 1, isa: str | None = None) -> torch.Tensor:
+    """The C++ `dequantize`: W's rows [n, k] written into `out` (fp32, bf16 or fp16, contiguous),
+    at memory speed; what the large-batch path multiplies. Returns `out`."""
+    _check_tensor("qweight", qweight, 2, (torch.uint8,))
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    check_group_size(group_size, k)
+    _check_tensor("out", out, 2, _DTYPE_CODES)
+    _check_shape("out", out, (n, k))
+    for name, tensor in (("scales", scales), ("mins", mins)):
+        _check_tensor(name, tensor, 2, (torch.float32,))
+        _check_shape(name, tensor, (n, k // group_size))
+    _extension().int4_dequantize(qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), out.data_ptr(),
+                                 _DTYPE_CODES[out.dtype], n, k, group_size, int(num_threads), isa or "")
+    return out
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,

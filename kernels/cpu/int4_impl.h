@@ -86,5 +86,36 @@ void int4_rows(const Int4Problem& p, int row_begin, int row_end) {
   }
 }
 
+// Rows [row_begin, row_end) of W written densely to out ([row_end - row_begin, k], T = float,
+// BFloat16 or Float16): the large-batch path multiplies such tiles with a dense GEMM.
+template <typename T>
+void int4_dequantize_typed(const Int4Problem& p, T* out, int row_begin, int row_end) {
+  const int num_groups = p.k / p.group_size;
+  const int blocks_per_group = p.group_size / kInt4Block;
+  for (int row = row_begin; row < row_end; ++row) {
+    const uint8_t* q = p.qweight + static_cast<size_t>(row) * (p.k / 2);
+    T* dst = out + static_cast<size_t>(row - row_begin) * p.k;
+    for (int g = 0; g < num_groups; ++g) {
+      const size_t group = static_cast<size_t>(row) * num_groups + g;
+      const typename Isa::Vec scale = Isa::set1(p.scales[group]);
+      const typename Isa::Vec min = Isa::set1(p.mins[group]);
+      for (int block = 0; block < blocks_per_group; ++block) {
+        const int k0 = (g * blocks_per_group + block) * kInt4Block;
+        typename Isa::Vec w[kInt4Vectors];
+        unpack_block(q + k0 / 2, w);
+        for (int v = 0; v < kInt4Vectors; ++v) Isa::store(dst + k0 + v * Isa::kWidth, Isa::fma(w[v], scale, min));
+      }
+    }
+  }
+}
+
+void int4_dequantize(const Int4Problem& p, void* out, DType dtype, int row_begin, int row_end) {
+  switch (dtype) {
+    case DType::kFloat32: int4_dequantize_typed(p, static_cast<float*>(out), row_begin, row_end); break;
+    case DType::kBFloat16: int4_dequantize_typed(p, static_cast<BFloat16*>(out), row_begin, row_end); break;
+    case DType::kFloat16: int4_dequantize_typed(p, static_cast<Float16*>(out), row_begin, row_end); break;
+  }
+}
+
 }  // namespace
 }  // namespace tandem

@@ -123,7 +123,7 @@ struct Isa : ExpConstants {
 
 namespace tandem {
 const KernelTable* avx2_kernels() {
-  static const KernelTable table{"avx2", attend_units, finish_segment, merge_partials, int4_rows};
+  static const KernelTable table{"avx2", attend_units, finish_segment, merge_partials, int4_rows, int4_dequantize};
   return &table;
 }
 }  // namespace tandem

@@ -95,7 +95,7 @@ struct Isa : ExpConstants {
 
 namespace tandem {
 const KernelTable* avx512_kernels() {
-  static const KernelTable table{"avx512", attend_units, finish_segment, merge_partials, int4_rows};
+  static const KernelTable table{"avx512", attend_units, finish_segment, merge_partials, int4_rows, int4_dequantize};
   return &table;
 }
 }  // namespace tandem

@@ -73,7 +73,7 @@ struct Isa : ExpConstants {
 
 namespace tandem {
 const KernelTable* neon_kernels() {
-  static const KernelTable table{"neon", attend_units, finish_segment, merge_partials, int4_rows};
+  static const KernelTable table{"neon", attend_units, finish_segment, merge_partials, int4_rows, int4_dequantize};
   return &table;
 }
 }  // namespace tandem

@@ -83,7 +83,7 @@ struct Isa {
 
 namespace tandem {
 const KernelTable* scalar_kernels() {
-  static const KernelTable table{"scalar", attend_units, finish_segment, merge_partials, int4_rows};
+  static const KernelTable table{"scalar", attend_units, finish_segment, merge_partials, int4_rows, int4_dequantize};
   return &table;
 }
 }  // namespace tandem

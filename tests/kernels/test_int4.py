@@ -102,3 +102,15 @@ def test_malformed_input_is_refused(bad, message):
     mins = torch.zeros(8, max(1, k // 32))
     with pytest.raises(ValueError, match=message):
         int4.int4_linear(x, qweight, scales, mins, group_size, num_threads=bad.get("num_threads", 1))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_into_writes_the_weight_in_the_asked_dtype(isa, dtype):
+    gen = torch.Generator().manual_seed(3)
+    qweight, scales, mins = int4.quantize_rtn(torch.randn(70, 192, generator=gen), 64)
+    expected = int4.dequantize(qweight, scales, mins, 64)
+    out = torch.full((40, 192), float("nan"), dtype=dtype)
+    int4.dequantize_into(qweight[20:60], scales[20:60], mins[20:60], 64, out, num_threads=3, isa=isa)
+    # one fused multiply-add against torch's multiply then add: the last bit may differ
+    torch.testing.assert_close(out.float(), expected[20:60], atol=2e-6, rtol=torch.finfo(dtype).eps)
