@@ -89,8 +89,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mi
         _check_tensor(name, tensor, 2, (torch.float32,))
         _check_shape(name, tensor, (n, k // group_size))
     x32 = x.float().contiguous()
-    group_sums = x32.view(batch, k // group_size, group_size).sum(dim=-1).contiguous()
     y = torch.empty(batch, n, dtype=torch.float32)
-    _extension().int4_linear(x32.data_ptr(), group_sums.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
-                             mins.data_ptr(), y.data_ptr(), batch, n, k, group_size, int(num_threads), isa or "")
+    _extension().int4_linear(x32.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
+                             batch, n, k, group_size, int(num_threads), isa or "")
     return y if x.dtype == torch.float32 else y.to(x.dtype)
