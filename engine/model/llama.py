@@ -18,6 +18,7 @@ from engine.kv import TwoTierKVCache
 from engine.model.config import ModelConfig
 from engine.model.layers import RotaryEmbedding, rms_norm
 from engine.quant import LinearMethod, LinearWeight, create_linear_method
+from engine.quant.int4 import fuse
 from engine.weights import WeightLoader
 
 
@@ -31,9 +32,9 @@ class LayerWeights:
     down: LinearWeight  # [hidden, intermediate]
 
     @classmethod
-    def from_loaded(cls, w: dict[str, torch.Tensor], linear: LinearMethod, dtype: torch.dtype,
-                    device: torch.device) -> "LayerWeights":
-        def make(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeight:
+    def from_loaded(cls, w: dict, linear: LinearMethod, dtype: torch.dtype, device: torch.device) -> "LayerWeights":
+        """From a loader's layer (tensors, and packed 4-bit weights where the method takes them)."""
+        def make(weight, bias: torch.Tensor | None = None) -> LinearWeight:
             return linear.create_weight(weight, bias, dtype=dtype, device=device)
 
         bias = None
@@ -41,10 +42,10 @@ class LayerWeights:
             bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])
         return cls(
             input_norm=w["input_layernorm"].to(device),
-            qkv=make(torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]), bias),
+            qkv=make(fuse([w["q_proj"], w["k_proj"], w["v_proj"]]), bias),
             o_proj=make(w["o_proj"]),
             post_norm=w["post_attention_layernorm"].to(device),
-            gate_up=make(torch.cat([w["gate_proj"], w["up_proj"]])),
+            gate_up=make(fuse([w["gate_proj"], w["up_proj"]])),
             down=make(w["down_proj"]),
         )
 
@@ -66,8 +67,9 @@ class LlamaModel:
         head = self.embed_tokens if config.tie_word_embeddings else globals_["lm_head"]
         # the LM head stays dense like the embeddings: quantization is for the decoder layers
         self.lm_head = create_linear_method("dense").create_weight(head, None, dtype=dtype, device=self.device)
+        load_layer = loader.load_layer_packed if self.linear_method.takes_packed_int4 else loader.load_layer
         self.layers = [
-            LayerWeights.from_loaded(loader.load_layer(i, dtype), self.linear_method, dtype, self.device)
+            LayerWeights.from_loaded(load_layer(i, dtype), self.linear_method, dtype, self.device)
             for i in tqdm(range(config.num_layers), desc="loading layers", unit="layer", disable=not show_progress)
         ]
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_model_len,

@@ -39,6 +39,9 @@ class LinearMethod(ABC):
     """Makes weight objects of one format from dense [out_features, in_features] matrices."""
 
     name: str
+    # Whether create_weight also takes loaders' packed 4-bit weights (engine.quant.int4.PackedInt4)
+    # as they are; loaders dequantize them for a method that does not.
+    takes_packed_int4: bool = False
 
     @abstractmethod
     def create_weight(self, weight: torch.Tensor, bias: torch.Tensor | None, *, dtype: torch.dtype,

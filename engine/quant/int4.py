@@ -10,6 +10,8 @@ quantized at load by round-to-nearest with each group's min and scale (`--quanti
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,42 @@ DEFAULT_GROUP_SIZE = 32
 # GEMM's barely does: 4096x4096 on the 2-core VM (2 threads) took 0.5 / 1.4 / 5.5-7.9 / 11-12 ms
 # at batch 1 / 4 / 8 / 16, against 10.6 ms for dequantize + fp32 GEMM at 16 (3.9 in bf16).
 MAX_KERNEL_ROWS = 8
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    """A weight already in int4.h's layout, as a loader read it (GGUF Q4_0/Q4_1 blocks repacked
+    exactly): the int4 method takes it as it is, with no quantization of its own."""
+
+    qweight: torch.Tensor  # [n, k / 2] uint8
+    scales: torch.Tensor  # [n, k / group_size] fp32
+    mins: torch.Tensor  # [n, k / group_size] fp32
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[0], self.qweight.shape[1] * 2
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [n, k] matrix the blocks stand for."""
+        return int4.dequantize(self.qweight, self.scales, self.mins, self.group_size)
+
+    def take_rows(self, order: torch.Tensor) -> "PackedInt4":
+        """Rows reordered (a row of W is a row of every field)."""
+        return PackedInt4(self.qweight[order], self.scales[order], self.mins[order], self.group_size)
+
+    @staticmethod
+    def cat(parts: list["PackedInt4"]) -> "PackedInt4":
+        """Stacked along the output dimension, as QKV and gate/up are fused."""
+        return PackedInt4(*(torch.cat([getattr(p, name) for p in parts]) for name in ("qweight", "scales", "mins")),
+                          parts[0].group_size)
+
+
+def fuse(parts: list) -> torch.Tensor | PackedInt4:
+    """Weights stacked along the output dimension: packed if every part is, else dense."""
+    if all(isinstance(p, PackedInt4) for p in parts) and len({p.group_size for p in parts}) == 1:
+        return PackedInt4.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, PackedInt4) else p for p in parts])
 
 
 class DequantScratch:
@@ -77,6 +115,7 @@ class Int4LinearMethod(LinearMethod):
     """Round-to-nearest INT4 at load, group size 32; runs on the host CPU's kernels."""
 
     name = "int4"
+    takes_packed_int4 = True
 
     def __init__(self, group_size: int = DEFAULT_GROUP_SIZE) -> None:
         self.group_size = group_size
@@ -85,7 +124,9 @@ class Int4LinearMethod(LinearMethod):
     def create_weight(self, weight, bias, *, dtype, device):
         if torch.device(device).type != "cpu":
             raise ValueError(f"int4 weights run on the host CPU's kernels only, not on {device}")
+        bias = None if bias is None else bias.to(dtype)
+        if isinstance(weight, PackedInt4):  # GGUF Q4 blocks: exact as they are
+            return Int4Weight(weight.qweight, weight.scales, weight.mins, weight.group_size, bias, self.scratch)
         int4.check_group_size(self.group_size, weight.shape[1])
         qweight, scales, mins = int4.quantize_rtn(weight, self.group_size)
-        return Int4Weight(qweight, scales, mins, self.group_size, None if bias is None else bias.to(dtype),
-                          self.scratch)
+        return Int4Weight(qweight, scales, mins, self.group_size, bias, self.scratch)

@@ -9,7 +9,7 @@ import importlib.util
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -61,6 +61,12 @@ class WeightLoader(ABC):
     @abstractmethod
     def load_layer(self, index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """LAYER_KEYS, plus BIAS_KEYS when `config.attention_bias`."""
+
+    def load_layer_packed(self, index: int, dtype: torch.dtype) -> dict[str, Any]:
+        """`load_layer`, but a linear weight stored as 4-bit blocks the int4 layout holds exactly
+        comes as an engine.quant.int4.PackedInt4, never dequantized. A loader without such
+        tensors hands out `load_layer`'s."""
+        return self.load_layer(index, dtype)
 
     def _check_layer_index(self, index: int) -> None:
         if not 0 <= index < self.config.num_layers:

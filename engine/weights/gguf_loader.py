@@ -1,12 +1,17 @@
 """GGUF files (llama.cpp's format), read through the `gguf` package's memory-mapped reader.
 
-Quantized tensors are dequantized with `gguf.quants` when a layer is loaded; the engine then
-holds them in the requested dtype. Tensor names, types, shapes and byte ranges are all
-checked when the loader is built.
+Quantized tensors are dequantized with `gguf.quants` when a layer is loaded, and the engine then
+holds them in the requested dtype; except that for a linear method taking packed 4-bit weights
+(`--quantization int4`), Q4_0 and Q4_1 linear weights are repacked into its layout as they are:
+the codes are copied and the fp16 scales (Q4_1: and mins; Q4_0: min = -8 x scale) widened to
+fp32, exactly. Tensor names, types, shapes and byte ranges are all checked when the loader is
+built.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine.model import ConfigError, ModelConfig
+from engine.quant.int4 import PackedInt4
 from engine.weights.base import (
     WeightLoader,
     WeightLoadError,
@@ -25,6 +31,14 @@ from engine.weights.base import (
     required_shapes,
     shape_error,
 )
+
+logger = logging.getLogger(__name__)
+
+# GGUF's 4-bit types int4.h's layout holds exactly: bytes per 32-weight block (fp16 scale, for
+# Q4_1 an fp16 min, then 16 bytes of codes in the same nibble order).
+_PACKED_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
+_Q4_BLOCK = 32
+_Q4_0_OFFSET = 8  # Q4_0 stores q + 8: weight = scale * (q - 8)
 
 SUPPORTED_TYPES = frozenset(
     {
@@ -84,19 +98,53 @@ class GGUFLoader(WeightLoader):
             config = dataclasses.replace(config, tie_word_embeddings=False)
         self.config = config
         self._check_tensors()
+        self._became: Counter[str] = Counter()  # what each linear weight became, for the load log
 
     def load_globals(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return {key: self._load(_GLOBAL_NAMES[key], dtype) for key in global_shapes(self.config)}
 
-    def load_layer(self, index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def load_layer(self, index: int, dtype: torch.dtype, keep_packed: bool = False) -> dict[str, Any]:
         self._check_layer_index(index)
-        weights = {key: self._load(layer_tensor_name(index, key), dtype) for key in layer_shapes(self.config)}
+        weights = {}
+        for key in layer_shapes(self.config):
+            name = layer_tensor_name(index, key)
+            packable = keep_packed and key.endswith("_proj")
+            weights[key] = self._load_packed(name) if packable and self._is_packable(name) else self._load(name, dtype)
         if self.config.architecture in _PERMUTED_ARCHITECTURES:
             for key, num_heads in (("q", self.config.num_heads), ("k", self.config.num_kv_heads)):
                 weights[f"{key}_proj"] = _unpermute_rows(weights[f"{key}_proj"], num_heads)
                 if f"{key}_bias" in weights:
                     weights[f"{key}_bias"] = _unpermute_rows(weights[f"{key}_bias"], num_heads)
         return weights
+
+    def _is_packable(self, name: str) -> bool:
+        tensor = self._tensors[name]
+        packable = tensor.tensor_type in _PACKED_BLOCK_BYTES
+        what = "int4, packed as stored" if packable else "dequantized"
+        self._became[f"{tensor.tensor_type.name} -> {what}"] += 1
+        logger.debug("%s: %s (%s) -> %s", self.path.name, name, tensor.tensor_type.name, what)
+        return packable
+
+    def _load_packed(self, name: str) -> PackedInt4:
+        """A Q4_0/Q4_1 tensor's blocks in int4.h's layout, exactly."""
+        tensor = self._tensors[name]
+        rows, cols = _hf_shape(tensor)
+        block_bytes = _PACKED_BLOCK_BYTES[tensor.tensor_type]
+        blocks = torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, cols // _Q4_BLOCK, block_bytes)
+        scales = blocks[..., 0:2].contiguous().view(torch.float16).view(rows, -1).float()
+        if tensor.tensor_type == GGMLQuantizationType.Q4_1:
+            mins = blocks[..., 2:4].contiguous().view(torch.float16).view(rows, -1).float()
+        else:
+            mins = -_Q4_0_OFFSET * scales
+        codes = blocks[..., block_bytes - _Q4_BLOCK // 2:].reshape(rows, cols // 2).contiguous()
+        return PackedInt4(codes, scales.contiguous(), mins.contiguous(), _Q4_BLOCK)
+
+    def load_layer_packed(self, index: int, dtype: torch.dtype) -> dict[str, Any]:
+        layer = self.load_layer(index, dtype, keep_packed=True)
+        if index == self.config.num_layers - 1:
+            logger.info("%s: linear weights by what they became: %s", self.path.name,
+                        ", ".join(f"{count} {what}" for what, count in sorted(self._became.items())))
+        return layer
 
     def _check_tensors(self) -> None:
         """Every tensor the config needs is present, of a supported type, and the config's shape."""
@@ -183,9 +231,11 @@ def _hf_shape(tensor: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape))
 
 
-def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _unpermute_rows(weight: torch.Tensor | PackedInt4, num_heads: int) -> torch.Tensor | PackedInt4:
     """Undo llama.cpp's Q/K row order: within each head it interleaves the two rotary halves
     as [head_dim/2, 2]; Hugging Face's rotate-half keeps them as [2, head_dim/2]."""
+    if isinstance(weight, PackedInt4):  # the same order of whole rows
+        return weight.take_rows(_unpermute_rows(torch.arange(weight.shape[0]), num_heads))
     head_dim = weight.shape[0] // num_heads
     grouped = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
     return grouped.transpose(1, 2).reshape(weight.shape)
