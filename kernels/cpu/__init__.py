@@ -1,6 +1,6 @@
 """CPU paged decode attention: a C++ SIMD kernel for the decode step's attention.
 
-The compiled extension (`_cpu_attention`) is built by `python -m kernels.cpu.build`.
+The compiled extension (`_cpu_kernels`: this attention and the INT4 matmul of kernels/cpu/int4.py) is built by `python -m kernels.cpu.build`.
 Caches are per layer: values `[num_blocks, num_kv_heads, block_size, head_dim]`, keys transposed
 within a block, `[num_blocks, num_kv_heads, head_dim, block_size]` (a vector load then takes one
 element of several tokens, so scores need no horizontal sums); fp32, bf16 or fp16, arithmetic in
@@ -18,7 +18,7 @@ import torch
 BUILD_COMMAND = ".venv/bin/python -m kernels.cpu.build"
 
 try:
-    from kernels.cpu import _cpu_attention as _ext
+    from kernels.cpu import _cpu_kernels as _ext
 
     _IMPORT_ERROR: ImportError | None = None
 except ImportError as exc:

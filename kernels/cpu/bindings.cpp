@@ -414,8 +414,8 @@ std::vector<std::string> usable_isas() {
 }  // namespace
 }  // namespace tandem
 
-PYBIND11_MODULE(_cpu_attention, m) {
-  m.doc() = "CPU paged decode attention (see kernels/cpu/__init__.py for the Python API)";
+PYBIND11_MODULE(_cpu_kernels, m) {
+  m.doc() = "CPU kernels: paged decode attention and the INT4 matmul (Python API: kernels/cpu/__init__.py, int4.py)";
   m.def("paged_decode_attention", &tandem::paged_decode_attention,
         "Raw-pointer entry; use kernels.cpu.paged_decode_attention instead.",
         py::call_guard<py::gil_scoped_release>());

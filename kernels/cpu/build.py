@@ -1,4 +1,4 @@
-"""Compiles the CPU attention extension in place: `python -m kernels.cpu.build`.
+"""Compiles the CPU kernels extension (paged decode attention, the INT4 matmul) in place: `python -m kernels.cpu.build`.
 
 Each instruction set's kernel is its own translation unit with its own -m flags,
 so the binary runs on any CPU of the build machine's architecture and picks the
@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODULE_NAME = "_cpu_attention"
+MODULE_NAME = "_cpu_kernels"
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra"]
 X86_ISA_FLAGS = {
     # GCC 12's avx512 headers trip false (maybe-)uninitialized warnings (_mm512_undefined_*);
