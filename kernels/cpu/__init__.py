@@ -49,7 +49,7 @@ def is_available() -> bool:
 
 def _extension():
     if _ext is None:
-        raise RuntimeError(f"the CPU attention extension is not built ({_IMPORT_ERROR}); run `{BUILD_COMMAND}`")
+        raise RuntimeError(f"the CPU kernels extension is not built ({_IMPORT_ERROR}); run `{BUILD_COMMAND}`")
     return _ext
 
 

@@ -1,4 +1,5 @@
-"""Compiles the CPU kernels extension (paged decode attention, the INT4 matmul) in place: `python -m kernels.cpu.build`.
+"""Compiles the CPU kernels extension (paged decode attention, the INT4 matmul) in place:
+`python -m kernels.cpu.build`.
 
 Each instruction set's kernel is its own translation unit with its own -m flags,
 so the binary runs on any CPU of the build machine's architecture and picks the
