@@ -5,8 +5,9 @@ them in registers; larger ones (prefill) dequantize the weight in the compute dt
 scratch buffer that all of a model's INT4 weights share (the size of the largest) and run torch's
 dense GEMM on it: measured on the 2-core VM, 4096x4096 at batch 16-256 took 1.05-1.8x the dense
 GEMM that way, and 1.1-10x when the weight went through in tiles of rows (torch's GEMM ran a
-[512, 4096] tile far below its speed on the whole matrix). Weights arrive dense today and are
-quantized at load by round-to-nearest with each group's min and scale (`--quantization int4`).
+[512, 4096] tile far below its speed on the whole matrix). GGUF Q4_0/Q4_1 weights arrive as
+`PackedInt4` and are used as they are; any other weight is quantized at load by round-to-nearest
+with each group's min and scale (`--quantization int4`).
 """
 from __future__ import annotations
 
