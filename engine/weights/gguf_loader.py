@@ -98,7 +98,6 @@ class GGUFLoader(WeightLoader):
             config = dataclasses.replace(config, tie_word_embeddings=False)
         self.config = config
         self._check_tensors()
-        self._became: Counter[str] = Counter()  # what each linear weight became, for the load log
 
     def load_globals(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return {key: self._load(_GLOBAL_NAMES[key], dtype) for key in global_shapes(self.config)}
@@ -118,12 +117,7 @@ class GGUFLoader(WeightLoader):
         return weights
 
     def _is_packable(self, name: str) -> bool:
-        tensor = self._tensors[name]
-        packable = tensor.tensor_type in _PACKED_BLOCK_BYTES
-        what = "int4, packed as stored" if packable else "dequantized"
-        self._became[f"{tensor.tensor_type.name} -> {what}"] += 1
-        logger.debug("%s: %s (%s) -> %s", self.path.name, name, tensor.tensor_type.name, what)
-        return packable
+        return self._tensors[name].tensor_type in _PACKED_BLOCK_BYTES
 
     def _load_packed(self, name: str) -> PackedInt4:
         """A Q4_0/Q4_1 tensor's blocks in int4.h's layout, exactly."""
@@ -140,11 +134,17 @@ class GGUFLoader(WeightLoader):
         return PackedInt4(codes, scales.contiguous(), mins.contiguous(), _Q4_BLOCK)
 
     def load_layer_packed(self, index: int, dtype: torch.dtype) -> dict[str, Any]:
-        layer = self.load_layer(index, dtype, keep_packed=True)
-        if index == self.config.num_layers - 1:
-            logger.info("%s: linear weights by what they became: %s", self.path.name,
-                        ", ".join(f"{count} {what}" for what, count in sorted(self._became.items())))
-        return layer
+        if index == 0:
+            logger.info("%s: linear weights by what they become: %s", self.path.name, self._packing_summary())
+        return self.load_layer(index, dtype, keep_packed=True)
+
+    def _packing_summary(self) -> str:
+        """'210 Q4_1 -> int4, packed as stored', from the tensors' types."""
+        became = Counter(f"{t.name} -> {'int4, packed as stored' if t in _PACKED_BLOCK_BYTES else 'dequantized'}"
+                         for t in (self._tensors[layer_tensor_name(i, key)].tensor_type
+                                   for i in range(self.config.num_layers) for key in layer_shapes(self.config)
+                                   if key.endswith("_proj")))
+        return ", ".join(f"{count} {what}" for what, count in sorted(became.items()))
 
     def _check_tensors(self) -> None:
         """Every tensor the config needs is present, of a supported type, and the config's shape."""
