@@ -24,7 +24,7 @@ DEFAULT_GROUP_SIZE = 32
 # The kernel unpacks each block once per 4 rows, so its cost grows with the batch while the
 # GEMM's barely does: 4096x4096 on the 2-core VM (2 threads) took 0.5 / 1.4 / 5.5-7.9 / 11-12 ms
 # at batch 1 / 4 / 8 / 16, against 10.6 ms for dequantize + fp32 GEMM at 16 (3.9 in bf16).
-MAX_KERNEL_ROWS = 8
+MAX_KERNEL_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -81,25 +81,26 @@ class DequantScratch:
 class Int4Weight(LinearWeight):
     method = "int4"
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None, scratch: DequantScratch) -> None:
-        self.qweight, self.scales, self.mins = qweight, scales, mins  # int4.h's layout
-        self.group_size = group_size
+    def __init__(self, weight: int4.TiledInt4, bias: torch.Tensor | None, scratch: DequantScratch) -> None:
+        self.weight = weight  # the CPU kernel's tiled layout
         self.bias = bias  # [out_features] in the compute dtype, or None
         self.scratch = scratch
-        self.out_features = qweight.shape[0]
-        self.in_features = qweight.shape[1] * 2
+        self.out_features = weight.n
+        self.in_features = weight.k
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MAX_KERNEL_ROWS:
-            y = int4.int4_linear(x, self.qweight, self.scales, self.mins, self.group_size,
-                                 num_threads=torch.get_num_threads())
+            y = int4.int4_linear(x, self.weight, num_threads=torch.get_num_threads())
         else:
             dense = self.scratch.get(self.out_features, self.in_features, x.dtype)
-            int4.dequantize_into(self.qweight, self.scales, self.mins, self.group_size, dense,
-                                 num_threads=torch.get_num_threads())
+            int4.dequantize_into(self.weight, dense, num_threads=torch.get_num_threads())
             y = F.linear(x, dense)
         return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [out, in] matrix the packed weight stands for (what accuracy is measured against)."""
+        qweight, scales, mins = self.weight.to_packed()
+        return int4.dequantize(qweight, scales, mins, self.weight.group_size)
 
     @property
     def format(self) -> str:
@@ -107,8 +108,7 @@ class Int4Weight(LinearWeight):
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.qweight, self.scales, self.mins] + ([] if self.bias is None else [self.bias])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return self.weight.nbytes + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
 
 @register_linear_method("int4")
@@ -127,7 +127,8 @@ class Int4LinearMethod(LinearMethod):
             raise ValueError(f"int4 weights run on the host CPU's kernels only, not on {device}")
         bias = None if bias is None else bias.to(dtype)
         if isinstance(weight, PackedInt4):  # GGUF Q4 blocks: exact as they are
-            return Int4Weight(weight.qweight, weight.scales, weight.mins, weight.group_size, bias, self.scratch)
-        int4.check_group_size(self.group_size, weight.shape[1])
-        qweight, scales, mins = int4.quantize_rtn(weight, self.group_size)
-        return Int4Weight(qweight, scales, mins, self.group_size, bias, self.scratch)
+            packed, group_size = (weight.qweight, weight.scales, weight.mins), weight.group_size
+        else:
+            int4.check_group_size(self.group_size, weight.shape[1])
+            packed, group_size = int4.quantize_rtn(weight, self.group_size), self.group_size
+        return Int4Weight(int4.TiledInt4.from_packed(*packed, group_size), bias, self.scratch)

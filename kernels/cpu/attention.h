@@ -142,8 +142,10 @@ struct KernelTable {
   // Merges num_parts partial states of one (seq, kv_head) into problem.out.
   void (*merge_partials)(const Problem& problem, int seq, int kv_head, const PartialState* parts,
                          int num_parts);
-  // The INT4 matmul's output columns [row_begin, row_end) (int4.h).
-  void (*int4_rows)(const Int4Problem& problem, int row_begin, int row_end);
+  // The INT4 matmul's output tiles [tile_begin, tile_end) of 16 columns, for the whole batch (int4.h).
+  void (*int4_tiles)(const Int4Problem& problem, int tile_begin, int tile_end);
+  // Rows [row_begin, row_end) of the activations quantized to int8 for int4_tiles.
+  void (*int4_quantize_rows)(const Int4Activations& activations, int row_begin, int row_end);
   // Rows [row_begin, row_end) of the INT4 weight, dense in `dtype`, into out (from its first row).
   void (*int4_dequantize)(const Int4Problem& problem, void* out, DType dtype, int row_begin, int row_end);
 };
@@ -164,6 +166,7 @@ struct ExpConstants {
 };
 
 // Each returns nullptr when the instruction set was not compiled in.
+const KernelTable* avx512_vnni_kernels();
 const KernelTable* avx512_kernels();
 const KernelTable* avx2_kernels();
 const KernelTable* neon_kernels();

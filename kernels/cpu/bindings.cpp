@@ -12,6 +12,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
@@ -29,6 +30,7 @@ constexpr size_t kCacheLineFloats = 16;
 bool cpu_supports(const std::string& isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
+  if (isa == "avx512_vnni") return cpu_supports("avx512") && __builtin_cpu_supports("avx512vnni");
   if (isa == "avx512") {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -45,7 +47,7 @@ bool cpu_supports(const std::string& isa) {
 // Compiled and runnable here, best first.
 std::vector<const KernelTable*> usable_kernels() {
   std::vector<const KernelTable*> usable;
-  for (const KernelTable* table : {avx512_kernels(), avx2_kernels(), neon_kernels(), scalar_kernels()}) {
+  for (const KernelTable* table : {avx512_vnni_kernels(), avx512_kernels(), avx2_kernels(), neon_kernels(), scalar_kernels()}) {
     if (table != nullptr && cpu_supports(table->name)) usable.push_back(table);
   }
   return usable;
@@ -347,8 +349,7 @@ void paged_decode_attention(uintptr_t query, uintptr_t out, int query_dtype, uin
   run_attention(p, kernels, num_threads);
 }
 
-void int4_linear(uintptr_t x, uintptr_t qweight, uintptr_t scales, uintptr_t mins, uintptr_t y, int batch, int n,
-                 int k, int group_size, int num_threads, const std::string& isa) {
+void check_int4_shape(int batch, int n, int k, int group_size, int num_threads) {
   if (num_threads < 1 || num_threads > kMaxThreads) {
     throw std::invalid_argument("num_threads must be in [1, " + std::to_string(kMaxThreads) +
                                 "], got " + std::to_string(num_threads));
@@ -358,51 +359,61 @@ void int4_linear(uintptr_t x, uintptr_t qweight, uintptr_t scales, uintptr_t min
                                 std::to_string(group_size) + "), itself a multiple of " +
                                 std::to_string(kInt4Block));
   }
-  if (batch < 1 || n < 1) throw std::invalid_argument("batch and n must be >= 1");
-  const KernelTable& kernels = select_kernels(isa);
-  // Each group's sum of x, for the mins: computed here rather than by a torch op before the call,
-  // whose OpenMP threads would go on spinning on the cores the kernel's threads are about to use
-  // (a batch of 8 on 256x4096 took 4 ms that way instead of about 0.2).
-  const float* x_rows = reinterpret_cast<const float*>(x);
-  const int num_groups = k / group_size;
-  std::vector<float> group_sums(static_cast<size_t>(batch) * num_groups, 0.0f);
-  for (int b = 0; b < batch; ++b) {
-    for (int i = 0; i < k; ++i) group_sums[static_cast<size_t>(b) * num_groups + i / group_size] += x_rows[static_cast<size_t>(b) * k + i];
-  }
-  const Int4Problem p{x_rows, group_sums.data(),
-                      reinterpret_cast<const uint8_t*>(qweight), reinterpret_cast<const float*>(scales),
-                      reinterpret_cast<const float*>(mins), reinterpret_cast<float*>(y), batch, n, k, group_size};
-  const int threads = std::min(num_threads, n);
-  // Contiguous runs of output columns: each thread streams its own rows of the packed weight.
-  const auto task = [&](int thread) {
-    const int begin = static_cast<int>(static_cast<int64_t>(n) * thread / threads);
-    const int end = static_cast<int>(static_cast<int64_t>(n) * (thread + 1) / threads);
-    kernels.int4_rows(p, begin, end);
-  };
-  ThreadPool::instance().run(threads, task);
+  if (batch < 0 || n < 1) throw std::invalid_argument("batch must be >= 0 and n >= 1");
 }
 
-void int4_dequantize(uintptr_t qweight, uintptr_t scales, uintptr_t mins, uintptr_t out, int out_dtype, int n,
-                     int k, int group_size, int num_threads, const std::string& isa) {
-  if (num_threads < 1 || num_threads > kMaxThreads) {
-    throw std::invalid_argument("num_threads must be in [1, " + std::to_string(kMaxThreads) + "]");
-  }
-  if (group_size <= 0 || group_size % kInt4Block != 0 || k <= 0 || k % group_size != 0 || n < 1) {
-    throw std::invalid_argument("k must be a positive multiple of group_size, itself a multiple of 32");
-  }
+// [0, count) split into `parts` contiguous ranges; the range of `part`.
+std::pair<int, int> split_range(int count, int parts, int part) {
+  return {static_cast<int>(static_cast<int64_t>(count) * part / parts),
+          static_cast<int>(static_cast<int64_t>(count) * (part + 1) / parts)};
+}
+
+void int4_linear(uintptr_t x, uintptr_t codes, uintptr_t scales, uintptr_t mins, uintptr_t y, int batch, int n,
+                 int k, int group_size, int num_threads, const std::string& isa) {
+  check_int4_shape(batch, n, k, group_size, num_threads);
+  if (batch == 0) return;
   const KernelTable& kernels = select_kernels(isa);
-  const Int4Problem p{nullptr, nullptr, reinterpret_cast<const uint8_t*>(qweight),
+  // The activations' int8 blocks and sums are computed here rather than by torch ops before the
+  // call, whose OpenMP threads would go on spinning on the cores the kernel's threads are about
+  // to use (a batch of 8 on 256x4096 took 4 ms that way instead of about 0.2).
+  std::vector<int8_t> x_quant(static_cast<size_t>(batch) * k);
+  std::vector<float> x_scales(static_cast<size_t>(batch) * (k / kInt4Block));
+  std::vector<float> group_sums(static_cast<size_t>(batch) * (k / group_size));
+  std::vector<float> code_offsets(group_sums.size());
+  const Int4Activations activations{reinterpret_cast<const float*>(x), x_quant.data(), x_scales.data(),
+                                    group_sums.data(), code_offsets.data(), k, group_size};
+  const int quantize_threads = std::min(num_threads, batch);
+  ThreadPool::instance().run(quantize_threads, [&](int thread) {
+    const auto [begin, end] = split_range(batch, quantize_threads, thread);
+    kernels.int4_quantize_rows(activations, begin, end);
+  });
+  const Int4Problem p{x_quant.data(), x_scales.data(), group_sums.data(), code_offsets.data(),
+                      reinterpret_cast<const uint8_t*>(codes),
+                      reinterpret_cast<const float*>(scales), reinterpret_cast<const float*>(mins),
+                      reinterpret_cast<float*>(y), batch, n, k, group_size};
+  // Contiguous runs of tiles: each thread streams its own part of the packed weight once.
+  const int num_tiles = (n + kInt4TileRows - 1) / kInt4TileRows;
+  const int threads = std::min(num_threads, num_tiles);
+  ThreadPool::instance().run(threads, [&](int thread) {
+    const auto [begin, end] = split_range(num_tiles, threads, thread);
+    kernels.int4_tiles(p, begin, end);
+  });
+}
+
+void int4_dequantize(uintptr_t codes, uintptr_t scales, uintptr_t mins, uintptr_t out, int out_dtype, int n,
+                     int k, int group_size, int num_threads, const std::string& isa) {
+  check_int4_shape(0, n, k, group_size, num_threads);
+  const KernelTable& kernels = select_kernels(isa);
+  const Int4Problem p{nullptr, nullptr, nullptr, nullptr, reinterpret_cast<const uint8_t*>(codes),
                       reinterpret_cast<const float*>(scales), reinterpret_cast<const float*>(mins), nullptr,
                       0, n, k, group_size};
   const int threads = std::min(num_threads, n);
   const size_t row_bytes = static_cast<size_t>(k) * dtype_size(static_cast<DType>(out_dtype));
-  const auto task = [&](int thread) {
-    const int begin = static_cast<int>(static_cast<int64_t>(n) * thread / threads);
-    const int end = static_cast<int>(static_cast<int64_t>(n) * (thread + 1) / threads);
+  ThreadPool::instance().run(threads, [&](int thread) {
+    const auto [begin, end] = split_range(n, threads, thread);
     kernels.int4_dequantize(p, reinterpret_cast<char*>(out) + begin * row_bytes, static_cast<DType>(out_dtype),
                             begin, end);
-  };
-  ThreadPool::instance().run(threads, task);
+  });
 }
 
 std::vector<std::string> usable_isas() {

@@ -20,14 +20,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODULE_NAME = "_cpu_kernels"
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra"]
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+                 "-Wno-maybe-uninitialized", "-Wno-uninitialized"]
 X86_ISA_FLAGS = {
     # GCC 12's avx512 headers trip false (maybe-)uninitialized warnings (_mm512_undefined_*);
     # the same kernel code is checked warning-free in the other translation units.
-    "isa_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-                       "-Wno-maybe-uninitialized", "-Wno-uninitialized"],
+    "isa_avx512.cpp": _AVX512_FLAGS,
+    "isa_avx512_vnni.cpp": _AVX512_FLAGS + ["-mavx512vnni"],
     "isa_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
 }
-SOURCES = ["bindings.cpp", "thread_pool.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_neon.cpp", "isa_scalar.cpp"]
+SOURCES = ["bindings.cpp", "thread_pool.cpp", "isa_avx512_vnni.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_neon.cpp", "isa_scalar.cpp"]
 
 
 class BuildError(RuntimeError):

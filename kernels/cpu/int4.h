@@ -1,32 +1,75 @@
-// Group-wise 4-bit weights and the small-batch matmul over them: y = x @ W^T.
+// Group-wise 4-bit weights and the matmul over them: y = x @ W^T.
 //
-// W [n, k] is stored as
-//   qweight [n, k / 2] uint8: every run of 32 weights along k is 16 bytes, byte i holding
-//     weight i in its low nibble and weight i + 16 in its high nibble (GGUF Q4_0/Q4_1's own
-//     order, so those blocks repack by copying), and a block unpacks into two contiguous halves
-//     with one mask and one shift;
+// Canonical layout (kernels/cpu/int4.py; what loaders produce and the GPU kernel reads): W [n, k] as
+//   qweight [n, k / 2] uint8: every run of 32 weights along k is 16 bytes, byte i holding weight i
+//     in its low nibble and weight i + 16 in its high nibble (GGUF Q4_0/Q4_1's own order);
 //   scales, mins [n, k / group_size] fp32: weight = scale * q + min, q in [0, 15].
-// The weights are never widened to a matrix: each block is unpacked in registers and used for
-// every batch row of a tile while it is there, so the packed bytes are read once per call for up
-// to kInt4BatchTile rows (a larger batch reads them once per tile, from cache after the first).
+//
+// The CPU kernel reads a tiled copy, made once at load by a byte permutation (int4.py `tile`):
+//   codes: for each tile of kInt4TileRows = 16 output rows and each 32-weight block along k,
+//     kInt4Chunks = 4 chunks of 64 bytes; chunk i holds, for each of the tile's 16 rows in turn,
+//     that row's canonical bytes 4i .. 4i + 3 of the block. Its low nibbles are weights 4i .. 4i + 3
+//     of 16 rows, its high nibbles weights 16 + 4i .. 16 + 4i + 3: exactly the operand of an int8
+//     dot-product instruction (AVX-512 VNNI's vpdpbusd: 4 u8 x s8 products summed into each
+//     int32 lane) whose 16 lanes are 16 output columns, so no horizontal sums are needed;
+//   scales, mins [tiles, k / group_size, 16] fp32. Rows past n in the last tile are zero.
+//
+// Activations are quantized per row and 32-weight block to int8 (scale = max |x| / 127, round to
+// nearest), llama.cpp's Q8_0 scheme. The codes act centered, q - 8, so the activations' rounding
+// error meets weights half the size of q's: with x' = x_scale * x_int8,
+//   y = sum over groups of scale * (<q, x'> - 8 sum(x')) + (min + 8 scale) * sum(x),
+// the last sum over the exact fp32 x.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace tandem {
 
-constexpr int kInt4Block = 32;       // weights per 16-byte block; group_size is a multiple of it
-constexpr int kInt4BatchTile = 4;    // batch rows that share one unpacked block
+constexpr int kInt4Block = 32;     // weights per block along k; group_size is a multiple of it
+constexpr int kInt4TileRows = 16;  // output rows interleaved in one tile
+constexpr int kInt4Chunks = 4;     // 64-byte chunks per tile and block
+constexpr int kInt4ChunkBytes = kInt4TileRows * 4;
+constexpr int kInt4TileBlockBytes = kInt4Chunks * kInt4ChunkBytes;  // = 16 rows x 16 bytes
+constexpr int kInt4MaxQuant = 127;  // int8 activations in [-127, 127]
+constexpr int kInt4CodeCenter = 8;  // codes 0..15 act as q - 8
+
+// 4 int8 activations as one int32, to broadcast to every lane of a dot product.
+inline int32_t load_i32(const int8_t* p) {
+  int32_t value;
+  std::memcpy(&value, p, sizeof(value));
+  return value;
+}
 
 struct Int4Problem {
-  const float* x;             // [batch, k]
-  const float* x_group_sums;  // [batch, k / group_size]: each group's sum of x, for the mins
-  const uint8_t* qweight;     // [n, k / 2]
-  const float* scales;        // [n, k / group_size]
-  const float* mins;          // [n, k / group_size]
+  const int8_t* x_quant;      // [batch, k]
+  const float* x_scales;      // [batch, k / 32]
+  const float* x_group_sums;  // [batch, k / group_size]: each group's fp32 sum of x
+  const float* x_code_offsets;  // [batch, k / group_size]: 8 x each group's sum of x'
+  const uint8_t* codes;       // tiled, [tiles, k / 32, 4, 16, 4]
+  const float* scales;        // [tiles, k / group_size, 16]
+  const float* mins;          // [tiles, k / group_size, 16]
   float* y;                   // [batch, n]
   int batch;
   int n;
+  int k;
+  int group_size;
+
+  int num_blocks() const { return k / kInt4Block; }
+  int num_groups() const { return k / group_size; }
+  const uint8_t* tile_codes(int tile) const {
+    return codes + static_cast<size_t>(tile) * num_blocks() * kInt4TileBlockBytes;
+  }
+};
+
+// Rows [row_begin, row_end) of x [.., k] fp32 quantized into problem-shaped buffers.
+struct Int4Activations {
+  const float* x;
+  int8_t* x_quant;
+  float* x_scales;
+  float* x_group_sums;
+  float* x_code_offsets;
   int k;
   int group_size;
 };

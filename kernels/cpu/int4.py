@@ -2,17 +2,27 @@
 
 Layout (kernels/cpu/int4.h): `qweight` uint8 [n, k / 2], each run of 32 weights along k stored
 as 16 bytes whose low nibbles are weights 0..15 and high nibbles weights 16..31 (GGUF Q4's own
-order); `scales` and `mins` fp32 [n, k / group_size], weight = scale * q + min, q in 0..15.
+order); `scales` and `mins` fp32 [n, k / group_size], weight = scale * q + min, q in 0..15. The
+matmul reads a tiled copy (`TiledInt4`: the same bytes, 16 output rows interleaved) and quantizes
+x to int8 per block of 32, so that one int8 dot-product instruction covers 4 weights of 16 rows.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu import _DTYPE_CODES, _check_shape, _check_tensor, _extension
 
 BLOCK = 32  # weights per 16-byte block
 GROUP_SIZES = (32, 64, 128)
 MAX_LEVEL = 15  # q in [0, MAX_LEVEL]
+TILE_ROWS = 16  # output rows interleaved in one tile of the CPU layout
+CHUNKS = 4  # 64-byte chunks per tile and block
+# The kernel's relative error against the fp32 product on the dequantized weight, from its int8
+# activations (per-block absmax scaling: each x off by at most half a step of max|x| / 127).
+ACTIVATION_RELATIVE_ERROR = 1e-2
 
 
 def check_group_size(group_size: int, k: int) -> None:
@@ -58,38 +68,85 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
     return (groups * scales[..., None] + mins[..., None]).reshape(n, k)
 
 
-def dequantize_into(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-                    out: torch.Tensor, num_threads: int = 1, isa: str | None = None) -> torch.Tensor:
-    """The C++ `dequantize`: W's rows [n, k] written into `out` (fp32, bf16 or fp16, contiguous),
-    at memory speed; what the large-batch path multiplies. Returns `out`."""
+def check_packed(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> None:
+    """ValueError unless the three tensors are one weight in the canonical layout."""
     _check_tensor("qweight", qweight, 2, (torch.uint8,))
     n, k = qweight.shape[0], qweight.shape[1] * 2
     check_group_size(group_size, k)
-    _check_tensor("out", out, 2, _DTYPE_CODES)
-    _check_shape("out", out, (n, k))
     for name, tensor in (("scales", scales), ("mins", mins)):
         _check_tensor(name, tensor, 2, (torch.float32,))
         _check_shape(name, tensor, (n, k // group_size))
-    _extension().int4_dequantize(qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), out.data_ptr(),
-                                 _DTYPE_CODES[out.dtype], n, k, group_size, int(num_threads), isa or "")
+
+
+@dataclass(frozen=True)
+class TiledInt4:
+    """A packed weight in the CPU kernel's tiled layout (int4.h): `codes` uint8
+    [tiles, k / 32, 4, 16, 4], `scales` and `mins` fp32 [tiles, k / group_size, 16], rows past
+    `n` zero. The same bytes as the canonical layout, permuted so that one 64-byte load is 4
+    consecutive weights of 16 output rows."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    n: int
+    group_size: int
+
+    @property
+    def k(self) -> int:
+        return self.codes.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins))
+
+    @staticmethod
+    def from_packed(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> "TiledInt4":
+        check_packed(qweight, scales, mins, group_size)
+        n, k = qweight.shape[0], qweight.shape[1] * 2
+        tiles = -(-n // TILE_ROWS)
+        pad = tiles * TILE_ROWS - n
+        rows = F.pad(qweight, (0, 0, 0, pad)).view(tiles, TILE_ROWS, k // BLOCK, CHUNKS, 4)
+        codes = rows.permute(0, 2, 3, 1, 4).contiguous()  # [tile, block, chunk, row, byte]
+        return TiledInt4(codes, _tile_params(scales, pad), _tile_params(mins, pad), n, group_size)
+
+    def to_packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qweight, scales, mins) in the canonical layout: the inverse of from_packed."""
+        tiles, num_blocks = self.codes.shape[:2]
+        qweight = self.codes.permute(0, 3, 1, 2, 4).reshape(tiles * TILE_ROWS, num_blocks * BLOCK // 2)
+        params = [t.permute(0, 2, 1).reshape(tiles * TILE_ROWS, -1) for t in (self.scales, self.mins)]
+        return qweight[:self.n].contiguous(), params[0][:self.n].contiguous(), params[1][:self.n].contiguous()
+
+
+def _tile_params(params: torch.Tensor, pad: int) -> torch.Tensor:
+    """[n, groups] -> [tiles, groups, 16]: a tile's 16 rows side by side, padded rows zero."""
+    padded = F.pad(params.float(), (0, 0, 0, pad))
+    return padded.view(-1, TILE_ROWS, padded.shape[1]).permute(0, 2, 1).contiguous()
+
+
+def dequantize_into(weight: TiledInt4, out: torch.Tensor, num_threads: int = 1,
+                    isa: str | None = None) -> torch.Tensor:
+    """The C++ `dequantize`: W [n, k] written into `out` (fp32, bf16 or fp16, contiguous); what
+    the large-batch path multiplies. Returns `out`."""
+    _check_tensor("out", out, 2, _DTYPE_CODES)
+    _check_shape("out", out, (weight.n, weight.k))
+    _extension().int4_dequantize(weight.codes.data_ptr(), weight.scales.data_ptr(), weight.mins.data_ptr(),
+                                 out.data_ptr(), _DTYPE_CODES[out.dtype], weight.n, weight.k, weight.group_size,
+                                 int(num_threads), isa or "")
     return out
 
 
-def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                group_size: int, num_threads: int = 1, isa: str | None = None) -> torch.Tensor:
-    """y = x @ W^T for packed W: x [batch, k] fp32/bf16/fp16 -> y [batch, n] in x's dtype, fp32
-    arithmetic. The GIL is released while the kernel runs. Raises ValueError on malformed input."""
+def int4_linear(x: torch.Tensor, weight: TiledInt4, num_threads: int = 1, isa: str | None = None) -> torch.Tensor:
+    """y = x @ W^T: x [batch, k] fp32/bf16/fp16 -> y [batch, n] in x's dtype. x is quantized to int8
+    per block of 32 inside (int4.h), so y differs from the fp32 product on the dequantized weight
+    by about 1e-2 relative (ACTIVATION_RELATIVE_ERROR). The GIL is released while the kernel runs.
+    Raises ValueError on malformed input."""
     _check_tensor("x", x, 2, (torch.float32, torch.bfloat16, torch.float16))
-    _check_tensor("qweight", qweight, 2, (torch.uint8,))
     batch, k = x.shape
-    n = qweight.shape[0]
-    check_group_size(group_size, k)
-    _check_shape("qweight", qweight, (n, k // 2))
-    for name, tensor in (("scales", scales), ("mins", mins)):
-        _check_tensor(name, tensor, 2, (torch.float32,))
-        _check_shape(name, tensor, (n, k // group_size))
+    if k != weight.k:
+        raise ValueError(f"x has {k} columns but the weight's input dimension is {weight.k}")
     x32 = x.float().contiguous()
-    y = torch.empty(batch, n, dtype=torch.float32)
-    _extension().int4_linear(x32.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
-                             batch, n, k, group_size, int(num_threads), isa or "")
+    y = torch.empty(batch, weight.n, dtype=torch.float32)
+    _extension().int4_linear(x32.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(),
+                             weight.mins.data_ptr(), y.data_ptr(), batch, weight.n, k, weight.group_size,
+                             int(num_threads), isa or "")
     return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -1,109 +1,161 @@
-// The INT4 matmul, written once against the `Isa` struct of the translation unit that includes
-// it (see int4.h for the layout). An Isa with `unpack_int4` widens a block's nibbles in
-// registers; any other unpacks through a small float buffer.
+// The INT4 matmul over int4.h's tiled layout, written once against the `Dot8` struct of the
+// translation unit that includes it (its integer dot product and the fp32 vector it accumulates
+// in) and the `Isa` struct (for the dequantize's stores in bf16/fp16).
+//
+// Dot8 provides: kLanes (output rows per vector; kInt4TileRows is a multiple), kBatchTile (rows
+// of x that share one unpacked block), WVec / IVec / FVec, unpack_block (a block's 4 chunks of one
+// vector's rows -> 8 vectors of codes 0..15, chunk i's low nibbles first), block_dot (8 code
+// vectors x a block's 32 int8 activations -> int32 per row), to_float, zero, set1, load, fma, store.
 #pragma once
 
-#include <type_traits>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 
 #include "int4.h"
 
 namespace tandem {
 namespace {
 
-constexpr int kInt4Vectors = kInt4Block / Isa::kWidth;  // vectors per unpacked block
+constexpr int kInt4Vectors = kInt4TileRows / Dot8::kLanes;  // vectors per tile row range
 
-template <typename I, typename = void>
-struct HasInt4Unpack : std::false_type {};
-template <typename I>
-struct HasInt4Unpack<I, std::void_t<decltype(I::unpack_int4(nullptr, nullptr))>> : std::true_type {};
-
-// The 32 weights of one block as floats 0..15, in weight order. (A template so that the branch
-// an Isa does not take is never compiled for it.)
-template <typename I = Isa>
-inline void unpack_block(const uint8_t* bytes, typename I::Vec* out) {
-  if constexpr (HasInt4Unpack<I>::value) {
-    I::unpack_int4(bytes, out);
-  } else {
-    alignas(64) float values[kInt4Block];
-    for (int i = 0; i < kInt4Block / 2; ++i) {
-      values[i] = static_cast<float>(bytes[i] & 0xf);
-      values[i + kInt4Block / 2] = static_cast<float>(bytes[i] >> 4);
-    }
-    for (int v = 0; v < kInt4Vectors; ++v) out[v] = I::load(values + v * I::kWidth);
+// Writes lanes [0, count) of v to y.
+inline void store_lanes(float* y, typename Dot8::FVec v, int count) {
+  if (count == Dot8::kLanes) {
+    Dot8::store(y, v);
+    return;
   }
+  alignas(64) float lanes[Dot8::kLanes];
+  Dot8::store(lanes, v);
+  std::copy(lanes, lanes + count, y);
 }
 
-// Output column `row` of W for batch rows [b0, b0 + kRows).
+// Vector `v` of tile `tile` (rows tile * 16 + v * kLanes ...) for the x rows [b0, b0 + kRows).
 template <int kRows>
-void int4_row_tile(const Int4Problem& p, int row, int b0) {
-  using Vec = typename Isa::Vec;
-  const int num_groups = p.k / p.group_size;
+void int4_tile_vector(const Int4Problem& p, int tile, int v, int b0) {
+  using FVec = typename Dot8::FVec;
+  const int num_blocks = p.num_blocks();
+  const int num_groups = p.num_groups();
   const int blocks_per_group = p.group_size / kInt4Block;
-  const uint8_t* q = p.qweight + static_cast<size_t>(row) * (p.k / 2);
-  const float* scales = p.scales + static_cast<size_t>(row) * num_groups;
-  const float* mins = p.mins + static_cast<size_t>(row) * num_groups;
-  Vec acc[kRows];
-  float min_terms[kRows];
-  for (int b = 0; b < kRows; ++b) {
-    acc[b] = Isa::zero();
-    min_terms[b] = 0.0f;
-  }
+  const uint8_t* codes = p.tile_codes(tile) + v * Dot8::kLanes * 4;
+  const size_t params = static_cast<size_t>(tile) * num_groups * kInt4TileRows + v * Dot8::kLanes;
+  FVec acc[kRows];
+  for (int b = 0; b < kRows; ++b) acc[b] = Dot8::zero();
   for (int g = 0; g < num_groups; ++g) {
-    Vec dot[kRows];  // sum of q * x over the group, before its scale
-    for (int b = 0; b < kRows; ++b) dot[b] = Isa::zero();
-    for (int block = 0; block < blocks_per_group; ++block) {
-      const int k0 = (g * blocks_per_group + block) * kInt4Block;
-      Vec w[kInt4Vectors];
-      unpack_block(q + k0 / 2, w);
+    FVec group_acc[kRows];  // sum over the group's blocks of x_scale * <q, x_int8>
+    for (int b = 0; b < kRows; ++b) group_acc[b] = Dot8::zero();
+    for (int block = g * blocks_per_group; block < (g + 1) * blocks_per_group; ++block) {
+      typename Dot8::WVec w[2 * kInt4Chunks];
+      Dot8::unpack_block(codes + static_cast<size_t>(block) * kInt4TileBlockBytes, w);
       for (int b = 0; b < kRows; ++b) {
-        const float* x = p.x + static_cast<size_t>(b0 + b) * p.k + k0;
-        for (int v = 0; v < kInt4Vectors; ++v) dot[b] = Isa::fma(w[v], Isa::load(x + v * Isa::kWidth), dot[b]);
+        const size_t row = b0 + b;
+        const auto dot = Dot8::block_dot(w, p.x_quant + row * p.k + block * kInt4Block);
+        group_acc[b] = Dot8::fma(Dot8::to_float(dot), Dot8::set1(p.x_scales[row * num_blocks + block]), group_acc[b]);
       }
     }
-    const Vec scale = Isa::set1(scales[g]);
+    const FVec scale = Dot8::load(p.scales + params + static_cast<size_t>(g) * kInt4TileRows);
+    const FVec centered_min = Dot8::fma(Dot8::set1(kInt4CodeCenter), scale,
+                                        Dot8::load(p.mins + params + static_cast<size_t>(g) * kInt4TileRows));
     for (int b = 0; b < kRows; ++b) {
-      acc[b] = Isa::fma(scale, dot[b], acc[b]);
-      min_terms[b] += mins[g] * p.x_group_sums[static_cast<size_t>(b0 + b) * num_groups + g];
+      const size_t row_group = static_cast<size_t>(b0 + b) * num_groups + g;
+      const FVec centered = Dot8::sub(group_acc[b], Dot8::set1(p.x_code_offsets[row_group]));
+      acc[b] = Dot8::fma(centered, scale, Dot8::fma(centered_min, Dot8::set1(p.x_group_sums[row_group]), acc[b]));
     }
   }
-  for (int b = 0; b < kRows; ++b) {
-    p.y[static_cast<size_t>(b0 + b) * p.n + row] = Isa::reduce_add(acc[b]) + min_terms[b];
+  const int col = tile * kInt4TileRows + v * Dot8::kLanes;
+  const int count = std::min(Dot8::kLanes, p.n - col);
+  if (count <= 0) return;
+  for (int b = 0; b < kRows; ++b) store_lanes(p.y + static_cast<size_t>(b0 + b) * p.n + col, acc[b], count);
+}
+
+template <int kRows>
+void int4_tile_rows(const Int4Problem& p, int tile, int b0) {
+  for (int v = 0; v < kInt4Vectors; ++v) int4_tile_vector<kRows>(p, tile, v, b0);
+}
+
+// Rows [b0, b0 + rows) with rows <= kBatchTile, through the instantiation for that count.
+template <int kRows = Dot8::kBatchTile>
+void int4_tile_dispatch(const Int4Problem& p, int tile, int b0, int rows) {
+  if constexpr (kRows > 1) {
+    if (rows < kRows) {
+      int4_tile_dispatch<kRows - 1>(p, tile, b0, rows);
+      return;
+    }
+  }
+  int4_tile_rows<kRows>(p, tile, b0);
+}
+
+// Output tiles [tile_begin, tile_end) for the whole batch; a tile's codes stay in cache while
+// every batch slice passes over them.
+void int4_tiles(const Int4Problem& p, int tile_begin, int tile_end) {
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    for (int b0 = 0; b0 < p.batch; b0 += Dot8::kBatchTile) {
+      int4_tile_dispatch(p, tile, b0, std::min(Dot8::kBatchTile, p.batch - b0));
+    }
   }
 }
 
-// Output columns [row_begin, row_end) for the whole batch.
-void int4_rows(const Int4Problem& p, int row_begin, int row_end) {
-  static_assert(kInt4BatchTile == 4, "the tile dispatch below covers 1..4 rows");
+// x rows [row_begin, row_end) to int8 per block of 32, with each block's scale, each group's fp32
+// sum and its code offset (int4.h).
+void int4_quantize_rows(const Int4Activations& a, int row_begin, int row_end) {
+  const int num_blocks = a.k / kInt4Block;
+  const int blocks_per_group = a.group_size / kInt4Block;
   for (int row = row_begin; row < row_end; ++row) {
-    for (int b0 = 0; b0 < p.batch; b0 += kInt4BatchTile) {
-      switch (p.batch - b0) {
-        case 1: int4_row_tile<1>(p, row, b0); break;
-        case 2: int4_row_tile<2>(p, row, b0); break;
-        case 3: int4_row_tile<3>(p, row, b0); break;
-        default: int4_row_tile<4>(p, row, b0); break;
+    const float* x = a.x + static_cast<size_t>(row) * a.k;
+    int8_t* q = a.x_quant + static_cast<size_t>(row) * a.k;
+    float* group_sums = a.x_group_sums + static_cast<size_t>(row) * (num_blocks / blocks_per_group);
+    float* code_offsets = a.x_code_offsets + static_cast<size_t>(row) * (num_blocks / blocks_per_group);
+    for (int block = 0; block < num_blocks; ++block) {
+      const float* xb = x + block * kInt4Block;
+      float amax = 0.0f;
+      float sum = 0.0f;
+      for (int i = 0; i < kInt4Block; ++i) {
+        amax = std::max(amax, std::fabs(xb[i]));
+        sum += xb[i];
       }
+      const float inverse = amax > 0.0f ? kInt4MaxQuant / amax : 0.0f;
+      int32_t quant_sum = 0;
+      for (int i = 0; i < kInt4Block; ++i) {
+        const int8_t value = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
+        q[block * kInt4Block + i] = value;
+        quant_sum += value;
+      }
+      const float scale = amax / kInt4MaxQuant;
+      a.x_scales[static_cast<size_t>(row) * num_blocks + block] = scale;
+      const int group = block / blocks_per_group;
+      if (block % blocks_per_group == 0) group_sums[group] = code_offsets[group] = 0.0f;
+      group_sums[group] += sum;
+      code_offsets[group] += kInt4CodeCenter * scale * static_cast<float>(quant_sum);
     }
   }
 }
 
-// Rows [row_begin, row_end) of W written densely to out ([row_end - row_begin, k], T = float,
-// BFloat16 or Float16): the large-batch path multiplies such tiles with a dense GEMM.
+// Rows [row_begin, row_end) of W (tile-aligned row_begin) written densely to out
+// ([row_end - row_begin, k], T = float, BFloat16 or Float16).
 template <typename T>
 void int4_dequantize_typed(const Int4Problem& p, T* out, int row_begin, int row_end) {
-  const int num_groups = p.k / p.group_size;
+  const int num_groups = p.num_groups();
   const int blocks_per_group = p.group_size / kInt4Block;
+  alignas(64) float values[kInt4Block];
   for (int row = row_begin; row < row_end; ++row) {
-    const uint8_t* q = p.qweight + static_cast<size_t>(row) * (p.k / 2);
+    const int tile = row / kInt4TileRows;
+    const int lane = row % kInt4TileRows;
+    const uint8_t* codes = p.tile_codes(tile) + lane * 4;
     T* dst = out + static_cast<size_t>(row - row_begin) * p.k;
     for (int g = 0; g < num_groups; ++g) {
-      const size_t group = static_cast<size_t>(row) * num_groups + g;
-      const typename Isa::Vec scale = Isa::set1(p.scales[group]);
-      const typename Isa::Vec min = Isa::set1(p.mins[group]);
-      for (int block = 0; block < blocks_per_group; ++block) {
-        const int k0 = (g * blocks_per_group + block) * kInt4Block;
-        typename Isa::Vec w[kInt4Vectors];
-        unpack_block(q + k0 / 2, w);
-        for (int v = 0; v < kInt4Vectors; ++v) Isa::store(dst + k0 + v * Isa::kWidth, Isa::fma(w[v], scale, min));
+      const size_t param = (static_cast<size_t>(tile) * num_groups + g) * kInt4TileRows + lane;
+      const float scale = p.scales[param];
+      const float min = p.mins[param];
+      for (int block = g * blocks_per_group; block < (g + 1) * blocks_per_group; ++block) {
+        const uint8_t* chunks = codes + static_cast<size_t>(block) * kInt4TileBlockBytes;
+        for (int i = 0; i < kInt4Chunks; ++i) {
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t byte = chunks[i * kInt4ChunkBytes + j];
+            values[4 * i + j] = scale * static_cast<float>(byte & 0xf) + min;
+            values[16 + 4 * i + j] = scale * static_cast<float>(byte >> 4) + min;
+          }
+        }
+        for (int i = 0; i < kInt4Block; i += Isa::kWidth) Isa::store(dst + block * kInt4Block + i, Isa::load(values + i));
       }
     }
   }

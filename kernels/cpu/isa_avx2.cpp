@@ -1,6 +1,7 @@
 // AVX2 + FMA + F16C instantiation of the kernel (8 fp32 lanes). Compiled with
 // -mavx2 -mfma -mf16c; only called after the runtime check in bindings.cpp.
 #include "attention.h"
+#include "int4.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -33,17 +34,6 @@ struct Isa : ExpConstants {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-  // One INT4 block (int4.h): 16 bytes -> 32 weights 0..15, low nibbles then high, 8 at a time.
-  static void unpack_int4(const uint8_t* bytes, Vec* out) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i low = _mm_and_si128(packed, mask);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
-  }
   // Stores 16 floats whose even elements are `even` and odd ones `odd` (the
   // inverse of load_even/load_odd's split): interleave within 128-bit lanes, then swap the middle halves.
   static void store_interleaved(float* p, Vec even, Vec odd) {
@@ -115,6 +105,41 @@ struct Isa : ExpConstants {
   static constexpr int kHighHalf = static_cast<int>(0xffff0000u);
 };
 
+
+// The INT4 matmul's int8 dot product (int4_impl.h): 8 output rows per vector, their 4-byte groups
+// of codes multiplied by 4 activations broadcast to every lane; pairs summed to int16 by
+// vpmaddubsw (at most 8 x 2 x 15 x 127 = 30480: no overflow), widened once per block.
+struct Dot8 {
+  static constexpr int kLanes = 8;
+  static constexpr int kBatchTile = 4;
+  using WVec = __m256i;
+  using IVec = __m256i;
+  using FVec = __m256;
+
+  static void unpack_block(const uint8_t* chunks, WVec* w) {
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    for (int i = 0; i < kInt4Chunks; ++i) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + i * kInt4ChunkBytes));
+      w[i] = _mm256_and_si256(packed, mask);
+      w[kInt4Chunks + i] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+    }
+  }
+  static IVec block_dot(const WVec* w, const int8_t* x) {
+    __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load_i32(x)));
+    for (int c = 1; c < 2 * kInt4Chunks; ++c) {
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(load_i32(x + 4 * c))));
+    }
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  }
+  static FVec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
+  static FVec zero() { return _mm256_setzero_ps(); }
+  static FVec set1(float value) { return _mm256_set1_ps(value); }
+  static FVec load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, FVec v) { _mm256_storeu_ps(p, v); }
+  static FVec sub(FVec a, FVec b) { return _mm256_sub_ps(a, b); }
+  static FVec fma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
+};
+
 }  // namespace
 }  // namespace tandem
 
@@ -123,7 +148,8 @@ struct Isa : ExpConstants {
 
 namespace tandem {
 const KernelTable* avx2_kernels() {
-  static const KernelTable table{"avx2", attend_units, finish_segment, merge_partials, int4_rows, int4_dequantize};
+  static const KernelTable table{"avx2", attend_units, finish_segment, merge_partials, int4_tiles, int4_quantize_rows,
+                                 int4_dequantize};
   return &table;
 }
 }  // namespace tandem

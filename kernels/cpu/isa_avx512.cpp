@@ -3,6 +3,13 @@
 // after the runtime check in bindings.cpp.
 #include "attention.h"
 
+// isa_avx512_vnni.cpp compiles this file again with VNNI, under its own name.
+#ifndef TANDEM_AVX512_TABLE
+#define TANDEM_AVX512_NAME "avx512"
+#define TANDEM_AVX512_TABLE avx512_kernels
+#endif
+#include "int4.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
     defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -34,13 +41,6 @@ struct Isa : ExpConstants {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-  // One INT4 block (int4.h): 16 bytes -> 32 weights 0..15, low nibbles then high.
-  static void unpack_int4(const uint8_t* bytes, Vec* out) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask)));
-    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
-  }
   // Round to nearest even; NaNs stay NaN (quiet bit forced so rounding cannot make them inf).
   static void store(BFloat16* p, Vec v) {
     const __m512i bits = _mm512_castps_si512(v);
@@ -87,6 +87,48 @@ struct Isa : ExpConstants {
   static constexpr int kHighHalf = static_cast<int>(0xffff0000u);
 };
 
+
+// The INT4 matmul's int8 dot product (int4_impl.h): 16 output rows per vector, their 4-byte
+// groups of codes multiplied by 4 activations broadcast to every lane. With VNNI (the
+// avx512_vnni build of this file) one vpdpbusd per 4 codes; without, pairs summed to int16 by
+// vpmaddubsw (at most 8 x 2 x 15 x 127 = 30480: no overflow) and widened once per block.
+struct Dot8 {
+  static constexpr int kLanes = 16;
+  static constexpr int kBatchTile = 8;
+  using WVec = __m512i;
+  using IVec = __m512i;
+  using FVec = __m512;
+
+  static void unpack_block(const uint8_t* chunks, WVec* w) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    for (int i = 0; i < kInt4Chunks; ++i) {
+      const __m512i packed = _mm512_loadu_si512(chunks + i * kInt4ChunkBytes);
+      w[i] = _mm512_and_si512(packed, mask);
+      w[kInt4Chunks + i] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+    }
+  }
+  static IVec block_dot(const WVec* w, const int8_t* x) {
+#ifdef __AVX512VNNI__
+    __m512i sums = _mm512_setzero_si512();
+    for (int c = 0; c < 2 * kInt4Chunks; ++c) sums = _mm512_dpbusd_epi32(sums, w[c], _mm512_set1_epi32(load_i32(x + 4 * c)));
+    return sums;
+#else
+    __m512i pairs = _mm512_maddubs_epi16(w[0], _mm512_set1_epi32(load_i32(x)));
+    for (int c = 1; c < 2 * kInt4Chunks; ++c) {
+      pairs = _mm512_add_epi16(pairs, _mm512_maddubs_epi16(w[c], _mm512_set1_epi32(load_i32(x + 4 * c))));
+    }
+    return _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+#endif
+  }
+  static FVec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
+  static FVec zero() { return _mm512_setzero_ps(); }
+  static FVec set1(float value) { return _mm512_set1_ps(value); }
+  static FVec load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, FVec v) { _mm512_storeu_ps(p, v); }
+  static FVec sub(FVec a, FVec b) { return _mm512_sub_ps(a, b); }
+  static FVec fma(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
+};
+
 }  // namespace
 }  // namespace tandem
 
@@ -94,8 +136,9 @@ struct Isa : ExpConstants {
 #include "int4_impl.h"
 
 namespace tandem {
-const KernelTable* avx512_kernels() {
-  static const KernelTable table{"avx512", attend_units, finish_segment, merge_partials, int4_rows, int4_dequantize};
+const KernelTable* TANDEM_AVX512_TABLE() {
+  static const KernelTable table{TANDEM_AVX512_NAME, attend_units, finish_segment, merge_partials, int4_tiles,
+                                 int4_quantize_rows, int4_dequantize};
   return &table;
 }
 }  // namespace tandem
@@ -103,7 +146,7 @@ const KernelTable* avx512_kernels() {
 #else
 
 namespace tandem {
-const KernelTable* avx512_kernels() { return nullptr; }
+const KernelTable* TANDEM_AVX512_TABLE() { return nullptr; }
 }  // namespace tandem
 
 #endif

@@ -69,11 +69,13 @@ struct Isa : ExpConstants {
 }  // namespace tandem
 
 #include "attention_impl.h"
+#include "int4_portable.h"
 #include "int4_impl.h"
 
 namespace tandem {
 const KernelTable* neon_kernels() {
-  static const KernelTable table{"neon", attend_units, finish_segment, merge_partials, int4_rows, int4_dequantize};
+  static const KernelTable table{"neon", attend_units, finish_segment, merge_partials, int4_tiles,
+                                 int4_quantize_rows, int4_dequantize};
   return &table;
 }
 }  // namespace tandem
