@@ -2,9 +2,8 @@
 
 Quantized tensors are dequantized with `gguf.quants` when a layer is loaded, and the engine then
 holds them in the requested dtype; except that for a linear method taking packed 4-bit weights
-(`--quantization int4`), Q4_0 and Q4_1 linear weights are repacked into its layout as they are:
-the codes are copied and the fp16 scales (Q4_1: and mins; Q4_0: min = -8 x scale) widened to
-fp32, exactly. Tensor names, types, shapes and byte ranges are all checked when the loader is
+(`--quantization int4`), Q4_0, Q4_1 and Q4_K linear weights are repacked into its layout
+exactly (gguf_int4.py: one repacker per type). Tensor names, types, shapes and byte ranges are all checked when the loader is
 built.
 """
 from __future__ import annotations
@@ -31,14 +30,9 @@ from engine.weights.base import (
     required_shapes,
     shape_error,
 )
+from engine.weights.gguf_int4 import REPACKERS
 
 logger = logging.getLogger(__name__)
-
-# GGUF's 4-bit types int4.h's layout holds exactly: bytes per 32-weight block (fp16 scale, for
-# Q4_1 an fp16 min, then 16 bytes of codes in the same nibble order).
-_PACKED_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
-_Q4_BLOCK = 32
-_Q4_0_OFFSET = 8  # Q4_0 stores q + 8: weight = scale * (q - 8)
 
 SUPPORTED_TYPES = frozenset(
     {
@@ -48,6 +42,7 @@ SUPPORTED_TYPES = frozenset(
         GGMLQuantizationType.Q8_0,
         GGMLQuantizationType.Q4_0,
         GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q4_K,
     }
 )
 
@@ -117,21 +112,15 @@ class GGUFLoader(WeightLoader):
         return weights
 
     def _is_packable(self, name: str) -> bool:
-        return self._tensors[name].tensor_type in _PACKED_BLOCK_BYTES
+        return self._tensors[name].tensor_type in REPACKERS
 
     def _load_packed(self, name: str) -> PackedInt4:
-        """A Q4_0/Q4_1 tensor's blocks in int4.h's layout, exactly."""
+        """A Q4_0/Q4_1/Q4_K tensor's blocks in int4.h's layout, exactly."""
         tensor = self._tensors[name]
-        rows, cols = _hf_shape(tensor)
-        block_bytes = _PACKED_BLOCK_BYTES[tensor.tensor_type]
-        blocks = torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, cols // _Q4_BLOCK, block_bytes)
-        scales = blocks[..., 0:2].contiguous().view(torch.float16).view(rows, -1).float()
-        if tensor.tensor_type == GGMLQuantizationType.Q4_1:
-            mins = blocks[..., 2:4].contiguous().view(torch.float16).view(rows, -1).float()
-        else:
-            mins = -_Q4_0_OFFSET * scales
-        codes = blocks[..., block_bytes - _Q4_BLOCK // 2:].reshape(rows, cols // 2).contiguous()
-        return PackedInt4(codes, scales.contiguous(), mins.contiguous(), _Q4_BLOCK)
+        rows, _ = _hf_shape(tensor)
+        _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+        blocks = torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, -1, type_size)
+        return REPACKERS[tensor.tensor_type](blocks)
 
     def load_layer_packed(self, index: int, dtype: torch.dtype) -> dict[str, Any]:
         if index == 0:
@@ -140,7 +129,7 @@ class GGUFLoader(WeightLoader):
 
     def _packing_summary(self) -> str:
         """'210 Q4_1 -> int4, packed as stored', from the tensors' types."""
-        became = Counter(f"{t.name} -> {'int4, packed as stored' if t in _PACKED_BLOCK_BYTES else 'dequantized'}"
+        became = Counter(f"{t.name} -> {'int4, packed as stored' if t in REPACKERS else 'dequantized'}"
                          for t in (self._tensors[layer_tensor_name(i, key)].tensor_type
                                    for i in range(self.config.num_layers) for key in layer_shapes(self.config)
                                    if key.endswith("_proj")))
