@@ -21,9 +21,7 @@ from engine.weights import (
     global_shapes,
     layer_shapes,
 )
-from engine.quant.int4 import PackedInt4
 from engine.weights.dummy import DummyLoader
-from engine.weights.gguf_int4 import REPACKERS
 from engine.weights.gguf_loader import SUPPORTED_TYPES, GGUFLoader
 from engine.weights.safetensors_loader import SafetensorsLoader
 from tiny_gguf import write_tiny_gguf
@@ -234,22 +232,6 @@ def test_gguf_types_and_unpermute(tmp_path, qtype):
     for index in range(loader.config.num_layers):
         for key, tensor in loader.load_layer(index, torch.float32).items():
             torch.testing.assert_close(tensor, expected[index][key], rtol=0, atol=0, msg=f"{index}.{key}")
-
-
-@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q8_0], ids=lambda qtype: qtype.name)
-def test_gguf_q4_weights_are_kept_packed_exactly(tmp_path, qtype):
-    """For a method taking packed 4-bit weights, Q4_0/Q4_1/Q4_K linear weights come as PackedInt4
-    whose values are exactly the dequantized ones (Q/K rows unpermuted too); other types, the
-    norms included, come dense as load_layer gives them."""
-    path = tmp_path / "tiny.gguf"
-    expected, _ = write_tiny_gguf(path, qtype=qtype)
-    loader = create_loader(str(path))
-    for index in range(loader.config.num_layers):
-        for key, weight in loader.load_layer_packed(index, torch.float32).items():
-            packed = qtype in REPACKERS and key.endswith("_proj")
-            assert isinstance(weight, PackedInt4) == packed, key
-            values = weight.dequantize() if packed else weight
-            torch.testing.assert_close(values, expected[index][key], rtol=0, atol=0, msg=f"{index}.{key}")
 
 
 def test_gguf_qwen2_not_permuted_with_bias(tmp_path):
