@@ -159,15 +159,19 @@ class GGUFLoader(WeightLoader):
 
     def _load_for_int4(self, name: str, dtype: torch.dtype) -> torch.Tensor | PackedInt4 | KeepDense:
         """A linear weight as the int4 method takes it (see _int4_handling)."""
-        tensor = self._tensors[name]
-        handling = _int4_handling(tensor.tensor_type)
+        handling = _int4_handling(self._tensors[name].tensor_type)
         if handling is _Int4Handling.PACKED:
-            rows, _ = _hf_shape(tensor)
-            _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-            blocks = torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, -1, type_size)
-            return REPACKERS[tensor.tensor_type](blocks)
+            return self._load_packed(name)
         weight = self._load(name, dtype)
         return KeepDense(weight) if handling is _Int4Handling.KEPT_DENSE else weight
+
+    def _load_packed(self, name: str) -> PackedInt4:
+        """The tensor's blocks, uint8 [rows, blocks per row, bytes per block], repacked exactly."""
+        tensor = self._tensors[name]
+        rows, _ = _hf_shape(tensor)
+        _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+        blocks = torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, -1, type_size)
+        return REPACKERS[tensor.tensor_type](blocks)
 
     def _load_summary(self, dtype: torch.dtype, for_int4: bool) -> str:
         """What each weight matrix becomes, derived from the tensors' types, e.g. "the embeddings
@@ -276,7 +280,7 @@ def _hf_shape(tensor: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape))
 
 
-def _unpermute_rows(weight: Any, num_heads: int) -> Any:
+def _unpermute_rows(weight: torch.Tensor | PackedInt4 | KeepDense, num_heads: int) -> Any:
     """Undo llama.cpp's Q/K row order: within each head it interleaves the two rotary halves
     as [head_dim/2, 2]; Hugging Face's rotate-half keeps them as [2, head_dim/2]."""
     if isinstance(weight, PackedInt4):  # the same order of whole rows

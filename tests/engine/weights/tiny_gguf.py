@@ -119,7 +119,9 @@ def write_tiny_gguf(path: Path, architecture: str = "llama", qtype: QType = QTyp
     heads_of = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads,
                 "q_bias": config.num_heads, "k_bias": config.num_kv_heads}
     expected: dict = {}
-    expected["globals"] = {key: add(GGUF_GLOBAL_NAMES[key], shape, None) for key, shape in global_shapes(config).items()}
+    expected["globals"] = {
+        key: add(GGUF_GLOBAL_NAMES[key], shape, None) for key, shape in global_shapes(config).items()
+    }
     for index in range(config.num_layers):
         expected[index] = {
             key: add(f"blk.{index}.{GGUF_LAYER_NAMES[key]}", shape, heads_of.get(key))
