@@ -93,8 +93,8 @@ class LlamaModel:
         linears = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         if not self.config.tie_word_embeddings:
             linears.append(self.lm_head)
-        for weight in linears:
-            count(weight.format, weight.nbytes)
+        for part in (part for weight in linears for part in weight.parts):
+            count(part.format, part.nbytes)
         return totals
 
     # ---- stages ---------------------------------------------------------------------------

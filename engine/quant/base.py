@@ -34,6 +34,38 @@ class LinearWeight(ABC):
     def format(self) -> str:
         """How the numbers are stored, for reports: "float32", "bfloat16", "int4", ..."""
 
+    @property
+    def parts(self) -> tuple["LinearWeight", ...]:
+        """The weights of one format each that this one is made of, for reports: itself."""
+        return (self,)
+
+
+class ConcatWeight(LinearWeight):
+    """A fused weight (QKV, gate/up) whose parts are stored in different formats, as when a
+    GGUF file holds Q and K in 4 bits and V in 6: each part applies to x on its own and the
+    outputs are concatenated, [num_tokens, sum of the parts' out_features]."""
+
+    def __init__(self, parts: list[LinearWeight], method: str) -> None:
+        self._parts = tuple(parts)
+        self.method = method
+        self.out_features = sum(part.out_features for part in parts)
+        self.in_features = parts[0].in_features
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part.apply(x) for part in self._parts], dim=-1)
+
+    @property
+    def parts(self) -> tuple[LinearWeight, ...]:
+        return self._parts
+
+    @property
+    def format(self) -> str:
+        return "+".join(dict.fromkeys(part.format for part in self._parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self._parts)
+
 
 class LinearMethod(ABC):
     """Makes weight objects of one format from dense [out_features, in_features] matrices."""

@@ -5,18 +5,22 @@ them in registers; larger ones (prefill) dequantize the weight in the compute dt
 scratch buffer that all of a model's INT4 weights share (the size of the largest) and run torch's
 dense GEMM on it: measured on the 2-core VM, 4096x4096 at batch 16-256 took 1.05-1.8x the dense
 GEMM that way, and 1.1-10x when the weight went through in tiles of rows (torch's GEMM ran a
-[512, 4096] tile far below its speed on the whole matrix). GGUF Q4_0/Q4_1 weights arrive as
-`PackedInt4` and are used as they are; any other weight is quantized at load by round-to-nearest
-with each group's min and scale (`--quantization int4`).
+[512, 4096] tile far below its speed on the whole matrix). GGUF Q4_0/Q4_1/Q4_K weights arrive
+as `PackedInt4` and are used as they are; other GGUF quantized weights arrive as `KeepDense` and
+stay dense; any other weight is quantized at load by round-to-nearest with each group's min and
+scale (`--quantization int4`). A fused QKV or gate/up of several of these kinds is one weight per
+run of a kind, their outputs concatenated (engine.quant.base.ConcatWeight).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.quant.base import LinearMethod, LinearWeight, register_linear_method
+from engine.quant.base import ConcatWeight, LinearMethod, LinearWeight, register_linear_method
+from engine.quant.dense import DenseWeight
 from kernels.cpu import int4
 
 DEFAULT_GROUP_SIZE = 32
@@ -29,8 +33,8 @@ MAX_KERNEL_ROWS = 64
 
 @dataclass(frozen=True)
 class PackedInt4:
-    """A weight already in int4.h's layout, as a loader read it (GGUF Q4_0/Q4_1 blocks repacked
-    exactly): the int4 method takes it as it is, with no quantization of its own."""
+    """A weight already in int4.h's layout, as a loader read it (GGUF Q4_0/Q4_1/Q4_K blocks
+    repacked exactly): the int4 method takes it as it is, with no quantization of its own."""
 
     qweight: torch.Tensor  # [n, k / 2] uint8
     scales: torch.Tensor  # [n, k / group_size] fp32
@@ -56,11 +60,38 @@ class PackedInt4:
                           parts[0].group_size)
 
 
-def fuse(parts: list) -> torch.Tensor | PackedInt4:
-    """Weights stacked along the output dimension: packed if every part is, else dense."""
-    if all(isinstance(p, PackedInt4) for p in parts) and len({p.group_size for p in parts}) == 1:
-        return PackedInt4.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, PackedInt4) else p for p in parts])
+@dataclass(frozen=True)
+class KeepDense:
+    """A weight a loader asks the int4 method to keep dense: one already quantized in a form int4's
+    layout does not hold exactly (GGUF Q5/Q6/Q8, Q2_K/Q3_K), which quantizing again would blur."""
+
+    weight: torch.Tensor  # [n, k], dequantized
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape[0], self.weight.shape[1]
+
+
+def fuse(parts: list) -> torch.Tensor | PackedInt4 | KeepDense | list:
+    """Weights stacked along the output dimension, as QKV and gate/up are fused. Neighbours of one
+    kind (packed with one group size, kept dense, plain) are concatenated; parts of several
+    kinds stay a list of such runs, each of which the int4 method makes a weight of its own."""
+    runs = [_cat(list(run)) for _, run in itertools.groupby(parts, key=_kind)]
+    return runs[0] if len(runs) == 1 else runs
+
+
+def _kind(weight) -> tuple:
+    return type(weight), getattr(weight, "group_size", None)
+
+
+def _cat(run: list) -> torch.Tensor | PackedInt4 | KeepDense:
+    if len(run) == 1:
+        return run[0]
+    if isinstance(run[0], PackedInt4):
+        return PackedInt4.cat(run)
+    if isinstance(run[0], KeepDense):
+        return KeepDense(torch.cat([part.weight for part in run]))
+    return torch.cat(run)
 
 
 class DequantScratch:
@@ -113,7 +144,8 @@ class Int4Weight(LinearWeight):
 
 @register_linear_method("int4")
 class Int4LinearMethod(LinearMethod):
-    """Round-to-nearest INT4 at load, group size 32; runs on the host CPU's kernels."""
+    """Round-to-nearest INT4 at load, group size 32, for plain weights; a loader's PackedInt4 is
+    taken as it is and its KeepDense kept dense. Runs on the host CPU's kernels."""
 
     name = "int4"
     takes_packed_int4 = True
@@ -125,7 +157,14 @@ class Int4LinearMethod(LinearMethod):
     def create_weight(self, weight, bias, *, dtype, device):
         if torch.device(device).type != "cpu":
             raise ValueError(f"int4 weights run on the host CPU's kernels only, not on {device}")
+        if isinstance(weight, list):  # fused parts of several kinds (fuse): one weight each
+            sizes = [part.shape[0] for part in weight]
+            biases = [None] * len(weight) if bias is None else list(bias.split(sizes))
+            return ConcatWeight([self.create_weight(part, part_bias, dtype=dtype, device=device)
+                                 for part, part_bias in zip(weight, biases)], self.name)
         bias = None if bias is None else bias.to(dtype)
+        if isinstance(weight, KeepDense):
+            return DenseWeight(weight.weight.to(dtype), bias)
         if isinstance(weight, PackedInt4):  # GGUF Q4 blocks: exact as they are
             packed, group_size = (weight.qweight, weight.scales, weight.mins), weight.group_size
         else:

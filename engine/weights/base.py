@@ -63,8 +63,10 @@ class WeightLoader(ABC):
         """LAYER_KEYS, plus BIAS_KEYS when `config.attention_bias`."""
 
     def load_layer_packed(self, index: int, dtype: torch.dtype) -> dict[str, Any]:
-        """`load_layer`, but a linear weight stored as 4-bit blocks the int4 layout holds exactly
-        comes as an engine.quant.int4.PackedInt4, never dequantized. A loader without such
+        """`load_layer` for the int4 method: a linear weight stored as 4-bit blocks the int4
+        layout holds exactly comes as an engine.quant.int4.PackedInt4, never dequantized; one
+        stored quantized in another form comes dequantized as an engine.quant.int4.KeepDense, for
+        the method to keep dense rather than quantize a second time. A loader without quantized
         tensors hands out `load_layer`'s."""
         return self.load_layer(index, dtype)
 

@@ -1,17 +1,23 @@
 """GGUF files (llama.cpp's format), read through the `gguf` package's memory-mapped reader.
 
-Quantized tensors are dequantized with `gguf.quants` when a layer is loaded, and the engine then
-holds them in the requested dtype; except that for a linear method taking packed 4-bit weights
-(`--quantization int4`), Q4_0 and Q4_1 linear weights are repacked into its layout as they are:
-the codes are copied and the fp16 scales (Q4_1: and mins; Q4_0: min = -8 x scale) widened to
-fp32, exactly. Tensor names, types, shapes and byte ranges are all checked when the loader is
-built.
+Supported tensor types: F32, F16, BF16, Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K, Q3_K,
+Q2_K. A quantized tensor is dequantized with `gguf.quants` when its layer is loaded and held in
+the requested dtype, except for a linear method taking packed 4-bit weights
+(`--quantization int4`, `load_layer_packed`), which gets each linear weight by its type:
+  - Q4_0, Q4_1, Q4_K: repacked exactly into int4's layout (gguf_int4.py, one repacker per type);
+  - Q8_0, Q6_K, Q5_*, Q3_K, Q2_K: dequantized and marked `KeepDense`, so that the method keeps
+    them dense rather than quantize already quantized values a second time;
+  - F32, F16, BF16: plain tensors, which the method quantizes by round-to-nearest.
+The embeddings and LM head are always dequantized and stay dense. When layer 0 is loaded the log
+says what each weight matrix became, counted from the tensors' types. Tensor names, types,
+shapes and byte ranges are all checked when the loader is built.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 from collections import Counter
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine.model import ConfigError, ModelConfig
-from engine.quant.int4 import PackedInt4
+from engine.quant.int4 import KeepDense, PackedInt4
 from engine.weights.base import (
     WeightLoader,
     WeightLoadError,
@@ -31,25 +37,23 @@ from engine.weights.base import (
     required_shapes,
     shape_error,
 )
+from engine.weights.gguf_int4 import REPACKERS
 
 logger = logging.getLogger(__name__)
 
-# GGUF's 4-bit types int4.h's layout holds exactly: bytes per 32-weight block (fp16 scale, for
-# Q4_1 an fp16 min, then 16 bytes of codes in the same nibble order).
-_PACKED_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
-_Q4_BLOCK = 32
-_Q4_0_OFFSET = 8  # Q4_0 stores q + 8: weight = scale * (q - 8)
-
-SUPPORTED_TYPES = frozenset(
-    {
-        GGMLQuantizationType.F32,
-        GGMLQuantizationType.F16,
-        GGMLQuantizationType.BF16,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-    }
-)
+# Unquantized types: a quantizing linear method quantizes these like any dense checkpoint's.
+_FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+# Quantized types int4's layout does not hold exactly: more bits, or 16-weight sub-blocks.
+_DEQUANTIZED_TYPES = frozenset({
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q3_K,
+    GGMLQuantizationType.Q2_K,
+})
+SUPPORTED_TYPES = _FLOAT_TYPES | _DEQUANTIZED_TYPES | frozenset(REPACKERS)
 
 _GLOBAL_NAMES = {
     "embed_tokens": "token_embd.weight",
@@ -79,6 +83,36 @@ def layer_tensor_name(index: int, key: str) -> str:
     return f"blk.{index}.{_LAYER_NAMES[key]}"
 
 
+def _is_linear(key: str) -> bool:
+    return key.endswith("_proj")
+
+
+class _Int4Handling(Enum):
+    """How a linear weight goes to the int4 method (load_layer_packed), by its type; the values
+    are the load log's words."""
+
+    PACKED = "int4, packed as stored"  # REPACKERS: the blocks repacked exactly
+    QUANTIZED = "then int4 by round-to-nearest"  # _FLOAT_TYPES: the method quantizes it at load
+    # _DEQUANTIZED_TYPES: quantizing it again would blur it; dequantized once and kept dense
+    KEPT_DENSE = "kept dense"
+
+
+def _int4_handling(qtype: GGMLQuantizationType) -> _Int4Handling:
+    if qtype in REPACKERS:
+        return _Int4Handling.PACKED
+    return _Int4Handling.QUANTIZED if qtype in _FLOAT_TYPES else _Int4Handling.KEPT_DENSE
+
+
+def _read_as(qtype: GGMLQuantizationType, dtype: torch.dtype) -> str:
+    verb = "read as" if qtype in _FLOAT_TYPES else "dequantized to"
+    return f"{verb} {str(dtype).removeprefix('torch.')}"
+
+
+def _int4_becomes(qtype: GGMLQuantizationType, dtype: torch.dtype) -> str:
+    handling = _int4_handling(qtype)
+    return handling.value if handling is _Int4Handling.PACKED else f"{_read_as(qtype, dtype)}, {handling.value}"
+
+
 @register_loader("gguf")
 class GGUFLoader(WeightLoader):
     def __init__(self, model: str, seed: int = 0) -> None:
@@ -102,13 +136,20 @@ class GGUFLoader(WeightLoader):
     def load_globals(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return {key: self._load(_GLOBAL_NAMES[key], dtype) for key in global_shapes(self.config)}
 
-    def load_layer(self, index: int, dtype: torch.dtype, keep_packed: bool = False) -> dict[str, Any]:
+    def load_layer(self, index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return self._load_layer(index, dtype, for_int4=False)
+
+    def load_layer_packed(self, index: int, dtype: torch.dtype) -> dict[str, Any]:
+        return self._load_layer(index, dtype, for_int4=True)
+
+    def _load_layer(self, index: int, dtype: torch.dtype, for_int4: bool) -> dict[str, Any]:
         self._check_layer_index(index)
+        if index == 0:
+            logger.info("%s: %s", self.path.name, self._load_summary(dtype, for_int4))
         weights = {}
         for key in layer_shapes(self.config):
             name = layer_tensor_name(index, key)
-            packable = keep_packed and key.endswith("_proj")
-            weights[key] = self._load_packed(name) if packable and self._is_packable(name) else self._load(name, dtype)
+            weights[key] = self._load_for_int4(name, dtype) if for_int4 and _is_linear(key) else self._load(name, dtype)
         if self.config.architecture in _PERMUTED_ARCHITECTURES:
             for key, num_heads in (("q", self.config.num_heads), ("k", self.config.num_kv_heads)):
                 weights[f"{key}_proj"] = _unpermute_rows(weights[f"{key}_proj"], num_heads)
@@ -116,35 +157,43 @@ class GGUFLoader(WeightLoader):
                     weights[f"{key}_bias"] = _unpermute_rows(weights[f"{key}_bias"], num_heads)
         return weights
 
-    def _is_packable(self, name: str) -> bool:
-        return self._tensors[name].tensor_type in _PACKED_BLOCK_BYTES
+    def _load_for_int4(self, name: str, dtype: torch.dtype) -> torch.Tensor | PackedInt4 | KeepDense:
+        """A linear weight as the int4 method takes it (see _int4_handling)."""
+        handling = _int4_handling(self._tensors[name].tensor_type)
+        if handling is _Int4Handling.PACKED:
+            return self._load_packed(name)
+        weight = self._load(name, dtype)
+        return KeepDense(weight) if handling is _Int4Handling.KEPT_DENSE else weight
 
     def _load_packed(self, name: str) -> PackedInt4:
-        """A Q4_0/Q4_1 tensor's blocks in int4.h's layout, exactly."""
+        """The tensor's blocks, uint8 [rows, blocks per row, bytes per block], repacked exactly."""
         tensor = self._tensors[name]
-        rows, cols = _hf_shape(tensor)
-        block_bytes = _PACKED_BLOCK_BYTES[tensor.tensor_type]
-        blocks = torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, cols // _Q4_BLOCK, block_bytes)
-        scales = blocks[..., 0:2].contiguous().view(torch.float16).view(rows, -1).float()
-        if tensor.tensor_type == GGMLQuantizationType.Q4_1:
-            mins = blocks[..., 2:4].contiguous().view(torch.float16).view(rows, -1).float()
-        else:
-            mins = -_Q4_0_OFFSET * scales
-        codes = blocks[..., block_bytes - _Q4_BLOCK // 2:].reshape(rows, cols // 2).contiguous()
-        return PackedInt4(codes, scales.contiguous(), mins.contiguous(), _Q4_BLOCK)
+        rows, _ = _hf_shape(tensor)
+        _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+        blocks = torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, -1, type_size)
+        return REPACKERS[tensor.tensor_type](blocks)
 
-    def load_layer_packed(self, index: int, dtype: torch.dtype) -> dict[str, Any]:
-        if index == 0:
-            logger.info("%s: linear weights by what they become: %s", self.path.name, self._packing_summary())
-        return self.load_layer(index, dtype, keep_packed=True)
-
-    def _packing_summary(self) -> str:
-        """'210 Q4_1 -> int4, packed as stored', from the tensors' types."""
-        became = Counter(f"{t.name} -> {'int4, packed as stored' if t in _PACKED_BLOCK_BYTES else 'dequantized'}"
-                         for t in (self._tensors[layer_tensor_name(i, key)].tensor_type
-                                   for i in range(self.config.num_layers) for key in layer_shapes(self.config)
-                                   if key.endswith("_proj")))
-        return ", ".join(f"{count} {what}" for what, count in sorted(became.items()))
+    def _load_summary(self, dtype: torch.dtype, for_int4: bool) -> str:
+        """What each weight matrix becomes, derived from the tensors' types, e.g. "the embeddings
+        (token_embd.weight, Q4_K) -> dequantized to bfloat16, kept dense; 168 Q4_K linear weights
+        -> int4, packed as stored; 42 Q6_K linear weights -> dequantized to bfloat16, kept dense"."""
+        globals_ = global_shapes(self.config)
+        roles = {"embed_tokens": "the embeddings" if "lm_head" in globals_ else "the embeddings and LM head",
+                 "lm_head": "the LM head"}
+        items = []
+        for key, role in roles.items():
+            if key in globals_:
+                qtype = self._tensors[_GLOBAL_NAMES[key]].tensor_type
+                # the model keeps the embeddings and LM head dense whatever the linear method
+                items.append(f"{role} ({_GLOBAL_NAMES[key]}, {qtype.name}) -> "
+                             f"{_read_as(qtype, dtype)}{', kept dense' if for_int4 else ''}")
+        counts = Counter(self._tensors[layer_tensor_name(index, key)].tensor_type
+                         for index in range(self.config.num_layers) for key in layer_shapes(self.config)
+                         if _is_linear(key))
+        for qtype, count in sorted(counts.items(), key=lambda item: (-item[1], item[0].name)):
+            becomes = _int4_becomes(qtype, dtype) if for_int4 else _read_as(qtype, dtype)
+            items.append(f"{count} {qtype.name} linear weight{'s' if count != 1 else ''} -> {becomes}")
+        return "; ".join(items)
 
     def _check_tensors(self) -> None:
         """Every tensor the config needs is present, of a supported type, and the config's shape."""
@@ -231,11 +280,13 @@ def _hf_shape(tensor: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape))
 
 
-def _unpermute_rows(weight: torch.Tensor | PackedInt4, num_heads: int) -> torch.Tensor | PackedInt4:
+def _unpermute_rows(weight: torch.Tensor | PackedInt4 | KeepDense, num_heads: int) -> Any:
     """Undo llama.cpp's Q/K row order: within each head it interleaves the two rotary halves
     as [head_dim/2, 2]; Hugging Face's rotate-half keeps them as [2, head_dim/2]."""
     if isinstance(weight, PackedInt4):  # the same order of whole rows
         return weight.take_rows(_unpermute_rows(torch.arange(weight.shape[0]), num_heads))
+    if isinstance(weight, KeepDense):
+        return KeepDense(_unpermute_rows(weight.weight, num_heads))
     head_dim = weight.shape[0] // num_heads
     grouped = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
     return grouped.transpose(1, 2).reshape(weight.shape)

@@ -11,7 +11,8 @@ from engine.config import EngineConfig
 from engine.execution import ModelRunner
 from engine.model import ConfigError
 from engine.quant import LinearWeight, create_linear_method, linear_method_names
-from engine.quant.int4 import MAX_KERNEL_ROWS
+from engine.quant.base import ConcatWeight
+from engine.quant.int4 import MAX_KERNEL_ROWS, KeepDense, PackedInt4, fuse
 from engine.weights import EMBEDDED_MODEL, create_loader
 from kernels.cpu import int4
 from scheduler.sampling_params import SamplingParams
@@ -67,6 +68,33 @@ def test_int4_weight_applies_like_its_dequantized_matrix(rows):
     assert float((linear.apply(x) - expected).abs().max() / expected.abs().max()) <= tolerance
     tiles = -(-300 // 16)
     assert linear.format == "int4" and linear.nbytes == tiles * 16 * (128 + 2 * 8 * 4) + 300 * 4
+
+
+@pytest.mark.parametrize("rows", [3, MAX_KERNEL_ROWS + 12])
+def test_int4_fused_parts_of_several_kinds_apply_like_their_concatenation(rows):
+    """A fused weight whose parts a loader handed over as packed, kept-dense and plain weights
+    (GGUF Q/K in 4 bits, V in 6, say): runs of one kind are concatenated, each run becomes a
+    weight of its own (packed as it is, dense, int4 by round-to-nearest), the bias is split
+    among them, and the whole applies like x @ [W_1; W_2; ...]^T + bias."""
+    gen = torch.Generator().manual_seed(rows)
+
+    def packed(n: int) -> PackedInt4:
+        return PackedInt4(*int4.quantize_rtn(torch.randn(n, 64, generator=gen)), 32)
+
+    parts = [packed(32), packed(16), KeepDense(torch.randn(16, 64, generator=gen)), torch.randn(8, 64, generator=gen)]
+    runs = fuse(parts)
+    assert [type(run) for run in runs] == [PackedInt4, KeepDense, torch.Tensor] and runs[0].shape == (48, 64)
+    bias = torch.randn(72, generator=gen)
+    linear = create_linear_method("int4").create_weight(runs, bias, dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(linear, ConcatWeight) and (linear.out_features, linear.in_features) == (72, 64)
+    assert [part.format for part in linear.parts] == ["int4", "float32", "int4"]
+    rounded = linear.parts[2]
+    dense = torch.cat([runs[0].dequantize(), runs[1].weight,
+                       int4.dequantize(rounded.qweight, rounded.scales, rounded.mins, rounded.group_size)])
+    x = torch.randn(rows, 64, generator=gen)
+    torch.testing.assert_close(linear.apply(x), x @ dense.T + bias, atol=1e-4, rtol=1e-4)
+    assert linear.nbytes == sum(part.nbytes for part in linear.parts)
+    assert fuse(parts[:2]).shape == (48, 64) and isinstance(fuse(parts[:2]), PackedInt4)
 
 
 def test_int4_weights_refuse_a_device_without_their_kernels():

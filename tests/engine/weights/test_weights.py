@@ -7,8 +7,6 @@ import os
 import shutil
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -23,10 +21,10 @@ from engine.weights import (
     global_shapes,
     layer_shapes,
 )
-from engine.quant.int4 import PackedInt4
 from engine.weights.dummy import DummyLoader
 from engine.weights.gguf_loader import SUPPORTED_TYPES, GGUFLoader
 from engine.weights.safetensors_loader import SafetensorsLoader
+from tiny_gguf import write_tiny_gguf
 
 # transformers is imported inside fixtures, after this: never reach for the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -219,92 +217,7 @@ def test_shape_mismatch_names_tensor_and_shapes(sharded_llama):
         create_loader(str(sharded_llama))
 
 
-# ---------------------------------------------------------------- GGUF files written here
-
-TINY_HEADS, TINY_KV_HEADS = TINY_SHAPE["num_attention_heads"], TINY_SHAPE["num_key_value_heads"]
-GGUF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm.weight",
-    "q_proj": "attn_q.weight",
-    "k_proj": "attn_k.weight",
-    "v_proj": "attn_v.weight",
-    "o_proj": "attn_output.weight",
-    "post_attention_layernorm": "ffn_norm.weight",
-    "gate_proj": "ffn_gate.weight",
-    "up_proj": "ffn_up.weight",
-    "down_proj": "ffn_down.weight",
-    "q_bias": "attn_q.bias",
-    "k_bias": "attn_k.bias",
-    "v_bias": "attn_v.bias",
-}
-
-
-def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to Q/K rows: each head's rotary halves interleaved."""
-    head_dim = weight.shape[0] // num_heads
-    return weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def write_tiny_gguf(path: Path, architecture: str = "llama", qtype: QType = QType.F32, tie: bool = False,
-                    skip: tuple[str, ...] = (), types: dict[str, QType] | None = None) -> tuple[dict, str]:
-    """Write a tiny random GGUF model the way llama.cpp's converter would.
-
-    Returns (the HF-layout weights a loader must give back, as {"globals"|index: {key: tensor}},
-    the name of the tensor written last).
-    """
-    rng = np.random.default_rng(0)
-    config = ModelConfig(
-        architecture=architecture, vocab_size=TINY_SHAPE["vocab_size"], hidden_size=TINY_SHAPE["hidden_size"],
-        intermediate_size=TINY_SHAPE["intermediate_size"], num_layers=TINY_SHAPE["num_hidden_layers"],
-        num_heads=TINY_HEADS, num_kv_heads=TINY_KV_HEADS, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=256, tie_word_embeddings=tie, attention_bias=architecture == "qwen2",
-    )
-    writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_block_count(config.num_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-
-    last_name = ""
-
-    def add(name: str, shape: tuple[int, ...], heads: int | None) -> torch.Tensor | None:
-        nonlocal last_name
-        if name in skip:
-            return None
-        values = rng.standard_normal(shape, dtype=np.float32)
-        values_in_file = llama_cpp_permute(values, heads) if architecture == "llama" and heads else values
-        qtype_here = (types or {}).get(name, qtype if len(shape) == 2 else QType.F32)  # norms stay F32
-        if qtype_here in SUPPORTED_TYPES:
-            data = gguf.quants.quantize(values_in_file, qtype_here)
-            # Quant blocks run along rows, so the row permutation commutes with the round trip.
-            round_trip = gguf.quants.dequantize(gguf.quants.quantize(values, qtype_here), qtype_here)
-            expected_value = torch.from_numpy(np.ascontiguousarray(round_trip, dtype=np.float32))
-        else:  # a type the loader refuses: any bytes of the right size
-            block_size, type_size = gguf.GGML_QUANT_SIZES[qtype_here]
-            data = np.zeros((shape[0], shape[-1] // block_size * type_size), dtype=np.uint8)
-            expected_value = None
-        writer.add_tensor(name, data, raw_dtype=qtype_here)
-        last_name = name
-        return expected_value
-
-    heads_of = {"q_proj": TINY_HEADS, "k_proj": TINY_KV_HEADS, "q_bias": TINY_HEADS, "k_bias": TINY_KV_HEADS}
-    gguf_globals = {"embed_tokens": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
-    expected: dict = {}
-    expected["globals"] = {key: add(gguf_globals[key], shape, None) for key, shape in global_shapes(config).items()}
-    for index in range(config.num_layers):
-        expected[index] = {
-            key: add(f"blk.{index}.{GGUF_LAYER_NAMES[key]}", shape, heads_of.get(key))
-            for key, shape in layer_shapes(config).items()
-        }
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return expected, last_name
+# ---------------------------------------------------------------- GGUF files written here (tiny_gguf.py)
 
 
 @pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES), ids=lambda qtype: qtype.name)
@@ -319,22 +232,6 @@ def test_gguf_types_and_unpermute(tmp_path, qtype):
     for index in range(loader.config.num_layers):
         for key, tensor in loader.load_layer(index, torch.float32).items():
             torch.testing.assert_close(tensor, expected[index][key], rtol=0, atol=0, msg=f"{index}.{key}")
-
-
-@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0], ids=lambda qtype: qtype.name)
-def test_gguf_q4_weights_are_kept_packed_exactly(tmp_path, qtype):
-    """For a method taking packed 4-bit weights, Q4_0/Q4_1 linear weights come as PackedInt4
-    whose values are exactly the dequantized ones (Q/K rows unpermuted too); other types, the
-    norms included, come dense as load_layer gives them."""
-    path = tmp_path / "tiny.gguf"
-    expected, _ = write_tiny_gguf(path, qtype=qtype)
-    loader = create_loader(str(path))
-    for index in range(loader.config.num_layers):
-        for key, weight in loader.load_layer_packed(index, torch.float32).items():
-            packed = qtype in (QType.Q4_0, QType.Q4_1) and key.endswith("_proj")
-            assert isinstance(weight, PackedInt4) == packed, key
-            values = weight.dequantize() if packed else weight
-            torch.testing.assert_close(values, expected[index][key], rtol=0, atol=0, msg=f"{index}.{key}")
 
 
 def test_gguf_qwen2_not_permuted_with_bias(tmp_path):
@@ -369,8 +266,8 @@ def test_gguf_cut_in_header(tmp_path):
 
 def test_gguf_unsupported_type_names_tensor(tmp_path):
     path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, types={"blk.1.attn_q.weight": QType.Q5_0})
-    with pytest.raises(WeightLoadError, match="'blk.1.attn_q.weight' has type Q5_0") as error:
+    write_tiny_gguf(path, types={"blk.1.attn_q.weight": QType.IQ4_NL})
+    with pytest.raises(WeightLoadError, match="'blk.1.attn_q.weight' has type IQ4_NL") as error:
         create_loader(str(path))
     assert str(path) in str(error.value)
 
