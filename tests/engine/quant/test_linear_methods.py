@@ -89,10 +89,10 @@ def test_int4_fused_parts_of_several_kinds_apply_like_their_concatenation(rows):
     assert isinstance(linear, ConcatWeight) and (linear.out_features, linear.in_features) == (72, 64)
     assert [part.format for part in linear.parts] == ["int4", "float32", "int4"]
     rounded = linear.parts[2]
-    dense = torch.cat([runs[0].dequantize(), runs[1].weight,
-                       int4.dequantize(rounded.qweight, rounded.scales, rounded.mins, rounded.group_size)])
+    dense = torch.cat([runs[0].dequantize(), runs[1].weight, rounded.dequantize()])
     x = torch.randn(rows, 64, generator=gen)
-    torch.testing.assert_close(linear.apply(x), x @ dense.T + bias, atol=1e-4, rtol=1e-4)
+    expected = x @ dense.T + bias  # int8 activations in the kernel (int4.ACTIVATION_RELATIVE_ERROR)
+    assert float((linear.apply(x) - expected).abs().max() / expected.abs().max()) <= int4.ACTIVATION_RELATIVE_ERROR
     assert linear.nbytes == sum(part.nbytes for part in linear.parts)
     assert fuse(parts[:2]).shape == (48, 64) and isinstance(fuse(parts[:2]), PackedInt4)
 

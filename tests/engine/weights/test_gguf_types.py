@@ -46,8 +46,8 @@ def test_q4_k_repacked_exactly_on_fresh_random_blocks(tmp_path):
                 continue
             assert isinstance(weight, PackedInt4) and weight.group_size == 32, key
             assert torch.equal(weight.dequantize(), expected[index][key]), f"seed {seed}: {index}.{key}"
-            in_cpp = int4.dequantize_into(weight.qweight, weight.scales, weight.mins, weight.group_size,
-                                          torch.empty(weight.shape))
+            tiled = int4.TiledInt4.from_packed(weight.qweight, weight.scales, weight.mins, weight.group_size)
+            in_cpp = int4.dequantize_into(tiled, torch.empty(weight.shape))
             assert torch.equal(in_cpp, expected[index][key]), f"seed {seed}: {index}.{key} (C++)"
 
 
