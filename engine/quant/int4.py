@@ -1,22 +1,26 @@
 """Group-wise INT4 weights (kernels/cpu/int4.py's layout) applied without widening them.
 
-Small batches (decode) go through the C++ kernel, which reads the packed bytes once and unpacks
-them in registers; larger ones (prefill) dequantize the weight in the compute dtype into one
-scratch buffer that all of a model's INT4 weights share (the size of the largest) and run torch's
-dense GEMM on it: measured on the 2-core VM, 4096x4096 at batch 16-256 took 1.05-1.8x the dense
-GEMM that way, and 1.1-10x when the weight went through in tiles of rows (torch's GEMM ran a
-[512, 4096] tile far below its speed on the whole matrix). GGUF Q4_0/Q4_1 weights arrive as
-`PackedInt4` and are used as they are; any other weight is quantized at load by round-to-nearest
-with each group's min and scale (`--quantization int4`).
+The kernels are the device's (`INT4_KERNELS`, by the device type of the packed tensors): the
+host CPU's C++ kernels, or kernels/triton's W4A16 on CUDA, imported only there. Either way small
+batches (decode) go through a kernel that reads the packed bytes once and unpacks them in
+registers; larger ones (prefill) dequantize the weight in the compute dtype into one scratch
+buffer that all of a model's INT4 weights share (the size of the largest) and run torch's dense
+GEMM on it. With the C++ kernels on the 2-core VM, 4096x4096 at batch 16-256 took 1.05-1.8x
+the dense GEMM that way, and 1.1-10x when the weight went through in tiles of rows (torch's GEMM
+ran a [512, 4096] tile far below its speed on the whole matrix). GGUF Q4_0/Q4_1 weights arrive
+as `PackedInt4` and are used as they are; any other weight is quantized at load by
+round-to-nearest with each group's min and scale (`--quantization int4`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine.quant.base import LinearMethod, LinearWeight, register_linear_method
+from engine.registry import Registry
 from kernels.cpu import int4
 
 DEFAULT_GROUP_SIZE = 32
@@ -64,41 +68,90 @@ def fuse(parts: list) -> torch.Tensor | PackedInt4:
 
 
 class DequantScratch:
-    """The buffer the large-batch path dequantizes into: one per dtype, grown to the largest
-    weight seen, shared by the weights of one linear method (the engine applies one at a time)."""
+    """The buffer the large-batch path dequantizes into: one per device and dtype, grown to the
+    largest weight seen, shared by the weights of one linear method (the engine applies one at a
+    time; on a GPU the stream orders the uses)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    def get(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    def get(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A contiguous [rows, cols] view of the buffer."""
-        buffer = self._buffers.get(dtype)
+        buffer = self._buffers.get((device, dtype))
         if buffer is None or buffer.numel() < rows * cols:
-            buffer = self._buffers[dtype] = torch.empty(rows * cols, dtype=dtype)
+            buffer = self._buffers[device, dtype] = torch.empty(rows * cols, dtype=dtype, device=device)
         return buffer[:rows * cols].view(rows, cols)
+
+
+class Int4Kernels(Protocol):
+    """The matmul an Int4Weight runs on: a packed kernel for small batches and dequantize + dense
+    GEMM for large ones, for the device the packed tensors live on."""
+
+    def linear(self, x: torch.Tensor, weight: "Int4Weight") -> torch.Tensor:
+        """x [num_tokens, in_features] -> x @ W^T [num_tokens, out_features] in x's dtype, no bias."""
+
+
+INT4_KERNELS: Registry[Int4Kernels] = Registry("int4 kernels")  # by torch device type
+
+
+def create_int4_kernels(device: torch.device | str) -> Int4Kernels:
+    """The kernels for `device`'s type; ValueError naming those there are for a device without."""
+    device_type = torch.device(device).type
+    if device_type not in INT4_KERNELS:
+        raise ValueError(f"int4 weights have no kernels for device {device}; they run on "
+                         f"{', '.join(INT4_KERNELS.names())}")
+    return INT4_KERNELS.create(device_type)
+
+
+@INT4_KERNELS.register("cpu")
+class CpuInt4Kernels:
+    """kernels/cpu's C++ kernels, on torch's intra-op thread count."""
+
+    def linear(self, x: torch.Tensor, weight: "Int4Weight") -> torch.Tensor:
+        if x.shape[0] <= MAX_KERNEL_ROWS:
+            return int4.int4_linear(x, weight.qweight, weight.scales, weight.mins, weight.group_size,
+                                    num_threads=torch.get_num_threads())
+        dense = weight.scratch.get(weight.out_features, weight.in_features, x.dtype, x.device)
+        int4.dequantize_into(weight.qweight, weight.scales, weight.mins, weight.group_size, dense,
+                             num_threads=torch.get_num_threads())
+        return F.linear(x, dense)
+
+
+@INT4_KERNELS.register("cuda")
+class TritonInt4Kernels:
+    """kernels/triton's W4A16 (imported here, so that the CPU engine runs without triton): the
+    packed kernel up to its MAX_PACKED_ROWS, above that W dequantized into the method's scratch
+    buffer and cuBLAS."""
+
+    def __init__(self) -> None:
+        from kernels.triton import w4a16
+
+        self.w4a16 = w4a16
+
+    def linear(self, x: torch.Tensor, weight: "Int4Weight") -> torch.Tensor:
+        dense = None
+        if x.shape[0] > self.w4a16.MAX_PACKED_ROWS:  # only then: decode alone never allocates it
+            dense = weight.scratch.get(weight.out_features, weight.in_features, x.dtype, x.device)
+        return self.w4a16.w4a16_linear(x, weight.qweight, weight.scales, weight.mins, weight.group_size,
+                                       dense=dense)
 
 
 class Int4Weight(LinearWeight):
     method = "int4"
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None, scratch: DequantScratch) -> None:
+                 bias: torch.Tensor | None, scratch: DequantScratch, kernels: Int4Kernels | None = None) -> None:
         self.qweight, self.scales, self.mins = qweight, scales, mins  # int4.h's layout
         self.group_size = group_size
         self.bias = bias  # [out_features] in the compute dtype, or None
         self.scratch = scratch
+        # None: the kernels of the device the packed tensors live on
+        self.kernels = create_int4_kernels(qweight.device) if kernels is None else kernels
         self.out_features = qweight.shape[0]
         self.in_features = qweight.shape[1] * 2
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_KERNEL_ROWS:
-            y = int4.int4_linear(x, self.qweight, self.scales, self.mins, self.group_size,
-                                 num_threads=torch.get_num_threads())
-        else:
-            dense = self.scratch.get(self.out_features, self.in_features, x.dtype)
-            int4.dequantize_into(self.qweight, self.scales, self.mins, self.group_size, dense,
-                                 num_threads=torch.get_num_threads())
-            y = F.linear(x, dense)
+        y = self.kernels.linear(x, self)
         return y if self.bias is None else y + self.bias
 
     @property
@@ -113,7 +166,8 @@ class Int4Weight(LinearWeight):
 
 @register_linear_method("int4")
 class Int4LinearMethod(LinearMethod):
-    """Round-to-nearest INT4 at load, group size 32; runs on the host CPU's kernels."""
+    """Round-to-nearest INT4 at load, group size 32; runs on the kernels INT4_KERNELS names for
+    the device (the host CPU's C++ kernels, Triton's on CUDA)."""
 
     name = "int4"
     takes_packed_int4 = True
@@ -123,11 +177,12 @@ class Int4LinearMethod(LinearMethod):
         self.scratch = DequantScratch()
 
     def create_weight(self, weight, bias, *, dtype, device):
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"int4 weights run on the host CPU's kernels only, not on {device}")
-        bias = None if bias is None else bias.to(dtype)
+        kernels = create_int4_kernels(device)  # before any work: a device without kernels fails here
+        bias = None if bias is None else bias.to(device=device, dtype=dtype)
         if isinstance(weight, PackedInt4):  # GGUF Q4 blocks: exact as they are
-            return Int4Weight(weight.qweight, weight.scales, weight.mins, weight.group_size, bias, self.scratch)
-        int4.check_group_size(self.group_size, weight.shape[1])
-        qweight, scales, mins = int4.quantize_rtn(weight, self.group_size)
-        return Int4Weight(qweight, scales, mins, self.group_size, bias, self.scratch)
+            packed, group_size = (weight.qweight, weight.scales, weight.mins), weight.group_size
+        else:
+            int4.check_group_size(self.group_size, weight.shape[1])
+            packed, group_size = int4.quantize_rtn(weight, self.group_size), self.group_size
+        qweight, scales, mins = (tensor.to(device) for tensor in packed)
+        return Int4Weight(qweight, scales, mins, group_size, bias, self.scratch, kernels)

@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.execution import ModelRunner
 from engine.model import ConfigError
 from engine.quant import LinearWeight, create_linear_method, linear_method_names
-from engine.quant.int4 import MAX_KERNEL_ROWS
+from engine.quant.int4 import MAX_KERNEL_ROWS, CpuInt4Kernels, Int4Weight, TritonInt4Kernels
 from engine.weights import EMBEDDED_MODEL, create_loader
 from kernels.cpu import int4
 from scheduler.sampling_params import SamplingParams
@@ -67,13 +67,34 @@ def test_int4_weight_applies_like_its_dequantized_matrix(rows):
 
 
 def test_int4_weights_refuse_a_device_without_their_kernels():
-    with pytest.raises(ValueError, match="host CPU"):
+    with pytest.raises(ValueError, match="no kernels for device meta; they run on cpu, cuda"):
         create_linear_method("int4").create_weight(torch.randn(32, 32), None, dtype=torch.float32,
                                                    device=torch.device("meta"))
-    with pytest.raises(ConfigError, match="quantization int4 runs on device cpu"):
+    with pytest.raises(ConfigError, match="quantization int4 runs on device cpu or cuda, not on the testbed"):
         EngineConfig.from_flat(quantization="int4", device="testbed")
+    assert EngineConfig.from_flat(quantization="int4", device="cuda").quantization == "int4"
     with pytest.raises(ConfigError, match="quantization"):
         EngineConfig.from_flat(quantization="int3")
+
+
+def test_int4_weights_pick_the_kernels_of_their_device():
+    linear = create_linear_method("int4").create_weight(torch.randn(64, 64), None, dtype=torch.float32,
+                                                       device=torch.device("cpu"))
+    assert isinstance(linear.kernels, CpuInt4Kernels)
+
+
+@pytest.mark.parametrize("rows", [3, 20])
+def test_int4_weight_on_the_triton_kernels_matches_the_cpu_kernels(interpreted_w4a16, rows):
+    """The CUDA kernels forced onto CPU tensors (Triton's interpreter), through the packed path
+    (3 rows) and the scratch buffer (20), against the same weight on the C++ kernels."""
+    gen = torch.Generator().manual_seed(100 + rows)
+    weight, bias = torch.randn(67, 192, generator=gen), torch.randn(67, generator=gen)
+    method = create_linear_method("int4")
+    on_cpu = method.create_weight(weight, bias, dtype=torch.float32, device=torch.device("cpu"))
+    on_triton = Int4Weight(on_cpu.qweight, on_cpu.scales, on_cpu.mins, on_cpu.group_size, on_cpu.bias,
+                           method.scratch, TritonInt4Kernels())
+    x = torch.randn(rows, 192, generator=gen)
+    torch.testing.assert_close(on_triton.apply(x), on_cpu.apply(x), atol=1e-4, rtol=1e-4)
 
 
 @torch.no_grad()
