@@ -69,8 +69,8 @@ _DEQUANTIZE_CONFIGS = [
         (16, 512, 4), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (64, 256, 8), (8, 2048, 8),
     ]
 ]
-# Under the interpreter: one program per program instance costs Python time, so few large tiles;
-# still smaller than the test shapes' n and k so that the edge masks run.
+# Under the interpreter every program instance runs in Python, so few large tiles; still smaller
+# than the test shapes' n and k, so that the edge masks run.
 _INTERPRETED_META = {"BLOCK_N": 64, "BLOCK_K": 128}
 _PACKED_META = _INTERPRETED_META if INTERPRETED else {}
 _DEQUANTIZE_META = _INTERPRETED_META if INTERPRETED else {}
