@@ -56,8 +56,10 @@ bench-neo: install
 		--system 'tandem=$(NEO_SERVE) --kv-cache-gib 4' \
 		--all-at-once $(NEO_LOAD) --no-plot --output benchmarks/results/neo_testbed_uncapped.json
 
-# Neo on a CUDA GPU (Llama-3.1-8B shape, random weights): GPU-only vs offloading, capped then not.
+# On a CUDA GPU: the Triton INT4 matmul against dense bf16; Neo (Llama-3.1-8B shape, random
+# weights), GPU-only vs offloading, capped then not.
 bench-gpu: install
+	$(PY) benchmarks/triton_w4a16.py
 	$(PY) benchmarks/neo_gpu.py
 	$(PY) benchmarks/update_readme.py
 

@@ -128,7 +128,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: the scheduler's default
     decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
-    quantization: str = "none"  # none: weights dense in `dtype` | int4: round-to-nearest INT4 at load
+    quantization: str = "none"  # none: weights dense in `dtype` | int4: round-to-nearest INT4 at load (cpu, cuda)
     show_progress: bool = False  # progress bars while the weights load and the costs are profiled
     cache: CacheConfig = field(default_factory=CacheConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -144,10 +144,10 @@ class EngineConfig:
         _require_int(self, "max_num_seqs", 1)
         _require_int(self, "max_num_batched_tokens", 1, none_means="the scheduler's default")
         _require_choice(self, "quantization", tuple(QUANTIZATION_METHODS))
-        if self.quantization == "int4" and self.device != "cpu":
-            raise ConfigError(f"quantization int4 runs on device cpu only for now, got device {self.device!r}: the "
-                              f"testbed's accelerator thread and CUDA need kernels of their own (not built yet); "
-                              f"use --quantization none there")
+        if self.quantization == "int4" and self.device == "testbed":
+            raise ConfigError("quantization int4 runs on device cpu or cuda, not on the testbed: its accelerator "
+                              "thread would share the CPU kernels' thread pool with the CPU attention; use "
+                              "--quantization none there")
         for section, config_type in _SECTIONS.items():  # a flat value here would fail much later
             value = getattr(self, section)
             if not isinstance(value, config_type):

@@ -47,7 +47,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto (measured), float32, bfloat16 or float16")
     parser.add_argument("--quantization", default="none", choices=["none", "int4"],
                         help="int4: decoder-layer weights quantized at load (round-to-nearest, groups of 32) "
-                             "and kept packed; device cpu only for now")
+                             "and kept packed; devices cpu and cuda")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)

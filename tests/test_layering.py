@@ -41,3 +41,10 @@ def test_every_scheduler_module_loads_without_torch():
     modules = [p.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".") for p in python_files("scheduler")]
     code = f"import sys; import {', '.join(modules)}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_the_cpu_engine_loads_without_triton():
+    """triton is imported only for weights on a CUDA device (engine/quant/int4.py)."""
+    code = ("import sys; import engine.engine, engine.quant, kernels.triton; "
+            "sys.exit('triton' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

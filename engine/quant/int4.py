@@ -1,33 +1,33 @@
 """Group-wise INT4 weights (kernels/cpu/int4.py's layout) applied without widening them.
 
-Small batches (decode) go through the C++ kernel, which reads the packed bytes once and unpacks
-them in registers; larger ones (prefill) dequantize the weight in the compute dtype into one
-scratch buffer that all of a model's INT4 weights share (the size of the largest) and run torch's
-dense GEMM on it: measured on the 2-core VM, 4096x4096 at batch 16-256 took 1.05-1.8x the dense
-GEMM that way, and 1.1-10x when the weight went through in tiles of rows (torch's GEMM ran a
-[512, 4096] tile far below its speed on the whole matrix). GGUF Q4_0/Q4_1/Q4_K weights arrive
-as `PackedInt4` and are used as they are; other GGUF quantized weights arrive as `KeepDense` and
-stay dense; any other weight is quantized at load by round-to-nearest with each group's min and
-scale (`--quantization int4`). A fused QKV or gate/up of several of these kinds is one weight per
-run of a kind, their outputs concatenated (engine.quant.base.ConcatWeight).
+The kernels are the device's (`INT4_KERNELS`, by device type; each keeps the packed weight in
+the layout it reads): on the host CPU the C++ kernels over a tiled copy (int8 activations and
+integer dot products, kernels/cpu/int4.h), on CUDA kernels/triton's W4A16 over the canonical
+layout, imported only there. Batches up to the kernels' row limit go through the packed kernel;
+larger ones dequantize the weight in the compute dtype into one scratch buffer that all of a
+model's INT4 weights share (the size of the largest) and run torch's dense GEMM on it. GGUF
+Q4_0/Q4_1/Q4_K weights arrive as `PackedInt4` and are used as they are; other GGUF quantized
+weights arrive as `KeepDense` and stay dense; any other weight is quantized at load by
+round-to-nearest with each group's min and scale (`--quantization int4`). A fused QKV or gate/up
+of several of these kinds is one weight per run of a kind, their outputs concatenated
+(engine.quant.base.ConcatWeight).
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine.quant.base import ConcatWeight, LinearMethod, LinearWeight, register_linear_method
 from engine.quant.dense import DenseWeight
+from engine.registry import Registry
 from kernels.cpu import int4
 
 DEFAULT_GROUP_SIZE = 32
-# Rows of x up to which the packed kernel runs; above, the dequantized weight and a dense GEMM.
-# The kernel unpacks each block once per 4 rows, so its cost grows with the batch while the
-# GEMM's barely does: 4096x4096 on the 2-core VM (2 threads) took 0.5 / 1.4 / 5.5-7.9 / 11-12 ms
-# at batch 1 / 4 / 8 / 16, against 10.6 ms for dequantize + fp32 GEMM at 16 (3.9 in bf16).
+# Rows of x up to which the CPU's packed kernel runs; above, the dequantized weight and a dense GEMM.
 MAX_KERNEL_ROWS = 64
 
 
@@ -44,6 +44,13 @@ class PackedInt4:
     @property
     def shape(self) -> tuple[int, int]:
         return self.qweight.shape[0], self.qweight.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+
+    def to(self, device: torch.device | str) -> "PackedInt4":
+        return PackedInt4(self.qweight.to(device), self.scales.to(device), self.mins.to(device), self.group_size)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 [n, k] matrix the blocks stand for."""
@@ -95,43 +102,108 @@ def _cat(run: list) -> torch.Tensor | PackedInt4 | KeepDense:
 
 
 class DequantScratch:
-    """The buffer the large-batch path dequantizes into: one per dtype, grown to the largest
-    weight seen, shared by the weights of one linear method (the engine applies one at a time)."""
+    """The buffer the large-batch path dequantizes into: one per device and dtype, grown to the
+    largest weight seen, shared by the weights of one linear method (the engine applies one at a
+    time; on a GPU the stream orders the uses)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    def get(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    def get(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A contiguous [rows, cols] view of the buffer."""
-        buffer = self._buffers.get(dtype)
+        buffer = self._buffers.get((device, dtype))
         if buffer is None or buffer.numel() < rows * cols:
-            buffer = self._buffers[dtype] = torch.empty(rows * cols, dtype=dtype)
+            buffer = self._buffers[device, dtype] = torch.empty(rows * cols, dtype=dtype, device=device)
         return buffer[:rows * cols].view(rows, cols)
+
+
+class Int4Kernels(Protocol):
+    """The matmul an Int4Weight runs on, for one device type, over a packed weight kept in the
+    layout these kernels read (`prepare`'s result: anything with `nbytes`)."""
+
+    def prepare(self, packed: PackedInt4, device: torch.device) -> Any:
+        """The weight as these kernels keep it, on `device`."""
+
+    def linear(self, x: torch.Tensor, weight: Any, scratch: DequantScratch) -> torch.Tensor:
+        """x [num_tokens, in_features] -> x @ W^T [num_tokens, out_features] in x's dtype, no bias."""
+
+    def to_packed(self, weight: Any) -> PackedInt4:
+        """The canonical layout back (on the weight's device)."""
+
+
+INT4_KERNELS: Registry[Int4Kernels] = Registry("int4 kernels")  # by torch device type
+
+
+def create_int4_kernels(device: torch.device | str) -> Int4Kernels:
+    """The kernels for `device`'s type; ValueError naming those there are for a device without."""
+    device_type = torch.device(device).type
+    if device_type not in INT4_KERNELS:
+        raise ValueError(f"int4 weights have no kernels for device {device}; they run on "
+                         f"{', '.join(INT4_KERNELS.names())}")
+    return INT4_KERNELS.create(device_type)
+
+
+@INT4_KERNELS.register("cpu")
+class CpuInt4Kernels:
+    """kernels/cpu's C++ kernels over the tiled copy, on torch's intra-op thread count."""
+
+    def prepare(self, packed: PackedInt4, device: torch.device) -> int4.TiledInt4:
+        return int4.TiledInt4.from_packed(packed.qweight, packed.scales, packed.mins, packed.group_size)
+
+    def linear(self, x: torch.Tensor, weight: int4.TiledInt4, scratch: DequantScratch) -> torch.Tensor:
+        if x.shape[0] <= MAX_KERNEL_ROWS:
+            return int4.int4_linear(x, weight, num_threads=torch.get_num_threads())
+        dense = scratch.get(weight.n, weight.k, x.dtype, x.device)
+        int4.dequantize_into(weight, dense, num_threads=torch.get_num_threads())
+        return F.linear(x, dense)
+
+    def to_packed(self, weight: int4.TiledInt4) -> PackedInt4:
+        return PackedInt4(*weight.to_packed(), weight.group_size)
+
+
+@INT4_KERNELS.register("cuda")
+class TritonInt4Kernels:
+    """kernels/triton's W4A16 over the canonical layout (imported here, so that the CPU engine runs
+    without triton): the packed kernel up to its MAX_PACKED_ROWS, above that W dequantized into the
+    method's scratch buffer and cuBLAS."""
+
+    def __init__(self) -> None:
+        from kernels.triton import w4a16
+
+        self.w4a16 = w4a16
+
+    def prepare(self, packed: PackedInt4, device: torch.device) -> PackedInt4:
+        return packed.to(device)
+
+    def linear(self, x: torch.Tensor, weight: PackedInt4, scratch: DequantScratch) -> torch.Tensor:
+        dense = None
+        if x.shape[0] > self.w4a16.MAX_PACKED_ROWS:  # only then: decode alone never allocates it
+            dense = scratch.get(*weight.shape, x.dtype, x.device)
+        return self.w4a16.w4a16_linear(x, weight.qweight, weight.scales, weight.mins, weight.group_size,
+                                       dense=dense)
+
+    def to_packed(self, weight: PackedInt4) -> PackedInt4:
+        return weight
 
 
 class Int4Weight(LinearWeight):
     method = "int4"
 
-    def __init__(self, weight: int4.TiledInt4, bias: torch.Tensor | None, scratch: DequantScratch) -> None:
-        self.weight = weight  # the CPU kernel's tiled layout
+    def __init__(self, packed: PackedInt4, bias: torch.Tensor | None, scratch: DequantScratch,
+                 kernels: Int4Kernels, device: torch.device) -> None:
+        self.kernels = kernels
+        self.weight = kernels.prepare(packed, device)  # in the kernels' own layout
         self.bias = bias  # [out_features] in the compute dtype, or None
         self.scratch = scratch
-        self.out_features = weight.n
-        self.in_features = weight.k
+        self.out_features, self.in_features = packed.shape
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_KERNEL_ROWS:
-            y = int4.int4_linear(x, self.weight, num_threads=torch.get_num_threads())
-        else:
-            dense = self.scratch.get(self.out_features, self.in_features, x.dtype)
-            int4.dequantize_into(self.weight, dense, num_threads=torch.get_num_threads())
-            y = F.linear(x, dense)
+        y = self.kernels.linear(x, self.weight, self.scratch)
         return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 [out, in] matrix the packed weight stands for (what accuracy is measured against)."""
-        qweight, scales, mins = self.weight.to_packed()
-        return int4.dequantize(qweight, scales, mins, self.weight.group_size)
+        return self.kernels.to_packed(self.weight).dequantize()
 
     @property
     def format(self) -> str:
@@ -145,7 +217,8 @@ class Int4Weight(LinearWeight):
 @register_linear_method("int4")
 class Int4LinearMethod(LinearMethod):
     """Round-to-nearest INT4 at load, group size 32, for plain weights; a loader's PackedInt4 is
-    taken as it is and its KeepDense kept dense. Runs on the host CPU's kernels."""
+    taken as it is and its KeepDense kept dense. Runs on the kernels INT4_KERNELS names for the
+    device (the host CPU's C++ kernels, Triton's on CUDA)."""
 
     name = "int4"
     takes_packed_int4 = True
@@ -155,19 +228,16 @@ class Int4LinearMethod(LinearMethod):
         self.scratch = DequantScratch()
 
     def create_weight(self, weight, bias, *, dtype, device):
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"int4 weights run on the host CPU's kernels only, not on {device}")
+        kernels = create_int4_kernels(device)  # before any work: a device without kernels fails here
         if isinstance(weight, list):  # fused parts of several kinds (fuse): one weight each
             sizes = [part.shape[0] for part in weight]
             biases = [None] * len(weight) if bias is None else list(bias.split(sizes))
             return ConcatWeight([self.create_weight(part, part_bias, dtype=dtype, device=device)
                                  for part, part_bias in zip(weight, biases)], self.name)
-        bias = None if bias is None else bias.to(dtype)
+        bias = None if bias is None else bias.to(device=device, dtype=dtype)
         if isinstance(weight, KeepDense):
-            return DenseWeight(weight.weight.to(dtype), bias)
-        if isinstance(weight, PackedInt4):  # GGUF Q4 blocks: exact as they are
-            packed, group_size = (weight.qweight, weight.scales, weight.mins), weight.group_size
-        else:
+            return DenseWeight(weight.weight.to(device=device, dtype=dtype), bias)
+        if not isinstance(weight, PackedInt4):  # GGUF Q4 blocks are exact as they are
             int4.check_group_size(self.group_size, weight.shape[1])
-            packed, group_size = int4.quantize_rtn(weight, self.group_size), self.group_size
-        return Int4Weight(int4.TiledInt4.from_packed(*packed, group_size), bias, self.scratch)
+            weight = PackedInt4(*int4.quantize_rtn(weight, self.group_size), self.group_size)
+        return Int4Weight(weight, bias, self.scratch, kernels, torch.device(device))

@@ -1,0 +1,22 @@
+"""Fixtures shared across the test packages."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def interpreted_w4a16():
+    """kernels.triton.w4a16 with its kernels built for Triton's interpreter, so that they run on
+    CPU tensors. triton.jit reads TRITON_INTERPRET when it decorates a kernel, so the module is
+    imported (or re-imported) with the variable set; triton's knob scope then puts the variable
+    back as it was, and no other test sees it."""
+    triton = pytest.importorskip("triton")
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+        module = importlib.import_module("kernels.triton.w4a16")
+        if not module.INTERPRETED:  # imported earlier for a GPU
+            module = importlib.reload(module)
+    assert module.INTERPRETED
+    return module
