@@ -5,6 +5,8 @@ pull in the whole engine.
 """
 from importlib import import_module
 
+import kernels  # noqa: F401  (before torch: caps torch's OpenMP spinning, see kernels/__init__.py)
+
 _EXPORTS = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.engine",

@@ -56,28 +56,61 @@ def _blocks_in(memory_gib: float, block_bytes: int) -> int:
     return max(1, int(memory_gib * GIB_BYTES // block_bytes))
 
 
+DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
+# What --memory-gib keeps back from the KV pool for activations, logits and scratch buffers.
+ACTIVATION_RESERVE_GIB = 0.25
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache: the block size and the sizes of its two pools, in blocks or in memory."""
+    """The paged KV cache: the block size and the sizes of its two pools, in blocks or in memory.
+
+    The accelerator pool is, first that is set: `num_blocks`; `kv_cache_memory_gib`; what
+    `memory_gib` (weights and pool together) leaves once the weights are loaded, less
+    ACTIVATION_RESERVE_GIB; DEFAULT_KV_CACHE_MEMORY_GIB. (On CUDA the engine budgets 90% of the
+    device's memory when none is set.)"""
 
     block_size: int = 16  # tokens per block
-    num_blocks: int | None = None  # the accelerator pool; None: as many as kv_cache_memory_gib holds
-    kv_cache_memory_gib: float = 1.0
+    num_blocks: int | None = None  # the accelerator pool; None: sized by memory
+    kv_cache_memory_gib: float | None = None
+    memory_gib: float | None = None  # the accelerator memory for weights and the KV pool together
     num_cpu_blocks: int | None = None  # the host pool, when offloading; None: from cpu_kv_cache_memory_gib
     cpu_kv_cache_memory_gib: float = 4.0
 
     def __post_init__(self) -> None:
         _require_int(self, "block_size", 1)
-        _require_int(self, "num_blocks", 1, none_means="size the pool by kv_cache_memory_gib")
+        _require_int(self, "num_blocks", 1, none_means="size the pool by memory")
         _require_int(self, "num_cpu_blocks", 1,
                      none_means="size the pool by cpu_kv_cache_memory_gib; offload='off' drops the pool")
-        _require_positive(self, "kv_cache_memory_gib")
+        for name in ("kv_cache_memory_gib", "memory_gib"):
+            if getattr(self, name) is not None:
+                _require_positive(self, name)
         _require_positive(self, "cpu_kv_cache_memory_gib")
+        if self.kv_cache_memory_gib is not None and self.memory_gib is not None:
+            raise ConfigError("give kv_cache_memory_gib (the KV pool alone) or memory_gib (weights and KV pool "
+                              "together), not both")
+
+    @property
+    def sized_by_memory_budget(self) -> bool:
+        return self.num_blocks is None and self.kv_cache_memory_gib is None and self.memory_gib is not None
 
     def num_gpu_blocks_for(self, block_bytes: int) -> int:
-        """The accelerator pool's blocks of `block_bytes` each: `num_blocks`, else what
-        `kv_cache_memory_gib` holds (at least one)."""
-        return self.num_blocks if self.num_blocks is not None else _blocks_in(self.kv_cache_memory_gib, block_bytes)
+        """The accelerator pool's blocks of `block_bytes` each, when it does not depend on the
+        weights (not sized_by_memory_budget): `num_blocks`, else what `kv_cache_memory_gib` holds."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return _blocks_in(self.kv_cache_memory_gib or DEFAULT_KV_CACHE_MEMORY_GIB, block_bytes)
+
+    def num_gpu_blocks_after(self, weight_bytes: int, block_bytes: int, memory_gib: float) -> int:
+        """The pool's blocks when `memory_gib` holds the weights (`weight_bytes`), the activation
+        reserve and the pool; ConfigError naming what to change when not even one block fits."""
+        free_bytes = memory_gib * GIB_BYTES - weight_bytes - ACTIVATION_RESERVE_GIB * GIB_BYTES
+        if free_bytes < block_bytes:
+            raise ConfigError(
+                f"memory_gib ({memory_gib:g}) leaves no room for the KV cache: the weights take "
+                f"{weight_bytes / GIB_BYTES:.2f} GiB and activations {ACTIVATION_RESERVE_GIB:g} GiB; give more "
+                f"memory, --quantization int4, or a fixed --kv-cache-gib / --num-blocks")
+        return int(free_bytes // block_bytes)
 
     def num_cpu_blocks_for(self, block_bytes: int) -> int:
         """The host pool's blocks of `block_bytes` each: `num_cpu_blocks`, else what

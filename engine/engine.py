@@ -12,10 +12,11 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from engine.config import QUANTIZATION_METHODS, EngineConfig
+from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.execution import CoreAssignment, ModelRunner
 from engine.kv import KVCache
 from engine.model import ConfigError, ModelConfig
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 # Without an explicit max_model_len, contexts are capped here to keep prefill buffers sane.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+# The share of a CUDA device's memory for weights and KV when no size is given (vLLM's default too).
+CUDA_MEMORY_FRACTION = 0.9
 
 
 @dataclass
@@ -71,21 +74,23 @@ class LLMEngine:
         logger.info("compute dtype: %s (%s)", str(self.dtype).removeprefix("torch."), reason)
         cache = config.cache
         block_bytes = KVCache.bytes_per_block(self.model_config, cache.block_size, self.dtype)
-        num_blocks = cache.num_gpu_blocks_for(block_bytes)
         num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.offloading else 0
+        offload = config.offload
+        cores = CoreAssignment.for_device(config.device, offload.accelerator_threads, offload.cpu_attention_threads)
+        self.runner = ModelRunner(
+            self.model_config, loader, dtype=self.dtype, device=config.device,
+            num_blocks=self._kv_pool_size(block_bytes), num_cpu_blocks=num_cpu_blocks, cores=cores,
+            block_size=cache.block_size, max_model_len=self._model_max_len(), decode_backend=config.decode_attention,
+            seed=config.seed, linear_method=QUANTIZATION_METHODS[config.quantization],
+            show_progress=config.show_progress)
+        num_blocks = self.runner.kv_cache.gpu.num_blocks
+        logger.info("weights: %s; KV pool: %d blocks of %d tokens (%.2f GiB)",
+                    _describe_bytes(self.runner.model.weight_bytes()), num_blocks, cache.block_size,
+                    num_blocks * block_bytes / GIB_BYTES)
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         scheduler_config = SchedulerConfig(
             num_blocks=num_blocks, block_size=cache.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
-        offload = config.offload
-        cores = CoreAssignment.for_device(config.device, offload.accelerator_threads, offload.cpu_attention_threads)
-        self.runner = ModelRunner(
-            self.model_config, loader, dtype=self.dtype, device=config.device, num_blocks=num_blocks,
-            num_cpu_blocks=num_cpu_blocks, cores=cores, block_size=cache.block_size,
-            max_model_len=self.max_model_len, decode_backend=config.decode_attention, seed=config.seed,
-            linear_method=QUANTIZATION_METHODS[config.quantization],
-            show_progress=config.show_progress)
-        logger.info("weights: %s", _describe_bytes(self.runner.model.weight_bytes()))
         self.cost_model: CostModel | None = None
         self.profile_path: Path | None = None  # the cached cost tables, when profiled
         if num_cpu_blocks:
@@ -132,15 +137,37 @@ class LLMEngine:
         """Stop the runner's threads (the testbed's accelerator thread)."""
         self.runner.close()
 
-    def _resolve_max_model_len(self, num_blocks: int) -> int:
-        capacity = num_blocks * self.config.cache.block_size
+    def _kv_pool_size(self, block_bytes: int) -> int | Callable[[int], int]:
+        """The accelerator pool's blocks, or, under a memory budget, how to size it from the bytes
+        of the loaded weights (ModelRunner calls it once they are loaded)."""
+        cache = self.config.cache
+        memory_gib = cache.memory_gib if cache.sized_by_memory_budget else None
+        if memory_gib is None and self._device_memory_default_applies():
+            memory_gib = CUDA_MEMORY_FRACTION * torch.cuda.get_device_properties(self.config.torch_device).total_memory \
+                / GIB_BYTES
+        if memory_gib is None:
+            return cache.num_gpu_blocks_for(block_bytes)
+        return lambda weight_bytes: cache.num_gpu_blocks_after(weight_bytes, block_bytes, memory_gib)
+
+    def _device_memory_default_applies(self) -> bool:
+        cache = self.config.cache
+        unset = cache.num_blocks is None and cache.kv_cache_memory_gib is None and cache.memory_gib is None
+        return unset and self.config.device.startswith("cuda")
+
+    def _model_max_len(self) -> int:
+        """The longest sequence the model will be asked for, before the KV pool caps it."""
         trained = self.model_config.max_position_embeddings
         if self.config.max_model_len is not None:
             if self.config.max_model_len > trained:
                 raise ConfigError(f"max_model_len ({self.config.max_model_len}) exceeds the model's context "
                                   f"length ({trained})")
+            return self.config.max_model_len
+        return min(trained, DEFAULT_MAX_MODEL_LEN_CAP)
+
+    def _resolve_max_model_len(self, num_blocks: int) -> int:
+        if self.config.max_model_len is not None:
             return self.config.max_model_len  # the scheduler config reports it if the cache cannot hold it
-        return min(trained, DEFAULT_MAX_MODEL_LEN_CAP, capacity)
+        return min(self._model_max_len(), num_blocks * self.config.cache.block_size)
 
     # ---- requests -------------------------------------------------------------------------
     def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> PreparedRequest:

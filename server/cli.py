@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+import kernels  # noqa: F401  (before torch loads: caps its OpenMP spinning, kernels/__init__.py)
+
 API_KEY_ENV = "TANDEM_API_KEY"  # one key, or several separated by commas
 
 
@@ -54,7 +56,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-gpu-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
                         help="accelerator KV pool blocks (default: from --kv-cache-gib); caps it to emulate a small GPU")
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="accelerator KV pool size")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="accelerator KV pool size (default: from --memory-gib, else 1; on cuda 90%% of the device)")
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="accelerator memory for weights and KV pool together: the pool gets what the weights leave")
     parser.add_argument("--device", default="cpu",
                         help="the accelerator: cpu (the CPU plays both roles), testbed (an accelerator thread on its "
                              "own cores beside the CPU attention: Neo's overlap on a CPU-only host), cuda[:N]")
@@ -83,7 +88,8 @@ def engine_config(args: argparse.Namespace, **overrides):
         quantization=args.quantization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        num_blocks=args.num_blocks, kv_cache_memory_gib=args.kv_cache_gib, device=args.device, offload=args.offload,
+        num_blocks=args.num_blocks, kv_cache_memory_gib=args.kv_cache_gib, memory_gib=args.memory_gib,
+        device=args.device, offload=args.offload,
         num_cpu_blocks=args.num_cpu_blocks, cpu_kv_cache_memory_gib=args.cpu_kv_cache_gib,
         accelerator_threads=args.accelerator_threads, cpu_attention_threads=args.cpu_attention_threads,
         cost_tables=args.cost_tables, profile_cache_dir=args.profile_cache_dir, show_progress=True), **overrides})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -53,7 +54,7 @@ class ForwardLogits:
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, loader: WeightLoader, *, dtype: torch.dtype,
-                 device: str, num_blocks: int, block_size: int, max_model_len: int,
+                 device: str, num_blocks: int | Callable[[int], int], block_size: int, max_model_len: int,
                  num_cpu_blocks: int = 0, cores: CoreAssignment | None = None,
                  decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False,
                  linear_method: str = "dense") -> None:
@@ -65,6 +66,8 @@ class ModelRunner:
         self.model = LlamaModel(config, loader, dtype, self.device, max_model_len,
                                 create_decode_backend(decode_backend, str(self.device)), show_progress=show_progress,
                                 linear_method=create_linear_method(linear_method))
+        if callable(num_blocks):  # sized by what the loaded weights leave of a memory budget
+            num_blocks = num_blocks(self.model.accelerator_weight_bytes())
         cpu_pool = None
         if num_cpu_blocks:
             cpu_pool = KVCache(config, num_cpu_blocks, block_size, dtype, "cpu",

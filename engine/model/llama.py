@@ -78,6 +78,10 @@ class LlamaModel:
     # Where every weight lives today; weight streaming (host memory, disk) adds tiers.
     RESIDENT_TIER = "accelerator"
 
+    def accelerator_weight_bytes(self) -> int:
+        """Bytes of the weights that live on the accelerator (what its KV pool cannot use)."""
+        return sum(nbytes for (_, tier), nbytes in self.weight_bytes().items() if tier == self.RESIDENT_TIER)
+
     def weight_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes of every weight by (format, tier): the linear weights as their objects report
         them, embeddings and norms in the compute dtype (a tied LM head is counted once)."""

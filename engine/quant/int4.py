@@ -145,16 +145,20 @@ def create_int4_kernels(device: torch.device | str) -> Int4Kernels:
 
 @INT4_KERNELS.register("cpu")
 class CpuInt4Kernels:
-    """kernels/cpu's C++ kernels over the tiled copy, on torch's intra-op thread count."""
+    """kernels/cpu's C++ kernels over the tiled copy, on the thread count calibrated for them
+    (kernels.cpu.int4.default_num_threads, measured once per process)."""
+
+    def __init__(self) -> None:
+        self.num_threads = int4.default_num_threads()
 
     def prepare(self, packed: PackedInt4, device: torch.device) -> int4.TiledInt4:
         return int4.TiledInt4.from_packed(packed.qweight, packed.scales, packed.mins, packed.group_size)
 
     def linear(self, x: torch.Tensor, weight: int4.TiledInt4, scratch: DequantScratch) -> torch.Tensor:
         if x.shape[0] <= MAX_KERNEL_ROWS:
-            return int4.int4_linear(x, weight, num_threads=torch.get_num_threads())
+            return int4.int4_linear(x, weight, num_threads=self.num_threads)
         dense = scratch.get(weight.n, weight.k, x.dtype, x.device)
-        int4.dequantize_into(weight, dense, num_threads=torch.get_num_threads())
+        int4.dequantize_into(weight, dense, num_threads=self.num_threads)
         return F.linear(x, dense)
 
     def to_packed(self, weight: int4.TiledInt4) -> PackedInt4:

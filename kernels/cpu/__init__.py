@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from typing import Callable
 
 import torch
 
@@ -148,17 +149,32 @@ def _thread_candidates(num_cores: int) -> list[int]:
     return sorted(candidates)
 
 
-@functools.cache
-def default_num_threads() -> int:
-    """The thread count that ran a memory-bound calibration problem fastest.
-
-    Measured once per process (about a tenth of a second) over the cores this
-    process may run on; a count wins only if it beats every smaller count by
-    _CALIBRATION_MARGIN, since extra threads cost wake-ups and steal cores from
-    whatever runs beside the kernel.
-    """
+def calibrate_num_threads(run: Callable[[int], object]) -> int:
+    """The thread count with which `run(num_threads)` (a memory-bound calibration call) was fastest,
+    over 1, 2, 4, ... the cores this process may run on. A count wins only if it beats every
+    smaller count by _CALIBRATION_MARGIN, since extra threads cost wake-ups and steal cores from
+    whatever runs beside the kernel (LM-Offload sec. 4: the default count can cost 40%)."""
     num_cores = len(os.sched_getaffinity(0))
     if num_cores == 1 or not is_available():
+        return 1
+    best_threads, best_time = 1, float("inf")
+    for threads in _thread_candidates(num_cores):
+        times = []
+        for _ in range(_CALIBRATION_REPS + 1):  # the first call warms the pool and caches
+            start = time.perf_counter()
+            run(threads)
+            times.append(time.perf_counter() - start)
+        elapsed = min(times[1:])
+        if elapsed < best_time * (1 - _CALIBRATION_MARGIN):
+            best_threads, best_time = threads, elapsed
+    return best_threads
+
+
+@functools.cache
+def default_num_threads() -> int:
+    """The decode attention's thread count: calibrated once per process (about a tenth of a
+    second) on a Llama-3-8B layer's attention over 64 MiB of bf16 KV."""
+    if not is_available():
         return 1
     blocks_per_seq = _CALIBRATION_CONTEXT // _CALIBRATION_BLOCK
     num_blocks = _CALIBRATION_BATCH * blocks_per_seq
@@ -169,15 +185,5 @@ def default_num_threads() -> int:
     block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(_CALIBRATION_BATCH, blocks_per_seq)
     context_lens = torch.full((_CALIBRATION_BATCH,), _CALIBRATION_CONTEXT, dtype=torch.int32)
     out = torch.empty_like(query)
-    best_threads, best_time = 1, float("inf")
-    for threads in _thread_candidates(num_cores):
-        times = []
-        for _ in range(_CALIBRATION_REPS + 1):  # the first call warms the pool and caches
-            start = time.perf_counter()
-            paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, 1.0, out=out,
-                                   num_threads=threads)
-            times.append(time.perf_counter() - start)
-        elapsed = min(times[1:])
-        if elapsed < best_time * (1 - _CALIBRATION_MARGIN):
-            best_threads, best_time = threads, elapsed
-    return best_threads
+    return calibrate_num_threads(lambda threads: paged_decode_attention(
+        query, key_cache, value_cache, block_tables, context_lens, 1.0, out=out, num_threads=threads))

@@ -8,12 +8,13 @@ x to int8 per block of 32, so that one int8 dot-product instruction covers 4 wei
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import _DTYPE_CODES, _check_shape, _check_tensor, _extension
+from kernels.cpu import _DTYPE_CODES, _check_shape, _check_tensor, _extension, calibrate_num_threads, is_available
 
 BLOCK = 32  # weights per 16-byte block
 GROUP_SIZES = (32, 64, 128)
@@ -150,3 +151,23 @@ def int4_linear(x: torch.Tensor, weight: TiledInt4, num_threads: int = 1, isa: s
                              weight.mins.data_ptr(), y.data_ptr(), batch, weight.n, k, weight.group_size,
                              int(num_threads), isa or "")
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+# Calibration weight for default_num_threads: Llama-3.1-8B's gate|up shape, 38 MB packed, larger
+# than common last-level caches, at batch 1 (decode: memory-bound).
+_CALIBRATION_SHAPE = (14336, 4096)
+
+
+@functools.cache
+def default_num_threads() -> int:
+    """The INT4 matmul's thread count: calibrated once per process (a few tenths of a second) on
+    a decode-shaped call."""
+    if not is_available():
+        return 1
+    n, k = _CALIBRATION_SHAPE
+    tiles = n // TILE_ROWS
+    codes = torch.full((tiles, k // BLOCK, CHUNKS, TILE_ROWS, 4), 0x5A, dtype=torch.uint8)  # values do not matter
+    params = torch.ones(tiles, k // BLOCK, TILE_ROWS)
+    weight = TiledInt4(codes, params, params, n, BLOCK)
+    x = torch.randn(1, k)
+    return calibrate_num_threads(lambda threads: int4_linear(x, weight, num_threads=threads))

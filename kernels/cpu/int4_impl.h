@@ -18,6 +18,7 @@ namespace tandem {
 namespace {
 
 constexpr int kInt4Vectors = kInt4TileRows / Dot8::kLanes;  // vectors per tile row range
+constexpr int kPrefetchBytes = 8 * kInt4TileBlockBytes;  // how far ahead of the block in use
 
 // Writes lanes [0, count) of v to y.
 inline void store_lanes(float* y, typename Dot8::FVec v, int count) {
@@ -46,7 +47,9 @@ void int4_tile_vector(const Int4Problem& p, int tile, int v, int b0) {
     for (int b = 0; b < kRows; ++b) group_acc[b] = Dot8::zero();
     for (int block = g * blocks_per_group; block < (g + 1) * blocks_per_group; ++block) {
       typename Dot8::WVec w[2 * kInt4Chunks];
-      Dot8::unpack_block(codes + static_cast<size_t>(block) * kInt4TileBlockBytes, w);
+      const uint8_t* block_codes = codes + static_cast<size_t>(block) * kInt4TileBlockBytes;
+      for (int line = 0; line < kInt4TileBlockBytes; line += 64) __builtin_prefetch(block_codes + kPrefetchBytes + line);
+      Dot8::unpack_block(block_codes, w);
       for (int b = 0; b < kRows; ++b) {
         const size_t row = b0 + b;
         const auto dot = Dot8::block_dot(w, p.x_quant + row * p.k + block * kInt4Block);

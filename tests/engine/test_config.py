@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import FLAT_NAMES, CacheConfig, EngineConfig, OffloadConfig
+from engine.config import ACTIVATION_RESERVE_GIB, FLAT_NAMES, CacheConfig, EngineConfig, OffloadConfig
 from engine.engine import LLMEngine
 from engine.model import ConfigError
 from engine.profiling import dtype_probe
@@ -89,6 +89,18 @@ def test_pool_sizes_come_from_blocks_or_memory():
     assert cache.num_gpu_blocks_for(2**20) == 7
     assert cache.num_cpu_blocks_for(2**20) == 512
     assert CacheConfig(kv_cache_memory_gib=1e-9).num_gpu_blocks_for(2**20) == 1  # never an empty pool
+    assert CacheConfig().num_gpu_blocks_for(2**20) == 1024  # the 1 GiB default
+
+
+def test_a_memory_budget_gives_the_pool_what_the_weights_leave():
+    cache = CacheConfig(memory_gib=2.0)
+    assert cache.sized_by_memory_budget and not CacheConfig(memory_gib=2.0, num_blocks=5).sized_by_memory_budget
+    reserve = int(ACTIVATION_RESERVE_GIB * 2**30)
+    assert cache.num_gpu_blocks_after(2**30 - reserve - 3 * 2**20, 2**20, 2.0) == 1024 + 3
+    with pytest.raises(ConfigError, match="memory_gib .2. leaves no room for the KV cache.*--quantization int4"):
+        cache.num_gpu_blocks_after(2 * 2**30, 2**20, 2.0)
+    with pytest.raises(ConfigError, match="not both"):
+        CacheConfig(memory_gib=2.0, kv_cache_memory_gib=1.0)
 
 
 @pytest.fixture

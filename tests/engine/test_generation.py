@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from engine import LLM, ParamError, SamplingParams
+from engine.config import ACTIVATION_RESERVE_GIB
+from engine.model import ConfigError
 from engine.weights import embedded_gguf_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -148,3 +150,19 @@ def test_dummy_preset_generates_from_token_ids():
     with pytest.raises(ParamError) as info:
         llm.engine.add_request("text needs a tokenizer")
     assert info.value.param == "prompt"
+
+
+def test_memory_budget_sizes_the_kv_pool_from_the_loaded_weights():
+    """--memory-gib: the same budget holds more KV blocks when the weights are int4."""
+    blocks = {}
+    for quantization in ("none", "int4"):
+        with LLM(quantization=quantization, dtype="float32", memory_gib=1.0) as llm:
+            runner = llm.engine.runner
+            block_bytes = runner.kv_cache.gpu.bytes_per_block(llm.engine.model_config, 16, torch.float32)
+            free_bytes = (1.0 - ACTIVATION_RESERVE_GIB) * 2**30 - runner.model.accelerator_weight_bytes()
+            blocks[quantization] = runner.kv_cache.gpu.num_blocks
+            assert blocks[quantization] == int(free_bytes // block_bytes)
+            assert llm.engine.scheduler.config.num_blocks == blocks[quantization]
+    assert blocks["int4"] > blocks["none"]
+    with pytest.raises(ConfigError, match="leaves no room"):
+        LLM(dtype="float32", memory_gib=0.3)

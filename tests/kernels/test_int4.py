@@ -5,6 +5,10 @@ The kernel quantizes x to int8 per block of 32 (kernels/cpu/int4.h), so it is ch
 1e-5 against the same arithmetic in fp64 (`reference_int8`: the kernel itself), and to
 int4.ACTIVATION_RELATIVE_ERROR against the fp32 product on the dequantized weight (what
 quantizing the activations costs)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -67,7 +71,7 @@ def test_matches_the_reference(isa, n, k, group_size):
 
 @pytest.mark.parametrize("n, k", LLAMA_8B_SHAPES)
 def test_llama_8b_shapes(n, k):
-    for batch in (1, 64):
+    for batch in (1, 33):
         x, qweight, scales, mins = random_problem(n, k, 32, batch)
         weight = int4.TiledInt4.from_packed(qweight, scales, mins, 32)
         expected = reference_int8(x, qweight, scales, mins, 32)
@@ -162,3 +166,17 @@ def test_dequantize_into_writes_the_weight_in_the_asked_dtype(isa, dtype):
     int4.dequantize_into(int4.TiledInt4.from_packed(qweight, scales, mins, 64), out, num_threads=3, isa=isa)
     # one fused multiply-add against torch's multiply then add: the last bit may differ
     torch.testing.assert_close(out.float(), expected, atol=2e-6, rtol=torch.finfo(dtype).eps)
+
+
+def test_thread_count_is_calibrated_within_the_cores():
+    assert 1 <= int4.default_num_threads() <= len(os.sched_getaffinity(0))
+
+
+def test_importing_tandem_caps_torchs_openmp_spinning_unless_set():
+    code = "import engine, os; print(os.environ['GOMP_SPINCOUNT'])"
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    capped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert capped.stdout.strip() == "3000"
+    chosen = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**env, "GOMP_SPINCOUNT": "7"})
+    assert chosen.stdout.strip() == "7"
