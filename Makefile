@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test bench bench-neo bench-gpu clean
+.PHONY: install serve test bench bench-int4 bench-neo bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -34,7 +34,7 @@ test: install
 
 bench: install
 	$(PY) benchmarks/cpu_attention.py
-	$(PY) benchmarks/int4_matmul.py
+	$(MAKE) bench-int4
 	$(PY) benchmarks/offline.py
 	$(PY) benchmarks/serve.py --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
@@ -42,6 +42,21 @@ bench: install
 	$(PY) benchmarks/simulate_neo.py
 	$(MAKE) bench-neo
 	$(PY) benchmarks/update_readme.py
+
+# INT4: the kernel, its accuracy, and serving the embedded GGUF kept packed vs dequantized (and
+# llama.cpp's server on the same file when ../shared/peers/build_llama_server.sh has built it).
+LLAMA_SERVER ?= $(HOME)/peers/bin/llama-server
+EMBEDDED_GGUF = $(shell $(PY) -c "from engine.weights import embedded_gguf_path; print(embedded_gguf_path())")
+TANDEM_SERVE := $(PY) -m server.cli serve --port {port} --log-level warning
+bench-int4: install
+	$(PY) benchmarks/int4_matmul.py
+	$(PY) benchmarks/accuracy.py
+	$(PY) benchmarks/serve.py --system 'dequantized=$(TANDEM_SERVE) --quantization none' \
+		--system 'int4=$(TANDEM_SERVE) --quantization int4' \
+		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) \
+		-m $(EMBEDDED_GGUF) -t 2 -np 32 -c 16384 --host 127.0.0.1 --port {port} -a smollm2') \
+		--concurrency 1 32 --num-requests 32 --input-len 128 --output-len 128 --reps 2 --warmup 1 --no-progress \
+		--output benchmarks/results/int4_serve.json
 
 # Neo on the host-only testbed: GPU-only vs offloading side by side, pool capped then not.
 NEO_SERVE := $(PY) -m server.cli serve --port {port} --device testbed --log-level warning

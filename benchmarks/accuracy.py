@@ -9,7 +9,9 @@ with the reference at that position). Both engines compute in fp32.
     python benchmarks/accuracy.py                       # embedded GGUF: int4 kept packed vs dequantized fp32
     python benchmarks/accuracy.py --model qwen2-0.5b    # a dummy preset: RTN int4 vs its dense weights
 
-Prints a table and writes benchmarks/results/accuracy.json; `update_readme.py` puts the table in the README.
+Prints a table and writes benchmarks/results/accuracy.json and .md; `update_readme.py` puts the
+table in the README. Windows no longer than engine.quant.int4.MAX_KERNEL_ROWS send every matmul
+through the CPU's packed kernel (int8 activations); longer ones prefill through the dequantized GEMM.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 HELD_TEXT = REPO / "tests" / "data" / "held_text.txt"
 RESULTS = REPO / "benchmarks" / "results" / "accuracy.json"
-DEFAULT_WINDOW_TOKENS = 512
+DEFAULT_WINDOW_TOKENS = 64  # engine.quant.int4.MAX_KERNEL_ROWS: the packed kernel's path
 DUMMY_VOCAB_TOKENS_SEED = 0
 
 
@@ -85,8 +87,10 @@ def compare(model: str, variant: dict, reference: dict, window_tokens: int = DEF
     scores, names = {}, {}
     windows = None
     for role, kwargs in (("variant", variant), ("reference", reference)):
-        with LLM(model=model, dtype="float32", max_model_len=window_tokens + 16,
-                 max_num_batched_tokens=window_tokens * 2,
+        # one window per forward (room for it and one more token): its rows alone decide the int4
+        # path (MAX_KERNEL_ROWS)
+        with LLM(model=model, dtype="float32", max_model_len=window_tokens + 1,
+                 max_num_batched_tokens=window_tokens + 1,
                  **engine_kwargs, **kwargs) as llm:
             if windows is None:
                 windows = held_windows(llm.tokenizer, llm.engine.model_config.vocab_size, window_tokens, max_windows)
@@ -110,18 +114,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", help="model(s); default: the embedded GGUF and qwen2-0.5b dummy")
     parser.add_argument("--window-tokens", type=int, default=DEFAULT_WINDOW_TOKENS)
-    parser.add_argument("--max-windows", type=int, default=None, help="dummy presets: fewer windows (slow models)")
+    parser.add_argument("--max-windows", type=int, default=16, help="dummy presets: this many windows")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     comparisons = []
     for model in args.model or ["smollm2-135m", "qwen2-0.5b"]:
         dummy = {} if model == "smollm2-135m" or model.endswith(".gguf") else {"load_format": "dummy"}
         comparisons.append(compare(model, {"quantization": "int4"}, {"quantization": "none"},
-                                   args.window_tokens, args.max_windows, **dummy))
+                                   args.window_tokens, args.max_windows if dummy else None, **dummy))
         print(table(comparisons[-1:]), flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps([asdict(c) | {"perplexity_change": c.perplexity_change} for c in comparisons],
                                       indent=2))
+    title = (f"Held text: {HELD_TEXT.name}, windows of {args.window_tokens} tokens, fp32, teacher-forced "
+             f"(`benchmarks/accuracy.py`)")
+    args.output.with_suffix(".md").write_text(f"{title}\n\n{table(comparisons)}\n")
     print(table(comparisons))
 
 

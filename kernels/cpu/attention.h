@@ -144,7 +144,7 @@ struct KernelTable {
                          int num_parts);
   // The INT4 matmul's output tiles [tile_begin, tile_end) of 16 columns, for the whole batch (int4.h).
   void (*int4_tiles)(const Int4Problem& problem, int tile_begin, int tile_end);
-  // Rows [row_begin, row_end) of the activations quantized to int8 for int4_tiles.
+  // Rows [row_begin, row_end) of the activations quantized to int16 for int4_tiles.
   void (*int4_quantize_rows)(const Int4Activations& activations, int row_begin, int row_end);
   // Rows [row_begin, row_end) of the INT4 weight, dense in `dtype`, into out (from its first row).
   void (*int4_dequantize)(const Int4Problem& problem, void* out, DType dtype, int row_begin, int row_end);

@@ -1,8 +1,8 @@
-// The INT4 matmul over int4.h's tiled layout, written once against the `Dot8` struct of the
+// The INT4 matmul over int4.h's tiled layout, written once against the `Dot` struct of the
 // translation unit that includes it (its integer dot product and the fp32 vector it accumulates
 // in) and the `Isa` struct (for the dequantize's stores in bf16/fp16).
 //
-// Dot8 provides: kLanes (output rows per vector; kInt4TileRows is a multiple), kBatchTile (rows
+// Dot provides: kLanes (output rows per vector; kInt4TileRows is a multiple), kBatchTile (rows
 // of x that share one unpacked block), WVec / IVec / FVec, unpack_block (a block's 4 chunks of one
 // vector's rows -> 8 vectors of codes 0..15, chunk i's low nibbles first), block_dot (8 code
 // vectors x a block's 32 int8 activations -> int32 per row), to_float, zero, set1, load, fma, store.
@@ -17,56 +17,56 @@
 namespace tandem {
 namespace {
 
-constexpr int kInt4Vectors = kInt4TileRows / Dot8::kLanes;  // vectors per tile row range
+constexpr int kInt4Vectors = kInt4TileRows / Dot::kLanes;  // vectors per tile row range
 constexpr int kPrefetchBytes = 8 * kInt4TileBlockBytes;  // how far ahead of the block in use
 
 // Writes lanes [0, count) of v to y.
-inline void store_lanes(float* y, typename Dot8::FVec v, int count) {
-  if (count == Dot8::kLanes) {
-    Dot8::store(y, v);
+inline void store_lanes(float* y, typename Dot::FVec v, int count) {
+  if (count == Dot::kLanes) {
+    Dot::store(y, v);
     return;
   }
-  alignas(64) float lanes[Dot8::kLanes];
-  Dot8::store(lanes, v);
+  alignas(64) float lanes[Dot::kLanes];
+  Dot::store(lanes, v);
   std::copy(lanes, lanes + count, y);
 }
 
 // Vector `v` of tile `tile` (rows tile * 16 + v * kLanes ...) for the x rows [b0, b0 + kRows).
 template <int kRows>
 void int4_tile_vector(const Int4Problem& p, int tile, int v, int b0) {
-  using FVec = typename Dot8::FVec;
+  using FVec = typename Dot::FVec;
   const int num_blocks = p.num_blocks();
   const int num_groups = p.num_groups();
   const int blocks_per_group = p.group_size / kInt4Block;
-  const uint8_t* codes = p.tile_codes(tile) + v * Dot8::kLanes * 4;
-  const size_t params = static_cast<size_t>(tile) * num_groups * kInt4TileRows + v * Dot8::kLanes;
+  const uint8_t* codes = p.tile_codes(tile) + v * Dot::kLanes * 4;
+  const size_t params = static_cast<size_t>(tile) * num_groups * kInt4TileRows + v * Dot::kLanes;
   FVec acc[kRows];
-  for (int b = 0; b < kRows; ++b) acc[b] = Dot8::zero();
+  for (int b = 0; b < kRows; ++b) acc[b] = Dot::zero();
   for (int g = 0; g < num_groups; ++g) {
-    FVec group_acc[kRows];  // sum over the group's blocks of x_scale * <q, x_int8>
-    for (int b = 0; b < kRows; ++b) group_acc[b] = Dot8::zero();
+    FVec group_acc[kRows];  // sum over the group's blocks of x_scale * <q, x_int16>
+    for (int b = 0; b < kRows; ++b) group_acc[b] = Dot::zero();
     for (int block = g * blocks_per_group; block < (g + 1) * blocks_per_group; ++block) {
-      typename Dot8::WVec w[2 * kInt4Chunks];
+      typename Dot::WVec w[Dot::kWeightVectors];
       const uint8_t* block_codes = codes + static_cast<size_t>(block) * kInt4TileBlockBytes;
       for (int line = 0; line < kInt4TileBlockBytes; line += 64) __builtin_prefetch(block_codes + kPrefetchBytes + line);
-      Dot8::unpack_block(block_codes, w);
+      Dot::unpack_block(block_codes, w);
       for (int b = 0; b < kRows; ++b) {
         const size_t row = b0 + b;
-        const auto dot = Dot8::block_dot(w, p.x_quant + row * p.k + block * kInt4Block);
-        group_acc[b] = Dot8::fma(Dot8::to_float(dot), Dot8::set1(p.x_scales[row * num_blocks + block]), group_acc[b]);
+        const auto dot = Dot::block_dot(w, p.x_quant + row * p.k + block * kInt4Block);
+        group_acc[b] = Dot::fma(Dot::to_float(dot), Dot::set1(p.x_scales[row * num_blocks + block]), group_acc[b]);
       }
     }
-    const FVec scale = Dot8::load(p.scales + params + static_cast<size_t>(g) * kInt4TileRows);
-    const FVec centered_min = Dot8::fma(Dot8::set1(kInt4CodeCenter), scale,
-                                        Dot8::load(p.mins + params + static_cast<size_t>(g) * kInt4TileRows));
+    const FVec scale = Dot::load(p.scales + params + static_cast<size_t>(g) * kInt4TileRows);
+    const FVec centered_min = Dot::fma(Dot::set1(kInt4CodeCenter), scale,
+                                        Dot::load(p.mins + params + static_cast<size_t>(g) * kInt4TileRows));
     for (int b = 0; b < kRows; ++b) {
       const size_t row_group = static_cast<size_t>(b0 + b) * num_groups + g;
-      const FVec centered = Dot8::sub(group_acc[b], Dot8::set1(p.x_code_offsets[row_group]));
-      acc[b] = Dot8::fma(centered, scale, Dot8::fma(centered_min, Dot8::set1(p.x_group_sums[row_group]), acc[b]));
+      const FVec centered = Dot::sub(group_acc[b], Dot::set1(p.x_code_offsets[row_group]));
+      acc[b] = Dot::fma(centered, scale, Dot::fma(centered_min, Dot::set1(p.x_group_sums[row_group]), acc[b]));
     }
   }
-  const int col = tile * kInt4TileRows + v * Dot8::kLanes;
-  const int count = std::min(Dot8::kLanes, p.n - col);
+  const int col = tile * kInt4TileRows + v * Dot::kLanes;
+  const int count = std::min(Dot::kLanes, p.n - col);
   if (count <= 0) return;
   for (int b = 0; b < kRows; ++b) store_lanes(p.y + static_cast<size_t>(b0 + b) * p.n + col, acc[b], count);
 }
@@ -77,7 +77,7 @@ void int4_tile_rows(const Int4Problem& p, int tile, int b0) {
 }
 
 // Rows [b0, b0 + rows) with rows <= kBatchTile, through the instantiation for that count.
-template <int kRows = Dot8::kBatchTile>
+template <int kRows = Dot::kBatchTile>
 void int4_tile_dispatch(const Int4Problem& p, int tile, int b0, int rows) {
   if constexpr (kRows > 1) {
     if (rows < kRows) {
@@ -92,20 +92,20 @@ void int4_tile_dispatch(const Int4Problem& p, int tile, int b0, int rows) {
 // every batch slice passes over them.
 void int4_tiles(const Int4Problem& p, int tile_begin, int tile_end) {
   for (int tile = tile_begin; tile < tile_end; ++tile) {
-    for (int b0 = 0; b0 < p.batch; b0 += Dot8::kBatchTile) {
-      int4_tile_dispatch(p, tile, b0, std::min(Dot8::kBatchTile, p.batch - b0));
+    for (int b0 = 0; b0 < p.batch; b0 += Dot::kBatchTile) {
+      int4_tile_dispatch(p, tile, b0, std::min(Dot::kBatchTile, p.batch - b0));
     }
   }
 }
 
-// x rows [row_begin, row_end) to int8 per block of 32, with each block's scale, each group's fp32
+// x rows [row_begin, row_end) to int16 per block of 32, with each block's scale, each group's fp32
 // sum and its code offset (int4.h).
 void int4_quantize_rows(const Int4Activations& a, int row_begin, int row_end) {
   const int num_blocks = a.k / kInt4Block;
   const int blocks_per_group = a.group_size / kInt4Block;
   for (int row = row_begin; row < row_end; ++row) {
     const float* x = a.x + static_cast<size_t>(row) * a.k;
-    int8_t* q = a.x_quant + static_cast<size_t>(row) * a.k;
+    int16_t* q = a.x_quant + static_cast<size_t>(row) * a.k;
     float* group_sums = a.x_group_sums + static_cast<size_t>(row) * (num_blocks / blocks_per_group);
     float* code_offsets = a.x_code_offsets + static_cast<size_t>(row) * (num_blocks / blocks_per_group);
     for (int block = 0; block < num_blocks; ++block) {
@@ -119,7 +119,7 @@ void int4_quantize_rows(const Int4Activations& a, int row_begin, int row_end) {
       const float inverse = amax > 0.0f ? kInt4MaxQuant / amax : 0.0f;
       int32_t quant_sum = 0;
       for (int i = 0; i < kInt4Block; ++i) {
-        const int8_t value = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
+        const int16_t value = static_cast<int16_t>(std::nearbyint(xb[i] * inverse));
         q[block * kInt4Block + i] = value;
         quant_sum += value;
       }
@@ -151,12 +151,11 @@ void int4_dequantize_typed(const Int4Problem& p, T* out, int row_begin, int row_
       const float min = p.mins[param];
       for (int block = g * blocks_per_group; block < (g + 1) * blocks_per_group; ++block) {
         const uint8_t* chunks = codes + static_cast<size_t>(block) * kInt4TileBlockBytes;
-        for (int i = 0; i < kInt4Chunks; ++i) {
-          for (int j = 0; j < 4; ++j) {
-            const uint8_t byte = chunks[i * kInt4ChunkBytes + j];
-            values[4 * i + j] = scale * static_cast<float>(byte & 0xf) + min;
-            values[16 + 4 * i + j] = scale * static_cast<float>(byte >> 4) + min;
-          }
+        uint8_t bytes[kInt4Block / 2];  // the row's 16 canonical bytes of the block, gathered
+        for (int i = 0; i < kInt4Chunks; ++i) std::memcpy(bytes + 4 * i, chunks + i * kInt4ChunkBytes, 4);
+        for (int i = 0; i < kInt4Block / 2; ++i) {  // plain loops: the compiler vectorizes them
+          values[i] = scale * static_cast<float>(bytes[i] & 0xf) + min;
+          values[kInt4Block / 2 + i] = scale * static_cast<float>(bytes[i] >> 4) + min;
         }
         for (int i = 0; i < kInt4Block; i += Isa::kWidth) Isa::store(dst + block * kInt4Block + i, Isa::load(values + i));
       }

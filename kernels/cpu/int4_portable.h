@@ -1,4 +1,4 @@
-// The int8 dot product of the INT4 matmul (int4_impl.h's `Dot8`) in plain C++, for the
+// The integer dot product of the INT4 matmul (int4_impl.h's `Dot`) in plain C++, for the
 // instruction sets without one of their own (scalar, NEON): the compiler vectorizes what it can.
 #pragma once
 
@@ -9,9 +9,10 @@
 namespace tandem {
 namespace {
 
-struct Dot8 {
+struct Dot {
   static constexpr int kLanes = kInt4TileRows;
   static constexpr int kBatchTile = 4;
+  static constexpr int kWeightVectors = 2 * kInt4Chunks;  // each chunk's low nibbles, then its high ones
   struct WVec { uint8_t codes[kInt4ChunkBytes]; };  // 4 codes of each of 16 rows
   struct IVec { int32_t lanes[kLanes]; };
   struct FVec { float lanes[kLanes]; };
@@ -25,11 +26,11 @@ struct Dot8 {
       }
     }
   }
-  static IVec block_dot(const WVec* w, const int8_t* x) {
+  static IVec block_dot(const WVec* w, const int16_t* x) {
     IVec sums{};
     for (int c = 0; c < 2 * kInt4Chunks; ++c) {
       for (int lane = 0; lane < kLanes; ++lane) {
-        for (int j = 0; j < 4; ++j) sums.lanes[lane] += w[c].codes[lane * 4 + j] * x[4 * c + j];
+        for (int j = 0; j < 4; ++j) sums.lanes[lane] += w[c].codes[lane * 4 + j] * int32_t{x[4 * c + j]};
       }
     }
     return sums;

@@ -106,12 +106,14 @@ struct Isa : ExpConstants {
 };
 
 
-// The INT4 matmul's int8 dot product (int4_impl.h): 8 output rows per vector, their 4-byte groups
-// of codes multiplied by 4 activations broadcast to every lane; pairs summed to int16 by
-// vpmaddubsw (at most 8 x 2 x 15 x 127 = 30480: no overflow), widened once per block.
-struct Dot8 {
+// The INT4 matmul's integer dot product (int4_impl.h): a block's codes widened to int16, 4 rows x
+// 4 codes per vector, multiplied in pairs with 4 activations broadcast to every row (vpmaddwd),
+// each row's sum in its two lanes until one hadd and one permute per block give 8 rows.
+struct Dot {
   static constexpr int kLanes = 8;
   static constexpr int kBatchTile = 4;
+  // Per chunk: the low nibbles of this vector's rows 0-3 and 4-7, then the high nibbles.
+  static constexpr int kWeightVectors = 4 * kInt4Chunks;
   using WVec = __m256i;
   using IVec = __m256i;
   using FVec = __m256;
@@ -120,16 +122,27 @@ struct Dot8 {
     const __m256i mask = _mm256_set1_epi8(0x0f);
     for (int i = 0; i < kInt4Chunks; ++i) {
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + i * kInt4ChunkBytes));
-      w[i] = _mm256_and_si256(packed, mask);
-      w[kInt4Chunks + i] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+      const __m256i low = _mm256_and_si256(packed, mask);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+      w[4 * i] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(low));
+      w[4 * i + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(low, 1));
+      w[4 * i + 2] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(high));
+      w[4 * i + 3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(high, 1));
     }
   }
-  static IVec block_dot(const WVec* w, const int8_t* x) {
-    __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load_i32(x)));
-    for (int c = 1; c < 2 * kInt4Chunks; ++c) {
-      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(load_i32(x + 4 * c))));
+  static IVec block_dot(const WVec* w, const int16_t* x) {
+    __m256i rows_0_3 = _mm256_setzero_si256();  // lanes 2r, 2r + 1: row r's two pair sums
+    __m256i rows_4_7 = _mm256_setzero_si256();
+    for (int i = 0; i < kInt4Chunks; ++i) {
+      const __m256i x_low = _mm256_set1_epi64x(load_i64(x + 4 * i));
+      const __m256i x_high = _mm256_set1_epi64x(load_i64(x + kInt4Block / 2 + 4 * i));
+      rows_0_3 = _mm256_add_epi32(rows_0_3, _mm256_madd_epi16(w[4 * i], x_low));
+      rows_4_7 = _mm256_add_epi32(rows_4_7, _mm256_madd_epi16(w[4 * i + 1], x_low));
+      rows_0_3 = _mm256_add_epi32(rows_0_3, _mm256_madd_epi16(w[4 * i + 2], x_high));
+      rows_4_7 = _mm256_add_epi32(rows_4_7, _mm256_madd_epi16(w[4 * i + 3], x_high));
     }
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    // hadd within 128-bit lanes gives rows 0, 1, 4, 5 | 2, 3, 6, 7; the permute orders them.
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(rows_0_3, rows_4_7), 0xd8);
   }
   static FVec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
   static FVec zero() { return _mm256_setzero_ps(); }

@@ -88,13 +88,15 @@ struct Isa : ExpConstants {
 };
 
 
-// The INT4 matmul's int8 dot product (int4_impl.h): 16 output rows per vector, their 4-byte
-// groups of codes multiplied by 4 activations broadcast to every lane. With VNNI (the
-// avx512_vnni build of this file) one vpdpbusd per 4 codes; without, pairs summed to int16 by
-// vpmaddubsw (at most 8 x 2 x 15 x 127 = 30480: no overflow) and widened once per block.
-struct Dot8 {
+// The INT4 matmul's integer dot product (int4_impl.h): a block's codes widened to int16, 8 rows x
+// 4 codes per vector, multiplied in pairs with 4 activations broadcast to every row (VNNI, the
+// avx512_vnni build of this file: vpdpwssd; else vpmaddwd and an add), each row's sum in its two
+// lanes until one permute per block pairs them up into 16 rows.
+struct Dot {
   static constexpr int kLanes = 16;
   static constexpr int kBatchTile = 8;
+  // Per chunk: the low nibbles of rows 0-7 and 8-15, then the high nibbles of rows 0-7 and 8-15.
+  static constexpr int kWeightVectors = 4 * kInt4Chunks;
   using WVec = __m512i;
   using IVec = __m512i;
   using FVec = __m512;
@@ -103,21 +105,36 @@ struct Dot8 {
     const __m512i mask = _mm512_set1_epi8(0x0f);
     for (int i = 0; i < kInt4Chunks; ++i) {
       const __m512i packed = _mm512_loadu_si512(chunks + i * kInt4ChunkBytes);
-      w[i] = _mm512_and_si512(packed, mask);
-      w[kInt4Chunks + i] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+      const __m512i low = _mm512_and_si512(packed, mask);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+      w[4 * i] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(low));
+      w[4 * i + 1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(low, 1));
+      w[4 * i + 2] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(high));
+      w[4 * i + 3] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(high, 1));
     }
   }
-  static IVec block_dot(const WVec* w, const int8_t* x) {
-#ifdef __AVX512VNNI__
-    __m512i sums = _mm512_setzero_si512();
-    for (int c = 0; c < 2 * kInt4Chunks; ++c) sums = _mm512_dpbusd_epi32(sums, w[c], _mm512_set1_epi32(load_i32(x + 4 * c)));
-    return sums;
-#else
-    __m512i pairs = _mm512_maddubs_epi16(w[0], _mm512_set1_epi32(load_i32(x)));
-    for (int c = 1; c < 2 * kInt4Chunks; ++c) {
-      pairs = _mm512_add_epi16(pairs, _mm512_maddubs_epi16(w[c], _mm512_set1_epi32(load_i32(x + 4 * c))));
+  static IVec block_dot(const WVec* w, const int16_t* x) {
+    __m512i rows_0_7 = _mm512_setzero_si512();  // lanes 2r, 2r + 1: row r's two pair sums
+    __m512i rows_8_15 = _mm512_setzero_si512();
+    for (int i = 0; i < kInt4Chunks; ++i) {
+      const __m512i x_low = _mm512_set1_epi64(load_i64(x + 4 * i));
+      const __m512i x_high = _mm512_set1_epi64(load_i64(x + kInt4Block / 2 + 4 * i));
+      rows_0_7 = dot_pairs(rows_0_7, w[4 * i], x_low);
+      rows_8_15 = dot_pairs(rows_8_15, w[4 * i + 1], x_low);
+      rows_0_7 = dot_pairs(rows_0_7, w[4 * i + 2], x_high);
+      rows_8_15 = dot_pairs(rows_8_15, w[4 * i + 3], x_high);
     }
-    return _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+    alignas(64) static constexpr int32_t kEven[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    alignas(64) static constexpr int32_t kOdd[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    const __m512i even = _mm512_permutex2var_epi32(rows_0_7, _mm512_load_si512(kEven), rows_8_15);
+    const __m512i odd = _mm512_permutex2var_epi32(rows_0_7, _mm512_load_si512(kOdd), rows_8_15);
+    return _mm512_add_epi32(even, odd);
+  }
+  static __m512i dot_pairs(__m512i sums, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(sums, a, b);
+#else
+    return _mm512_add_epi32(sums, _mm512_madd_epi16(a, b));
 #endif
   }
   static FVec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }

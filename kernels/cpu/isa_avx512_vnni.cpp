@@ -1,5 +1,5 @@
 // AVX-512 with VNNI: isa_avx512.cpp compiled again with -mavx512vnni, so the INT4 matmul's dot
-// product is one vpdpbusd per 4 codes (Dot8 there); the rest is the avx512 path's code.
+// product fuses its multiply and add (vpdpwssd, Dot there); the rest is the avx512 path's code.
 #if defined(__AVX512VNNI__)
 #define TANDEM_AVX512_NAME "avx512_vnni"
 #define TANDEM_AVX512_TABLE avx512_vnni_kernels
