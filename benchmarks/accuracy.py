@@ -11,7 +11,7 @@ with the reference at that position). Both engines compute in fp32.
 
 Prints a table and writes benchmarks/results/accuracy.json and .md; `update_readme.py` puts the
 table in the README. Windows no longer than engine.quant.int4.MAX_KERNEL_ROWS send every matmul
-through the CPU's packed kernel (int8 activations); longer ones prefill through the dequantized GEMM.
+through the CPU's packed kernel (int16 activations); longer ones prefill through the dequantized GEMM.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ bandwidth, beside the dense paths and torch's own int4 kernel, side by side in t
 For Llama-3.1-8B's matmul shapes (4096x4096, 14336x4096, 4096x14336) and batches 1, 4, 16, 64,
 each round samples the read bandwidth (torch.sum over 2 GiB, benchmarks/cpu_attention.py's
 ReadBandwidth) and then times, interleaved, tandem's INT4 linear (`Int4Weight.apply`: the packed
-kernel up to 64 rows (int8 activations), the dequantized weight and a dense GEMM above; with fp32 activations, and
+kernel up to 64 rows (int16 activations), the dequantized weight and a dense GEMM above; with fp32 activations, and
 with bf16 ones, whose large batches then run a bf16 GEMM), the dense fp32 and bf16 `F.linear`, and torch's
 `_weight_int4pack_mm_for_cpu` (bf16 activations, group 32). Calls rotate over enough copies of
 each weight that the bytes between two visits to one copy exceed the last-level cache, so the

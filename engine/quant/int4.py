@@ -1,7 +1,7 @@
 """Group-wise INT4 weights (kernels/cpu/int4.py's layout) applied without widening them.
 
 The kernels are the device's (`INT4_KERNELS`, by device type; each keeps the packed weight in
-the layout it reads): on the host CPU the C++ kernels over a tiled copy (int8 activations and
+the layout it reads): on the host CPU the C++ kernels over a tiled copy (int16 activations and
 integer dot products, kernels/cpu/int4.h), on CUDA kernels/triton's W4A16 over the canonical
 layout, imported only there. Batches up to the kernels' row limit go through the packed kernel;
 larger ones dequantize the weight in the compute dtype into one scratch buffer that all of a
