@@ -162,6 +162,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: the scheduler's default
     decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
     quantization: str = "none"  # none: weights dense in `dtype` | int4: round-to-nearest INT4 at load (cpu, cuda)
+    fused_cpu_ops: bool = True  # the model's small ops as fused C++ kernels where they apply (RMSNorm, RoPE)
     show_progress: bool = False  # progress bars while the weights load and the costs are profiled
     cache: CacheConfig = field(default_factory=CacheConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -177,6 +178,8 @@ class EngineConfig:
         _require_int(self, "max_num_seqs", 1)
         _require_int(self, "max_num_batched_tokens", 1, none_means="the scheduler's default")
         _require_choice(self, "quantization", tuple(QUANTIZATION_METHODS))
+        if not isinstance(self.fused_cpu_ops, bool):
+            raise ConfigError(f"fused_cpu_ops must be true or false, got {self.fused_cpu_ops!r}")
         if self.quantization == "int4" and self.device == "testbed":
             raise ConfigError("quantization int4 runs on device cpu or cuda, not on the testbed: its accelerator "
                               "thread would share the CPU kernels' thread pool with the CPU attention; use "

@@ -7,6 +7,7 @@ import math
 import torch
 
 from engine.model.config import RopeScaling
+from kernels import cpu as cpu_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -14,6 +15,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+FUSED_NORM_MULTIPLE = 16  # the C++ kernel's vector width, which hidden must be a multiple of
+FUSED_ROPE_MULTIPLE = 32  # head_dim: each half a multiple of the vector width
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm in one C++ call (kernels.cpu.rms_norm) where it applies: 2-D CPU rows whose width
+    is a multiple of 16; else the torch ops above."""
+    if x.is_cpu and x.dim() == 2 and x.shape[1] % FUSED_NORM_MULTIPLE == 0 and cpu_kernels.is_available():
+        return cpu_kernels.rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -36,7 +49,8 @@ class RotaryEmbedding:
     """cos/sin per position, fp32, rotate-half layout: [max_positions, head_dim]."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int,
-                 device: torch.device) -> None:
+                 device: torch.device, fused: bool = False) -> None:
+        self.fused = fused and cpu_kernels.is_available()  # one C++ call (kernels.cpu.rope) where it applies
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -46,6 +60,8 @@ class RotaryEmbedding:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate x [num_tokens, heads, head_dim] by each token's position (rotate-half, HF's
         convention: pairs are (i, i + head_dim/2)); math in fp32."""
+        if self.fused and x.is_cpu and x.shape[-1] % FUSED_ROPE_MULTIPLE == 0:
+            return cpu_kernels.rope(x, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
         half = x.shape[-1] // 2

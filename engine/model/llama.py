@@ -16,7 +16,7 @@ from tqdm import tqdm
 from engine.attention import AttentionMetadata, DecodeAttentionBackend, prefill_attention
 from engine.kv import TwoTierKVCache
 from engine.model.config import ModelConfig
-from engine.model.layers import RotaryEmbedding, rms_norm
+from engine.model.layers import RotaryEmbedding, fused_rms_norm, rms_norm
 from engine.quant import LinearMethod, LinearWeight, create_linear_method
 from engine.quant.int4 import fuse
 from engine.weights import WeightLoader
@@ -53,8 +53,11 @@ class LayerWeights:
 class LlamaModel:
     def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype,
                  device: torch.device | str, max_model_len: int, decode_backend: DecodeAttentionBackend,
-                 show_progress: bool = False, linear_method: LinearMethod | None = None) -> None:
+                 show_progress: bool = False, linear_method: LinearMethod | None = None,
+                 fused_cpu_ops: bool = True) -> None:
         self.config = config
+        # the RMSNorms (and RoPE) in one C++ call each where the kernels apply, or as torch ops
+        self.rms_norm = fused_rms_norm if fused_cpu_ops else rms_norm
         self.dtype = dtype
         self.device = torch.device(device)
         self.decode_backend = decode_backend
@@ -73,7 +76,7 @@ class LlamaModel:
             for i in tqdm(range(config.num_layers), desc="loading layers", unit="layer", disable=not show_progress)
         ]
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_model_len,
-                                    self.device)
+                                    self.device, fused=fused_cpu_ops)
 
     # Where every weight lives today; weight streaming (host memory, disk) adds tiers.
     RESIDENT_TIER = "accelerator"
@@ -110,7 +113,7 @@ class LlamaModel:
         """RMSNorm, fused QKV projection and RoPE.
         -> q [num_tokens, num_heads, head_dim], k and v [num_tokens, kv_heads, head_dim]"""
         cfg, w = self.config, self.layers[layer]
-        qkv = w.qkv.apply(rms_norm(hidden, w.input_norm, cfg.rms_norm_eps))
+        qkv = w.qkv.apply(self.rms_norm(hidden, w.input_norm, cfg.rms_norm_eps))
         qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
         # Q and K heads rotated in one pass: [num_tokens, num_heads + kv_heads, head_dim]
         qk = self.rope(qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), positions)
@@ -154,13 +157,13 @@ class LlamaModel:
         -> hidden [num_tokens, hidden]"""
         w = self.layers[layer]
         hidden = hidden + w.o_proj.apply(attn_out)
-        gate, up = w.gate_up.apply(rms_norm(hidden, w.post_norm, self.config.rms_norm_eps)).chunk(2, dim=-1)
+        gate, up = w.gate_up.apply(self.rms_norm(hidden, w.post_norm, self.config.rms_norm_eps)).chunk(2, dim=-1)
         return hidden + w.down.apply(F.silu(gate) * up)
 
     def post_layer(self, hidden: torch.Tensor, output_rows: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the rows whose logits are wanted: each sequence's last token,
         then any prompt rows. -> logits [len(output_rows), vocab] fp32"""
-        rows = rms_norm(hidden[output_rows], self.final_norm, self.config.rms_norm_eps)
+        rows = self.rms_norm(hidden[output_rows], self.final_norm, self.config.rms_norm_eps)
         return self.lm_head.apply(rows).float()
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: TwoTierKVCache,

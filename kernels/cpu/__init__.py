@@ -139,6 +139,38 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     return out
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, isa: str | None = None) -> torch.Tensor:
+    """weight * to_dtype(x * rsqrt(mean(x^2) + eps)) over rows of x [rows, hidden], fp32 inside,
+    in x's dtype (kernels/cpu/rms_norm_impl.h); one call where torch runs four ops. x and weight
+    contiguous, same dtype, hidden a multiple of 16. Raises ValueError otherwise."""
+    if x.dim() != 2 or weight.shape != (x.shape[1],) or weight.dtype != x.dtype or x.dtype not in _DTYPE_CODES:
+        raise ValueError(f"rms_norm takes x [rows, hidden] and weight [hidden] of one dtype, got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _extension().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype], x.shape[0],
+                          x.shape[1], float(eps), isa or "")
+    return out
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         isa: str | None = None) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated at positions [tokens] (int64) by the fp32 tables
+    cos, sin [max_positions, head_dim] (rotate-half), in x's dtype (kernels/cpu/rope_impl.h).
+    head_dim a multiple of 32; positions must be inside the tables (not checked: the caller's
+    positions come from the scheduler, bounded by max_model_len). Raises ValueError otherwise."""
+    if (x.dim() != 3 or x.dtype not in _DTYPE_CODES or positions.dtype != torch.int64
+            or positions.shape != (x.shape[0],) or cos.dtype != torch.float32 or cos.shape[1] != x.shape[2]):
+        raise ValueError(f"rope takes x [tokens, heads, head_dim], int64 positions [tokens] and fp32 tables "
+                         f"[positions, head_dim], got {tuple(x.shape)} {x.dtype}, {tuple(positions.shape)} "
+                         f"{positions.dtype}, {tuple(cos.shape)} {cos.dtype}")
+    x, positions = x.contiguous(), positions.contiguous()
+    out = torch.empty_like(x)
+    _extension().rope(x.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype], positions.data_ptr(), cos.data_ptr(),
+                      sin.data_ptr(), x.shape[0], x.shape[1], x.shape[2], isa or "")
+    return out
+
+
 def _thread_candidates(num_cores: int) -> list[int]:
     """1, 2, 4, ... up to num_cores, and num_cores itself."""
     candidates = {num_cores}

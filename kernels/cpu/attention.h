@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "dtypes.h"
 #include "int4.h"
 
 namespace tandem {
@@ -25,12 +26,6 @@ namespace tandem {
 // kMaxHeadDim, which bounds a stack buffer in the merge.
 constexpr int kHeadDimMultiple = 16;
 constexpr int kMaxHeadDim = 1024;
-
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-// Distinct 16-bit storage types so overloads pick the right conversion.
-struct BFloat16 { uint16_t bits; };
-struct Float16 { uint16_t bits; };
 
 // One decode-attention call. All tensors are contiguous.
 struct Problem {
@@ -148,6 +143,11 @@ struct KernelTable {
   void (*int4_quantize_rows)(const Int4Activations& activations, int row_begin, int row_end);
   // Rows [row_begin, row_end) of the INT4 weight, dense in `dtype`, into out (from its first row).
   void (*int4_dequantize)(const Int4Problem& problem, void* out, DType dtype, int row_begin, int row_end);
+  // RMSNorm of rows x [rows, hidden] into out, in `dtype` (rms_norm_impl.h).
+  void (*rms_norm_rows)(const void* x, const void* weight, void* out, DType dtype, int rows, int hidden, float eps);
+  // Rotary embedding of x [tokens, heads, head_dim] into out at each token's position (rope_impl.h).
+  void (*rope_rows)(const void* x, void* out, DType dtype, const int64_t* positions, const float* cos,
+                    const float* sin, int tokens, int heads, int head_dim);
 };
 
 // Constants of the vector e^x every SIMD path uses: x = n ln 2 + r, e^x = 2^n e^r, with e^r from

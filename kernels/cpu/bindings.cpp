@@ -368,8 +368,8 @@ std::pair<int, int> split_range(int count, int parts, int part) {
           static_cast<int>(static_cast<int64_t>(count) * (part + 1) / parts)};
 }
 
-void int4_linear(uintptr_t x, uintptr_t codes, uintptr_t scales, uintptr_t mins, uintptr_t y, int batch, int n,
-                 int k, int group_size, int num_threads, const std::string& isa) {
+void int4_linear(uintptr_t x, uintptr_t codes, uintptr_t scales, uintptr_t mins, uintptr_t y, int dtype, int batch,
+                 int n, int k, int group_size, int num_threads, const std::string& isa) {
   check_int4_shape(batch, n, k, group_size, num_threads);
   if (batch == 0) return;
   const KernelTable& kernels = select_kernels(isa);
@@ -380,7 +380,8 @@ void int4_linear(uintptr_t x, uintptr_t codes, uintptr_t scales, uintptr_t mins,
   std::vector<float> x_scales(static_cast<size_t>(batch) * (k / kInt4Block));
   std::vector<float> group_sums(static_cast<size_t>(batch) * (k / group_size));
   std::vector<float> code_offsets(group_sums.size());
-  const Int4Activations activations{reinterpret_cast<const float*>(x), x_quant.data(), x_scales.data(),
+  const Int4Activations activations{reinterpret_cast<const void*>(x), static_cast<DType>(dtype), x_quant.data(),
+                                    x_scales.data(),
                                     group_sums.data(), code_offsets.data(), k, group_size};
   const int quantize_threads = std::min(num_threads, batch);
   ThreadPool::instance().run(quantize_threads, [&](int thread) {
@@ -390,7 +391,7 @@ void int4_linear(uintptr_t x, uintptr_t codes, uintptr_t scales, uintptr_t mins,
   const Int4Problem p{x_quant.data(), x_scales.data(), group_sums.data(), code_offsets.data(),
                       reinterpret_cast<const uint8_t*>(codes),
                       reinterpret_cast<const float*>(scales), reinterpret_cast<const float*>(mins),
-                      reinterpret_cast<float*>(y), batch, n, k, group_size};
+                      reinterpret_cast<void*>(y), static_cast<DType>(dtype), batch, n, k, group_size};
   // Contiguous runs of tiles: each thread streams its own part of the packed weight once.
   const int num_tiles = (n + kInt4TileRows - 1) / kInt4TileRows;
   const int threads = std::min(num_threads, num_tiles);
@@ -406,7 +407,7 @@ void int4_dequantize(uintptr_t codes, uintptr_t scales, uintptr_t mins, uintptr_
   const KernelTable& kernels = select_kernels(isa);
   const Int4Problem p{nullptr, nullptr, nullptr, nullptr, reinterpret_cast<const uint8_t*>(codes),
                       reinterpret_cast<const float*>(scales), reinterpret_cast<const float*>(mins), nullptr,
-                      0, n, k, group_size};
+                      DType::kFloat32, 0, n, k, group_size};
   const int threads = std::min(num_threads, n);
   const size_t row_bytes = static_cast<size_t>(k) * dtype_size(static_cast<DType>(out_dtype));
   ThreadPool::instance().run(threads, [&](int thread) {
@@ -414,6 +415,29 @@ void int4_dequantize(uintptr_t codes, uintptr_t scales, uintptr_t mins, uintptr_
     kernels.int4_dequantize(p, reinterpret_cast<char*>(out) + begin * row_bytes, static_cast<DType>(out_dtype),
                             begin, end);
   });
+}
+
+void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t out, int dtype, int rows, int hidden, double eps,
+              const std::string& isa) {
+  if (rows < 0 || hidden < 1 || hidden % kHeadDimMultiple != 0) {
+    throw std::invalid_argument("hidden must be a positive multiple of " + std::to_string(kHeadDimMultiple) +
+                                ", got " + std::to_string(hidden));
+  }
+  select_kernels(isa).rms_norm_rows(reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(weight),
+                                    reinterpret_cast<void*>(out), static_cast<DType>(dtype), rows, hidden,
+                                    static_cast<float>(eps));
+}
+
+void rope(uintptr_t x, uintptr_t out, int dtype, uintptr_t positions, uintptr_t cos, uintptr_t sin, int tokens,
+          int heads, int head_dim, const std::string& isa) {
+  if (tokens < 0 || heads < 1 || head_dim < 2 || head_dim % (2 * kHeadDimMultiple) != 0) {
+    throw std::invalid_argument("head_dim must be a positive multiple of " + std::to_string(2 * kHeadDimMultiple) +
+                                ", got " + std::to_string(head_dim));
+  }
+  select_kernels(isa).rope_rows(reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out),
+                                static_cast<DType>(dtype), reinterpret_cast<const int64_t*>(positions),
+                                reinterpret_cast<const float*>(cos), reinterpret_cast<const float*>(sin), tokens,
+                                heads, head_dim);
 }
 
 std::vector<std::string> usable_isas() {
@@ -436,5 +460,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_dequantize", &tandem::int4_dequantize, "Raw-pointer entry; use kernels.cpu.int4.dequantize_into.",
         py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &tandem::rms_norm, "Raw-pointer entry; use kernels.cpu.rms_norm instead.");
+  m.def("rope", &tandem::rope, "Raw-pointer entry; use kernels.cpu.rope instead.");
   m.def("usable_isas", &tandem::usable_isas, "Instruction sets compiled in and supported here, best first.");
 }

@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dtypes.h"
+
 namespace tandem {
 
 constexpr int kInt4Block = 32;     // weights per block along k; group_size is a multiple of it
@@ -53,7 +55,8 @@ struct Int4Problem {
   const uint8_t* codes;       // tiled, [tiles, k / 32, 4, 16, 4]
   const float* scales;        // [tiles, k / group_size, 16]
   const float* mins;          // [tiles, k / group_size, 16]
-  float* y;                   // [batch, n]
+  void* y;                    // [batch, n] in y_dtype
+  DType y_dtype;
   int batch;
   int n;
   int k;
@@ -68,7 +71,8 @@ struct Int4Problem {
 
 // Rows [row_begin, row_end) of x [.., k] fp32 quantized into problem-shaped buffers.
 struct Int4Activations {
-  const float* x;
+  const void* x;  // [batch, k] in x_dtype
+  DType x_dtype;
   int16_t* x_quant;
   float* x_scales;
   float* x_group_sums;

@@ -24,6 +24,7 @@ CHUNKS = 4  # 64-byte chunks per tile and block
 # The kernel's relative error against the fp32 product on the dequantized weight, from its int16
 # activations (per-block absmax scaling: each x off by at most half a step of max|x| / 32767).
 ACTIVATION_RELATIVE_ERROR = 1e-3
+_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_group_size(group_size: int, k: int) -> None:
@@ -137,20 +138,23 @@ def dequantize_into(weight: TiledInt4, out: torch.Tensor, num_threads: int = 1,
 
 
 def int4_linear(x: torch.Tensor, weight: TiledInt4, num_threads: int = 1, isa: str | None = None) -> torch.Tensor:
-    """y = x @ W^T: x [batch, k] fp32/bf16/fp16 -> y [batch, n] in x's dtype. x is quantized to int16
-    per block of 32 inside (int4.h), so y differs from the fp32 product on the dequantized weight
-    by about 1e-4 relative (bound: ACTIVATION_RELATIVE_ERROR). The GIL is released while the kernel runs.
-    Raises ValueError on malformed input."""
-    _check_tensor("x", x, 2, (torch.float32, torch.bfloat16, torch.float16))
+    """y = x @ W^T: x [batch, k] fp32/bf16/fp16 -> y [batch, n] in x's dtype (read and written in
+    C++: no conversion ops around the call). x is quantized to int16 per block of 32 inside
+    (int4.h), so y differs from the fp32 product on the dequantized weight by about 1e-4 relative
+    (bound: ACTIVATION_RELATIVE_ERROR). The GIL is released while the kernel runs. Raises
+    ValueError on malformed input. This is the decode step's hot path (one call per matmul): the
+    checks are the few a call can get wrong, the weight's own were made when it was tiled."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in _ACTIVATION_DTYPES or not x.is_cpu or x.dim() != 2:
+        _check_tensor("x", x, 2, _ACTIVATION_DTYPES)  # names what is wrong
     batch, k = x.shape
     if k != weight.k:
         raise ValueError(f"x has {k} columns but the weight's input dimension is {weight.k}")
-    x32 = x.float().contiguous()
-    y = torch.empty(batch, weight.n, dtype=torch.float32)
-    _extension().int4_linear(x32.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(),
-                             weight.mins.data_ptr(), y.data_ptr(), batch, weight.n, k, weight.group_size,
-                             int(num_threads), isa or "")
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
+    x = x.contiguous()
+    y = torch.empty(batch, weight.n, dtype=x.dtype)
+    _extension().int4_linear(x.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(),
+                             weight.mins.data_ptr(), y.data_ptr(), _DTYPE_CODES[x.dtype], batch, weight.n, k,
+                             weight.group_size, int(num_threads), isa or "")
+    return y
 
 
 # Calibration weight for default_num_threads: Llama-3.1-8B's gate|up shape, 38 MB packed, larger

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "int4.h"
 
@@ -20,15 +21,26 @@ namespace {
 constexpr int kInt4Vectors = kInt4TileRows / Dot::kLanes;  // vectors per tile row range
 constexpr int kPrefetchBytes = 8 * kInt4TileBlockBytes;  // how far ahead of the block in use
 
-// Writes lanes [0, count) of v to y.
-inline void store_lanes(float* y, typename Dot::FVec v, int count) {
-  if (count == Dot::kLanes) {
-    Dot::store(y, v);
+template <typename T>
+inline void store_converted(T* y, const float* lanes, int count) {
+  alignas(64) T converted[Dot::kLanes];
+  for (int i = 0; i < Dot::kLanes; i += Isa::kWidth) Isa::store(converted + i, Isa::load(lanes + i));
+  std::copy(converted, converted + count, y);
+}
+
+// Writes lanes [0, count) of v to y's element `offset` on, in y's dtype.
+inline void store_lanes(const Int4Problem& p, size_t offset, typename Dot::FVec v, int count) {
+  if (p.y_dtype == DType::kFloat32 && count == Dot::kLanes) {
+    Dot::store(static_cast<float*>(p.y) + offset, v);
     return;
   }
   alignas(64) float lanes[Dot::kLanes];
   Dot::store(lanes, v);
-  std::copy(lanes, lanes + count, y);
+  switch (p.y_dtype) {
+    case DType::kFloat32: std::copy(lanes, lanes + count, static_cast<float*>(p.y) + offset); break;
+    case DType::kBFloat16: store_converted(static_cast<BFloat16*>(p.y) + offset, lanes, count); break;
+    case DType::kFloat16: store_converted(static_cast<Float16*>(p.y) + offset, lanes, count); break;
+  }
 }
 
 // Vector `v` of tile `tile` (rows tile * 16 + v * kLanes ...) for the x rows [b0, b0 + kRows).
@@ -68,7 +80,7 @@ void int4_tile_vector(const Int4Problem& p, int tile, int v, int b0) {
   const int col = tile * kInt4TileRows + v * Dot::kLanes;
   const int count = std::min(Dot::kLanes, p.n - col);
   if (count <= 0) return;
-  for (int b = 0; b < kRows; ++b) store_lanes(p.y + static_cast<size_t>(b0 + b) * p.n + col, acc[b], count);
+  for (int b = 0; b < kRows; ++b) store_lanes(p, static_cast<size_t>(b0 + b) * p.n + col, acc[b], count);
 }
 
 template <int kRows>
@@ -103,8 +115,17 @@ void int4_tiles(const Int4Problem& p, int tile_begin, int tile_end) {
 void int4_quantize_rows(const Int4Activations& a, int row_begin, int row_end) {
   const int num_blocks = a.k / kInt4Block;
   const int blocks_per_group = a.group_size / kInt4Block;
+  std::vector<float> widened(a.k);  // the row in fp32
   for (int row = row_begin; row < row_end; ++row) {
-    const float* x = a.x + static_cast<size_t>(row) * a.k;
+    const size_t first = static_cast<size_t>(row) * a.k;
+    for (int i = 0; i < a.k; i += Isa::kWidth) {
+      switch (a.x_dtype) {
+        case DType::kFloat32: Isa::store(widened.data() + i, Isa::load(static_cast<const float*>(a.x) + first + i)); break;
+        case DType::kBFloat16: Isa::store(widened.data() + i, Isa::load(static_cast<const BFloat16*>(a.x) + first + i)); break;
+        case DType::kFloat16: Isa::store(widened.data() + i, Isa::load(static_cast<const Float16*>(a.x) + first + i)); break;
+      }
+    }
+    const float* x = widened.data();
     int16_t* q = a.x_quant + static_cast<size_t>(row) * a.k;
     float* group_sums = a.x_group_sums + static_cast<size_t>(row) * (num_blocks / blocks_per_group);
     float* code_offsets = a.x_code_offsets + static_cast<size_t>(row) * (num_blocks / blocks_per_group);

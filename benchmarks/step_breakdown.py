@@ -1,0 +1,196 @@
+"""Where a decode step's time goes: weight-bound matmuls against everything else, beside the
+roofline (the step's weight bytes / the read bandwidth measured in the same run).
+
+The embedded model through LLMEngine.step, batches of 1, 8 and 32 requests (~240-token prompts,
+greedy, ignore_eos), after their prefill. Each decode step's wall time is split by timers wrapped
+around the engine's own functions for the run:
+  matmuls     every LinearWeight.apply (the layers' and the LM head's, whatever their format)
+  attention   the model's attention call (KV append and paged decode attention)
+  model other the rest of the model's forward: embeddings, RMSNorm, RoPE, SiLU, residuals, glue
+  sampler     the sampler on the step's logits
+  scheduler   schedule() and update()
+  engine other the rest of step(): batch building, metrics, detokenizing, outputs
+The server and SSE are outside LLMEngine.step and not counted here (benchmarks/serve.py measures
+them end to end). Timers cost about a microsecond per call, small beside what they time.
+
+    .venv/bin/python benchmarks/step_breakdown.py [--quantization int4] [--batches 1]
+Each code state in VARIANTS (the model's small ops as torch ops, or fused C++ kernels) is measured
+in the same run, repetitions interleaved. Writes benchmarks/results/step_breakdown.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import kernels  # noqa: E402,F401  (before torch: the engine's OpenMP spin cap)
+import torch  # noqa: E402
+
+from benchmarks.cpu_attention import ReadBandwidth  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.model.llama import LlamaModel  # noqa: E402
+from engine.quant.base import LinearWeight  # noqa: E402
+from engine.sampling import Sampler  # noqa: E402
+from scheduler.sampling_params import SamplingParams  # noqa: E402
+from scheduler.scheduler import Scheduler  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "step_breakdown.json"
+BATCHES = [1, 8, 32]
+PROMPT_TOKENS = 240
+DECODE_STEPS = 48
+CATEGORIES = ["matmuls", "attention", "model other", "sampler", "scheduler", "engine other"]
+
+
+class StepTimers:
+    """Seconds spent inside wrapped functions, accumulated per category; nested calls are counted
+    once, in the outermost category only for the same category."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._patches: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner: object, name: str, category: str) -> None:
+        original = getattr(owner, name)
+        timers = self
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                timers.seconds[category] += time.perf_counter() - start
+
+        self._patches.append((owner, name, original))
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self._patches):
+            setattr(owner, name, original)
+        self._patches.clear()
+
+
+def linear_weight_classes() -> list[type]:
+    """Every LinearWeight subclass with its own apply (ConcatWeight's parts are counted inside)."""
+    found, pending = [], [LinearWeight]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if "apply" in vars(cls) and not getattr(cls.apply, "__isabstractmethod__", False):
+            found.append(cls)
+    return found
+
+
+@contextmanager
+def timed_engine(timers: StepTimers):
+    for cls in linear_weight_classes():
+        if cls.__name__ != "ConcatWeight":  # its parts are timed themselves
+            timers.wrap(cls, "apply", "matmuls")
+    timers.wrap(LlamaModel, "attention", "attention")
+    timers.wrap(LlamaModel, "forward", "forward")
+    timers.wrap(Sampler, "__call__", "sampler")
+    timers.wrap(Scheduler, "schedule", "scheduler")
+    timers.wrap(Scheduler, "update", "scheduler")
+    try:
+        yield
+    finally:
+        timers.restore()
+
+
+def measure(engine: LLMEngine, batch: int) -> dict:
+    """Median per-step seconds of each category over DECODE_STEPS decode steps of `batch` requests."""
+    gen = torch.Generator().manual_seed(batch)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, vocab, (PROMPT_TOKENS,), generator=gen).tolist(), params)
+    engine.step()
+    while engine.stats.num_prompt_tokens or engine.scheduler.num_waiting:
+        engine.step()  # the prefills
+    per_step: dict[str, list[float]] = defaultdict(list)
+    timers = StepTimers()
+    with timed_engine(timers):
+        for _ in range(DECODE_STEPS):
+            timers.seconds.clear()
+            start = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - start
+            s = timers.seconds
+            per_step["total"].append(total)
+            per_step["matmuls"].append(s["matmuls"])
+            per_step["attention"].append(s["attention"])
+            per_step["model other"].append(s["forward"] - s["matmuls"] - s["attention"])
+            per_step["sampler"].append(s["sampler"])
+            per_step["scheduler"].append(s["scheduler"])
+            per_step["engine other"].append(total - s["forward"] - s["sampler"] - s["scheduler"])
+    while engine.scheduler.has_unfinished_sequences():
+        engine.step()
+    return {name: statistics.median(values) for name, values in per_step.items()}
+
+
+def to_markdown(result: dict) -> str:
+    lines = [f"{result['cpu']}, {result['threads']} threads, prompts of {PROMPT_TOKENS} tokens, ms per decode step: "
+             f"median of {DECODE_STEPS} steps, median of {result['reps']} interleaved repetitions; "
+             f"roofline = weight bytes / read bandwidth "
+             f"({result['read_bw_gbs']:.1f} GB/s, torch.sum over 2 GiB in the same run)", "",
+             "| label | weights | batch | step | " + " | ".join(CATEGORIES) + " | non-weight | roofline |",
+             "|---|---|---|---|" + "---|" * len(CATEGORIES) + "---|---|"]
+    for row in result["rows"]:
+        cells = " | ".join(f"{row[c] * 1e3:.2f}" for c in CATEGORIES)
+        lines.append(f"| {row['label']} | {row['quantization']} | {row['batch']} | {row['total'] * 1e3:.2f} | {cells} | "
+                     f"{(row['total'] - row['matmuls']) * 1e3:.2f} | {row['roofline'] * 1e3:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+# Code states measured side by side in one run (the machine's speed drifts between runs): the
+# model's small ops as torch ops, and as fused C++ kernels (EngineConfig.fused_cpu_ops).
+VARIANTS = {"torch ops": {"fused_cpu_ops": False}, "fused ops": {"fused_cpu_ops": True}}
+REPS = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quantization", nargs="+", default=["int4", "none"])
+    parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    parser.add_argument("--reps", type=int, default=REPS, help="interleaved repetitions of every variant")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    bandwidth = ReadBandwidth(torch.get_num_threads()).sample()
+    samples: dict[tuple, list[dict]] = defaultdict(list)
+    for rep in range(args.reps):
+        order = list(VARIANTS.items()) if rep % 2 == 0 else list(reversed(VARIANTS.items()))
+        for quantization in args.quantization:
+            for label, knobs in order:  # A B, then B A: drift hits both alike
+                engine = LLMEngine(EngineConfig.from_flat(quantization=quantization, max_num_seqs=max(args.batches),
+                                                          **knobs))
+                try:
+                    weight_bytes = engine.runner.model.accelerator_weight_bytes()
+                    for batch in args.batches:
+                        row = measure(engine, batch)
+                        row["roofline"] = weight_bytes / bandwidth
+                        samples[label, quantization, batch].append(row)
+                        print(label, quantization, batch, row, file=sys.stderr, flush=True)
+                finally:
+                    engine.close()
+    rows = [{"label": label, "quantization": quantization, "batch": batch,
+             **{name: statistics.median(r[name] for r in reps) for name in reps[0]}}
+            for (label, quantization, batch), reps in sorted(samples.items(), key=lambda item: (item[0][1], item[0][2]))]
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    result = {"cpu": cpu, "threads": torch.get_num_threads(), "read_bw_gbs": bandwidth / 1e9, "reps": args.reps,
+              "rows": rows}
+    args.output.parent.mkdir(exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=1))
+    args.output.with_suffix(".md").write_text(to_markdown(result))
+    print(to_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
