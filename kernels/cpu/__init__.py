@@ -171,6 +171,25 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     return out
 
 
+DENSE_LINEAR_MAX_ROWS = 4
+DENSE_LINEAR_K_MULTIPLE = 16
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, num_threads: int = 1, isa: str | None = None) -> torch.Tensor:
+    """y = x @ weight^T for 1-4 rows of x [rows, k] (any float dtype, read as fp32) and a dense
+    weight [n, k] in fp32/bf16/fp16 (kernels/cpu/gemv_impl.h), y fp32 [rows, n]: the weight read
+    once at memory speed. k a multiple of 16. Raises ValueError otherwise."""
+    _check_tensor("weight", weight, 2, _DTYPE_CODES)
+    if x.dim() != 2 or not 1 <= x.shape[0] <= DENSE_LINEAR_MAX_ROWS or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"dense_linear takes x [1-{DENSE_LINEAR_MAX_ROWS}, k] and weight [n, k], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    x32 = x.float().contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    _extension().dense_linear(x32.data_ptr(), weight.data_ptr(), _DTYPE_CODES[weight.dtype], y.data_ptr(),
+                              x.shape[0], weight.shape[0], x.shape[1], int(num_threads), isa or "")
+    return y
+
+
 def _thread_candidates(num_cores: int) -> list[int]:
     """1, 2, 4, ... up to num_cores, and num_cores itself."""
     candidates = {num_cores}

@@ -148,6 +148,8 @@ struct KernelTable {
   // Rotary embedding of x [tokens, heads, head_dim] into out at each token's position (rope_impl.h).
   void (*rope_rows)(const void* x, void* out, DType dtype, const int64_t* positions, const float* cos,
                     const float* sin, int tokens, int heads, int head_dim);
+  // Output columns [col_begin, col_end) of a few rows of x times a dense W^T (gemv_impl.h).
+  void (*gemv_cols)(const GemvProblem& problem, int col_begin, int col_end);
 };
 
 // Constants of the vector e^x every SIMD path uses: x = n ln 2 + r, e^x = 2^n e^r, with e^r from

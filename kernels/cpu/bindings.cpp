@@ -440,6 +440,24 @@ void rope(uintptr_t x, uintptr_t out, int dtype, uintptr_t positions, uintptr_t 
                                 heads, head_dim);
 }
 
+void dense_linear(uintptr_t x, uintptr_t w, int w_dtype, uintptr_t y, int batch, int n, int k, int num_threads,
+                  const std::string& isa) {
+  if (num_threads < 1 || num_threads > kMaxThreads) throw std::invalid_argument("num_threads out of range");
+  if (batch < 1 || batch > 4 || n < 1 || k < 1 || k % kHeadDimMultiple != 0) {
+    throw std::invalid_argument("dense_linear takes 1-4 rows and k a positive multiple of " +
+                                std::to_string(kHeadDimMultiple) + ", got " + std::to_string(batch) + " rows, k " +
+                                std::to_string(k));
+  }
+  const KernelTable& kernels = select_kernels(isa);
+  const GemvProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<const void*>(w),
+                      static_cast<DType>(w_dtype), reinterpret_cast<float*>(y), batch, n, k};
+  const int threads = std::min(num_threads, n);
+  ThreadPool::instance().run(threads, [&](int thread) {
+    const auto [begin, end] = split_range(n, threads, thread);
+    kernels.gemv_cols(p, begin, end);
+  });
+}
+
 std::vector<std::string> usable_isas() {
   std::vector<std::string> names;
   for (const KernelTable* table : usable_kernels()) names.emplace_back(table->name);
@@ -462,5 +480,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &tandem::rms_norm, "Raw-pointer entry; use kernels.cpu.rms_norm instead.");
   m.def("rope", &tandem::rope, "Raw-pointer entry; use kernels.cpu.rope instead.");
+  m.def("dense_linear", &tandem::dense_linear, "Raw-pointer entry; use kernels.cpu.dense_linear instead.",
+        py::call_guard<py::gil_scoped_release>());
   m.def("usable_isas", &tandem::usable_isas, "Instruction sets compiled in and supported here, best first.");
 }

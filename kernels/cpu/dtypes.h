@@ -11,4 +11,15 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 struct BFloat16 { uint16_t bits; };
 struct Float16 { uint16_t bits; };
 
+// y [batch, n] = x [batch, k] @ W^T, W [n, k] in w_dtype, x and y fp32 (gemv_impl.h).
+struct GemvProblem {
+  const float* x;
+  const void* w;
+  DType w_dtype;
+  float* y;
+  int batch;  // at most kGemvMaxRows
+  int n;
+  int k;      // a multiple of the widest vector (16)
+};
+
 }  // namespace tandem

@@ -153,11 +153,13 @@ struct Dot {
 #include "int4_impl.h"
 #include "rms_norm_impl.h"
 #include "rope_impl.h"
+#include "gemv_impl.h"
 
 namespace tandem {
 const KernelTable* TANDEM_AVX512_TABLE() {
   static const KernelTable table{TANDEM_AVX512_NAME, attend_units, finish_segment, merge_partials, int4_tiles,
-                                 int4_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows};
+                                 int4_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
+                                 gemv_cols};
   return &table;
 }
 }  // namespace tandem

@@ -83,11 +83,13 @@ struct Isa {
 #include "int4_impl.h"
 #include "rms_norm_impl.h"
 #include "rope_impl.h"
+#include "gemv_impl.h"
 
 namespace tandem {
 const KernelTable* scalar_kernels() {
   static const KernelTable table{"scalar", attend_units, finish_segment, merge_partials, int4_tiles,
-                                 int4_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows};
+                                 int4_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
+                                 gemv_cols};
   return &table;
 }
 }  // namespace tandem
