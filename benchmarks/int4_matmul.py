@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.cpu_attention import ReadBandwidth, median_time  # noqa: E402
+from engine.profiling.cache import host_cpu_model  # noqa: E402
 from engine.quant import create_linear_method  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -122,9 +122,7 @@ def main() -> int:
     threads = torch.get_num_threads()
     bandwidth = ReadBandwidth(threads)
     rows = [row for n, k in shapes for row in measure(n, k, batches, bandwidth)]
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    result = {"cpu": cpu, "threads": threads, "cores": len(os.sched_getaffinity(0)), "rows": rows}
+    result = {"cpu": host_cpu_model(), "threads": threads, "cores": len(os.sched_getaffinity(0)), "rows": rows}
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / "int4_matmul.json").write_text(json.dumps(result, indent=1))
     (RESULTS_DIR / "int4_matmul.md").write_text(to_markdown(result))

@@ -37,6 +37,7 @@ from benchmarks.cpu_attention import ReadBandwidth  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
+from engine.profiling.cache import host_cpu_model  # noqa: E402
 from engine.quant.base import LinearWeight  # noqa: E402
 from engine.sampling import Sampler  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
@@ -182,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"label": label, "quantization": quantization, "batch": batch,
              **{name: statistics.median(r[name] for r in reps) for name in reps[0]}}
             for (label, quantization, batch), reps in sorted(samples.items(), key=lambda item: (item[0][1], item[0][2]))]
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    result = {"cpu": cpu, "threads": torch.get_num_threads(), "read_bw_gbs": bandwidth / 1e9, "reps": args.reps,
+    result = {"cpu": host_cpu_model(), "threads": torch.get_num_threads(), "read_bw_gbs": bandwidth / 1e9, "reps": args.reps,
               "rows": rows}
     args.output.parent.mkdir(exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1))
