@@ -16,10 +16,14 @@ through the CPU's packed kernel (int16 activations); longer ones prefill through
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.report import write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HELD_TEXT = REPO / "tests" / "data" / "held_text.txt"
@@ -123,12 +127,10 @@ def main(argv: list[str] | None = None) -> None:
         comparisons.append(compare(model, {"quantization": "int4"}, {"quantization": "none"},
                                    args.window_tokens, args.max_windows if dummy else None, **dummy))
         print(table(comparisons[-1:]), flush=True)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps([asdict(c) | {"perplexity_change": c.perplexity_change} for c in comparisons],
-                                      indent=2))
+    rows = [asdict(c) | {"perplexity_change": c.perplexity_change} for c in comparisons]
     title = (f"Held text: {HELD_TEXT.name}, windows of {args.window_tokens} tokens, fp32, teacher-forced "
              f"(`benchmarks/accuracy.py`)")
-    args.output.with_suffix(".md").write_text(f"{title}\n\n{table(comparisons)}\n")
+    write_results(args.output, rows, f"{title}\n\n{table(comparisons)}\n")
     print(table(comparisons))
 
 

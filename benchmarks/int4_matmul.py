@@ -18,7 +18,6 @@ Writes benchmarks/results/int4_matmul.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.cpu_attention import ReadBandwidth, median_time  # noqa: E402
+from benchmarks.report import write_results  # noqa: E402
 from engine.profiling.cache import host_cpu_model  # noqa: E402
 from engine.quant import create_linear_method  # noqa: E402
 
@@ -123,9 +123,7 @@ def main() -> int:
     bandwidth = ReadBandwidth(threads)
     rows = [row for n, k in shapes for row in measure(n, k, batches, bandwidth)]
     result = {"cpu": host_cpu_model(), "threads": threads, "cores": len(os.sched_getaffinity(0)), "rows": rows}
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "int4_matmul.json").write_text(json.dumps(result, indent=1))
-    (RESULTS_DIR / "int4_matmul.md").write_text(to_markdown(result))
+    write_results(RESULTS_DIR / "int4_matmul.json", result, to_markdown(result))
     print(to_markdown(result))
     return 0
 

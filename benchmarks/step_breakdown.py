@@ -20,7 +20,6 @@ in the same run, repetitions interleaved. Writes benchmarks/results/step_breakdo
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ import kernels  # noqa: E402,F401  (before torch: the engine's OpenMP spin cap)
 import torch  # noqa: E402
 
 from benchmarks.cpu_attention import ReadBandwidth  # noqa: E402
+from benchmarks.report import write_results  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
@@ -185,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             for (label, quantization, batch), reps in sorted(samples.items(), key=lambda item: (item[0][1], item[0][2]))]
     result = {"cpu": host_cpu_model(), "threads": torch.get_num_threads(), "read_bw_gbs": bandwidth / 1e9, "reps": args.reps,
               "rows": rows}
-    args.output.parent.mkdir(exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=1))
-    args.output.with_suffix(".md").write_text(to_markdown(result))
+    write_results(args.output, result, to_markdown(result))
     print(to_markdown(result))
     return 0
 

@@ -19,7 +19,6 @@ benchmarks/results/triton_w4a16.json and .md (the README's `<!-- bench:triton_w4
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.report import write_results  # noqa: E402
 from kernels.cpu import int4  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -120,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for n, k in shapes for row in measure(n, k, batches, args.rounds, copy_buffers)]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "rounds": args.rounds, "max_packed_rows": w4a16.MAX_PACKED_ROWS, "rows": rows}
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "triton_w4a16.json").write_text(json.dumps(result, indent=1))
-    (RESULTS_DIR / "triton_w4a16.md").write_text(to_markdown(result))
+    write_results(RESULTS_DIR / "triton_w4a16.json", result, to_markdown(result))
     print(to_markdown(result))
     return 0
 
