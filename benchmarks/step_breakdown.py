@@ -105,6 +105,33 @@ def timed_engine(timers: StepTimers):
         timers.restore()
 
 
+class NativeProfile:
+    """The C++ decoder's own split of its calls (kernels/cpu/decoder.h: matmuls, attention),
+    added to the timers' categories: one call runs a whole decode step's layers, which the Python
+    timers see only as part of the forward."""
+
+    def __init__(self, native) -> None:
+        self.decoder = None if native is None else native.decoder
+
+    def __enter__(self) -> "NativeProfile":
+        if self.decoder is not None:
+            self.decoder.set_profiling(True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.decoder is not None:
+            self.decoder.set_profiling(False)
+
+    @contextmanager
+    def step(self, seconds: dict[str, float]):
+        before = (0.0, 0.0) if self.decoder is None else self.decoder.profile()
+        yield
+        if self.decoder is not None:
+            after = self.decoder.profile()
+            seconds["matmuls"] += after[0] - before[0]
+            seconds["attention"] += after[1] - before[1]
+
+
 def measure(engine: LLMEngine, batch: int) -> dict:
     """Median per-step seconds of each category over DECODE_STEPS decode steps of `batch` requests."""
     gen = torch.Generator().manual_seed(batch)
@@ -117,11 +144,13 @@ def measure(engine: LLMEngine, batch: int) -> dict:
         engine.step()  # the prefills
     per_step: dict[str, list[float]] = defaultdict(list)
     timers = StepTimers()
-    with timed_engine(timers):
+    native = NativeProfile(engine.runner.model.native)
+    with timed_engine(timers), native:
         for _ in range(DECODE_STEPS):
             timers.seconds.clear()
             start = time.perf_counter()
-            engine.step()
+            with native.step(timers.seconds):
+                engine.step()
             total = time.perf_counter() - start
             s = timers.seconds
             per_step["total"].append(total)
@@ -151,8 +180,9 @@ def to_markdown(result: dict) -> str:
 
 
 # Code states measured side by side in one run (the machine's speed drifts between runs): the
-# model's small ops as torch ops, and as fused C++ kernels (EngineConfig.fused_cpu_ops).
-VARIANTS = {"torch ops": {"fused_cpu_ops": False}, "fused ops": {"fused_cpu_ops": True}}
+# model's small ops as torch ops, as fused C++ kernels, and a decode batch's layers in one C++ call
+# (EngineConfig.cpu_ops).
+VARIANTS = {"torch ops": {"cpu_ops": "torch"}, "fused ops": {"cpu_ops": "fused"}, "C++ layers": {"cpu_ops": "layers"}}
 REPS = 2
 
 

@@ -28,6 +28,7 @@ _DEVICE_PATTERN = re.compile(r"cpu|testbed|cuda(:\d+)?")
 GIB_BYTES = 2**30
 # Field metadata key: the flat keyword of a section's field, where it differs from the field's name.
 FLAT_NAME = "flat_name"
+CPU_OPS = ("layers", "fused", "torch")  # EngineConfig.cpu_ops, fastest first
 
 
 def _require_int(config: object, name: str, minimum: int, none_means: str | None = None) -> None:
@@ -162,7 +163,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: the scheduler's default
     decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
     quantization: str = "none"  # none: weights dense in `dtype` | int4: round-to-nearest INT4 at load (cpu, cuda)
-    fused_cpu_ops: bool = True  # the model's small ops as fused C++ kernels where they apply (RMSNorm, RoPE)
+    # How a CPU model's decoder layers run: layers (a decode batch's layers in C++, engine/model/native.py),
+    # fused (op by op from Python, RMSNorm and RoPE as C++ kernels) or torch (every op a torch op)
+    cpu_ops: str = "layers"
     show_progress: bool = False  # progress bars while the weights load and the costs are profiled
     cache: CacheConfig = field(default_factory=CacheConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -178,8 +181,7 @@ class EngineConfig:
         _require_int(self, "max_num_seqs", 1)
         _require_int(self, "max_num_batched_tokens", 1, none_means="the scheduler's default")
         _require_choice(self, "quantization", tuple(QUANTIZATION_METHODS))
-        if not isinstance(self.fused_cpu_ops, bool):
-            raise ConfigError(f"fused_cpu_ops must be true or false, got {self.fused_cpu_ops!r}")
+        _require_choice(self, "cpu_ops", CPU_OPS)
         if self.quantization == "int4" and self.device == "testbed":
             raise ConfigError("quantization int4 runs on device cpu or cuda, not on the testbed: its accelerator "
                               "thread would share the CPU kernels' thread pool with the CPU attention; use "

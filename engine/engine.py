@@ -82,7 +82,7 @@ class LLMEngine:
             num_blocks=self._kv_pool_size(block_bytes), num_cpu_blocks=num_cpu_blocks, cores=cores,
             block_size=cache.block_size, max_model_len=self._model_max_len(), decode_backend=config.decode_attention,
             seed=config.seed, linear_method=QUANTIZATION_METHODS[config.quantization],
-            fused_cpu_ops=config.fused_cpu_ops, show_progress=config.show_progress)
+            cpu_ops=config.cpu_ops, show_progress=config.show_progress)
         num_blocks = self.runner.kv_cache.gpu.num_blocks
         logger.info("weights: %s; KV pool: %d blocks of %d tokens (%.2f GiB)",
                     _describe_bytes(self.runner.model.weight_bytes()), num_blocks, cache.block_size,

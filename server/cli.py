@@ -47,8 +47,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="a GGUF file, an HF safetensors directory, or a preset name (with --load-format dummy)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
     parser.add_argument("--dtype", default="auto", help="auto (measured), float32, bfloat16 or float16")
-    parser.add_argument("--no-fused-cpu-ops", action="store_true",
-                        help="run the model's small ops (RMSNorm, RoPE) as torch ops instead of fused C++ kernels")
+    parser.add_argument("--cpu-ops", default="layers", choices=["layers", "fused", "torch"],
+                        help="how the decoder layers run on a CPU device: layers (a decode batch's layers in one "
+                             "C++ call), fused (op by op, RMSNorm and RoPE as C++ kernels), torch (torch ops)")
     parser.add_argument("--quantization", default="none", choices=["none", "int4"],
                         help="int4: decoder-layer weights quantized at load (round-to-nearest, groups of 32) "
                              "and kept packed; devices cpu and cuda")
@@ -87,7 +88,7 @@ def engine_config(args: argparse.Namespace, **overrides):
 
     return EngineConfig.from_flat(**{**dict(
         model=args.model, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
-        quantization=args.quantization, fused_cpu_ops=not args.no_fused_cpu_ops,
+        quantization=args.quantization, cpu_ops=args.cpu_ops,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_memory_gib=args.kv_cache_gib, memory_gib=args.memory_gib,

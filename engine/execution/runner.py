@@ -57,7 +57,7 @@ class ModelRunner:
                  device: str, num_blocks: int | Callable[[int], int], block_size: int, max_model_len: int,
                  num_cpu_blocks: int = 0, cores: CoreAssignment | None = None,
                  decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False,
-                 linear_method: str = "dense", fused_cpu_ops: bool = True) -> None:
+                 linear_method: str = "dense", cpu_ops: str = "layers") -> None:
         self.config = config
         self.cores = cores or CoreAssignment.for_device(device)
         self.accelerator = self._make_accelerator(device)
@@ -65,7 +65,7 @@ class ModelRunner:
         self.block_size = block_size
         self.model = LlamaModel(config, loader, dtype, self.device, max_model_len,
                                 create_decode_backend(decode_backend, str(self.device)), show_progress=show_progress,
-                                linear_method=create_linear_method(linear_method), fused_cpu_ops=fused_cpu_ops)
+                                linear_method=create_linear_method(linear_method), cpu_ops=cpu_ops)
         if callable(num_blocks):  # sized by what the loaded weights leave of a memory budget
             num_blocks = num_blocks(self.model.accelerator_weight_bytes())
         cpu_pool = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from engine.model.config import RopeScaling
 from kernels import cpu as cpu_kernels
@@ -27,6 +28,21 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     if x.is_cpu and x.dim() == 2 and x.shape[1] % FUSED_NORM_MULTIPLE == 0 and cpu_kernels.is_available():
         return cpu_kernels.rms_norm(x, weight, eps)
     return rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's glue: gate_up [tokens, 2 * intermediate] -> silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul in one C++ call (kernels.cpu.silu_mul) where it applies: 2-D CPU rows whose
+    halves are multiples of 16; else the torch ops above."""
+    if (gate_up.is_cpu and gate_up.dim() == 2 and gate_up.shape[1] % (2 * FUSED_NORM_MULTIPLE) == 0
+            and cpu_kernels.is_available()):
+        return cpu_kernels.silu_mul(gate_up)
+    return silu_mul(gate_up)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

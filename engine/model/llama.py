@@ -7,6 +7,7 @@ two sub-batches stage by stage with the very same functions.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,12 +15,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.attention import AttentionMetadata, DecodeAttentionBackend, prefill_attention
+from engine.attention.decode import CpuPagedDecode
 from engine.kv import TwoTierKVCache
 from engine.model.config import ModelConfig
-from engine.model.layers import RotaryEmbedding, fused_rms_norm, rms_norm
+from engine.model.layers import RotaryEmbedding, fused_rms_norm, fused_silu_mul, rms_norm, silu_mul
+from engine.model.native import NativeDecoder, NotNative
 from engine.quant import LinearMethod, LinearWeight, create_linear_method
 from engine.quant.int4 import fuse
 from engine.weights import WeightLoader
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,10 +59,12 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype,
                  device: torch.device | str, max_model_len: int, decode_backend: DecodeAttentionBackend,
                  show_progress: bool = False, linear_method: LinearMethod | None = None,
-                 fused_cpu_ops: bool = True) -> None:
+                 cpu_ops: str = "layers") -> None:
         self.config = config
-        # the RMSNorms (and RoPE) in one C++ call each where the kernels apply, or as torch ops
-        self.rms_norm = fused_rms_norm if fused_cpu_ops else rms_norm
+        # the RMSNorms, RoPE and SwiGLU's silu(gate) * up in one C++ call each where the kernels apply, or as torch ops
+        fused = cpu_ops != "torch"
+        self.rms_norm = fused_rms_norm if fused else rms_norm
+        self.silu_mul = fused_silu_mul if fused else silu_mul
         self.dtype = dtype
         self.device = torch.device(device)
         self.decode_backend = decode_backend
@@ -76,7 +83,16 @@ class LlamaModel:
             for i in tqdm(range(config.num_layers), desc="loading layers", unit="layer", disable=not show_progress)
         ]
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_model_len,
-                                    self.device, fused=fused_cpu_ops)
+                                    self.device, fused=fused)
+        # decode-sized stages (and whole decode steps) in one C++ call: engine/model/native.py
+        self.native = self._native_decoder() if cpu_ops == "layers" else None
+
+    def _native_decoder(self) -> NativeDecoder | None:
+        try:
+            return NativeDecoder.build(self)
+        except NotNative as reason:
+            logger.info("decoder layers run op by op: %s", reason)
+            return None
 
     # Where every weight lives today; weight streaming (host memory, disk) adds tiers.
     RESIDENT_TIER = "accelerator"
@@ -112,6 +128,8 @@ class LlamaModel:
     def pre_proj(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor):
         """RMSNorm, fused QKV projection and RoPE.
         -> q [num_tokens, num_heads, head_dim], k and v [num_tokens, kv_heads, head_dim]"""
+        if self.native is not None and self.native.applies(hidden):
+            return self.native.pre_proj(layer, hidden, positions)
         cfg, w = self.config, self.layers[layer]
         qkv = w.qkv.apply(self.rms_norm(hidden, w.input_norm, cfg.rms_norm_eps))
         qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
@@ -155,10 +173,19 @@ class LlamaModel:
     def post_proj(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """O-proj, residual, RMSNorm, SwiGLU MLP, residual. attn_out [num_tokens, num_heads * head_dim]
         -> hidden [num_tokens, hidden]"""
+        if self.native is not None and self.native.applies(hidden):
+            return self.native.post_proj(layer, hidden, attn_out)
         w = self.layers[layer]
         hidden = hidden + w.o_proj.apply(attn_out)
-        gate, up = w.gate_up.apply(self.rms_norm(hidden, w.post_norm, self.config.rms_norm_eps)).chunk(2, dim=-1)
-        return hidden + w.down.apply(F.silu(gate) * up)
+        gate_up = w.gate_up.apply(self.rms_norm(hidden, w.post_norm, self.config.rms_norm_eps))
+        return hidden + w.down.apply(self.silu_mul(gate_up))
+
+    def _native_decode_applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: TwoTierKVCache) -> bool:
+        """A pure decode batch the C++ decoder takes whole: its stages apply, and the attention
+        backend is the C++ kernel it calls itself (with the backend's thread count)."""
+        return (self.native is not None and self.native.applies(hidden) and meta.num_prefill_tokens == 0
+                and meta.num_decodes == hidden.shape[0] and isinstance(self.decode_backend, CpuPagedDecode)
+                and kv_cache.gpu.key.is_cpu)
 
     def post_layer(self, hidden: torch.Tensor, output_rows: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the rows whose logits are wanted: each sequence's last token,
@@ -170,6 +197,11 @@ class LlamaModel:
                 meta: AttentionMetadata, output_rows: torch.Tensor) -> torch.Tensor:
         """One batch, layer after layer, all attention on the accelerator (the GPU-only plan)."""
         hidden = self.pre_layer(token_ids)
+        if self._native_decode_applies(hidden, meta, kv_cache):
+            gpu = kv_cache.gpu
+            hidden = self.native.decode(hidden, positions, gpu.key, gpu.value, meta.decode_block_tables,
+                                        meta.decode_context_lens, self.scale, self.decode_backend.num_threads)
+            return self.post_layer(hidden, output_rows)
         for layer in range(self.config.num_layers):
             q, k, v = self.pre_proj(layer, hidden, positions)
             attn_out = self.attention(layer, q, k, v, kv_cache, meta)

@@ -171,6 +171,21 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     return out
 
 
+def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """SwiGLU's glue: gate_up [rows, 2 * width] (gate, then up) -> silu(gate) * up [rows, width],
+    silu as gate / (1 + e^-gate) rounded to the dtype, then the product rounded, as torch's two
+    ops round (kernels/cpu/elementwise_impl.h; e^x by the kernels' own polynomial, within an ulp
+    of torch's). width a multiple of 16. Raises ValueError otherwise."""
+    if gate_up.dim() != 2 or gate_up.dtype not in _DTYPE_CODES or gate_up.shape[1] % 32:
+        raise ValueError(f"silu_mul takes gate_up [rows, 2 * width] with width a multiple of 16, got "
+                         f"{tuple(gate_up.shape)} {gate_up.dtype}")
+    gate_up = gate_up.contiguous()
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    _extension().silu_mul(gate_up.data_ptr(), out.data_ptr(), _DTYPE_CODES[gate_up.dtype], gate_up.shape[0],
+                          out.shape[1], isa or "")
+    return out
+
+
 DENSE_LINEAR_MAX_ROWS = 4
 DENSE_LINEAR_K_MULTIPLE = 16
 

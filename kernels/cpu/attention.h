@@ -150,6 +150,13 @@ struct KernelTable {
                     const float* sin, int tokens, int heads, int head_dim);
   // Output columns [col_begin, col_end) of a few rows of x times a dense W^T (gemv_impl.h).
   void (*gemv_cols)(const GemvProblem& problem, int col_begin, int col_end);
+  // Elementwise (elementwise_impl.h), counts a multiple of 16: out = a + b row by row (b one row
+  // broadcast over a's when b_rows is 1), rounded to the dtype.
+  void (*add_rows)(const void* a, const void* b, void* out, DType dtype, int rows, int cols, int b_rows);
+  // gate_up [rows, 2 * width] -> out [rows, width] = to_dtype(to_dtype(silu(gate)) * up), SwiGLU's glue.
+  void (*silu_mul_rows)(const void* gate_up, void* out, DType dtype, int rows, int width);
+  // count elements from one dtype to another (rounded to nearest even).
+  void (*convert)(const void* x, DType from, void* out, DType to, size_t count);
 };
 
 // Constants of the vector e^x every SIMD path uses: x = n ln 2 + r, e^x = 2^n e^r, with e^r from

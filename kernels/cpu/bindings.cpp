@@ -440,6 +440,15 @@ void rope(uintptr_t x, uintptr_t out, int dtype, uintptr_t positions, uintptr_t 
                                 heads, head_dim);
 }
 
+void silu_mul(uintptr_t gate_up, uintptr_t out, int dtype, int rows, int width, const std::string& isa) {
+  if (rows < 0 || width < 1 || width % kHeadDimMultiple != 0) {
+    throw std::invalid_argument("width must be a positive multiple of " + std::to_string(kHeadDimMultiple) +
+                                ", got " + std::to_string(width));
+  }
+  select_kernels(isa).silu_mul_rows(reinterpret_cast<const void*>(gate_up), reinterpret_cast<void*>(out),
+                                    static_cast<DType>(dtype), rows, width);
+}
+
 void dense_linear(uintptr_t x, uintptr_t w, int w_dtype, uintptr_t y, int batch, int n, int k, int num_threads,
                   const std::string& isa) {
   if (num_threads < 1 || num_threads > kMaxThreads) throw std::invalid_argument("num_threads out of range");
@@ -467,6 +476,8 @@ std::vector<std::string> usable_isas() {
 }  // namespace
 }  // namespace tandem
 
+#include "decoder.h"
+
 PYBIND11_MODULE(_cpu_kernels, m) {
   m.doc() = "CPU kernels: paged decode attention and the INT4 matmul (Python API: kernels/cpu/__init__.py, int4.py)";
   m.def("paged_decode_attention", &tandem::paged_decode_attention,
@@ -479,8 +490,10 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.def("int4_dequantize", &tandem::int4_dequantize, "Raw-pointer entry; use kernels.cpu.int4.dequantize_into.",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &tandem::rms_norm, "Raw-pointer entry; use kernels.cpu.rms_norm instead.");
+  m.def("silu_mul", &tandem::silu_mul, "Raw-pointer entry; use kernels.cpu.silu_mul instead.");
   m.def("rope", &tandem::rope, "Raw-pointer entry; use kernels.cpu.rope instead.");
   m.def("dense_linear", &tandem::dense_linear, "Raw-pointer entry; use kernels.cpu.dense_linear instead.",
         py::call_guard<py::gil_scoped_release>());
+  tandem::bind_decoder(m);
   m.def("usable_isas", &tandem::usable_isas, "Instruction sets compiled in and supported here, best first.");
 }

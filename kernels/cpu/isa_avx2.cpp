@@ -62,6 +62,7 @@ struct Isa : ExpConstants {
   static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
   static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
   static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  static Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
   static Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
   static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
   static float reduce_add(Vec v) {
@@ -161,12 +162,13 @@ struct Dot {
 #include "rms_norm_impl.h"
 #include "rope_impl.h"
 #include "gemv_impl.h"
+#include "elementwise_impl.h"
 
 namespace tandem {
 const KernelTable* avx2_kernels() {
   static const KernelTable table{"avx2", attend_units, finish_segment, merge_partials, int4_tiles, int4_quantize_rows,
                                  int4_dequantize, rms_norm_rows, rope_rows,
-                                 gemv_cols};
+                                 gemv_cols, add_rows, silu_mul_rows, convert};
   return &table;
 }
 }  // namespace tandem

@@ -58,6 +58,7 @@ struct Isa : ExpConstants {
   static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
   static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
   static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+  static Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
   static Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
   static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
@@ -154,12 +155,13 @@ struct Dot {
 #include "rms_norm_impl.h"
 #include "rope_impl.h"
 #include "gemv_impl.h"
+#include "elementwise_impl.h"
 
 namespace tandem {
 const KernelTable* TANDEM_AVX512_TABLE() {
   static const KernelTable table{TANDEM_AVX512_NAME, attend_units, finish_segment, merge_partials, int4_tiles,
                                  int4_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
-                                 gemv_cols};
+                                 gemv_cols, add_rows, silu_mul_rows, convert};
   return &table;
 }
 }  // namespace tandem

@@ -38,6 +38,7 @@ struct Isa : ExpConstants {
   static Vec add(Vec a, Vec b) { return vaddq_f32(a, b); }
   static Vec sub(Vec a, Vec b) { return vsubq_f32(a, b); }
   static Vec mul(Vec a, Vec b) { return vmulq_f32(a, b); }
+  static Vec div(Vec a, Vec b) { return vdivq_f32(a, b); }
   static Vec max(Vec a, Vec b) { return vmaxq_f32(a, b); }
   static Vec fma(Vec a, Vec b, Vec c) { return vfmaq_f32(c, a, b); }
   static float reduce_add(Vec v) { return vaddvq_f32(v); }
@@ -74,12 +75,13 @@ struct Isa : ExpConstants {
 #include "rms_norm_impl.h"
 #include "rope_impl.h"
 #include "gemv_impl.h"
+#include "elementwise_impl.h"
 
 namespace tandem {
 const KernelTable* neon_kernels() {
   static const KernelTable table{"neon", attend_units, finish_segment, merge_partials, int4_tiles,
                                  int4_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
-                                 gemv_cols};
+                                 gemv_cols, add_rows, silu_mul_rows, convert};
   return &table;
 }
 }  // namespace tandem

@@ -67,6 +67,7 @@ struct Isa {
   static Vec add(Vec a, Vec b) { return a + b; }
   static Vec sub(Vec a, Vec b) { return a - b; }
   static Vec mul(Vec a, Vec b) { return a * b; }
+  static Vec div(Vec a, Vec b) { return a / b; }
   static Vec max(Vec a, Vec b) { return a > b ? a : b; }
   static Vec fma(Vec a, Vec b, Vec c) { return a * b + c; }
   static float reduce_add(Vec v) { return v; }
@@ -84,12 +85,13 @@ struct Isa {
 #include "rms_norm_impl.h"
 #include "rope_impl.h"
 #include "gemv_impl.h"
+#include "elementwise_impl.h"
 
 namespace tandem {
 const KernelTable* scalar_kernels() {
   static const KernelTable table{"scalar", attend_units, finish_segment, merge_partials, int4_tiles,
                                  int4_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
-                                 gemv_cols};
+                                 gemv_cols, add_rows, silu_mul_rows, convert};
   return &table;
 }
 }  // namespace tandem

@@ -1,0 +1,145 @@
+"""The C++ decoder (engine/model/native.py, kernels/cpu/decoder.h) against the op-by-op path.
+
+With this CPU's best kernels it must give the very bits the op-by-op fused path gives (it calls
+the same kernels with the same roundings): stage by stage on the embedded model (INT4 and dense)
+and on a tiny random model with a bias, and whole decode steps' logits through the runner. Every
+instruction set this CPU has is checked against the torch-op path within rounding.
+"""
+import pytest
+import torch
+import transformers
+
+from engine.attention import AttentionMetadata, create_decode_backend
+from engine.execution import ModelRunner
+from engine.model import LlamaModel
+from engine.model.native import NativeDecoder
+from engine.quant import create_linear_method
+from engine.weights import create_loader, embedded_gguf_path
+from kernels import cpu
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sequence import Sequence
+
+pytestmark = pytest.mark.skipif(not cpu.is_available(), reason="the CPU kernels are not built")
+ISAS = cpu.usable_isas() if cpu.is_available() else []
+BLOCK_SIZE = 4
+# A tiny Qwen2 (Q/K/V biases) whose widths the C++ decoder takes: head_dim 32.
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            rope_theta=10000.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**TINY),
+                                                             torch_dtype=torch.float32)
+    with torch.no_grad():  # biases are zero at init: make them count
+        for name, param in hf_model.named_parameters():
+            if name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    hf_model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def op_by_op_model(path: str, dtype: torch.dtype, method: str) -> LlamaModel:
+    loader = create_loader(path)
+    return LlamaModel(loader.config, loader, dtype, "cpu", 256, create_decode_backend("cpu", "cpu"),
+                      linear_method=create_linear_method(method), cpu_ops="fused")
+
+
+MODELS = {  # name -> (path factory, dtype, linear method)
+    "embedded-int4-bf16": (lambda tiny: str(embedded_gguf_path()), torch.bfloat16, "int4"),
+    "embedded-dense-bf16": (lambda tiny: str(embedded_gguf_path()), torch.bfloat16, "dense"),
+    "tiny-qwen2-bias-fp32": (lambda tiny: tiny, torch.float32, "dense"),
+    "tiny-qwen2-bias-bf16": (lambda tiny: tiny, torch.bfloat16, "dense"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request, tiny_path):
+    path_of, dtype, method = MODELS[request.param]
+    return op_by_op_model(path_of(tiny_path), dtype, method)
+
+
+def stage_inputs(model: LlamaModel, tokens: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    hidden = torch.randn(tokens, cfg.hidden_size, generator=gen).to(model.dtype)
+    positions = torch.randint(0, 200, (tokens,), generator=gen)
+    attn = torch.randn(tokens, cfg.num_heads * cfg.head_dim, generator=gen).to(model.dtype)
+    return hidden, positions, attn
+
+
+def test_stages_give_the_op_by_op_bits(model):
+    native = NativeDecoder.build(model)
+    for tokens in sorted({1, 3, native.max_tokens}):
+        hidden, positions, attn = stage_inputs(model, tokens, seed=tokens)
+        for layer in (0, model.config.num_layers - 1):
+            for got, want in zip(native.pre_proj(layer, hidden, positions), model.pre_proj(layer, hidden, positions)):
+                assert torch.equal(got, want), (tokens, layer)
+            assert torch.equal(native.post_proj(layer, hidden, attn), model.post_proj(layer, hidden, attn))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_instruction_set_matches_the_torch_ops(tiny_path, isa):
+    model = op_by_op_model(tiny_path, torch.float32, "dense")
+    native = NativeDecoder.build(model, isa=isa)
+    model.rms_norm = __import__("engine.model.layers", fromlist=["rms_norm"]).rms_norm
+    model.rope.fused = False  # the reference: torch ops throughout
+    hidden, positions, attn = stage_inputs(model, 4, seed=7)
+    for got, want in zip(native.pre_proj(1, hidden, positions), model.pre_proj(1, hidden, positions)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native.post_proj(1, hidden, attn), model.post_proj(1, hidden, attn),
+                               atol=1e-5, rtol=1e-5)
+
+
+def decode_logits(path: str, dtype: torch.dtype, cpu_ops: str, steps: int = 5) -> list[torch.Tensor]:
+    """Logits of a few batched decode steps after mixed-length prefills, teacher-forced."""
+    loader = create_loader(path)
+    runner = ModelRunner(loader.config, loader, dtype=dtype, device="cpu", num_blocks=64, block_size=BLOCK_SIZE,
+                         max_model_len=128, decode_backend="cpu", cpu_ops=cpu_ops)
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=128))
+    gen = torch.Generator().manual_seed(3)
+    for i, n in enumerate([7, 1, 16]):
+        sched.add_sequence(Sequence(str(i), torch.randint(0, 256, (n,), generator=gen).tolist(),
+                                    SamplingParams(max_tokens=20)))
+    logits = []
+    for _ in range(steps):
+        plan = sched.schedule()
+        logits.append(runner.compute_logits(plan))
+        sched.update(plan, torch.randint(0, 256, (len(plan.scheduled),), generator=gen).tolist())
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_decode_steps_give_the_op_by_op_logits(tiny_path, dtype, monkeypatch):
+    calls = []
+    original = NativeDecoder.decode
+    monkeypatch.setattr(NativeDecoder, "decode", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    native = decode_logits(tiny_path, dtype, "layers")
+    assert calls, "the decode steps did not go through the C++ decoder"
+    for got, want in zip(native, decode_logits(tiny_path, dtype, "fused")):
+        assert torch.equal(got, want)
+
+
+def test_models_it_does_not_cover_run_op_by_op(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY, "num_attention_heads": 8})  # head_dim 16: no C++ RoPE
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, safe_serialization=True)
+    loader = create_loader(str(tmp_path))
+    model = LlamaModel(loader.config, loader, torch.float32, "cpu", 128, create_decode_backend("cpu", "cpu"))
+    assert model.native is None
+
+
+def test_a_mixed_batch_or_too_many_rows_take_the_op_by_op_stages(tiny_path):
+    model = op_by_op_model(tiny_path, torch.float32, "dense")
+    native = NativeDecoder.build(model)
+    assert native.max_tokens == cpu.DENSE_LINEAR_MAX_ROWS  # dense weights: the GEMV's rows
+    hidden, _, _ = stage_inputs(model, native.max_tokens + 1, seed=1)
+    assert not native.applies(hidden)
+    meta = AttentionMetadata([3], 3, torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
+                             None, None)
+    model.native = native
+    assert not model._native_decode_applies(hidden[:3], meta, None)
