@@ -86,6 +86,9 @@ def build_parser(prog: str | None = None, default_output: Path = Path("serve.jso
     run = ap.add_argument_group("run")
     run.add_argument("--reps", type=int, default=1, help="repetitions (interleaved across systems)")
     run.add_argument("--warmup", type=int, default=2, help="unrecorded requests before each system's runs")
+    run.add_argument("--reuse-prompts", action="store_true",
+                     help="send the same prompts at every level and repetition (default: fresh ones each "
+                          "time, so a server's prefix or prompt cache cannot answer from an earlier run)")
     run.add_argument("--slo", action="append", default=[], metavar="METRIC=SECONDS",
                      help=f"for goodput; METRIC in {', '.join(SLO_METRICS)} (repeatable)")
     run.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts as failed")
@@ -157,7 +160,8 @@ class Bench:
         self.args, self.specs, self.endpoint_kind = args, specs, endpoint_kind
         self.loads = make_loads(args)
         self.slos = parse_slos(args.slo)
-        self.prompts: dict[str, tuple[dict[int, str], dict[int, str], dict]] = {}  # name -> (run, warm-up, info)
+        # name -> (per run: request index -> prompt, warm-up prompts, info)
+        self.prompts: dict[str, tuple[list[dict[int, str]], dict[int, str], dict]] = {}
         self.context_checked = False
 
     def measure(self, url: str, name: str, rep: int) -> list[dict]:
@@ -176,7 +180,8 @@ class Bench:
                 self.prompts[name] = self._build_prompts(http, endpoint)
             prompts, warmup_prompts, prompt_info = self.prompts[name]
             self._warm_up(endpoint, warmup_prompts)
-            runs = [self._run_level(http, endpoint, name, rep, load, prompts) for load in self.loads]
+            runs = [self._run_level(http, endpoint, name, rep, load, prompts[self._run_index(rep, level)])
+                    for level, load in enumerate(self.loads)]
         for run in runs:
             run["prompts"] = prompt_info
         return runs
@@ -188,15 +193,25 @@ class Bench:
             print(f"note: {endpoint.base_url}/tokenize is not usable ({type(exc).__name__}); prompt lengths "
                   f"are approximate (a word taken as a token)", file=sys.stderr)
             builder = PromptBuilder(None, self.args.seed)
-        built = [builder.build(s.index, s.num_input_tokens) for s in self.specs]
         first_warmup = len(self.specs)
         warmup = {first_warmup + i: builder.build(first_warmup + i, WARMUP_INPUT_TOKENS).text
                   for i in range(self.args.warmup)}
-        info = {"exact": builder.counter is not None and all(p.exact for p in built),
-                "num_inexact": sum(not p.exact for p in built)}
+        # Each run's prompts drawn at their own indices, past the warm-up's: the same texts for
+        # every system, none repeated from an earlier level or repetition.
+        stride = first_warmup + self.args.warmup
+        num_runs = 1 if self.args.reuse_prompts else self.args.reps * len(self.loads)
+        built = [[builder.build(s.index + run * stride, s.num_input_tokens) for s in self.specs]
+                 for run in range(num_runs)]
+        every = [p for run in built for p in run]
+        info = {"exact": builder.counter is not None and all(p.exact for p in every),
+                "num_inexact": sum(not p.exact for p in every), "fresh_per_run": not self.args.reuse_prompts}
         if builder.counter is not None and info["num_inexact"]:
             print(f"note: {info['num_inexact']} prompts missed their exact token count", file=sys.stderr)
-        return {s.index: p.text for s, p in zip(self.specs, built)}, warmup, info
+        return [{s.index: p.text for s, p in zip(self.specs, run)} for run in built], warmup, info
+
+    def _run_index(self, rep: int, level: int) -> int:
+        """Which of a system's prompt sets a (repetition, level) run sends."""
+        return 0 if self.args.reuse_prompts else rep * len(self.loads) + level
 
     def _warm_up(self, endpoint: Endpoint, prompts: dict[int, str]) -> None:
         if not prompts:

@@ -21,6 +21,7 @@ CHAT_TEMPLATE_TOKENS = 3  # what the fake "template" adds around a chat message
 class Handler(BaseHTTPRequestHandler):
     token_delay_s = 0.0
     fail = False
+    prompt_log: str | None = None
     counters = {"prompt_tokens": 0, "generation_tokens": 0, "request_success": 0}
     lock = threading.Lock()
 
@@ -63,6 +64,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(500, {"error": {"message": "fake failure", "type": "internal_error"}})
             return
         num_prompt, num_output = count_tokens(body), body["max_tokens"]
+        if self.prompt_log is not None:
+            with self.lock, open(self.prompt_log, "a") as log:
+                log.write(json.dumps(body.get("prompt") or body.get("messages")) + "\n")
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -91,8 +95,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--token-delay", type=float, default=0.0)
     ap.add_argument("--fail", action="store_true")
+    ap.add_argument("--prompt-log", default=None, help="append every generation request's prompt to this file")
     args = ap.parse_args()
-    Handler.token_delay_s, Handler.fail = args.token_delay, args.fail
+    Handler.token_delay_s, Handler.fail, Handler.prompt_log = args.token_delay, args.fail, args.prompt_log
     ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
 
 

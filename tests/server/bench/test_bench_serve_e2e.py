@@ -39,7 +39,7 @@ def check_counts(results: dict) -> None:
     for run in system["runs"]:
         summary, targets, counters = run["summary"], run["targets"], run["server_counters"]
         assert summary["num_succeeded"] == summary["num_sent"] == 5 and not summary["errors"]
-        assert summary["usage_reported"] and run["prompts"] == {"exact": True, "num_inexact": 0}
+        assert summary["usage_reported"] and run["prompts"] == {"exact": True, "num_inexact": 0, "fresh_per_run": True}
         for request in run["requests"]:  # every prompt hit its length; ignore_eos made outputs exact
             assert request["num_prompt_tokens"] == request["num_target_input_tokens"]
             assert request["num_output_tokens"] == request["num_target_output_tokens"]

@@ -108,3 +108,19 @@ def test_replay_and_workload_file_runs(tmp_path):
     assert chat["workload"]["endpoint"] == "chat"  # the workload file's choice
     assert run["summary"]["num_prompt_tokens"] == sum(chat["workload"]["input_tokens"])
     assert run["summary"]["num_output_tokens"] == sum(chat["workload"]["output_tokens"])
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_every_run_sends_fresh_prompts_unless_asked_to_reuse_them(tmp_path, reuse):
+    """Fresh prompts per level and repetition (the default), so a server's prompt cache cannot answer
+    a later run from an earlier one's KV (llama.cpp's slots and vLLM's prefix cache would); the same
+    texts for every system."""
+    logs = {name: tmp_path / f"{name}.prompts" for name in ("a", "b")}
+    argv = [*(arg for name, log in logs.items() for arg in ("--system", f"{name}={FAKE} --prompt-log {log}")),
+            "--concurrency", "1", "2", "--reps", "2", *QUICK, "--warmup", "0", "--no-plot",
+            "--output", str(tmp_path / "fresh.json"), *(["--reuse-prompts"] if reuse else [])]
+    assert main(argv) == 0
+    sent = {name: log.read_text().splitlines() for name, log in logs.items()}
+    assert len(sent["a"]) == 6 * 4  # 6 requests x 2 levels x 2 reps
+    assert sorted(sent["a"]) == sorted(sent["b"])
+    assert len(set(sent["a"])) == (6 if reuse else 24)
