@@ -182,7 +182,7 @@ class LlamaModel:
 
     def _native_decode_applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: TwoTierKVCache) -> bool:
         """A pure decode batch the C++ decoder takes whole: its stages apply, and the attention
-        backend is the C++ kernel it calls itself (with the backend's thread count)."""
+        backend is the C++ kernel, which it calls itself."""
         return (self.native is not None and self.native.applies(hidden) and meta.num_prefill_tokens == 0
                 and meta.num_decodes == hidden.shape[0] and isinstance(self.decode_backend, CpuPagedDecode)
                 and kv_cache.gpu.key.is_cpu)
@@ -200,7 +200,7 @@ class LlamaModel:
         if self._native_decode_applies(hidden, meta, kv_cache):
             gpu = kv_cache.gpu
             hidden = self.native.decode(hidden, positions, gpu.key, gpu.value, meta.decode_block_tables,
-                                        meta.decode_context_lens, self.scale, self.decode_backend.num_threads)
+                                        meta.decode_context_lens, self.scale)
             return self.post_layer(hidden, output_rows)
         for layer in range(self.config.num_layers):
             q, k, v = self.pre_proj(layer, hidden, positions)

@@ -27,6 +27,11 @@ from kernels.cpu import int4 as int4_kernels
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # tandem::DType
 _WIDTH_MULTIPLE = 16  # the elementwise kernels' vector width
 _HEAD_DIM_MULTIPLE = 32  # RoPE's: each half a multiple of the width
+# Sequences each attention thread gets at least. Each sequence stays on one thread (the bits of a
+# one-thread call, whatever the count); on the 2-core VM (SmolLM2's heads, ~300-token contexts,
+# bf16 KV) 2 threads took the same time as 1 at 2 sequences, 0.74x at 4, 0.54x at 8, 0.57x at 32.
+# No torch op runs between the decoder's calls, so no torch pool spins against these threads.
+MIN_SEQUENCES_PER_ATTENTION_THREAD = 2
 
 
 class NotNative(ValueError):
@@ -96,8 +101,7 @@ class NativeDecoder:
         return out
 
     def decode(self, hidden: torch.Tensor, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-               attention_threads: int | None) -> torch.Tensor:
+               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """Every layer of a decode batch (one new token per sequence, its K/V appended to the
         paged caches key and value [layers, blocks, ...] as the decode backend's layout has them).
         hidden [tokens, hidden] -> the last layer's output."""
@@ -110,7 +114,7 @@ class NativeDecoder:
         kv.num_blocks, kv.block_size = value.shape[1], value.shape[3]
         kv.block_tables, kv.context_lens = block_tables.data_ptr(), context_lens.data_ptr()
         kv.max_blocks_per_seq, kv.scale = block_tables.shape[1], float(scale)
-        kv.threads = attention_threads or cpu_kernels.default_num_threads()
+        kv.threads = max(1, min(cpu_kernels.default_num_threads(), hidden.shape[0] // MIN_SEQUENCES_PER_ATTENTION_THREAD))
         self.decoder.decode(hidden.data_ptr(), positions.data_ptr(), hidden.shape[0], kv)
         return hidden
 

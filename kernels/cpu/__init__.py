@@ -83,7 +83,8 @@ def _check_shape(name: str, tensor: torch.Tensor, shape: tuple) -> None:
 
 
 def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, *, out=None,
-                           new_key=None, new_value=None, num_threads=None, isa=None) -> torch.Tensor:
+                           new_key=None, new_value=None, num_threads=None, whole_sequences=False,
+                           isa=None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache.
 
     query [batch, num_heads, head_dim] fp32/bf16/fp16; key_cache [num_blocks,
@@ -97,7 +98,9 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     The GIL is released while the kernel runs. With more than one thread, a thread
     that runs out takes work from another, so where sequences are cut and merged,
     and with it the last bits of the result, can change from call to call; one
-    thread gives the same bits every time.
+    thread gives the same bits every time, and so does whole_sequences=True at any
+    thread count (each sequence attended by one thread, none taking another's work;
+    the batch's sequences are the most threads used).
     """
     ext = _extension()
     _check_tensor("query", query, 3, _DTYPE_CODES)
@@ -134,7 +137,7 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
         block_tables.data_ptr(), context_lens.data_ptr(), batch, block_tables.shape[1],
         num_heads, num_kv_heads, head_dim, block_size, float(scale),
         0 if new_key is None else new_key.data_ptr(), 0 if new_value is None else new_value.data_ptr(),
-        int(num_threads), isa or "",
+        int(num_threads), bool(whole_sequences), isa or "",
     )
     return out
 

@@ -205,7 +205,17 @@ void check_block_tables(const Problem& p) {
   }
 }
 
-void run_attention(const Problem& p, const KernelTable& kernels, int num_threads) {
+// Thread t's first unit: an even share of the units, or with whole_sequences the first sequence
+// boundary at or past it, so that no sequence is cut between threads.
+int64_t range_start(const std::vector<int64_t>& first_unit, int thread, int threads, bool whole_sequences) {
+  const int64_t share = first_unit.back() * thread / threads;
+  if (!whole_sequences) return share;
+  return *std::lower_bound(first_unit.begin(), first_unit.end(), share);
+}
+
+// With whole_sequences every sequence is attended start to end by one thread and no thread takes
+// another's work: no softmax state is merged, so each row has the bits one thread gives it.
+void run_attention(const Problem& p, const KernelTable& kernels, int num_threads, bool whole_sequences) {
   const int num_kv_heads = p.num_kv_heads;
   // Work units are (sequence, logical block, kv head), numbered sequence-major
   // and block-major within a sequence (see Segment).
@@ -227,7 +237,7 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
     throw std::invalid_argument("one call attends at most 2^32 - 1 (block, kv head) pairs, got " +
                                 std::to_string(total_units) + "; split the batch");
   }
-  const int threads = static_cast<int>(std::min<int64_t>(num_threads, total_units));
+  const int threads = static_cast<int>(std::min<int64_t>(num_threads, whole_sequences ? p.batch : total_units));
   const int64_t unit_bytes = 2 * static_cast<int64_t>(p.block_size) * p.head_dim * dtype_size(p.kv_dtype);
   const int64_t claim_units = std::max<int64_t>(1, kClaimBytes / unit_bytes);
 
@@ -248,12 +258,13 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
 
   WorkRanges work(threads);
   for (int thread = 0; thread < threads; ++thread) {
-    work.assign(thread, total_units * thread / threads, total_units * (thread + 1) / threads);
+    work.assign(thread, range_start(first_unit, thread, threads, whole_sequences),
+                range_start(first_unit, thread + 1, threads, whole_sequences));
   }
   const std::function<void(int)> task = [&](int thread) {
     float* thread_scratch = scratch.get() + thread_floats * thread;
     for (int range = 0; range < kRangesPerThread; ++range) {
-      if (range > 0 && (threads == 1 || !work.steal(thread, 2 * claim_units))) break;
+      if (range > 0 && (threads == 1 || whole_sequences || !work.steal(thread, 2 * claim_units))) break;
       Segment open{-1, 0, 0};  // the segment being attended, in sequence-relative units
       int segments_closed = 0;
       const auto close = [&] {
@@ -324,7 +335,7 @@ void paged_decode_attention(uintptr_t query, uintptr_t out, int query_dtype, uin
                             uintptr_t block_tables, uintptr_t context_lens, int batch,
                             int max_blocks_per_seq, int num_heads, int num_kv_heads, int head_dim,
                             int block_size, double scale, uintptr_t new_key, uintptr_t new_value,
-                            int num_threads, const std::string& isa) {
+                            int num_threads, bool whole_sequences, const std::string& isa) {
   if (num_threads < 1 || num_threads > kMaxThreads) {
     throw std::invalid_argument("num_threads must be in [1, " + std::to_string(kMaxThreads) +
                                 "], got " + std::to_string(num_threads));
@@ -346,7 +357,7 @@ void paged_decode_attention(uintptr_t query, uintptr_t out, int query_dtype, uin
   check_context_lens(p, appending);
   check_block_tables(p);  // before the append, so a rejected call leaves the caches as they were
   if (appending) append_tokens(p, reinterpret_cast<const void*>(new_key), reinterpret_cast<const void*>(new_value));
-  run_attention(p, kernels, num_threads);
+  run_attention(p, kernels, num_threads, whole_sequences);
 }
 
 void check_int4_shape(int batch, int n, int k, int group_size, int num_threads) {

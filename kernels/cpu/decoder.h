@@ -66,7 +66,7 @@ struct PagedKV {
   uintptr_t context_lens = 0;  // [tokens] int32, with the new token
   int max_blocks_per_seq = 0;
   double scale = 0;
-  int threads = 1;
+  int threads = 1;  // each sequence on one thread: the bits of a one-thread call
 };
 
 class Decoder {
@@ -118,7 +118,7 @@ class Decoder {
       paged_decode_attention(addr(q), addr(attn), s_.dtype, kv.key + i * layer_bytes, kv.value + i * layer_bytes,
                              kv.kv_dtype, kv.num_blocks, kv.block_tables, kv.context_lens, tokens,
                              kv.max_blocks_per_seq, s_.num_heads, s_.num_kv_heads, s_.head_dim, kv.block_size,
-                             kv.scale, addr(k), addr(v), kv.threads, s_.isa);
+                             kv.scale, addr(k), addr(v), kv.threads, /*whole_sequences=*/true, s_.isa);
       if (profiling_) attention_ns_ += now_ns() - start;
       run_post_proj(layers_[i], ptr(hidden), attn, tokens, ptr(hidden));
     }

@@ -154,6 +154,21 @@ def test_threads_that_run_out_take_work_from_others(kv_dtype, num_kv_heads, grou
 
 
 @pytest.mark.parametrize("isa", usable_isas())
+@pytest.mark.parametrize("num_threads", [2, 3, 4 * NUM_CORES])
+def test_whole_sequences_give_the_one_thread_bits_at_any_thread_count(isa, num_threads):
+    # Each sequence attended start to end by one thread, nobody taking another's work: nothing to
+    # merge, so the rows have exactly the bits of a one-thread call (what the C++ decoder relies
+    # on), with no work taken even where threads outnumber the cores.
+    lengths = [4097, 1, 700, 1500, 33, 900, 240, 241]
+    problem = make_problem(lengths, num_kv_heads=3, group_size=3, seed=num_threads)
+    one = cpu.paged_decode_attention(**problem, num_threads=1, isa=isa)
+    before = cpu.stolen_ranges()
+    many = cpu.paged_decode_attention(**problem, num_threads=num_threads, whole_sequences=True, isa=isa)
+    assert cpu.stolen_ranges() == before
+    assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize("isa", usable_isas())
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", [1, 5, 8, 24, 40])
 def test_block_sizes_off_the_vector_width(isa, kv_dtype, block_size):
