@@ -6,17 +6,26 @@ import importlib
 import pytest
 
 
-@pytest.fixture(scope="session")
-def interpreted_w4a16():
-    """kernels.triton.w4a16 with its kernels built for Triton's interpreter, so that they run on
-    CPU tensors. triton.jit reads TRITON_INTERPRET when it decorates a kernel, so the module is
-    imported (or re-imported) with the variable set; triton's knob scope then puts the variable
+def import_interpreted(name: str):
+    """The Triton kernel module `name` with its kernels built for Triton's interpreter, so that they
+    run on CPU tensors. triton.jit reads TRITON_INTERPRET when it decorates a kernel, so the module
+    is imported (or re-imported) with the variable set; triton's knob scope then puts the variable
     back as it was, and no other test sees it."""
     triton = pytest.importorskip("triton")
     with triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = True
-        module = importlib.import_module("kernels.triton.w4a16")
+        module = importlib.import_module(name)
         if not module.INTERPRETED:  # imported earlier for a GPU
             module = importlib.reload(module)
     assert module.INTERPRETED
     return module
+
+
+@pytest.fixture(scope="session")
+def interpreted_w4a16():
+    return import_interpreted("kernels.triton.w4a16")
+
+
+@pytest.fixture(scope="session")
+def interpreted_paged_decode():
+    return import_interpreted("kernels.triton.paged_decode")

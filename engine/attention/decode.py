@@ -6,6 +6,7 @@ reference, `cpu` the C++ SIMD kernel of kernels/cpu (GPU kernels join here).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import importlib.util
 from typing import Callable
 
 import torch
@@ -28,6 +29,17 @@ class DecodeAttentionBackend(ABC):
         new_key/new_value [batch, kv_heads, head_dim] -> [batch, num_heads, head_dim]."""
 
 
+def append_new_tokens(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor) -> None:
+    """Each sequence's new K/V [batch, kv_heads, head_dim] into its slot at context_len - 1, by
+    indexed stores on the caches' device (no host sync)."""
+    block_size = value_cache.shape[2]
+    last = context_lens.long() - 1
+    slot_blocks = block_tables.long().gather(1, (last // block_size)[:, None]).squeeze(1)
+    key_cache.transpose(-1, -2)[slot_blocks, :, last % block_size] = new_key  # keys seen in the value layout
+    value_cache[slot_blocks, :, last % block_size] = new_value
+
+
 class TorchPagedDecode(DecodeAttentionBackend):
     """Reference: gather each sequence's blocks, pad to the longest, masked softmax in fp32."""
 
@@ -36,14 +48,11 @@ class TorchPagedDecode(DecodeAttentionBackend):
     def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale, new_key, new_value):
         batch, num_heads, head_dim = query.shape
         _, num_kv_heads, block_size, _ = value_cache.shape
-        key_rows = key_cache.transpose(-1, -2)  # a view in the value layout; writes go through
+        append_new_tokens(key_cache, value_cache, block_tables, context_lens, new_key, new_value)
+        key_rows = key_cache.transpose(-1, -2)  # a view in the value layout
         group = num_heads // num_kv_heads
         tables = block_tables.long()
         max_blocks = tables.shape[1]
-        last = context_lens.long() - 1
-        slot_blocks = tables.gather(1, (last // block_size)[:, None]).squeeze(1)
-        key_rows[slot_blocks, :, last % block_size] = new_key
-        value_cache[slot_blocks, :, last % block_size] = new_value
 
         def gather(cache: torch.Tensor) -> torch.Tensor:
             # [batch, max_blocks, kv_heads, block_size, head_dim] -> [batch, kv_heads, ctx, head_dim]
@@ -84,9 +93,28 @@ class CpuPagedDecode(DecodeAttentionBackend):
                             num_threads=self.num_threads)
 
 
+class TritonPagedDecode(DecodeAttentionBackend):
+    """kernels/triton's paged decode attention (CUDA; CPU tensors under Triton's interpreter):
+    the new tokens' K/V stored by indexed writes, then one program per (sequence, KV head)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        import importlib  # noqa: F811
+
+        # by name, so that a test's interpreted import of the module is the one used
+        self._kernels = importlib.import_module("kernels.triton.paged_decode")
+
+    def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale, new_key, new_value):
+        append_new_tokens(key_cache, value_cache, block_tables, context_lens, new_key, new_value)
+        return self._kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                                    scale)
+
+
 DECODE_BACKENDS: Registry[DecodeAttentionBackend] = Registry("decode attention backend")
 DECODE_BACKENDS.register("torch")(TorchPagedDecode)
 DECODE_BACKENDS.register("cpu")(CpuPagedDecode)
+DECODE_BACKENDS.register("triton")(TritonPagedDecode)
 
 
 def register_decode_backend(name: str, factory: Callable[[], DecodeAttentionBackend]) -> None:
@@ -94,12 +122,16 @@ def register_decode_backend(name: str, factory: Callable[[], DecodeAttentionBack
 
 
 def default_decode_backend(device: str) -> str:
-    """`auto`: the C++ kernel for KV on the CPU when it is built, else the torch reference."""
-    if torch.device(device).type == "cpu":
+    """`auto`: the C++ kernel for KV on the CPU when it is built, the Triton kernel for KV on CUDA
+    when triton imports, else the torch reference."""
+    device_type = torch.device(device).type
+    if device_type == "cpu":
         from kernels import cpu
 
         if cpu.is_available():
             return "cpu"
+    if device_type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
     return "torch"
 
 

@@ -1,0 +1,159 @@
+"""Paged decode attention on CUDA, in Triton: one new query token per sequence over its paged K/V.
+
+The caches are the layout every tandem decode backend reads (engine/attention/decode.py): values
+[num_blocks, kv_heads, block_size, head_dim], keys transposed within a block [num_blocks,
+kv_heads, head_dim, block_size]. One program attends one (sequence, KV head): the query heads of
+its GQA group together (each K/V block is read once for the group), block after block of the
+sequence's table with a running softmax in fp32 (max, sum, accumulator), so no score matrix is
+ever stored. Scores and the value sum are tl.dot products when the tiles are large enough for
+them (block size >= 16), else broadcast products summed in registers. The new token's K/V is
+written into its slot first (indexed stores, no host sync), as the other backends do.
+
+On a GPU the dot inputs stay in the cache dtype (bf16/fp16 on the tensor cores, fp32 as IEEE
+fp32, not TF32); under Triton's interpreter (TRITON_INTERPRET=1 while this module is imported)
+the kernel runs on CPU tensors in fp32 throughout, which is how CI tests it
+(tests/kernels/test_triton_paged_decode.py). No autotuning: the tile shapes follow the model
+(head_dim, group size, block size).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:
+    raise ImportError("kernels.triton.paged_decode needs the triton package (pyproject's test extra installs "
+                      "it)") from exc
+
+INTERPRETED: bool = triton.knobs.runtime.interpret
+MIN_DOT = 16  # tl.dot's smallest tile side
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+# Reductions through tl.reduce with combine functions of this module: triton.language's own
+# tl.sum/tl.max/tl.cdiv are @triton.jit code decorated when triton was imported, which Triton's
+# interpreter cannot call unless triton itself was imported under it (the tests switch the
+# interpreter on for this module alone: tests/conftest.py).
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _scores(q, k, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr):
+    """q [G, D] . k [D, T] -> [G, T] fp32."""
+    if USE_DOT:
+        if FP32_DOT:
+            return tl.dot(q, k, input_precision="ieee")
+        return tl.dot(q, k)
+    return tl.reduce(q[:, :, None].to(tl.float32) * k[None, :, :].to(tl.float32), 1, _add)
+
+
+@triton.jit
+def _weighted_values(p, v, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr):
+    """p [G, T] fp32 . v [T, D] -> [G, D] fp32 (p rounded to v's dtype for the tensor cores)."""
+    if USE_DOT:
+        if FP32_DOT:
+            return tl.dot(p, v, input_precision="ieee")
+        return tl.dot(p.to(v.dtype), v)
+    return tl.reduce(p[:, :, None] * v[None, :, :].to(tl.float32), 1, _add)
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
+                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vt,
+                         stride_tb, stride_ob, stride_oh,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                         COMPUTE: tl.constexpr, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    context_len = tl.load(lens_ptr + seq)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    t = tl.arange(0, BLOCK_T)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = (q.to(tl.float32) * scale).to(COMPUTE)
+    row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    row_sum = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+    for b in range(0, (context_len + BLOCK_SIZE - 1) // BLOCK_SIZE):
+        block = tl.load(tables_ptr + seq * stride_tb + b).to(tl.int64)
+        t_ok = (t < BLOCK_SIZE) & (b * BLOCK_SIZE + t < context_len)
+        k = tl.load(k_ptr + block * stride_kb + kv_head * stride_kh + d[:, None] * stride_kd + t[None, :],
+                    mask=d_ok[:, None] & t_ok[None, :], other=0.0).to(COMPUTE)
+        s = tl.where(t_ok[None, :], _scores(q, k, USE_DOT, FP32_DOT), NEG_INF)
+        new_max = tl.maximum(row_max, tl.reduce(s, 1, _larger))
+        p = tl.exp(s - new_max[:, None])
+        correction = tl.exp(row_max - new_max)
+        row_sum = row_sum * correction + tl.reduce(p, 1, _add)
+        v = tl.load(v_ptr + block * stride_vb + kv_head * stride_vh + t[:, None] * stride_vt + d[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)
+        acc = acc * correction[:, None] + _weighted_values(p, v, USE_DOT, FP32_DOT)
+        row_max = new_max
+    out = tl.where(row_sum[:, None] > 0, acc / tl.maximum(row_sum, 1e-30)[:, None], 0.0)  # empty context: zeros
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def _tile(n: int) -> int:
+    return max(MIN_DOT, triton.next_power_of_2(n))
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [batch, heads, head_dim]; caches as above; block_tables [batch, max_blocks] int32;
+    context_lens [batch] int32 -> out [batch, heads, head_dim] in the query's dtype. The new
+    token's K/V must already be in the caches. Raises ValueError on malformed input."""
+    _check(query, key_cache, value_cache, block_tables, context_lens)
+    batch, num_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = value_cache.shape
+    group = num_heads // num_kv_heads
+    query, block_tables, context_lens = query.contiguous(), block_tables.contiguous(), context_lens.contiguous()
+    out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    cache_dtype = value_cache.dtype
+    use_dot = block_size >= MIN_DOT
+    compute = tl.float32 if INTERPRETED else _TL_DTYPES[cache_dtype]
+    _paged_decode_kernel[(batch, num_kv_heads)](
+        query, key_cache, value_cache, out, block_tables, context_lens, float(scale),
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=_tile(group), BLOCK_D=_tile(head_dim),
+        BLOCK_T=_tile(block_size), COMPUTE=compute, USE_DOT=use_dot,
+        FP32_DOT=use_dot and (INTERPRETED or cache_dtype == torch.float32))
+    return out
+
+
+def _check(query, key_cache, value_cache, block_tables, context_lens) -> None:
+    if query.dim() != 3 or value_cache.dim() != 4 or key_cache.dim() != 4:
+        raise ValueError(f"query must be [batch, heads, head_dim] and the caches 4-D, got {tuple(query.shape)}, "
+                         f"{tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
+    num_blocks, num_kv_heads, block_size, head_dim = value_cache.shape
+    if tuple(key_cache.shape) != (num_blocks, num_kv_heads, head_dim, block_size):
+        raise ValueError(f"key_cache must be [blocks, kv_heads, head_dim, block_size] = "
+                         f"{(num_blocks, num_kv_heads, head_dim, block_size)}, got {tuple(key_cache.shape)}")
+    if key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError("the caches' last dimension must be contiguous")
+    if query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit {num_kv_heads} KV heads of {head_dim}")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise ValueError("block_tables and context_lens must be int32")
+    if block_tables.shape[0] != query.shape[0] or tuple(context_lens.shape) != (query.shape[0],):
+        raise ValueError("block_tables and context_lens must have one row per query")
+    if query.dtype not in _TL_DTYPES or value_cache.dtype not in _TL_DTYPES or key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"dtypes must be fp32, bf16 or fp16 (caches alike), got {query.dtype}, "
+                         f"{key_cache.dtype}, {value_cache.dtype}")
