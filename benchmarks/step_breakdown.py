@@ -10,6 +10,10 @@ around the engine's own functions for the run:
   sampler     the sampler on the step's logits
   scheduler   schedule() and update()
   engine other the rest of step(): batch building, metrics, detokenizing, outputs
+With the C++ layers (EngineConfig.cpu_ops = "layers") a decode step's layers are one C++ call,
+which times its own matmuls and attention (kernels/cpu/decoder.h's profile). The prefills before
+the steps are timed too, their matmuls' rate beside torch's GEMM on the model's shape: at batch
+32 the prefill is most of a served request's time.
 The server and SSE are outside LLMEngine.step and not counted here (benchmarks/serve.py measures
 them end to end). Timers cost about a microsecond per call, small beside what they time.
 
@@ -139,9 +143,13 @@ def measure(engine: LLMEngine, batch: int) -> dict:
     params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(torch.randint(0, vocab, (PROMPT_TOKENS,), generator=gen).tolist(), params)
-    engine.step()
-    while engine.stats.num_prompt_tokens or engine.scheduler.num_waiting:
-        engine.step()  # the prefills
+    prefill_timers = StepTimers()
+    with timed_engine(prefill_timers):
+        start = time.perf_counter()
+        engine.step()
+        while engine.stats.num_prompt_tokens or engine.scheduler.num_waiting:
+            engine.step()  # the prefills
+        prefill_s = time.perf_counter() - start
     per_step: dict[str, list[float]] = defaultdict(list)
     timers = StepTimers()
     native = NativeProfile(engine.runner.model.native)
@@ -162,7 +170,30 @@ def measure(engine: LLMEngine, batch: int) -> dict:
             per_step["engine other"].append(total - s["forward"] - s["sampler"] - s["scheduler"])
     while engine.scheduler.has_unfinished_sequences():
         engine.step()
-    return {name: statistics.median(values) for name, values in per_step.items()}
+    return {**{name: statistics.median(values) for name, values in per_step.items()},
+            "prefill": prefill_s, "prefill matmuls": prefill_timers.seconds["matmuls"]}
+
+
+def linear_flops_per_token(config) -> int:
+    """Multiply-adds x 2 of one token through the decoder layers' matmuls (the LM head runs on
+    one row per sequence only, so it is left out)."""
+    per_layer = config.hidden_size * (config.q_size + 2 * config.kv_size) + config.q_size * config.hidden_size \
+        + 3 * config.hidden_size * config.intermediate_size
+    return 2 * config.num_layers * per_layer
+
+
+def gemm_flops_per_s(config, num_tokens: int, dtype: torch.dtype, reps: int = 5) -> float:
+    """torch's GEMM on the model's gate/up shape for a prefill of num_tokens, in the compute dtype:
+    the rate a prefill's matmuls could reach at best here, measured in the same run."""
+    x = torch.randn(num_tokens, config.hidden_size).to(dtype)
+    weight = torch.randn(2 * config.intermediate_size, config.hidden_size).to(dtype)
+    torch.nn.functional.linear(x, weight)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, weight)
+        times.append(time.perf_counter() - start)
+    return 2 * x.shape[0] * weight.shape[0] * weight.shape[1] / min(times)
 
 
 def to_markdown(result: dict) -> str:
@@ -176,6 +207,17 @@ def to_markdown(result: dict) -> str:
         cells = " | ".join(f"{row[c] * 1e3:.2f}" for c in CATEGORIES)
         lines.append(f"| {row['label']} | {row['quantization']} | {row['batch']} | {row['total'] * 1e3:.2f} | {cells} | "
                      f"{(row['total'] - row['matmuls']) * 1e3:.2f} | {row['roofline'] * 1e3:.2f} |")
+    lines += ["", f"The prefills before those steps (all prompts of a batch; the C++ layers take decode batches "
+              f"only, so the three states prefill alike). GEMM bound: torch's {result['dtype']} GEMM on the model's "
+              f"gate/up shape at the batch's prompt tokens, measured in the same run.", "",
+              "| label | weights | batch | prompt tokens | prefill s | tokens/s | matmuls s | matmul GFLOP/s | "
+              "GEMM bound GFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        tokens = row["batch"] * PROMPT_TOKENS
+        lines.append(f"| {row['label']} | {row['quantization']} | {row['batch']} | {tokens} | {row['prefill']:.2f} | "
+                     f"{tokens / row['prefill']:.0f} | {row['prefill matmuls']:.2f} | "
+                     f"{tokens * result['flops_per_token'] / row['prefill matmuls'] / 1e9:.0f} | "
+                     f"{result['gemm_flops_per_s'][str(row['batch'])] / 1e9:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -213,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"label": label, "quantization": quantization, "batch": batch,
              **{name: statistics.median(r[name] for r in reps) for name in reps[0]}}
             for (label, quantization, batch), reps in sorted(samples.items(), key=lambda item: (item[0][1], item[0][2]))]
+    config, dtype = engine.model_config, engine.dtype
     result = {"cpu": host_cpu_model(), "threads": torch.get_num_threads(), "read_bw_gbs": bandwidth / 1e9, "reps": args.reps,
-              "rows": rows}
+              "rows": rows, "dtype": str(dtype).removeprefix("torch."), "flops_per_token": linear_flops_per_token(config),
+              "gemm_flops_per_s": {str(b): gemm_flops_per_s(config, b * PROMPT_TOKENS, dtype) for b in args.batches}}
     write_results(args.output, result, to_markdown(result))
     print(to_markdown(result))
     return 0
