@@ -45,3 +45,8 @@ def stages(path: Path) -> list[Stage]:
 def base_images(path: Path) -> set[str]:
     """The images the Dockerfile builds on (not its own stages)."""
     return {stage.base for stage in stages(path)}
+
+
+def makefile_torch_pin() -> str:
+    """The torch requirement the Makefile installs (TORCH_PIN)."""
+    return re.search(r"^TORCH_PIN\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)

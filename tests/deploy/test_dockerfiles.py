@@ -11,14 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from dockerfiles import DOCKERFILES, ROOT, stages
+from dockerfiles import DOCKERFILES, ROOT, makefile_torch_pin, stages
 
 HADOLINT = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
 PORT = "8000"
-
-
-def makefile_torch_pin() -> str:
-    return re.search(r"^TORCH_PIN\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
 
 
 @pytest.mark.skipif(HADOLINT is None, reason="hadolint not installed: `pip install -e '.[test]'` (make test) brings "
