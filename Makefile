@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test bench bench-int4 bench-decode bench-neo bench-gpu clean
+.PHONY: install serve test test-integration bench bench-int4 bench-decode bench-neo bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -31,6 +31,21 @@ serve: install
 
 test: install
 	$(PY) -m pytest tests
+
+# The deployment checks that need system tools and minutes (tests marked integration): Prometheus
+# scraping a live server, the Dockerfiles built by buildah on a debootstrapped Debian base and run
+# by podman. The tools come from Debian's packages when missing (CI runs as root).
+INTEGRATION_TOOLS := prometheus promtool buildah podman runc debootstrap
+INTEGRATION_PACKAGES := prometheus buildah podman runc debootstrap
+test-integration: install
+	@missing=$$(for tool in $(INTEGRATION_TOOLS); do command -v $$tool > /dev/null || echo $$tool; done); \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			$(INTEGRATION_PACKAGES) > /dev/null; \
+	elif [ -n "$$missing" ]; then \
+		echo "not root, so not installing:" $$missing "(their tests skip)"; \
+	fi
+	$(PY) -m pytest tests -m integration --integration
 
 bench: install
 	$(PY) benchmarks/cpu_attention.py

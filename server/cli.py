@@ -6,31 +6,25 @@ import logging
 import os
 import signal
 import sys
+from typing import Mapping
 
 import kernels  # noqa: F401  (before torch loads: caps its OpenMP spinning, kernels/__init__.py)
+from server.flag_sources import CONFIG_ENV, FlagSourceError, RepeatableFlag, layered_defaults
 
 API_KEY_ENV = "TANDEM_API_KEY"  # one key, or several separated by commas
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `tandem` parser and its `serve` subparser (whose defaults --config and the environment set)."""
     parser = argparse.ArgumentParser(prog="tandem", description="tandem: LLM serving where the CPU helps the GPU")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start the OpenAI-compatible server",
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server", description=SERVE_DESCRIPTION,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    serve.add_argument("--api-key", action="append", default=None,
-                       help=f"require this bearer key (repeatable; also ${API_KEY_ENV}, comma-separated)")
+    serve.add_argument_group("config").add_argument(
+        "--config", metavar="FILE.yaml", default=None,
+        help=f"flag values from a YAML file, keys named as the flags (max-num-seqs: 8); also ${CONFIG_ENV}")
+    add_server_flags(serve)
     add_engine_flags(serve)
-    serve.add_argument("--max-waiting-requests", type=int, default=256,
-                       help="queued requests beyond this get 429 with Retry-After")
-    serve.add_argument("--max-waiting-tokens", type=int, default=262144,
-                       help="queued prompt tokens beyond this get 429 with Retry-After")
-    serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
-    serve.add_argument("--cors-origins", default="", help="comma-separated allowed origins ('*' for any)")
-    serve.add_argument("--shutdown-grace", type=float, default=10.0,
-                       help="seconds in-flight requests may finish after SIGTERM/SIGINT")
     profile = sub.add_parser("profile", help="measure this machine's cost tables for the offloading scheduler",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_flags(profile)
@@ -38,48 +32,82 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark: 'tandem bench serve --help'")
     bench.add_argument("suite", choices=["serve"], help="serve: load-latency sweeps and side-by-side runs")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own flags")
-    return parser
+    return parser, serve
+
+
+SERVE_DESCRIPTION = (
+    "Serve a model over the OpenAI API. Every flag can also come from a YAML file (--config) or "
+    "from a TANDEM_<FLAG> environment variable (TANDEM_MAX_NUM_SEQS=8); the command line wins over "
+    "the environment, which wins over the file.")
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """`serve`'s own flags: the HTTP side and the queue bounds."""
+    http = parser.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on")
+    http.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    http.add_argument("--api-key", action=RepeatableFlag, default=None,
+                      help=f"require this bearer key (repeatable; also ${API_KEY_ENV}, comma-separated)")
+    http.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
+    http.add_argument("--cors-origins", default="", help="comma-separated allowed origins ('*' for any)")
+    http.add_argument("--shutdown-grace", type=float, default=10.0,
+                      help="seconds in-flight requests may finish after SIGTERM/SIGINT")
+    admission = parser.add_argument_group("admission (beyond these bounds: 429 with Retry-After)")
+    admission.add_argument("--max-waiting-requests", type=int, default=256, help="queued requests")
+    admission.add_argument("--max-waiting-tokens", type=int, default=262144, help="queued prompt tokens")
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags that map onto EngineConfig, shared by `serve` and `profile`."""
-    parser.add_argument("--model", default="smollm2-135m",
+    """Flags that map onto EngineConfig, shared by `serve` and `profile`, grouped by concern."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default="smollm2-135m",
                        help="a GGUF file, an HF safetensors directory, or a preset name (with --load-format dummy)")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
-    parser.add_argument("--dtype", default="auto", help="auto (measured), float32, bfloat16 or float16")
-    parser.add_argument("--cpu-ops", default="layers", choices=["layers", "fused", "torch"],
-                        help="how the decoder layers run on a CPU device: layers (a decode batch's layers in one "
-                             "C++ call), fused (op by op, RMSNorm and RoPE as C++ kernels), torch (torch ops)")
-    parser.add_argument("--quantization", default="none", choices=["none", "int4"],
-                        help="int4: decoder-layer weights quantized at load (round-to-nearest, groups of 32) "
-                             "and kept packed; devices cpu and cuda")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-gpu-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
-                        help="accelerator KV pool blocks (default: from --kv-cache-gib); caps it to emulate a small GPU")
-    parser.add_argument("--kv-cache-gib", type=float, default=None,
-                        help="accelerator KV pool size (default: from --memory-gib, else 1; on cuda 90%% of the device)")
-    parser.add_argument("--memory-gib", type=float, default=None,
-                        help="accelerator memory for weights and KV pool together: the pool gets what the weights leave")
-    parser.add_argument("--device", default="cpu",
-                        help="the accelerator: cpu (the CPU plays both roles), testbed (an accelerator thread on its "
-                             "own cores beside the CPU attention: Neo's overlap on a CPU-only host), cuda[:N]")
-    parser.add_argument("--offload", default="auto", choices=["auto", "on", "off"],
-                        help="CPU offloading of decoding attention and KV (Neo); auto: on for testbed and cuda, "
-                             "chosen per iteration by the cost model; off: GPU-only")
-    parser.add_argument("--num-cpu-blocks", type=int, default=None, help="host KV pool blocks (default: --cpu-kv-cache-gib)")
-    parser.add_argument("--cpu-kv-cache-gib", type=float, default=4.0, help="host KV pool size")
-    parser.add_argument("--accelerator-threads", type=int, default=None,
-                        help="testbed: cores playing the accelerator (default: half)")
-    parser.add_argument("--cpu-attention-threads", type=int, default=None,
-                        help="threads of the CPU decoding attention (default: the testbed's other cores, else 1)")
-    parser.add_argument("--cost-tables", default=None, help="a JSON file of cost tables instead of this machine's profile")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--profile-cache-dir", default=None,
-                        help="where profiles are cached (default: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles)")
+    model.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"],
+                       help="auto: from --model (a .gguf file, a directory, a preset)")
+    model.add_argument("--dtype", default="auto", help="auto (measured), float32, bfloat16 or float16")
+    model.add_argument("--quantization", default="none", choices=["none", "int4"],
+                       help="int4: decoder-layer weights quantized at load (round-to-nearest, groups of 32) "
+                            "and kept packed; devices cpu and cuda")
+    model.add_argument("--cpu-ops", default="layers", choices=["layers", "fused", "torch"],
+                       help="how the decoder layers run on a CPU device: layers (a decode batch's layers in one "
+                            "C++ call), fused (op by op, RMSNorm, RoPE and SiLU*up as C++ kernels), torch (torch ops)")
+    model.add_argument("--seed", type=int, default=0, help="dummy weights and unseeded requests' sampling")
+    batching = parser.add_argument_group("batching")
+    batching.add_argument("--max-model-len", type=int, default=None,
+                          help="context length (default: the model's, capped by the engine and the KV cache)")
+    batching.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    batching.add_argument("--max-num-batched-tokens", type=int, default=None,
+                          help="tokens in one iteration (default: the scheduler's)")
+    cache = parser.add_argument_group("KV cache")
+    cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    cache.add_argument("--num-gpu-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
+                       help="accelerator KV pool blocks (default: from --kv-cache-gib); caps it to emulate a small GPU")
+    cache.add_argument("--kv-cache-gib", type=float, default=None,
+                       help="accelerator KV pool size (default: from --memory-gib, else 1; on cuda 90%% of the device)")
+    cache.add_argument("--memory-gib", type=float, default=None,
+                       help="accelerator memory for weights and KV pool together: the pool gets what the weights leave")
+    cache.add_argument("--num-cpu-blocks", type=int, default=None,
+                       help="host KV pool blocks (default: --cpu-kv-cache-gib)")
+    cache.add_argument("--cpu-kv-cache-gib", type=float, default=4.0, help="host KV pool size")
+    offload = parser.add_argument_group("device and CPU offloading")
+    offload.add_argument("--device", default="cpu",
+                         help="the accelerator: cpu (the CPU plays both roles), testbed (an accelerator thread on its "
+                              "own cores beside the CPU attention: Neo's overlap on a CPU-only host), cuda[:N]")
+    offload.add_argument("--offload", default="auto", choices=["auto", "on", "off"],
+                         help="CPU offloading of decoding attention and KV (Neo); auto: on for testbed and cuda, "
+                              "chosen per iteration by the cost model; off: GPU-only")
+    offload.add_argument("--accelerator-threads", type=int, default=None,
+                         help="testbed: cores playing the accelerator (default: half)")
+    offload.add_argument("--cpu-attention-threads", type=int, default=None,
+                         help="threads of the CPU decoding attention (default: the testbed's other cores, else 1)")
+    offload.add_argument("--cost-tables", default=None,
+                         help="a JSON file of cost tables instead of this machine's profile")
+    offload.add_argument("--profile-cache-dir", default=None,
+                         help="where profiles are cached (default: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles)")
+    logs = parser.add_argument_group("logging")
+    logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                      help="log threshold")
 
 
 def engine_config(args: argparse.Namespace, **overrides):
@@ -167,8 +195,22 @@ def _shutdown_already_done(_signum: int, _frame) -> None:
     """The handler uvicorn re-raises its shutdown signal to: nothing is left to do."""
 
 
+def parse_command_line(argv: list[str], environ: Mapping[str, str]) -> argparse.Namespace:
+    """`argv` parsed; for `serve`, over the defaults its --config file and `environ` set
+    (FlagSourceError naming the key when one cannot)."""
+    parser, serve_parser = build_parsers()
+    if argv[:1] == ["serve"]:
+        serve_parser.set_defaults(**layered_defaults(serve_parser, argv[1:], environ))
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse_command_line(argv, os.environ)
+    except FlagSourceError as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 2
     commands = {"serve": serve, "bench": bench, "profile": profile}
     try:
         return commands[args.command](args)

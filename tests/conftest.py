@@ -5,6 +5,24 @@ import importlib
 
 import pytest
 
+INTEGRATION_OPTION = "--integration"
+
+
+def pytest_addoption(parser):
+    parser.addoption(INTEGRATION_OPTION, action="store_true",
+                     help="also run the tests marked integration: system tools (Prometheus, buildah and podman) "
+                          "and minutes each; `make test-integration` runs them")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Integration tests skip unless asked for, so that `make test` stays within its time."""
+    if config.getoption(INTEGRATION_OPTION):
+        return
+    skip = pytest.mark.skip(reason=f"integration test: `make test-integration` runs it ({INTEGRATION_OPTION})")
+    for item in items:
+        if "integration" in item.keywords:
+            item.add_marker(skip)
+
 
 def import_interpreted(name: str):
     """The Triton kernel module `name` with its kernels built for Triton's interpreter, so that they

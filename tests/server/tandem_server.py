@@ -74,6 +74,20 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
 
+# ---- offloading ---------------------------------------------------------------------------
+def pipelining_cost_tables(num_layers: int) -> dict:
+    """A memory-bound accelerator and a cheap CPU attention: the pipelined plan wins often."""
+    return {
+        "num_layers": num_layers,
+        "linear": [[1, 1e-3], [64, 1.05e-3], [2048, 4e-3]],
+        "prefill_attention": [[1, 1e-6], [2048, 1e-3]],
+        "gpu_decode_attention": [[1, 1e-7], [100000, 1e-3]],
+        "cpu_decode_attention": {"xs": [1, 64], "ys": [1, 100000], "zs": [[1e-6, 2e-3], [2e-6, 2e-3]]},
+        "head": [[1, 1e-4], [64, 2e-4]],
+        "swap_per_block": 1e-6,
+    }
+
+
 # ---- /metrics -----------------------------------------------------------------------------
 def scrape(http: httpx.Client) -> dict[tuple, float]:
     """Samples of /metrics keyed by (name, sorted labels other than model_name)."""

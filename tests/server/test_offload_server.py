@@ -8,24 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tandem_server import REQUEST_TIMEOUT_S, metric, wait_idle
+from tandem_server import REQUEST_TIMEOUT_S, metric, pipelining_cost_tables, wait_idle
 
 TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
 PROMPTS = [f"Count from {i} to {i + 20}, one number per line:" for i in range(8)]
 MAX_TOKENS = 40
-
-
-def cost_tables(num_layers: int) -> dict:
-    """A memory-bound accelerator and a cheap CPU attention: the pipelined plan wins often."""
-    return {
-        "num_layers": num_layers,
-        "linear": [[1, 1e-3], [64, 1.05e-3], [2048, 4e-3]],
-        "prefill_attention": [[1, 1e-6], [2048, 1e-3]],
-        "gpu_decode_attention": [[1, 1e-7], [100000, 1e-3]],
-        "cpu_decode_attention": {"xs": [1, 64], "ys": [1, 100000], "zs": [[1e-6, 2e-3], [2e-6, 2e-3]]},
-        "head": [[1, 1e-4], [64, 2e-4]],
-        "swap_per_block": 1e-6,
-    }
 
 
 @pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
@@ -33,7 +20,7 @@ def test_offloading_server_matches_engine_and_reports_tiers(start_server, llm, t
     from engine import SamplingParams
 
     tables = tmp_path / "costs.json"
-    tables.write_text(json.dumps(cost_tables(llm.engine.model_config.num_layers)))
+    tables.write_text(json.dumps(pipelining_cost_tables(llm.engine.model_config.num_layers)))
     # 8 blocks of 16 tokens: the accelerator pool holds about two of these requests
     server = start_server("--device", "testbed", "--num-gpu-blocks", "8", "--num-cpu-blocks", "256",
                           "--max-model-len", "128", "--cost-tables", str(tables))

@@ -1,0 +1,34 @@
+"""Fixtures for the deployment tests: a live `tandem serve` with offloading on, as the dashboard
+and Prometheus see it. The server helpers live beside the server tests (tests/server)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))  # tandem_server
+
+from offloading import OFFLOADING_FLAGS, TWO_CORES, send_requests  # noqa: E402
+from tandem_server import ServerProcess, pipelining_cost_tables  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def offloading_server(tmp_path_factory) -> ServerProcess:
+    """`tandem serve --device testbed` (offloading on) after requests that overflowed its accelerator
+    pool, so that every labelled series (tiers, plan modes, swap directions) exists."""
+    if not TWO_CORES:
+        pytest.skip("the testbed needs 2 cores")
+    from engine.model.config import PRESET_DIR
+
+    num_layers = json.loads((PRESET_DIR / "smollm2-135m.json").read_text())["num_hidden_layers"]
+    workdir = tmp_path_factory.mktemp("offloading")
+    tables = workdir / "costs.json"
+    tables.write_text(json.dumps(pipelining_cost_tables(num_layers)))
+    server = ServerProcess(workdir / "serve.log", *OFFLOADING_FLAGS, "--cost-tables", str(tables)).start()
+    try:
+        send_requests(server.url)
+        yield server
+    finally:
+        server.stop()

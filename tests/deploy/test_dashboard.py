@@ -1,0 +1,82 @@
+"""configs/grafana/tandem.json reads only what tandem exports: every metric name in its queries is a
+series of a live `tandem serve` with offloading on (the testbed), every label it filters or groups
+by is on that series, and every metric tandem exports has a panel."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from promql import all_panels, dashboard_expressions, load_dashboard, names_in, template_queries
+
+DATASOURCE_UID = "prometheus"  # configs/grafana/provisioning/datasources/prometheus.yml
+GRID_COLUMNS = 24
+
+
+def exported_series(url: str) -> dict[str, dict[str, set[str]]]:
+    """/metrics of the server at `url`: each metric family -> its sample names -> the label names
+    their series carry."""
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    families: dict[str, dict[str, set[str]]] = {}
+    for family in text_string_to_metric_families(text):
+        samples = families.setdefault(family.name, {})
+        for sample in family.samples:
+            samples.setdefault(sample.name, set()).update(sample.labels)
+    return families
+
+
+@pytest.fixture(scope="module")
+def exported(offloading_server):
+    return exported_series(offloading_server.url)
+
+
+def test_names_come_out_of_promql_without_functions_or_labels():
+    names = names_in('histogram_quantile(0.9, sum by (le) (rate(tandem:ttft_bucket{model_name=~"$m"}[5m]))) '
+                     '/ on(tier) group_left(mode) max(tandem:usage) > bool 1e3')
+    assert names.metrics == {"tandem:ttft_bucket", "tandem:usage"}
+    assert names.labels == {"le", "model_name", "tier", "mode"}
+
+
+def test_every_dashboard_metric_is_a_live_series_with_the_labels_it_uses(exported):
+    series_labels = {name: labels for samples in exported.values() for name, labels in samples.items()}
+    queries = [(expr, names_in(expr)) for expr in dashboard_expressions(load_dashboard())]
+    queries += [(f"variable {q.metrics}", q) for q in template_queries(load_dashboard())]
+    assert len(queries) > 20
+    for expr, names in queries:
+        missing = sorted(names.metrics - set(series_labels))
+        assert not missing, f"{expr}: not exported by a live tandem serve: {missing}"
+        assert names.metrics, f"{expr}: reads no metric"
+        labels_there = set().union(*(series_labels[name] for name in names.metrics))
+        stray = sorted(names.labels - labels_there)
+        assert not stray, f"{expr}: labels {stray} are on none of its series"
+
+
+def test_every_exported_metric_has_a_panel(exported):
+    read = set().union(*(names_in(expr).metrics for expr in dashboard_expressions(load_dashboard())))
+    tandem_families = {name: samples for name, samples in exported.items() if name.startswith("tandem:")}
+    assert len(tandem_families) > 20
+    without_panel = sorted(name for name, samples in tandem_families.items() if not read & set(samples))
+    assert not without_panel, f"exported but on no panel: {without_panel}"
+
+
+def test_the_layout_is_a_grafana_dashboard_on_the_provisioned_datasource():
+    dashboard = load_dashboard()
+    panels = all_panels(dashboard)
+    assert dashboard["uid"] == "tandem" and dashboard["title"]
+    ids = [panel["id"] for panel in panels]
+    assert len(ids) == len(set(ids))
+    rows = [panel["title"] for panel in panels if panel["type"] == "row"]
+    assert rows == ["Serving", "Offloading (Neo)", "Weights"]
+    cells = set()
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= GRID_COLUMNS, panel["title"]
+        cell = {(grid["x"] + dx, grid["y"] + dy) for dx in range(grid["w"]) for dy in range(grid["h"])}
+        assert not cell & cells, f"{panel['title']} overlaps another panel"
+        cells |= cell
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == DATASOURCE_UID and panel["targets"], panel["title"]
+        ref_ids = [target["refId"] for target in panel["targets"]]
+        assert len(ref_ids) == len(set(ref_ids)), panel["title"]
+        assert all(target["datasource"]["uid"] == DATASOURCE_UID for target in panel["targets"])
