@@ -228,6 +228,16 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    tie_word_embeddings: bool = False  # the LM head is the embedding matrix (stored once)
+    attention_bias: bool = False  # Q, K and V carry a bias (Qwen2)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
     @property
     def layer_params(self) -> int:
