@@ -32,10 +32,13 @@ class LayerWeights:
     down: LinearWeight  # [hidden, intermediate]
 
     @classmethod
-    def from_loaded(cls, w: dict, linear: LinearMethod, dtype: torch.dtype, device: torch.device) -> "LayerWeights":
-        """From a loader's layer (tensors, and packed 4-bit weights where the method takes them)."""
+    def from_loaded(cls, w: dict, linear: LinearMethod, dtype: torch.dtype, device: torch.device,
+                    layout_device: torch.device | None = None) -> "LayerWeights":
+        """From a loader's layer (tensors, and packed 4-bit weights where the method takes them);
+        `layout_device`: whose kernels the weights are laid out for, when they are stored elsewhere
+        (a streamed layer, kept on the host until it is copied to the accelerator)."""
         def make(weight, bias: torch.Tensor | None = None) -> LinearWeight:
-            return linear.create_weight(weight, bias, dtype=dtype, device=device)
+            return linear.create_weight(weight, bias, dtype=dtype, device=device, layout_device=layout_device)
 
         bias = None
         if "q_bias" in w:

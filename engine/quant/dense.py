@@ -39,8 +39,13 @@ class DenseWeight(LinearWeight):
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.weight,) if self.bias is None else (self.weight, self.bias)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight} if self.bias is None else {"weight": self.weight, "bias": self.bias}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> "DenseWeight":
+        return DenseWeight(tensors["weight"], tensors.get("bias"))
 
 
 @register_linear_method("dense")
@@ -49,6 +54,6 @@ class DenseLinearMethod(LinearMethod):
 
     name = "dense"
 
-    def create_weight(self, weight, bias, *, dtype, device):
+    def create_weight(self, weight, bias, *, dtype, device, layout_device=None):  # one layout everywhere
         bias = None if bias is None else bias.to(device=device, dtype=dtype)
         return DenseWeight(weight.to(device=device, dtype=dtype), bias)
