@@ -28,6 +28,12 @@ class CostModel(ABC):
     def linear(self, num_tokens: int) -> float:
         """One layer's token-wise work (norms, QKV, RoPE, O-proj, MLP) for `num_tokens` tokens."""
 
+    def linear_again(self, num_tokens: int) -> float:
+        """A second pass over a layer whose weights are already on the accelerator (Neo's batch-1
+        right after batch-0): the same as `linear` unless weights stream in (the streamed layer's
+        transfer is paid by the first pass)."""
+        return self.linear(num_tokens)
+
     @abstractmethod
     def prefill_attention(self, seq_lens: Sequence[int]) -> float:
         """One layer's causal attention over these prefill sequences, on the accelerator."""

@@ -53,11 +53,51 @@ class LayerWeights:
         )
 
 
+class LayerStore:
+    """Where decoder layers' weights live and how a forward gets at them. This one keeps every
+    layer resident on the accelerator; engine/execution/weight_stream.py streams some in.
+
+    A forward `acquire`s each layer before its first stage and `release`s it after its last (with
+    two sub-batches, after the second's), layers in order; both run where the accelerator's work
+    runs."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def build(self, index: int, loaded: dict, linear: LinearMethod, dtype: torch.dtype) -> LayerWeights:
+        """Layer `index`'s weights from what the loader gave."""
+        return LayerWeights.from_loaded(loaded, linear, dtype, self.device)
+
+    def start(self) -> None:
+        """Every layer is built: allocate what serving needs."""
+
+    def acquire(self, layer: int) -> None:
+        """The layer's weights are about to be used on the accelerator."""
+
+    def release(self, layer: int) -> None:
+        """The forward is done with the layer's weights."""
+
+    def recover(self) -> None:
+        """After a failed forward (layers acquired and never released): start over."""
+
+    def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes of weight memory beside the weights themselves (streaming buffers), by (format, tier)."""
+        return {}
+
+    def transfer_stats(self):
+        """Running totals of streamed bytes and transfer and stall seconds (a snapshot), or None
+        where nothing streams."""
+        return None
+
+    def close(self) -> None:
+        """Stop threads and close files."""
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype,
                  device: torch.device | str, max_model_len: int, decode_backend: DecodeAttentionBackend,
                  show_progress: bool = False, linear_method: LinearMethod | None = None,
-                 fused_cpu_ops: bool = True) -> None:
+                 fused_cpu_ops: bool = True, layer_store: LayerStore | None = None) -> None:
         self.config = config
         # the RMSNorms (and RoPE) in one C++ call each where the kernels apply, or as torch ops
         self.rms_norm = fused_rms_norm if fused_cpu_ops else rms_norm
@@ -74,37 +114,41 @@ class LlamaModel:
         # the LM head stays dense like the embeddings: quantization is for the decoder layers
         self.lm_head = create_linear_method("dense").create_weight(head, None, dtype=dtype, device=self.device)
         load_layer = loader.load_layer_packed if self.linear_method.takes_packed_int4 else loader.load_layer
+        self.layer_store = layer_store or LayerStore(self.device)
         self.layers = [
-            LayerWeights.from_loaded(load_layer(i, dtype), self.linear_method, dtype, self.device)
+            self.layer_store.build(i, load_layer(i, dtype), self.linear_method, dtype)
             for i in tqdm(range(config.num_layers), desc="loading layers", unit="layer", disable=not show_progress)
         ]
+        self.layer_store.start()
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_model_len,
                                     self.device, fused=fused_cpu_ops)
 
-    # Where every weight lives today; weight streaming (host memory, disk) adds tiers.
+    # Where embeddings, norms and the LM head live; decoder layers' linear weights say their own
+    # tier (LinearWeight.tier: streamed ones live in host memory or on disk).
     RESIDENT_TIER = "accelerator"
 
     def accelerator_weight_bytes(self) -> int:
-        """Bytes of the weights that live on the accelerator (what its KV pool cannot use)."""
+        """Bytes of the weights (and weight buffers) on the accelerator: what its KV pool cannot use."""
         return sum(nbytes for (_, tier), nbytes in self.weight_bytes().items() if tier == self.RESIDENT_TIER)
 
     def weight_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes of every weight by (format, tier): the linear weights as their objects report
-        them, embeddings and norms in the compute dtype (a tied LM head is counted once)."""
-        totals: dict[tuple[str, str], int] = {}
+        them, embeddings and norms in the compute dtype (a tied LM head is counted once), and the
+        layer store's buffers."""
+        totals: dict[tuple[str, str], int] = dict(self.layer_store.extra_weight_bytes())
 
-        def count(fmt: str, nbytes: int) -> None:
-            key = (fmt, self.RESIDENT_TIER)
-            totals[key] = totals.get(key, 0) + nbytes
+        def count(fmt: str, tier: str, nbytes: int) -> None:
+            totals[fmt, tier] = totals.get((fmt, tier), 0) + nbytes
 
         dense = str(self.dtype).removeprefix("torch.")
         tensors = [self.embed_tokens, self.final_norm, *(t for w in self.layers for t in (w.input_norm, w.post_norm))]
-        count(dense, sum(t.numel() * t.element_size() for t in tensors))
+        count(dense, self.RESIDENT_TIER, sum(t.numel() * t.element_size() for t in tensors))
         linears = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         if not self.config.tie_word_embeddings:
             linears.append(self.lm_head)
-        for part in (part for weight in linears for part in weight.parts):
-            count(part.format, part.nbytes)
+        for weight in linears:
+            for part in weight.parts:
+                count(part.format, weight.tier, part.nbytes)
         return totals
 
     # ---- stages ---------------------------------------------------------------------------
@@ -174,8 +218,10 @@ class LlamaModel:
         """One batch, layer after layer, all attention on the accelerator (the GPU-only plan)."""
         hidden = self.pre_layer(token_ids)
         for layer in range(self.config.num_layers):
+            self.layer_store.acquire(layer)
             q, k, v = self.pre_proj(layer, hidden, positions)
             attn_out = self.attention(layer, q, k, v, kv_cache, meta)
             hidden = self.post_proj(layer, hidden, attn_out.view(q.shape[0], -1))
+            self.layer_store.release(layer)
         return self.post_layer(hidden, output_rows)
 

@@ -253,7 +253,7 @@ def _candidate(inputs: PlannerInputs, num_resident: int, pipeline: str | None) -
 
 
 def _int4_hint(fmt: WeightFormat) -> str:
-    return ", or --quantization int4 (layers a quarter the size in 16 bits)" if fmt.quantization == "none" else ""
+    return ", or --quantization int4 (layers about 3/8 the size of 16-bit ones)" if fmt.quantization == "none" else ""
 
 
 def _kv_cache_bytes(inputs: PlannerInputs, other_bytes: int) -> int | str:
