@@ -71,6 +71,9 @@ class CopyEngine(ABC):
     def wait_source_free(self, state: dict[str, Any]) -> None:
         """Before a host staging buffer is overwritten: the copies leaving it are done."""
 
+    def synchronize(self) -> None:
+        """Every copy queued so far is done."""
+
     def close(self) -> None:
         """Release threads."""
 
@@ -154,3 +157,6 @@ class CudaCopyEngine(CopyEngine):
         copied = state.get("loaded")
         if copied is not None:
             copied.synchronize()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()

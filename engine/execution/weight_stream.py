@@ -157,19 +157,23 @@ class StreamedLayers(LayerStore):
 
     # ---- building ---------------------------------------------------------------------------
     def build(self, index: int, loaded: dict, linear: LinearMethod, dtype: torch.dtype) -> LayerWeights:
-        if self.tiers[index] == TIER_ACCELERATOR:
-            weights = LayerWeights.from_loaded(loaded, linear, dtype, self.device)
-            nbytes = sum(getattr(weights, name).nbytes for name in LINEAR_NAMES)
-            if self._fits(nbytes):
-                self.used_bytes += nbytes
-                return weights
-            logger.info("layer %d: %.1f MiB more than the planner counted leave no room on the accelerator; "
-                        "streamed from host memory instead", index, nbytes / 2**20)
-            self.tiers[index] = TIER_HOST
+        """Every layer becomes an image built on the host: a resident one is copied into an
+        accelerator buffer of its own and bound there (so resident and streamed layers compute
+        from the same kind of memory), a streamed one stays in host memory or goes to its file."""
         built = build_host_layer(None, index, linear, dtype, self.device, self.copy_engine.allocate_host, loaded)
         host, image = built.weights, built.image
-        layer = _StreamedLayer(self.tiers[index], image,
-                               meta_templates({name: getattr(host, name) for name in LINEAR_NAMES}))
+        templates = meta_templates({name: getattr(host, name) for name in LINEAR_NAMES})
+        norms = dict(input_norm=host.input_norm.to(self.device), post_norm=host.post_norm.to(self.device))
+        if self.tiers[index] == TIER_ACCELERATOR:
+            if self._fits(image.nbytes):
+                self.used_bytes += image.nbytes
+                buffer = self.copy_engine.allocate_buffer(image.nbytes)
+                self.copy_engine.copy(buffer, built.data)
+                return LayerWeights(**norms, **image.bind(templates, buffer))
+            logger.info("layer %d: %.1f MiB more than the planner counted leave no room on the accelerator; "
+                        "streamed from host memory instead", index, image.nbytes / 2**20)
+            self.tiers[index] = TIER_HOST
+        layer = _StreamedLayer(self.tiers[index], image, templates)
         if layer.tier == TIER_HOST:
             layer.host_data = built.data
         else:
@@ -177,8 +181,7 @@ class StreamedLayers(LayerStore):
         self._streamed[index] = layer
         binding = self._bindings[index] = _Binding(index)
         proxies = {name: StreamedWeight(binding, name, layer.templates[name], layer.tier) for name in LINEAR_NAMES}
-        return LayerWeights(input_norm=host.input_norm.to(self.device), post_norm=host.post_norm.to(self.device),
-                            **proxies)
+        return LayerWeights(**norms, **proxies)
 
     def _fits(self, nbytes: int) -> bool:
         if self.budget_bytes is None:
@@ -197,6 +200,7 @@ class StreamedLayers(LayerStore):
 
     def start(self) -> None:
         """Allocate the ring (and disk staging) for the largest streamed image; start loading."""
+        self.copy_engine.synchronize()  # resident layers' copies
         self._order = [i for i, tier in enumerate(self.tiers) if tier != TIER_ACCELERATOR]
         if not self._order:
             return
