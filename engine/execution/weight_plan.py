@@ -16,7 +16,12 @@ from engine.execution.queues import AcceleratorQueue, CudaStreamQueue, InlineQue
 from engine.execution.transfer import create_copy_engine
 from engine.kv import KVCache
 from engine.model import ModelConfig
-from engine.profiling.streaming_probe import measure_compute, measure_disk_bytes_per_s, measure_link_bytes_per_s
+from engine.profiling.streaming_probe import (
+    DECODE_PROBE_TOKENS,
+    measure_compute,
+    measure_disk_bytes_per_s,
+    measure_link_bytes_per_s,
+)
 from engine.weights.direct_io import DEFAULT_BLOCK_BYTES, DirectReader
 from engine.weights.layer_files import ConversionKey
 from scheduler.placement import (
@@ -123,15 +128,19 @@ def measure(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
     disk, direct = (None, None) if not weights.offload_dir else _disk_bytes_per_s(weights.offload_dir,
                                                                                   weights.num_io_threads)
     layer_bytes = layer_image_bytes(model_config.shape, weight_format(config, dtype))
-    costs = _compute_costs(model_config, dtype, config.quantization, config.torch_device, cores, layer_bytes)
-    logger.info("measured: host->accelerator %.2f GB/s%s", link / 1e9,
-                "" if disk is None else f", disk {disk / 1e9:.2f} GB/s ({'O_DIRECT' if direct else 'page cache'})")
-    return Measurements(TransferRates(link, disk, DEFAULT_BLOCK_BYTES), costs, direct)
+    costs, link_busy = _compute_costs(model_config, dtype, config.quantization, config.torch_device, cores,
+                                      layer_bytes)
+    logger.info("measured: host->accelerator %.2f GB/s (%.2f beside compute)%s; one layer's linear work at %d "
+                "tokens %.1f ms (%.1f beside a copy)", link / 1e9, link_busy / 1e9,
+                "" if disk is None else f", disk {disk / 1e9:.2f} GB/s ({'O_DIRECT' if direct else 'page cache'})",
+                DECODE_PROBE_TOKENS, costs.linear(DECODE_PROBE_TOKENS) * 1e3,
+                costs.linear_under_transfer(DECODE_PROBE_TOKENS) * 1e3)
+    return Measurements(TransferRates(link, disk, DEFAULT_BLOCK_BYTES, link_busy), costs, direct)
 
 
 @functools.lru_cache(maxsize=None)
 def _link_bytes_per_s(device: str, cores: CoreAssignment) -> float:
-    engine = create_copy_engine(device, len(cores.cpu_attention_cores) or 1, cores.cpu_attention_cores or None)
+    engine = _copy_engine(device, cores)
     try:
         return measure_link_bytes_per_s(engine)
     finally:
@@ -149,12 +158,19 @@ def _disk_bytes_per_s(offload_dir: str, num_io_threads: int) -> tuple[float, boo
 
 @functools.lru_cache(maxsize=None)
 def _compute_costs(model_config: ModelConfig, dtype: torch.dtype, quantization: str, device: str,
-                   cores: CoreAssignment, layer_bytes: int) -> ComputeCosts:
+                   cores: CoreAssignment, layer_bytes: int) -> tuple[ComputeCosts, float]:
     queue = _accelerator_queue(cores, device)
+    engine = _copy_engine(device, cores)
     try:
-        return measure_compute(model_config, dtype, QUANTIZATION_METHODS[quantization], queue, layer_bytes)
+        return measure_compute(model_config, dtype, QUANTIZATION_METHODS[quantization], queue, layer_bytes, engine)
     finally:
+        engine.close()
         queue.close()
+
+
+def _copy_engine(device: str, cores: CoreAssignment):
+    """The copy engine the streamed layers will use (as create_layer_store makes it)."""
+    return create_copy_engine(device, len(cores.cpu_attention_cores) or 1, cores.cpu_attention_cores or None)
 
 
 def _accelerator_queue(cores: CoreAssignment, device: str) -> AcceleratorQueue:

@@ -29,6 +29,7 @@ from engine.quant import create_linear_method
 from engine.weights.base import WeightLoader, global_shapes, layer_shapes
 from engine.weights.direct_io import DirectReader, aligned_empty, open_for_reading
 from engine.weights.layer_files import write_file
+from engine.weights.layer_image import LINEAR_NAMES, LayerImage
 from scheduler.cost_model import Curve, kv_bytes_per_token
 from scheduler.placement import ComputeCosts
 
@@ -36,6 +37,7 @@ PROBE_BYTES = 256 * 2**20  # per copy and per disk read: well past any cache
 COLD_WEIGHT_BYTES = 256 * 2**20  # layers timed back to back, as ProfileGrid.cold_bytes
 REPETITIONS = 3
 LINEAR_TOKENS = (1, 16, 64, 256)
+DECODE_PROBE_TOKENS = 8  # the linear stage run beside the copies timed under compute: a decode batch
 HEAD_ROWS = (1, 16, 64, 256)
 WEIGHT_STD = 0.02
 
@@ -126,22 +128,61 @@ class _RandomLoader(WeightLoader):
         return self._tensors(layer_shapes(self.config), dtype)
 
 
+class _Repeating:
+    """Runs `fn` over and over on a thread set up by `initialize` (or through `submit`, on the
+    accelerator's queue) until stopped: the other side's load while one side is timed."""
+
+    def __init__(self, fn: Callable[[], Any], initialize: Callable[[], None] | None = None,
+                 accelerator: AcceleratorQueue | None = None) -> None:
+        self._stop = threading.Event()
+        self._started = threading.Event()
+
+        def loop() -> None:
+            if initialize is not None:
+                initialize()
+            self._started.set()
+            while not self._stop.is_set():
+                fn()
+        if accelerator is not None:
+            self._done = accelerator.submit(loop)
+        else:
+            self._thread = threading.Thread(target=loop, name="tandem-probe-load", daemon=True)
+            self._thread.start()
+        self._started.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if hasattr(self, "_thread"):
+            self._thread.join()
+        else:
+            self._done.result()
+
+
 def measure_compute(config: ModelConfig, dtype: torch.dtype, linear_method: str, accelerator: AcceleratorQueue,
-                    layer_bytes: int) -> ComputeCosts:
-    """One layer's linear work by tokens (layers back to back, cold), decode attention per
-    context token (the accelerator's read bandwidth over one token's K/V), and the head by rows."""
+                    layer_bytes: int, engine: CopyEngine) -> tuple[ComputeCosts, float]:
+    """One layer's linear work by tokens (layers back to back, cold), alone and while the copy
+    engine copies beside it; decode attention per context token (the accelerator's read bandwidth
+    over one token's K/V); the head by rows. Also the copy engine's rate while a decode-sized
+    linear stage runs: on the host-only testbed both share one memory bus and slow each other (on
+    a GPU they should not). -> (the costs, bytes/s of host -> accelerator copies under compute)"""
     num_layers = max(1, min(config.num_layers, -(-COLD_WEIGHT_BYTES // layer_bytes)))
     small = dataclasses.replace(config, num_layers=num_layers)
     device = accelerator.device
     model = accelerator.submit(lambda: LlamaModel(
         small, _RandomLoader(small), dtype, device, 64, create_decode_backend("auto", str(device)),
         linear_method=create_linear_method(linear_method))).result()
+    for layer in model.layers:  # in the copy engine's buffers, as a placed model's layers are
+        linears = {name: getattr(layer, name) for name in LINEAR_NAMES}
+        image = LayerImage.of(linears)
+        buffer = engine.allocate_buffer(image.nbytes)
+        image.write(linears, buffer)
+        for name, weight in image.bind(linears, buffer).items():
+            setattr(layer, name, weight)
 
     def timed(work: Callable[[], Any]) -> float:
         return _median_s(lambda: accelerator.submit(lambda: (work(), _synchronize(device))).result())
 
-    linear = []
-    for num_tokens in LINEAR_TOKENS:
+    def layers_of(num_tokens: int) -> Callable[[], None]:
         hidden = torch.randn(num_tokens, config.hidden_size, dtype=dtype, device=device)
         attn_out = torch.randn(num_tokens, config.q_size, dtype=dtype, device=device)
         positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
@@ -150,7 +191,22 @@ def measure_compute(config: ModelConfig, dtype: torch.dtype, linear_method: str,
             for layer in range(num_layers):
                 model.pre_proj(layer, hidden, positions)
                 model.post_proj(layer, hidden, attn_out)
-        linear.append((num_tokens, timed(layers) / num_layers))
+        return layers
+
+    linear = [(n, timed(layers_of(n)) / num_layers) for n in LINEAR_TOKENS]
+    source, target = engine.allocate_host(PROBE_BYTES).fill_(1), engine.allocate_buffer(PROBE_BYTES)
+    copying = _Repeating(lambda: (engine.copy(target, source), _synchronize(engine.device)), pin_to(engine.cores))
+    try:
+        linear_busy = [(n, timed(layers_of(n)) / num_layers) for n in LINEAR_TOKENS]
+    finally:
+        copying.stop()
+    computing = _Repeating(layers_of(DECODE_PROBE_TOKENS), accelerator=accelerator)
+    try:
+        link_busy = PROBE_BYTES / _on_thread(lambda: _median_s(lambda: (engine.copy(target, source),
+                                                                        _synchronize(engine.device))),
+                                             pin_to(engine.cores))
+    finally:
+        computing.stop()
     head = []
     for num_rows in HEAD_ROWS:
         token_ids = torch.zeros(num_rows, dtype=torch.int64, device=device)
@@ -159,4 +215,6 @@ def measure_compute(config: ModelConfig, dtype: torch.dtype, linear_method: str,
     scratch = torch.ones(PROBE_BYTES // dtype.itemsize, dtype=dtype, device=device)
     read_bytes_per_s = PROBE_BYTES / timed(lambda: scratch.sum())
     token_bytes = kv_bytes_per_token(1, config.num_kv_heads, config.head_dim, dtype.itemsize)
-    return ComputeCosts(Curve.from_points(linear), token_bytes / read_bytes_per_s, Curve.from_points(head))
+    costs = ComputeCosts(Curve.from_points(linear), token_bytes / read_bytes_per_s, Curve.from_points(head),
+                         linear_under_transfer=Curve.from_points(linear_busy))
+    return costs, link_busy

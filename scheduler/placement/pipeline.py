@@ -25,6 +25,22 @@ class ForwardTimeline:
     compute_s: float  # the accelerator computing (layers and head)
     transfer_s: float  # the transfer engine loading layers
     stall_s: float  # the accelerator waiting for a layer's weights
+    overlap_s: float = 0.0  # computing and loading at once
+
+
+def _overlap_s(a: list[tuple[float, float]], b: list[tuple[float, float]], start: float, end: float) -> float:
+    """Time within [start, end) covered by an interval of `a` and one of `b` (each sorted, disjoint)."""
+    a = [(max(s, start), min(e, end)) for s, e in a if e > start and s < end]
+    b = [(max(s, start), min(e, end)) for s, e in b if e > start and s < end]
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def simulate_forward(compute_s: Sequence[float], transfer_s: Sequence[float | None], num_buffers: int,
@@ -47,6 +63,7 @@ def simulate_forward(compute_s: Sequence[float], transfer_s: Sequence[float | No
             layer = streamed[num_loads % len(streamed)]
             start = max(link_free, buffer_free[num_loads % num_buffers])
             link_free = ready[num_loads] = start + transfer_s[layer]
+            loads.append((start, link_free))
             num_loads += 1
 
     def release(held: list[tuple[int, int]], through_layer: int, now: float) -> None:
@@ -55,6 +72,8 @@ def simulate_forward(compute_s: Sequence[float], transfer_s: Sequence[float | No
 
     now, use = 0.0, 0  # the accelerator's clock; loads consumed so far
     ends, stall = [], 0.0
+    loads: list[tuple[float, float]] = []
+    computes: list[tuple[float, float]] = []
     for _ in range(NUM_REPLAYED_FORWARDS):
         stall, held = 0.0, []  # held: (layer, load number) of streamed layers not yet released
         for layer, seconds in enumerate(compute_s):
@@ -65,10 +84,12 @@ def simulate_forward(compute_s: Sequence[float], transfer_s: Sequence[float | No
                 now = start
                 held.append((layer, use))
                 use += 1
+            computes.append((now, now + seconds))
             now += seconds
             release(held, layer - (layers_in_use - 1), now)
         release(held, len(compute_s), now)
         now += head_s
         ends.append(now)
     transfer_total = sum(t for t in transfer_s if t is not None)
-    return ForwardTimeline(ends[-1] - ends[-2], sum(compute_s) + head_s, transfer_total, stall)
+    return ForwardTimeline(ends[-1] - ends[-2], sum(compute_s) + head_s, transfer_total, stall,
+                           _overlap_s(computes, loads, ends[-2], ends[-1]))

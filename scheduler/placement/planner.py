@@ -74,18 +74,23 @@ class TransferRates:
     link_bytes_per_s: float  # host memory -> accelerator
     disk_bytes_per_s: float | None = None  # O_DIRECT reads from the offload directory; None: not measured
     chunk_bytes: int = 8 * 2**20  # a disk load's blocks: the first lands before any copy starts
+    # the link while the accelerator computes (where both share a memory bus, as on the host-only
+    # testbed, each slows the other); None: as fast as alone
+    link_bytes_per_s_under_compute: float | None = None
 
-    def load_s(self, tier: str, nbytes: int) -> float:
+    def load_s(self, tier: str, nbytes: int, under_compute: bool = False) -> float:
         """One layer's load: host layers copy at the link's rate; disk layers are read and copied
         block by block, so the slower stage sets the pace, plus one block of the other."""
-        link_s = nbytes / self.link_bytes_per_s
+        link = self.link_bytes_per_s_under_compute if under_compute and self.link_bytes_per_s_under_compute \
+            else self.link_bytes_per_s
+        link_s = nbytes / link
         if tier == TIER_HOST:
             return link_s
         if not self.disk_bytes_per_s:
             raise PlacementError("the disk tier needs a measured disk read rate")
         disk_s = nbytes / self.disk_bytes_per_s
         block = min(self.chunk_bytes, nbytes)
-        return max(link_s, disk_s) + min(block / self.link_bytes_per_s, block / self.disk_bytes_per_s)
+        return max(link_s, disk_s) + min(block / link, block / self.disk_bytes_per_s)
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ class ComputeCosts:
     linear: Curve  # one layer's linear work by tokens
     attention_s_per_context_token: float  # one layer's decode attention, per context token read
     head: Curve  # embedding, final norm and LM head by rows
+    linear_under_transfer: Curve | None = None  # the same while a load runs beside it; None: no slower
 
 
 @dataclass(frozen=True)
@@ -244,10 +250,10 @@ def _candidate(inputs: PlannerInputs, num_resident: int, pipeline: str | None) -
         buffer_bytes=num_buffers * layer_bytes, kv_cache_bytes=kv, activation_bytes=activation_bytes,
         host_layer_bytes=num_host * layer_bytes, staging_bytes=NUM_STAGING_BUFFERS * layer_bytes if num_disk else 0,
         host_kv_cache_bytes=budgets.host_kv_cache_bytes, disk_layer_bytes=num_disk * layer_bytes)
-    load_s = {tier: inputs.rates.load_s(tier, layer_bytes) for tier in (TIER_HOST, TIER_DISK) if tier in tiers}
-    estimate = _estimate(inputs, tiers, num_buffers, kv, load_s)
+    estimate = _estimate(inputs, tiers, num_buffers, kv, layer_bytes)
     if isinstance(estimate, str):
         return estimate
+    estimate, load_s = estimate
     return WeightPlacement(inputs.mode, tuple(tiers), pipeline if num_streamed else None, num_buffers, layer_bytes,
                            memory, estimate, load_s)
 
@@ -312,19 +318,36 @@ def _num_host_layers(host_weight_bytes: int | None, num_streamed: int, layer_byt
 
 
 def _estimate(inputs: PlannerInputs, tiers: list[str], num_buffers: int, kv_bytes: int,
-              load_s: dict[str, float]) -> ThroughputEstimate | str:
+              layer_bytes: int) -> tuple[ThroughputEstimate, dict[str, float]] | str:
     """Decode throughput: as many sequences of `context_len` tokens as the KV pool and
-    max_num_seqs allow, one token each per forward."""
-    work, costs = inputs.workload, inputs.costs
+    max_num_seqs allow, one token each per forward; and one layer's load per tier.
+
+    Where loads and computes slow each other (measured: `linear_under_transfer`,
+    `link_bytes_per_s_under_compute`), the forward is replayed once with the rates alone, and
+    again with each side slowed in proportion to the time the first replay ran them together."""
+    work, costs, rates = inputs.workload, inputs.costs, inputs.rates
     block_bytes = kv_block_bytes(inputs.shape, work.block_size, inputs.fmt.dtype_bytes)
     blocks_per_seq = -(-work.context_len // work.block_size)
     batch = min(work.max_num_seqs, kv_bytes // block_bytes // blocks_per_seq)
     if batch < 1:
         return f"the KV pool ({_gib(kv_bytes)}) holds no {work.context_len}-token sequence"
-    layer_s = costs.linear(batch) + costs.attention_s_per_context_token * batch * work.context_len
-    timeline = simulate_forward([layer_s] * len(tiers), [load_s.get(tier) for tier in tiers], num_buffers,
-                                costs.head(batch), work.layers_in_use)
-    return ThroughputEstimate(batch, work.context_len, timeline)
+    attention_s = costs.attention_s_per_context_token * batch * work.context_len
+    streamed_tiers = [tier for tier in (TIER_HOST, TIER_DISK) if tier in tiers]
+
+    def replay(compute_share: float, load_share: float) -> tuple[ForwardTimeline, dict[str, float]]:
+        alone = costs.linear(batch)
+        busy = costs.linear_under_transfer(batch) if costs.linear_under_transfer else alone
+        layer_s = alone + (busy - alone) * compute_share + attention_s
+        load_s = {tier: (1 - load_share) * rates.load_s(tier, layer_bytes)
+                  + load_share * rates.load_s(tier, layer_bytes, under_compute=True) for tier in streamed_tiers}
+        timeline = simulate_forward([layer_s] * len(tiers), [load_s.get(tier) for tier in tiers], num_buffers,
+                                    costs.head(batch), work.layers_in_use)
+        return timeline, load_s
+
+    timeline, load_s = replay(0.0, 0.0)
+    if streamed_tiers and timeline.overlap_s > 0:
+        timeline, load_s = replay(timeline.overlap_s / timeline.compute_s, timeline.overlap_s / timeline.transfer_s)
+    return ThroughputEstimate(batch, work.context_len, timeline), load_s
 
 
 # ---- reporting ------------------------------------------------------------------------------

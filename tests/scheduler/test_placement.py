@@ -200,3 +200,47 @@ def test_describe_prints_the_breakdown_and_the_expectation():
 def test_bad_mode_is_refused():
     with pytest.raises(PlacementError, match="weight placement must be one of"):
         inputs(MemoryBudgets(kv_cache_bytes=GIB_BYTES), mode="ssd")
+
+
+def test_streaming_cost_model_stretches_linear_time_to_the_transfers():
+    """The scheduler's view: a streamed placement's linear time per layer is max(compute, the
+    layers' loads shared over all layers); batch-1's second pass over a layer pays no transfer."""
+    from scheduler.cost_model import Grid, TableCostModel
+    from scheduler.placement.cost import StreamingCostModel
+
+    base = TableCostModel(num_layers=16, linear_curve=Curve.from_points([(1, 0.002), (256, 0.05)]),
+                          prefill_curve=Curve.from_points([(1, 1e-4)]), gpu_decode_curve=Curve.from_points([(1, 1e-4)]),
+                          cpu_decode_grid=Grid((1.0,), (1.0,), ((1e-3,),)), head_curve=Curve.from_points([(1, 1e-3)]))
+    budgets = MemoryBudgets(accelerator_weight_bytes=GLOBALS + 10 * LAYER, kv_cache_bytes=GIB_BYTES)
+    placement = plan_placement(inputs(budgets, link_s_per_layer=0.02))
+    num_streamed = len(placement.streamed_layers)
+    assert 0 < num_streamed < 16 and placement.pipeline == PIPELINE_PERFORMANCE
+    cost = StreamingCostModel.for_placement(base, placement)
+    share = 0.02 * num_streamed / 16
+    assert cost.transfer_share_s == pytest.approx(share)
+    assert cost.linear(1) == pytest.approx(max(0.002, share))  # transfer-bound: a bigger batch costs nothing more
+    assert cost.linear(8) == cost.linear(1) and cost.linear(256) == pytest.approx(0.05)  # compute-bound again
+    assert cost.linear_again(8) == base.linear(8) and cost.linear(0) == 0.0
+    assert cost.head(4) == base.head(4) and cost.cpu_decode_attention(1, 10) == base.cpu_decode_attention(1, 10)
+    serial = StreamingCostModel(base, share, overlapped=False)
+    assert serial.linear(1) == pytest.approx(0.002 + share)
+
+
+def test_measured_interference_between_loads_and_compute_slows_the_estimate():
+    """Where a load and a compute share a memory bus (the host-only testbed), each measured slower
+    beside the other: the replay slows each in proportion to their overlap; a resident placement
+    overlaps nothing and is unchanged."""
+    import dataclasses
+
+    budgets = MemoryBudgets(accelerator_weight_bytes=GLOBALS + 3 * LAYER, kv_cache_bytes=GIB_BYTES)
+    base = inputs(budgets, mode="cpu", link_s_per_layer=0.005)  # compute-bound: loads overlap half of it
+    slowed = dataclasses.replace(base, costs=dataclasses.replace(
+        base.costs, linear_under_transfer=Curve.from_points([(1, 0.02), (64, 0.022)])),
+        rates=dataclasses.replace(base.rates, link_bytes_per_s_under_compute=base.rates.link_bytes_per_s / 2))
+    alone, together = plan_placement(base).estimate.timeline, plan_placement(slowed).estimate.timeline
+    assert 0.06 < alone.overlap_s <= 16 * 0.005  # every load beside a compute, but those under the head
+    assert together.iteration_s > alone.iteration_s * 1.3
+    assert plan_placement(slowed).load_s[TIER_HOST] > plan_placement(base).load_s[TIER_HOST]
+    resident = MemoryBudgets(kv_cache_bytes=GIB_BYTES)
+    assert plan_placement(dataclasses.replace(slowed, budgets=resident, mode="gpu")).estimate.timeline.iteration_s == \
+        pytest.approx(plan_placement(dataclasses.replace(base, budgets=resident, mode="gpu")).estimate.timeline.iteration_s)
