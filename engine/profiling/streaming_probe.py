@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from engine.attention import create_decode_backend
-from engine.execution.queues import AcceleratorQueue, InlineQueue
+from engine.execution.queues import AcceleratorQueue
 from engine.execution.transfer import CopyEngine, pin_to
 from engine.model import ModelConfig
 from engine.model.llama import LlamaModel
@@ -34,14 +34,11 @@ from scheduler.cost_model import Curve, kv_bytes_per_token
 from scheduler.placement import ComputeCosts
 
 PROBE_BYTES = 256 * 2**20  # per copy and per disk read: well past any cache
-# layers timed back to back: 4x the development host's 32 MiB L3, so the weights come from memory
-COLD_WEIGHT_BYTES = 128 * 2**20
+COLD_WEIGHT_BYTES = 256 * 2**20  # layers timed back to back, as ProfileGrid.cold_bytes
 REPETITIONS = 3
-# The planner estimates decode forwards: a batch of up to max_num_seqs (64 by default) rows,
-# extrapolated linearly past the last point.
-LINEAR_TOKENS = (1, 8, 32, 64)
+LINEAR_TOKENS = (1, 16, 64, 256)
 DECODE_PROBE_TOKENS = 8  # the linear stage run beside the copies timed under compute: a decode batch
-HEAD_ROWS = (1, 8, 32, 64)
+HEAD_ROWS = (1, 16, 64, 256)
 WEIGHT_STD = 0.02
 
 
@@ -146,9 +143,9 @@ class _Repeating:
             self._started.set()
             while not self._stop.is_set():
                 fn()
-        if accelerator is not None and not isinstance(accelerator, InlineQueue):
-            self._done = accelerator.submit(loop)  # on the accelerator's own thread (and cores)
-        else:  # device cpu: the accelerator's work runs on the caller, which is busy timing
+        if accelerator is not None:
+            self._done = accelerator.submit(loop)
+        else:
             self._thread = threading.Thread(target=loop, name="tandem-probe-load", daemon=True)
             self._thread.start()
         self._started.wait()
