@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from tandem_server import MODEL, REQUEST_TIMEOUT_S, metric, pipelining_cost_tables, wait_idle
+from tandem_server import MODEL, REQUEST_TIMEOUT_S, metric, wait_idle
+from test_offload_server import cost_tables
 
 TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
 PROMPTS = [f"Count from {i} to {i + 20}, one number per line:" for i in range(6)]
@@ -27,7 +28,7 @@ def test_streamed_weights_server_matches_engine_and_reports_tiers(start_server, 
     from engine import SamplingParams
 
     tables = tmp_path / "costs.json"
-    tables.write_text(json.dumps(pipelining_cost_tables(llm.engine.model_config.num_layers)))
+    tables.write_text(json.dumps(cost_tables(llm.engine.model_config.num_layers)))
     server = start_server("--device", "testbed", "--num-gpu-blocks", "8", "--num-cpu-blocks", "256",
                           "--max-model-len", "128", "--cost-tables", str(tables), *STREAMING_FLAGS,
                           "--offload-dir", str(tmp_path / "offload"))
