@@ -96,7 +96,7 @@ def linear_weight_classes() -> list[type]:
 @contextmanager
 def timed_engine(timers: StepTimers):
     for cls in linear_weight_classes():
-        if cls.__name__ != "ConcatWeight":  # its parts are timed themselves
+        if cls.__name__ not in ("ConcatWeight", "StreamedWeight"):  # their parts are timed themselves
             timers.wrap(cls, "apply", "matmuls")
     timers.wrap(LlamaModel, "attention", "attention")
     timers.wrap(LlamaModel, "forward", "forward")

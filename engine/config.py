@@ -1,6 +1,7 @@
 """The engine's configuration: small frozen configs, each validated once, when it is built.
 
-`EngineConfig` composes `CacheConfig`, `OffloadConfig` and the Neo scheduler's `NeoKnobs`;
+`EngineConfig` composes `CacheConfig`, `OffloadConfig`, the Neo scheduler's `NeoKnobs` and
+`WeightsConfig` (where weights live);
 `EngineConfig.from_flat(**kwargs)` is the one place flat keywords (`LLM(...)`, the CLI's flags)
 are routed to them. Derived values are properties that do no I/O: the compute dtype that
 `dtype="auto"` stands for is measured by `LLMEngine` when it starts, not here. No torch here.
@@ -102,15 +103,18 @@ class CacheConfig:
             return self.num_blocks
         return _blocks_in(self.kv_cache_memory_gib or DEFAULT_KV_CACHE_MEMORY_GIB, block_bytes)
 
-    def num_gpu_blocks_after(self, weight_bytes: int, block_bytes: int, memory_gib: float) -> int:
+    def num_gpu_blocks_after(self, weight_bytes: int, block_bytes: int, memory_gib: float,
+                             activation_reserve_gib: float = ACTIVATION_RESERVE_GIB) -> int:
         """The pool's blocks when `memory_gib` holds the weights (`weight_bytes`), the activation
-        reserve and the pool; ConfigError naming what to change when not even one block fits."""
-        free_bytes = memory_gib * GIB_BYTES - weight_bytes - ACTIVATION_RESERVE_GIB * GIB_BYTES
+        reserve (the weight planner's estimate when it placed the weights) and the pool;
+        ConfigError naming what to change when not even one block fits."""
+        free_bytes = memory_gib * GIB_BYTES - weight_bytes - activation_reserve_gib * GIB_BYTES
         if free_bytes < block_bytes:
             raise ConfigError(
                 f"memory_gib ({memory_gib:g}) leaves no room for the KV cache: the weights take "
-                f"{weight_bytes / GIB_BYTES:.2f} GiB and activations {ACTIVATION_RESERVE_GIB:g} GiB; give more "
-                f"memory, --quantization int4, or a fixed --kv-cache-gib / --num-blocks")
+                f"{weight_bytes / GIB_BYTES:.2f} GiB and activations {activation_reserve_gib:.2f} GiB; give more "
+                f"memory, --quantization int4, a --weights-gpu-gib to stream layers, or a fixed --kv-cache-gib / "
+                f"--num-blocks")
         return int(free_bytes // block_bytes)
 
     def num_cpu_blocks_for(self, block_bytes: int) -> int:
@@ -144,9 +148,49 @@ class OffloadConfig:
         _require_choice(self, "profile_grid", PROFILE_GRIDS)
 
 
+WEIGHT_PLACEMENTS = ("auto", "gpu", "cpu", "disk")  # scheduler.placement.PLACEMENT_MODES
+WEIGHT_PIPELINES = ("auto", "performance", "memory")  # scheduler.placement.PIPELINE_CHOICES
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    """Where decoder layers' weights live (PIPO): resident on the accelerator, or streamed into it
+    from host memory or from per-layer files in `offload_dir`. The planner (scheduler/placement)
+    decides per layer from these budgets and measured bandwidths; with placement `auto` and no
+    `accelerator_gib` every layer stays resident, as without this section."""
+
+    placement: str = field(default="auto", metadata={FLAT_NAME: "weight_placement"})  # auto | gpu | cpu | disk
+    accelerator_gib: float | None = field(default=None, metadata={FLAT_NAME: "weights_gpu_gib"})
+    host_gib: float | None = field(default=None, metadata={FLAT_NAME: "weights_cpu_gib"})  # None: what the host has
+    offload_dir: str | None = None  # where disk-placed layers' files live (`tandem convert` writes them)
+    pipeline: str = field(default="auto", metadata={FLAT_NAME: "weight_pipeline"})  # auto | performance | memory
+    num_io_threads: int = field(default=4, metadata={FLAT_NAME: "weight_io_threads"})  # disk reads in flight
+    # the decode the planner's throughput estimate is for: tokens a sequence holds; None: max_model_len
+    expected_context_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _require_choice(self, "placement", WEIGHT_PLACEMENTS)
+        _require_choice(self, "pipeline", WEIGHT_PIPELINES)
+        for name in ("accelerator_gib", "host_gib"):
+            if getattr(self, name) is not None:
+                _require_positive(self, name)
+        _require_int(self, "num_io_threads", 1)
+        _require_int(self, "expected_context_len", 1, none_means="max_model_len")
+        if self.placement == "disk" and not self.offload_dir:
+            raise ConfigError("weight_placement disk streams every layer from files in offload_dir; give "
+                              "--offload-dir")
+        if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
+            raise ConfigError(f"offload_dir must be a directory path, got {self.offload_dir!r}")
+
+    @property
+    def streaming_requested(self) -> bool:
+        """Whether the planner places layers: a placement other than auto, or a weight budget."""
+        return self.placement != "auto" or self.accelerator_gib is not None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an engine is built from: the top-level fields below and three sections.
+    """Everything an engine is built from: the top-level fields below and four sections.
     Users pass flat keywords through `from_flat`.
 
     `load_format` and `decode_attention` name entries of registries that can grow
@@ -170,6 +214,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     neo: NeoKnobs = field(default_factory=NeoKnobs)  # scheduler/neo.py says why each default
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
@@ -220,7 +265,7 @@ class EngineConfig:
         return cls(**values[None], **sections)
 
 
-_SECTIONS = {"cache": CacheConfig, "offload": OffloadConfig, "neo": NeoKnobs}
+_SECTIONS = {"cache": CacheConfig, "offload": OffloadConfig, "neo": NeoKnobs, "weights": WeightsConfig}
 
 
 def _flat_names() -> dict[str, tuple[str | None, str]]:

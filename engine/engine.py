@@ -7,10 +7,11 @@ scheduler's `update`, which feeds every sequence's text stream and decides which
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +19,8 @@ import torch
 
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.execution import CoreAssignment, ModelRunner
+from engine.execution.weight_plan import conversion_key, plan_weights
+from engine.execution.weight_stream import create_layer_store
 from engine.kv import KVCache
 from engine.model import ConfigError, ModelConfig
 from engine.outputs import RequestMetrics, RequestOutput
@@ -25,9 +28,12 @@ from engine.profiling import compute_dtype
 from engine.request import InputProcessor, PreparedRequest, Request
 from engine.text import Tokenizer
 from engine.weights import create_loader
+from engine.weights.layer_files import LayerFiles
 from scheduler.cost_model import CostModel, TableCostModel
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.neo import NeoConfig, NeoScheduler
+from scheduler.placement import TIER_DISK, WeightPlacement, describe
+from scheduler.placement.cost import StreamingCostModel
 from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -61,6 +67,10 @@ class IterationStats:
     estimated_time: float | None = None  # the cost model's prediction of forward_time
     cpu_attention_time: float = 0.0  # in the CPU decoding attention kernel
     cpu_wait_time: float = 0.0  # the CPU side waiting on the accelerator (pipeline bubbles)
+    # ---- weight streaming (PIPO) -------------------------------------------------------------
+    weight_transfer_time: float = 0.0  # loading streamed layers (overlapping the forward)
+    weight_stall_time: float = 0.0  # the accelerator waiting for a streamed layer's weights
+    weight_bytes_streamed: dict[str, int] = field(default_factory=dict)  # by tier (host, disk)
 
 
 class LLMEngine:
@@ -72,6 +82,10 @@ class LLMEngine:
         # resolved here, once: `auto` runs the dtype probe, and everything after uses this value
         self.dtype, reason = compute_dtype(config.dtype, config.torch_device)
         logger.info("compute dtype: %s (%s)", str(self.dtype).removeprefix("torch."), reason)
+        self.placement: WeightPlacement | None = None  # where decoder layers live, when planned
+        if config.weights.streaming_requested:
+            self.placement = plan_weights(config, self.model_config, self.dtype, self._model_max_len())
+            logger.info("%s", describe(self.placement, config.weights.offload_dir))
         cache = config.cache
         block_bytes = KVCache.bytes_per_block(self.model_config, cache.block_size, self.dtype)
         num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.offloading else 0
@@ -82,7 +96,8 @@ class LLMEngine:
             num_blocks=self._kv_pool_size(block_bytes), num_cpu_blocks=num_cpu_blocks, cores=cores,
             block_size=cache.block_size, max_model_len=self._model_max_len(), decode_backend=config.decode_attention,
             seed=config.seed, linear_method=QUANTIZATION_METHODS[config.quantization],
-            cpu_ops=config.cpu_ops, show_progress=config.show_progress)
+            cpu_ops=config.cpu_ops, show_progress=config.show_progress,
+            layer_store=self._layer_store_factory(loader))
         num_blocks = self.runner.kv_cache.gpu.num_blocks
         logger.info("weights: %s; KV pool: %d blocks of %d tokens (%.2f GiB)",
                     _describe_bytes(self.runner.model.weight_bytes()), num_blocks, cache.block_size,
@@ -106,8 +121,30 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = IterationStats()
 
+    def _layer_store_factory(self, loader):
+        """How the runner builds its layer store under the placement (None: all resident)."""
+        placement, config = self.placement, self.config
+        if placement is None:
+            return None
+        weights = config.weights
+        files = None
+        if placement.num_layers_in(TIER_DISK):
+            key = conversion_key(config, loader.source, self.dtype)
+            files = LayerFiles(weights.offload_dir, key, self.model_config.num_layers)
+        budget = None if weights.accelerator_gib is None else int(weights.accelerator_gib * GIB_BYTES)
+        return functools.partial(create_layer_store, placement, files=files, num_io_threads=weights.num_io_threads,
+                                 accelerator_weight_budget_bytes=budget,
+                                 global_weight_bytes=placement.memory.global_bytes)
+
     def _load_cost_model(self, loader, dtype: torch.dtype) -> CostModel:
-        """Cost tables from the given file, else this machine's profile (measured once per key)."""
+        """Cost tables from the given file, else this machine's profile (measured once per key);
+        with streamed layers, their transfers stretch the linear stage (StreamingCostModel)."""
+        base = self._load_table_cost_model(loader, dtype)
+        if self.placement is None or not self.placement.streamed_layers:
+            return base
+        return StreamingCostModel.for_placement(base, self.placement)
+
+    def _load_table_cost_model(self, loader, dtype: torch.dtype) -> CostModel:
         config, offload = self.config, self.config.offload
         if offload.cost_tables:
             return TableCostModel.load(offload.cost_tables)
@@ -147,6 +184,9 @@ class LLMEngine:
                 / GIB_BYTES
         if memory_gib is None:
             return cache.num_gpu_blocks_for(block_bytes)
+        if self.placement is not None:  # the planner's activation estimate, as it sized the pool
+            reserve_gib = self.placement.memory.activation_bytes / GIB_BYTES
+            return lambda weight_bytes: cache.num_gpu_blocks_after(weight_bytes, block_bytes, memory_gib, reserve_gib)
         return lambda weight_bytes: cache.num_gpu_blocks_after(weight_bytes, block_bytes, memory_gib)
 
     def _device_memory_default_applies(self) -> bool:
@@ -155,14 +195,7 @@ class LLMEngine:
         return unset and self.config.device.startswith("cuda")
 
     def _model_max_len(self) -> int:
-        """The longest sequence the model will be asked for, before the KV pool caps it."""
-        trained = self.model_config.max_position_embeddings
-        if self.config.max_model_len is not None:
-            if self.config.max_model_len > trained:
-                raise ConfigError(f"max_model_len ({self.config.max_model_len}) exceeds the model's context "
-                                  f"length ({trained})")
-            return self.config.max_model_len
-        return min(trained, DEFAULT_MAX_MODEL_LEN_CAP)
+        return model_max_len(self.config, self.model_config)
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         if self.config.max_model_len is not None:
@@ -210,8 +243,11 @@ class LLMEngine:
         for scheduled in plan.prefills:
             metrics = self._requests[scheduled.sequence.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        streamed_before = self.runner.model.layer_store.transfer_stats()
         output = self.runner.execute(plan)
         stats.forward_time = output.forward_time
+        if streamed_before is not None:
+            self._record_streaming(stats, streamed_before, self.runner.model.layer_store.transfer_stats())
         if output.pipeline is not None:
             stats.cpu_attention_time = output.pipeline.cpu_attention
             stats.cpu_wait_time = output.pipeline.cpu_waiting
@@ -219,6 +255,14 @@ class LLMEngine:
             plan.scheduled[row].sequence.prompt_logprobs = entries
         updated = self.scheduler.update(plan, output.sampled.token_ids, output.sampled.token_logprobs())
         return self._outputs({seq.request_id: self._requests[seq.request_id] for seq in updated})
+
+    @staticmethod
+    def _record_streaming(stats: IterationStats, before, after) -> None:
+        """This iteration's share of the weight stream's running totals."""
+        stats.weight_transfer_time = after.transfer_s - before.transfer_s
+        stats.weight_stall_time = after.stall_s - before.stall_s
+        stats.weight_bytes_streamed = {tier: after.bytes_by_tier[tier] - before.bytes_by_tier.get(tier, 0)
+                                       for tier in after.bytes_by_tier}
 
     def _plan_stats(self, plan: IterationPlan) -> IterationStats:
         stats = IterationStats(
@@ -247,6 +291,17 @@ class LLMEngine:
                 del self._requests[request.request_id]
             outputs.append(request.take_output())
         return outputs
+
+
+def model_max_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The longest sequence the model will be asked for, before the KV pool caps it."""
+    trained = model_config.max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > trained:
+            raise ConfigError(f"max_model_len ({config.max_model_len}) exceeds the model's context "
+                              f"length ({trained})")
+        return config.max_model_len
+    return min(trained, DEFAULT_MAX_MODEL_LEN_CAP)
 
 
 def _describe_bytes(bytes_by_format_tier: dict[tuple[str, str], int]) -> str:

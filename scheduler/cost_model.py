@@ -28,6 +28,12 @@ class CostModel(ABC):
     def linear(self, num_tokens: int) -> float:
         """One layer's token-wise work (norms, QKV, RoPE, O-proj, MLP) for `num_tokens` tokens."""
 
+    def linear_again(self, num_tokens: int) -> float:
+        """A second pass over a layer whose weights are already on the accelerator (Neo's batch-1
+        right after batch-0): the same as `linear` unless weights stream in (the streamed layer's
+        transfer is paid by the first pass)."""
+        return self.linear(num_tokens)
+
     @abstractmethod
     def prefill_attention(self, seq_lens: Sequence[int]) -> float:
         """One layer's causal attention over these prefill sequences, on the accelerator."""
@@ -228,6 +234,16 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    tie_word_embeddings: bool = False  # the LM head is the embedding matrix (stored once)
+    attention_bias: bool = False  # Q, K and V carry a bias (Qwen2)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
     @property
     def layer_params(self) -> int:

@@ -161,8 +161,8 @@ class _TwoBatches:
     def linear0(self) -> float:  # T_l0
         return self.cost.linear(self.num_tokens0)
 
-    def linear1(self) -> float:  # T_l1: batch-1 holds one token per CPU decode
-        return self.cost.linear(self.num_cpu_decodes1)
+    def linear1(self) -> float:  # T_l1: batch-1 holds one token per CPU decode, on weights batch-0 brought
+        return self.cost.linear_again(self.num_cpu_decodes1)
 
     def gpu_attention0(self) -> float:  # T_ga0: every prefill's attention runs on the accelerator
         return (self.cost.prefill_attention(self.prefill_lens)

@@ -117,7 +117,7 @@ def iteration_time(plan: IterationPlan, cost: CostModel) -> float:
         layer = cost.linear(num_prefill_tokens + len(plan.decodes)) + gpu_attention0
         return cost.num_layers * layer + cost.head(num_gpu_seqs) + swap_time
     linear0 = cost.linear(num_prefill_tokens + len(plan.decodes) + len(plan.cpu_decodes))
-    linear1 = cost.linear(len(plan.cpu_decodes1))
+    linear1 = cost.linear_again(len(plan.cpu_decodes1))
     cpu_attention0 = cpu_stage_time(cost, len(plan.cpu_decodes), _context_tokens(plan.cpu_decodes))
     cpu_attention1 = cpu_stage_time(cost, len(plan.cpu_decodes1), _context_tokens(plan.cpu_decodes1))
     layer = max(linear0, cpu_attention1) + max(linear1 + gpu_attention0, cpu_attention0)

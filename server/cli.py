@@ -1,4 +1,5 @@
-"""`tandem serve`: the OpenAI-compatible daemon. Flags map onto the frozen configs in one place."""
+"""`tandem serve` (the OpenAI-compatible daemon), `profile`, `plan`, `convert` and `bench`. Flags map onto
+the frozen configs in one place."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,13 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_flags(profile)
     profile.add_argument("--force", action="store_true", help="measure again even if a cached profile exists")
+    plan = sub.add_parser("plan", help="where the weights would live, the memory breakdown and the expected speed, "
+                          "without loading weights", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_flags(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON after the breakdown")
+    convert = sub.add_parser("convert", help="write per-layer weight files into --offload-dir for streaming from disk",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_flags(convert)
     bench = sub.add_parser("bench", help="run a benchmark: 'tandem bench serve --help'")
     bench.add_argument("suite", choices=["serve"], help="serve: load-latency sweeps and side-by-side runs")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own flags")
@@ -108,6 +116,25 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     logs = parser.add_argument_group("logging")
     logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                       help="log threshold")
+    weights = parser.add_argument_group("weight streaming (PIPO): where decoder layers live")
+    weights.add_argument("--weight-placement", default="auto", choices=["auto", "gpu", "cpu", "disk"],
+                         help="auto: chosen per layer from the budgets and measured bandwidths; gpu: all resident; "
+                              "cpu: all streamed from host memory; disk: all streamed from --offload-dir")
+    weights.add_argument("--weights-gpu-gib", type=float, default=None,
+                         help="accelerator memory for weights (embeddings, head, norms, resident layers and the "
+                              "buffers streamed layers pass through); layers beyond it stream")
+    weights.add_argument("--weights-cpu-gib", type=float, default=None,
+                         help="host memory for streamed layers (default: 80%% of what the host has available); "
+                              "layers beyond it stream from --offload-dir")
+    weights.add_argument("--offload-dir", default=None,
+                         help="where disk-placed layers' files live ('tandem convert' writes them; serve writes "
+                              "missing ones)")
+    weights.add_argument("--weight-pipeline", default="auto", choices=["auto", "performance", "memory"],
+                         help="performance: the next streamed layer preloads (one buffer more); memory: one "
+                              "buffer per layer in use; auto: by estimated throughput")
+    weights.add_argument("--weight-io-threads", type=int, default=4, help="disk reads in flight per layer load")
+    weights.add_argument("--expected-context-len", type=int, default=None,
+                         help="tokens per sequence the placement's throughput estimate assumes (default: max-model-len)")
 
 
 def engine_config(args: argparse.Namespace, **overrides):
@@ -123,7 +150,10 @@ def engine_config(args: argparse.Namespace, **overrides):
         device=args.device, offload=args.offload,
         num_cpu_blocks=args.num_cpu_blocks, cpu_kv_cache_memory_gib=args.cpu_kv_cache_gib,
         accelerator_threads=args.accelerator_threads, cpu_attention_threads=args.cpu_attention_threads,
-        cost_tables=args.cost_tables, profile_cache_dir=args.profile_cache_dir, show_progress=True), **overrides})
+        cost_tables=args.cost_tables, profile_cache_dir=args.profile_cache_dir, show_progress=True,
+        weight_placement=args.weight_placement, weights_gpu_gib=args.weights_gpu_gib,
+        weights_cpu_gib=args.weights_cpu_gib, offload_dir=args.offload_dir, weight_pipeline=args.weight_pipeline,
+        weight_io_threads=args.weight_io_threads, expected_context_len=args.expected_context_len), **overrides})
 
 
 def profile(args: argparse.Namespace) -> int:
@@ -143,6 +173,65 @@ def profile(args: argparse.Namespace) -> int:
         print(json.dumps(engine.cost_model.to_dict(), indent=1))
     finally:
         engine.close()
+    return 0
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Where the weights would live, the memory breakdown, the pipeline and the expected tokens/s,
+    from the model's shape and this machine's measured bandwidths; no weight is loaded."""
+    import json
+
+    from engine.engine import model_max_len
+    from engine.execution.weight_plan import measure, planner_inputs
+    from engine.profiling import compute_dtype
+    from engine.weights import create_loader
+    from scheduler.placement import describe, plan_placement
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config(args)
+    model_config = create_loader(config.model, config.load_format, seed=config.seed).config  # the shape only
+    dtype, reason = compute_dtype(config.dtype, config.torch_device)
+    max_len = model_max_len(config, model_config)
+    inputs = planner_inputs(config, model_config, dtype, max_len, measure(config, model_config, dtype))
+    placement = plan_placement(inputs)
+    print(f"tandem plan: {args.model}, {str(dtype).removeprefix('torch.')} ({reason}), "
+          f"{'int4 ' if config.quantization == 'int4' else ''}weights, on {args.device}")
+    print(describe(placement, config.weights.offload_dir))
+    if args.json:
+        print(json.dumps({"model": args.model, "dtype": str(dtype).removeprefix("torch."),
+                          "placement": placement.to_dict()}, indent=1))
+    return 0
+
+
+def convert(args: argparse.Namespace) -> int:
+    """Write the model's decoder layers into --offload-dir as per-layer files for the disk tier."""
+    import time
+
+    import torch
+
+    from engine.config import QUANTIZATION_METHODS
+    from engine.execution.weight_plan import conversion_key
+    from engine.profiling import compute_dtype
+    from engine.quant import create_linear_method
+    from engine.weights import create_loader
+    from engine.weights.convert import convert as convert_layers
+    from engine.weights.layer_files import LayerFiles
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.offload_dir:
+        print("tandem convert: give --offload-dir, the directory the layer files go to", file=sys.stderr)
+        return 2
+    config = engine_config(args)
+    loader = create_loader(config.model, config.load_format, seed=config.seed)
+    dtype, _ = compute_dtype(config.dtype, config.torch_device)
+    files = LayerFiles(config.weights.offload_dir, conversion_key(config, loader.source, dtype),
+                       loader.config.num_layers)
+    start = time.perf_counter()
+    written, kept = convert_layers(loader, files, create_linear_method(QUANTIZATION_METHODS[config.quantization]),
+                                   dtype, torch.device(config.torch_device), show_progress=True)
+    print(f"tandem convert: {loader.source} -> {files.directory}: {written} layer files written, {kept} already "
+          f"there ({str(dtype).removeprefix('torch.')}, quantization {config.quantization}) in "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 
 
@@ -211,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     except FlagSourceError as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
-    commands = {"serve": serve, "bench": bench, "profile": profile}
+    commands = {"serve": serve, "bench": bench, "profile": profile, "plan": plan, "convert": convert}
     try:
         return commands[args.command](args)
     except _startup_errors() as exc:  # a flag or a model that cannot work: say what, not a traceback
@@ -224,9 +313,10 @@ def _startup_errors() -> tuple[type[BaseException], ...]:
     from engine.model import ConfigError
     from engine.text import TokenizerError
     from engine.weights import WeightLoadError
+    from scheduler.placement import PlacementError
     from scheduler.scheduler import SchedulerConfigError
 
-    return ConfigError, SchedulerConfigError, WeightLoadError, TokenizerError
+    return ConfigError, SchedulerConfigError, WeightLoadError, TokenizerError, PlacementError
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
+from scheduler.placement import TIER_DISK, TIER_HOST
+
+STREAMED_TIERS = (TIER_HOST, TIER_DISK)  # where streamed layers come from
 
 disable_created_metrics()  # the *_created series only clutter dashboards (vLLM turns them off too)
 
@@ -51,7 +54,8 @@ class Metrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine iteration.",
                                           _TOKEN_BUCKETS)
         self._weight_bytes = Gauge("tandem:weight_bytes", "Bytes of the model's weights by storage format and "
-                                   "where they live (accelerator: resident).", ["model_name", "format", "tier"],
+                                   "where they live (accelerator: resident, and the buffers streamed layers pass "
+                                   "through; host, disk: streamed layers).", ["model_name", "format", "tier"],
                                    registry=r)
         # ---- offloading (Neo): per tier, per mode, swaps, CPU attention, cost-model error ----------
         self._tier_running = Gauge("tandem:num_requests_running_by_tier",
@@ -77,6 +81,22 @@ class Metrics:
         self.cost_model_error = histogram(
             "cost_model_relative_error", "|measured - predicted| / measured forward time, per iteration.",
             _ERROR_BUCKETS)
+        # ---- weight streaming (PIPO): bytes per tier, transfer against compute, stalls -------------
+        self._weight_streamed_bytes = Counter(
+            "tandem:weight_streamed_bytes", "Bytes of streamed layers loaded into the accelerator's buffers, by the "
+            "tier they came from (host, disk).", ["model_name", "tier"], registry=r)
+        for tier in STREAMED_TIERS:  # a series per tier from the start, at 0 where nothing streams
+            self._weight_streamed_bytes.labels(self._model_name, tier)
+        self.weight_transfer_seconds = counter(
+            "weight_transfer_seconds", "Time spent loading streamed layers (overlaps compute in the pipeline).")
+        self.weight_stall_seconds = counter(
+            "weight_stall_seconds", "Time the accelerator waited for a streamed layer's weights (pipeline stalls).")
+        self.iteration_weight_transfer = histogram(
+            "iteration_weight_transfer_seconds", "Per iteration with streamed layers: time loading them.",
+            _LATENCY_BUCKETS)
+        self.iteration_compute = histogram(
+            "iteration_compute_seconds", "Per iteration with streamed layers: forward time less weight stalls.",
+            _LATENCY_BUCKETS)
         self._last_token_time: dict[str, float] = {}
 
     def request_success(self, finished_reason: str):
@@ -100,6 +120,8 @@ class Metrics:
             self.forward_seconds.observe(stats.forward_time)
             if stats.estimated_time is not None and stats.forward_time > 0:
                 self.cost_model_error.observe(abs(stats.forward_time - stats.estimated_time) / stats.forward_time)
+            if stats.weight_bytes_streamed:
+                self._record_streaming(stats)
         for output in outputs:
             new_tokens = sum(len(c.delta_token_ids) for c in output.outputs)
             self.generation_tokens.inc(new_tokens)
@@ -119,6 +141,14 @@ class Metrics:
                 for completion in output.outputs:
                     self.request_success(completion.finish_reason).inc()
         self._record_state(engine)  # last: idle gauges imply the counters are complete
+
+    def _record_streaming(self, stats) -> None:
+        for tier, nbytes in stats.weight_bytes_streamed.items():
+            self._weight_streamed_bytes.labels(self._model_name, tier).inc(nbytes)
+        self.weight_transfer_seconds.inc(stats.weight_transfer_time)
+        self.weight_stall_seconds.inc(stats.weight_stall_time)
+        self.iteration_weight_transfer.observe(stats.weight_transfer_time)
+        self.iteration_compute.observe(max(0.0, stats.forward_time - stats.weight_stall_time))
 
     def _record_state(self, engine: LLMEngine) -> None:
         """Set the gauges from the scheduler."""

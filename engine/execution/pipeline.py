@@ -93,12 +93,17 @@ def pipelined_forward(model: LlamaModel, accelerator: AcceleratorQueue, kv_cache
         times.cpu_waiting += time.perf_counter() - start
         return value
 
+    # A plan may leave batch-1 empty (its CPU decodes all fit beside batch-0's linear work).
+    has_batch1 = batch1.num_tokens > 0
+    # Layer weights are held from batch-0's first stage of a layer to its last sub-batch's (with a
+    # batch-1, layer i+1's batch-0 stage runs before layer i's batch-1 stage: two layers at once).
+    layers = model.layer_store
+
     def embed() -> None:
         b0.hidden = model.pre_layer(batch0.token_ids)
         b1.hidden = model.pre_layer(batch1.token_ids)
+        layers.acquire(0)
 
-    # A plan may leave batch-1 empty (its CPU decodes all fit beside batch-0's linear work).
-    has_batch1 = batch1.num_tokens > 0
     accelerator.submit(embed)
     rows0 = accelerator.submit(lambda: pre_proj(b0, 0))
     accelerator.submit(lambda: accelerator_attention(b0, 0))
@@ -109,7 +114,12 @@ def pipelined_forward(model: LlamaModel, accelerator: AcceleratorQueue, kv_cache
 
         def stage0(layer=layer, out0=out0, nxt=nxt):
             post_proj(b0, layer, out0)
-            return pre_proj(b0, nxt) if nxt < num_layers else None
+            if not has_batch1:
+                layers.release(layer)
+            if nxt == num_layers:
+                return None
+            layers.acquire(nxt)
+            return pre_proj(b0, nxt)
 
         rows0 = accelerator.submit(stage0)
         if nxt < num_layers:
@@ -120,6 +130,7 @@ def pipelined_forward(model: LlamaModel, accelerator: AcceleratorQueue, kv_cache
 
         def stage1(layer=layer, out1=out1, nxt=nxt):
             post_proj(b1, layer, out1)
+            layers.release(layer)
             return pre_proj(b1, nxt) if nxt < num_layers else None
 
         rows1 = accelerator.submit(stage1)

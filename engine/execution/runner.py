@@ -20,7 +20,7 @@ from engine.execution.pipeline import PipelineTimes, pipelined_forward
 from engine.execution.queues import AcceleratorQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
 from engine.kv import KVCache, TwoTierKVCache
 from engine.model import ModelConfig
-from engine.model.llama import LlamaModel
+from engine.model.llama import LayerStore, LlamaModel
 from engine.outputs import TokenLogprob
 from engine.quant import create_linear_method
 from engine.sampling import Sampler, SamplerOutput, prompt_logprobs
@@ -57,15 +57,26 @@ class ModelRunner:
                  device: str, num_blocks: int | Callable[[int], int], block_size: int, max_model_len: int,
                  num_cpu_blocks: int = 0, cores: CoreAssignment | None = None,
                  decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False,
-                 linear_method: str = "dense", cpu_ops: str = "layers") -> None:
+                 linear_method: str = "dense", cpu_ops: str = "layers",
+                 layer_store: Callable[[torch.device, CoreAssignment], LayerStore] | None = None) -> None:
+        """`layer_store`: makes the store of where decoder layers live (weight streaming), given
+        the accelerator's device and the cores; None: every layer resident."""
         self.config = config
         self.cores = cores or CoreAssignment.for_device(device)
         self.accelerator = self._make_accelerator(device)
         self.device = self.accelerator.device
         self.block_size = block_size
-        self.model = LlamaModel(config, loader, dtype, self.device, max_model_len,
-                                create_decode_backend(decode_backend, str(self.device)), show_progress=show_progress,
-                                linear_method=create_linear_method(linear_method), cpu_ops=cpu_ops)
+        store = layer_store(self.device, self.cores) if layer_store is not None else None
+        try:
+            self.model = LlamaModel(config, loader, dtype, self.device, max_model_len,
+                                    create_decode_backend(decode_backend, str(self.device)), show_progress=show_progress,
+                                    linear_method=create_linear_method(linear_method), cpu_ops=cpu_ops,
+                                    layer_store=store)
+        except BaseException:
+            if store is not None:
+                store.close()
+            self.accelerator.close()
+            raise
         if callable(num_blocks):  # sized by what the loaded weights leave of a memory budget
             num_blocks = num_blocks(self.model.accelerator_weight_bytes())
         cpu_pool = None
@@ -89,6 +100,7 @@ class ModelRunner:
         return InlineQueue(device)
 
     def close(self) -> None:
+        self.model.layer_store.close()
         self.accelerator.close()
 
     # ---- execution -------------------------------------------------------------------------
@@ -127,6 +139,7 @@ class ModelRunner:
                 return self._forward_on_cores(plan)
             except BaseException:
                 self.accelerator.recover()
+                self.model.layer_store.recover()
                 raise
 
     def _forward_on_cores(self, plan: IterationPlan) -> ForwardLogits:

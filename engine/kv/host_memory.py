@@ -12,7 +12,7 @@ HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
 
 
-def _advise_huge_pages(address: int, length: int) -> bool:
+def advise_huge_pages(address: int, length: int) -> bool:
     """madvise(MADV_HUGEPAGE) on [address, address + length); False where the host refuses."""
     if not sys.platform.startswith("linux") or length <= 0:
         return False
@@ -34,6 +34,6 @@ def host_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(tuple(shape), dtype=dtype)
     raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
-    _advise_huge_pages(raw.data_ptr() + offset, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
+    advise_huge_pages(raw.data_ptr() + offset, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
     # A view: it keeps `raw`'s storage alive.
     return raw[offset:offset + nbytes].view(dtype).view(tuple(shape)).zero_()

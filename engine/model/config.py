@@ -91,7 +91,8 @@ class ModelConfig:
         """The numbers the scheduler's cost models and simulator compute with."""
         return ModelShape(num_layers=self.num_layers, hidden_size=self.hidden_size,
                           intermediate_size=self.intermediate_size, num_heads=self.num_heads,
-                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, vocab_size=self.vocab_size)
+                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, vocab_size=self.vocab_size,
+                          tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias)
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], name: str = "") -> "ModelConfig":

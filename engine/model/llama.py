@@ -37,10 +37,13 @@ class LayerWeights:
     down: LinearWeight  # [hidden, intermediate]
 
     @classmethod
-    def from_loaded(cls, w: dict, linear: LinearMethod, dtype: torch.dtype, device: torch.device) -> "LayerWeights":
-        """From a loader's layer (tensors, and packed 4-bit weights where the method takes them)."""
+    def from_loaded(cls, w: dict, linear: LinearMethod, dtype: torch.dtype, device: torch.device,
+                    layout_device: torch.device | None = None) -> "LayerWeights":
+        """From a loader's layer (tensors, and packed 4-bit weights where the method takes them);
+        `layout_device`: whose kernels the weights are laid out for, when they are stored elsewhere
+        (a streamed layer, kept on the host until it is copied to the accelerator)."""
         def make(weight, bias: torch.Tensor | None = None) -> LinearWeight:
-            return linear.create_weight(weight, bias, dtype=dtype, device=device)
+            return linear.create_weight(weight, bias, dtype=dtype, device=device, layout_device=layout_device)
 
         bias = None
         if "q_bias" in w:
@@ -55,11 +58,55 @@ class LayerWeights:
         )
 
 
+class LayerStore:
+    """Where decoder layers' weights live and how a forward gets at them. This one keeps every
+    layer resident on the accelerator; engine/execution/weight_stream.py streams some in.
+
+    A forward `acquire`s each layer before its first stage and `release`s it after its last (with
+    two sub-batches, after the second's), layers in order; both run where the accelerator's work
+    runs."""
+
+    # Whether every layer's weights stay in the tensors they were built in for the model's life
+    # (engine/model/native.py keeps pointers to them); streamed layers come and go.
+    weights_stay_put = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def build(self, index: int, loaded: dict, linear: LinearMethod, dtype: torch.dtype) -> LayerWeights:
+        """Layer `index`'s weights from what the loader gave."""
+        return LayerWeights.from_loaded(loaded, linear, dtype, self.device)
+
+    def start(self) -> None:
+        """Every layer is built: allocate what serving needs."""
+
+    def acquire(self, layer: int) -> None:
+        """The layer's weights are about to be used on the accelerator."""
+
+    def release(self, layer: int) -> None:
+        """The forward is done with the layer's weights."""
+
+    def recover(self) -> None:
+        """After a failed forward (layers acquired and never released): start over."""
+
+    def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes of weight memory beside the weights themselves (streaming buffers), by (format, tier)."""
+        return {}
+
+    def transfer_stats(self):
+        """Running totals of streamed bytes and transfer and stall seconds (a snapshot), or None
+        where nothing streams."""
+        return None
+
+    def close(self) -> None:
+        """Stop threads and close files."""
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype,
                  device: torch.device | str, max_model_len: int, decode_backend: DecodeAttentionBackend,
                  show_progress: bool = False, linear_method: LinearMethod | None = None,
-                 cpu_ops: str = "layers") -> None:
+                 cpu_ops: str = "layers", layer_store: LayerStore | None = None) -> None:
         self.config = config
         # the RMSNorms, RoPE and SwiGLU's silu(gate) * up in one C++ call each where the kernels apply, or as torch ops
         fused = cpu_ops != "torch"
@@ -78,14 +125,17 @@ class LlamaModel:
         # the LM head stays dense like the embeddings: quantization is for the decoder layers
         self.lm_head = create_linear_method("dense").create_weight(head, None, dtype=dtype, device=self.device)
         load_layer = loader.load_layer_packed if self.linear_method.takes_packed_int4 else loader.load_layer
+        self.layer_store = layer_store or LayerStore(self.device)
         self.layers = [
-            LayerWeights.from_loaded(load_layer(i, dtype), self.linear_method, dtype, self.device)
+            self.layer_store.build(i, load_layer(i, dtype), self.linear_method, dtype)
             for i in tqdm(range(config.num_layers), desc="loading layers", unit="layer", disable=not show_progress)
         ]
+        self.layer_store.start()
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_model_len,
                                     self.device, fused=fused)
         # decode-sized stages (and whole decode steps) in one C++ call: engine/model/native.py
-        self.native = self._native_decoder() if cpu_ops == "layers" else None
+        # (only over weights that stay where they were loaded: streamed layers come and go)
+        self.native = self._native_decoder() if cpu_ops == "layers" and self.layer_store.weights_stay_put else None
 
     def _native_decoder(self) -> NativeDecoder | None:
         try:
@@ -94,30 +144,32 @@ class LlamaModel:
             logger.info("decoder layers run op by op: %s", reason)
             return None
 
-    # Where every weight lives today; weight streaming (host memory, disk) adds tiers.
+    # Where embeddings, norms and the LM head live; decoder layers' linear weights say their own
+    # tier (LinearWeight.tier: streamed ones live in host memory or on disk).
     RESIDENT_TIER = "accelerator"
 
     def accelerator_weight_bytes(self) -> int:
-        """Bytes of the weights that live on the accelerator (what its KV pool cannot use)."""
+        """Bytes of the weights (and weight buffers) on the accelerator: what its KV pool cannot use."""
         return sum(nbytes for (_, tier), nbytes in self.weight_bytes().items() if tier == self.RESIDENT_TIER)
 
     def weight_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes of every weight by (format, tier): the linear weights as their objects report
-        them, embeddings and norms in the compute dtype (a tied LM head is counted once)."""
-        totals: dict[tuple[str, str], int] = {}
+        them, embeddings and norms in the compute dtype (a tied LM head is counted once), and the
+        layer store's buffers."""
+        totals: dict[tuple[str, str], int] = dict(self.layer_store.extra_weight_bytes())
 
-        def count(fmt: str, nbytes: int) -> None:
-            key = (fmt, self.RESIDENT_TIER)
-            totals[key] = totals.get(key, 0) + nbytes
+        def count(fmt: str, tier: str, nbytes: int) -> None:
+            totals[fmt, tier] = totals.get((fmt, tier), 0) + nbytes
 
         dense = str(self.dtype).removeprefix("torch.")
         tensors = [self.embed_tokens, self.final_norm, *(t for w in self.layers for t in (w.input_norm, w.post_norm))]
-        count(dense, sum(t.numel() * t.element_size() for t in tensors))
+        count(dense, self.RESIDENT_TIER, sum(t.numel() * t.element_size() for t in tensors))
         linears = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         if not self.config.tie_word_embeddings:
             linears.append(self.lm_head)
-        for part in (part for weight in linears for part in weight.parts):
-            count(part.format, part.nbytes)
+        for weight in linears:
+            for part in weight.parts:
+                count(part.format, weight.tier, part.nbytes)
         return totals
 
     # ---- stages ---------------------------------------------------------------------------
@@ -203,8 +255,10 @@ class LlamaModel:
                                         meta.decode_context_lens, self.scale)
             return self.post_layer(hidden, output_rows)
         for layer in range(self.config.num_layers):
+            self.layer_store.acquire(layer)
             q, k, v = self.pre_proj(layer, hidden, positions)
             attn_out = self.attention(layer, q, k, v, kv_cache, meta)
             hidden = self.post_proj(layer, hidden, attn_out.view(q.shape[0], -1))
+            self.layer_store.release(layer)
         return self.post_layer(hidden, output_rows)
 

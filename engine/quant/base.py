@@ -39,6 +39,20 @@ class LinearWeight(ABC):
         """The weights of one format each that this one is made of, for reports: itself."""
         return (self,)
 
+    # Where the weight is stored: "accelerator" (resident), or "host" / "disk" for a weight
+    # streamed in before use (engine/execution/weight_stream.py).
+    tier: str = "accelerator"
+
+    @abstractmethod
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the weight reads when applied, by a name stable for its kind: what a layer
+        image stores (engine/weights/layer_image.py)."""
+
+    @abstractmethod
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> "LinearWeight":
+        """The same weight reading `tensors` (same names, shapes and dtypes as `tensors()`; views
+        into a streamed layer's buffer) instead of its own."""
+
 
 class ConcatWeight(LinearWeight):
     """A fused weight (QKV, gate/up) whose parts are stored in different formats, as when a
@@ -66,6 +80,14 @@ class ConcatWeight(LinearWeight):
     def nbytes(self) -> int:
         return sum(part.nbytes for part in self._parts)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{i}.{name}": t for i, part in enumerate(self._parts) for name, t in part.tensors().items()}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> "ConcatWeight":
+        parts = [part.with_tensors({name: tensors[f"{i}.{name}"] for name in part.tensors()})
+                 for i, part in enumerate(self._parts)]
+        return ConcatWeight(parts, self.method)
+
 
 class LinearMethod(ABC):
     """Makes weight objects of one format from dense [out_features, in_features] matrices."""
@@ -77,8 +99,10 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def create_weight(self, weight: torch.Tensor, bias: torch.Tensor | None, *, dtype: torch.dtype,
-                      device: torch.device) -> LinearWeight:
-        """Wrap `weight` [out, in] and `bias` [out] (or None), computing in `dtype` on `device`."""
+                      device: torch.device, layout_device: torch.device | None = None) -> LinearWeight:
+        """Wrap `weight` [out, in] and `bias` [out] (or None), computing in `dtype` on `device`;
+        laid out for `layout_device`'s kernels when given (a streamed weight stored on the host
+        and computed, after its copy, on the accelerator), else for `device`'s."""
 
 
 LINEAR_METHODS: Registry[LinearMethod] = Registry("linear method")

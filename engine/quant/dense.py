@@ -28,8 +28,11 @@ class DenseWeight(LinearWeight):
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] and _gemv_applies(x, self.weight):
-            # memory-bound like the int4 matmul: its calibrated thread count
-            y = cpu_kernels.dense_linear(x, self.weight, int4_kernels.default_num_threads()).to(x.dtype)
+            # memory-bound like the int4 matmul: its calibrated thread count, but no more than the
+            # calling thread's torch threads (the testbed's accelerator thread keeps to its own
+            # cores; a GEMV spread over the CPU side's cores ran 1.5-2x slower beside a transfer)
+            num_threads = min(int4_kernels.default_num_threads(), torch.get_num_threads())
+            y = cpu_kernels.dense_linear(x, self.weight, num_threads).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
@@ -39,8 +42,13 @@ class DenseWeight(LinearWeight):
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.weight,) if self.bias is None else (self.weight, self.bias)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight} if self.bias is None else {"weight": self.weight, "bias": self.bias}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> "DenseWeight":
+        return DenseWeight(tensors["weight"], tensors.get("bias"))
 
 
 @register_linear_method("dense")
@@ -49,6 +57,6 @@ class DenseLinearMethod(LinearMethod):
 
     name = "dense"
 
-    def create_weight(self, weight, bias, *, dtype, device):
+    def create_weight(self, weight, bias, *, dtype, device, layout_device=None):  # one layout everywhere
         bias = None if bias is None else bias.to(device=device, dtype=dtype)
         return DenseWeight(weight.to(device=device, dtype=dtype), bias)

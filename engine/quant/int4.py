@@ -14,6 +14,8 @@ of several of these kinds is one weight per run of a kind, their outputs concate
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -220,6 +222,18 @@ class Int4Weight(LinearWeight):
     def nbytes(self) -> int:
         return self.weight.nbytes + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        # the kernels' own layout (a frozen dataclass of tensors and ints: TiledInt4, PackedInt4)
+        tensors = {f.name: getattr(self.weight, f.name) for f in dataclasses.fields(self.weight)
+                   if isinstance(getattr(self.weight, f.name), torch.Tensor)}
+        return tensors if self.bias is None else {**tensors, "bias": self.bias}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> "Int4Weight":
+        other = copy.copy(self)
+        other.weight = dataclasses.replace(self.weight, **{k: v for k, v in tensors.items() if k != "bias"})
+        other.bias = tensors.get("bias")
+        return other
+
 
 @register_linear_method("int4")
 class Int4LinearMethod(LinearMethod):
@@ -234,12 +248,14 @@ class Int4LinearMethod(LinearMethod):
         self.group_size = group_size
         self.scratch = DequantScratch()
 
-    def create_weight(self, weight, bias, *, dtype, device):
-        kernels = create_int4_kernels(device)  # before any work: a device without kernels fails here
+    def create_weight(self, weight, bias, *, dtype, device, layout_device=None):
+        # before any work: a device without kernels fails here
+        kernels = create_int4_kernels(layout_device or device)
         if isinstance(weight, list):  # fused parts of several kinds (fuse): one weight each
             sizes = [part.shape[0] for part in weight]
             biases = [None] * len(weight) if bias is None else list(bias.split(sizes))
-            return ConcatWeight([self.create_weight(part, part_bias, dtype=dtype, device=device)
+            return ConcatWeight([self.create_weight(part, part_bias, dtype=dtype, device=device,
+                                                    layout_device=layout_device)
                                  for part, part_bias in zip(weight, biases)], self.name)
         bias = None if bias is None else bias.to(device=device, dtype=dtype)
         if isinstance(weight, KeepDense):

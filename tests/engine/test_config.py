@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import ACTIVATION_RESERVE_GIB, FLAT_NAMES, CacheConfig, EngineConfig, OffloadConfig
+from engine.config import ACTIVATION_RESERVE_GIB, FLAT_NAMES, CacheConfig, EngineConfig, OffloadConfig, WeightsConfig
 from engine.engine import LLMEngine
 from engine.model import ConfigError
 from engine.profiling import dtype_probe
@@ -34,6 +34,12 @@ from scheduler.scheduler import SchedulerConfigError
     (EngineConfig, {"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
     (EngineConfig, {"max_num_batched_tokens": True}, "max_num_batched_tokens must be an integer"),
     (EngineConfig, {"offload": "on"}, "offload must be of type OffloadConfig, got 'on'; flat keywords go through"),
+    (WeightsConfig, {"placement": "ssd"}, "placement must be one of auto, gpu, cpu, disk"),
+    (WeightsConfig, {"accelerator_gib": 0}, "accelerator_gib must be a number > 0"),
+    (WeightsConfig, {"host_gib": -1.0}, "host_gib must be a number > 0"),
+    (WeightsConfig, {"placement": "disk"}, "weight_placement disk streams every layer from files in offload_dir"),
+    (WeightsConfig, {"pipeline": "fast"}, "pipeline must be one of auto, performance, memory"),
+    (WeightsConfig, {"num_io_threads": 0}, "num_io_threads must be an integer >= 1"),
 ])
 def test_each_section_refuses_a_bad_value_when_built(section, kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -56,12 +62,16 @@ def test_flat_keywords_reach_their_sections():
     assert config.offload == OffloadConfig(mode="on", accelerator_threads=1)
     assert config.neo == NeoKnobs(swap_cooldown_iterations=4, max_forced_cpu_decodes=2)
     assert EngineConfig.from_flat() == EngineConfig()
+    weights = EngineConfig.from_flat(weights_gpu_gib=2.0, weights_cpu_gib=8.0, offload_dir="/tmp/x",
+                                     weight_placement="auto", weight_pipeline="memory").weights
+    assert weights == WeightsConfig(accelerator_gib=2.0, host_gib=8.0, offload_dir="/tmp/x", pipeline="memory")
+    assert weights.streaming_requested and not WeightsConfig().streaming_requested
     with pytest.raises(ConfigError, match="offload must be auto, on or off"):
         EngineConfig.from_flat(offload="sometimes")
 
 
 def test_every_field_has_its_own_flat_name():
-    sections = (CacheConfig, OffloadConfig, NeoKnobs)
+    sections = (CacheConfig, OffloadConfig, NeoKnobs, WeightsConfig)
     num_top_level = len(fields(EngineConfig)) - len(sections)
     assert len(FLAT_NAMES) == num_top_level + sum(len(fields(s)) for s in sections)
     assert FLAT_NAMES["offload"] == ("offload", "mode")

@@ -18,6 +18,9 @@ STARTUP_TIMEOUT_S = 120.0  # imports + weight load take 10-20 s; slow CI machine
 STOP_TIMEOUT_S = 20.0
 IDLE_TIMEOUT_S = 20.0
 REQUEST_TIMEOUT_S = 60.0
+# Flags added to every server the tests start: run the server suites in another mode, e.g. with
+# the weights streamed (TANDEM_TEST_SERVE_FLAGS="--weights-gpu-gib 0.2 --offload-dir /some/dir").
+EXTRA_FLAGS_ENV = "TANDEM_TEST_SERVE_FLAGS"
 
 
 def free_port() -> int:
@@ -33,7 +36,8 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.flags = ("--port", str(self.port), "--dtype", "float32", *flags)
+        self.flags = ("--port", str(self.port), "--dtype", "float32", *flags,
+                      *os.environ.get(EXTRA_FLAGS_ENV, "").split())
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
 

@@ -1,6 +1,9 @@
 """`tandem bench` runs the benchmark suite from the installed package; `tandem serve` refuses flags that cannot work with one line naming the field."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from server.cli import main
@@ -24,3 +27,43 @@ def test_a_flag_that_cannot_work_is_refused_in_one_line(flags, message, capsys):
     assert main(["serve", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_plan_prints_the_breakdown_and_the_expected_speed_without_loading_weights(capsys):
+    assert main(["plan", "--dtype", "float32", "--weights-gpu-gib", "0.25", "--log-level", "warning"]) == 0
+    out = capsys.readouterr().out
+    assert "weight placement (auto):" in out and "streamed (" in out and "memory (GiB):" in out
+    assert "KV pool" in out and "activations" in out and "tokens/s" in out
+
+
+@pytest.mark.parametrize("command", ["plan", "serve"])
+def test_weights_that_fit_nowhere_are_refused_before_loading(command, capsys):
+    assert main([command, "--dtype", "float32", "--weights-gpu-gib", "0.05", "--log-level", "warning"]) == 2
+    err = capsys.readouterr().err
+    assert "the model's weights do not fit" in err and "--weights-gpu-gib gives 0.05 GiB" in err
+    assert "Traceback" not in err
+
+
+def test_convert_writes_one_aligned_file_per_layer(tmp_path, capsys):
+    import json
+
+    from gguf import GGMLQuantizationType as QType
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "weights"))
+    from tiny_gguf import write_tiny_gguf
+
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model, qtype=QType.Q4_0)
+    offload = tmp_path / "offload"
+    flags = ["convert", "--model", str(model), "--offload-dir", str(offload), "--dtype", "float32",
+             "--quantization", "int4", "--log-level", "warning"]
+    assert main(flags) == 0
+    assert "2 layer files written, 0 already there" in capsys.readouterr().err
+    manifest = json.loads((offload / "manifest.json").read_text())
+    assert manifest["key"]["quantization"] == "int4" and set(manifest["layers"]) == {"0", "1"}
+    for entry in manifest["layers"].values():
+        assert (offload / entry["file"]).stat().st_size == entry["image"]["nbytes"]
+        assert entry["image"]["nbytes"] % 4096 == 0
+    assert main(flags) == 0
+    assert "0 layer files written, 2 already there" in capsys.readouterr().err
+    assert main(["convert", "--model", str(model), "--log-level", "warning"]) == 2

@@ -1,0 +1,196 @@
+"""The engine's side of weight placement: an EngineConfig and this machine's measurements turned
+into the planner's inputs (scheduler/placement), in one place for `tandem plan` and
+`tandem serve`. Nothing here loads a weight."""
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
+from engine.execution.cores import CoreAssignment
+from engine.execution.queues import AcceleratorQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
+from engine.execution.transfer import create_copy_engine
+from engine.kv import KVCache
+from engine.model import ModelConfig
+from engine.profiling.streaming_probe import (
+    DECODE_PROBE_TOKENS,
+    measure_compute,
+    measure_disk_bytes_per_s,
+    measure_link_bytes_per_s,
+)
+from engine.weights.direct_io import DEFAULT_BLOCK_BYTES, DirectReader
+from engine.weights.layer_files import ConversionKey
+from scheduler.placement import (
+    ComputeCosts,
+    MemoryBudgets,
+    PlannerInputs,
+    TransferRates,
+    WeightFormat,
+    WeightPlacement,
+    Workload,
+    layer_image_bytes,
+    plan_placement,
+)
+from scheduler.placement.memory import activation_peak_bytes
+
+logger = logging.getLogger(__name__)
+
+# With no --weights-cpu-gib, host memory for streamed layers is this share of what the host has
+# available, less the host KV pool.
+HOST_MEMORY_FRACTION = 0.8
+# The accelerator's memory when its weights are budgeted but its KV pool is sized from what is
+# left (--memory-gib) and none is given on CUDA: as engine.engine.CUDA_MEMORY_FRACTION.
+CUDA_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What the planner needs measured on this machine."""
+
+    rates: TransferRates
+    costs: ComputeCosts
+    disk_reads_direct: bool | None  # None: no offload directory, nothing read
+
+
+def weight_format(config: EngineConfig, dtype: torch.dtype) -> WeightFormat:
+    return WeightFormat(config.quantization, dtype.itemsize)
+
+
+def conversion_key(config: EngineConfig, source: str, dtype: torch.dtype) -> ConversionKey:
+    """What an offload directory's files are made from under this config."""
+    return ConversionKey.create(source, dtype, config.quantization, torch.device(config.torch_device),
+                                seed=config.seed if config.load_format == "dummy" else 0)
+
+
+def _available_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def budgets(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> MemoryBudgets:
+    """The planner's budgets from the flags (GiB -> bytes), defaults filled in as the engine does."""
+    cache, weights = config.cache, config.weights
+    block_bytes = KVCache.bytes_per_block(model_config, cache.block_size, dtype)
+    host_kv = cache.num_cpu_blocks_for(block_bytes) * block_bytes if config.offloading else 0
+    accelerator_bytes = kv_bytes = None
+    if cache.sized_by_memory_budget:
+        accelerator_bytes = int(cache.memory_gib * GIB_BYTES)
+    elif cache.num_blocks is None and cache.kv_cache_memory_gib is None and config.device.startswith("cuda"):
+        total = torch.cuda.get_device_properties(config.torch_device).total_memory
+        accelerator_bytes = int(CUDA_MEMORY_FRACTION * total)
+    else:
+        kv_bytes = cache.num_gpu_blocks_for(block_bytes) * block_bytes
+    host = weights.host_gib
+    host_bytes = (int(host * GIB_BYTES) if host is not None
+                  else max(0, int(HOST_MEMORY_FRACTION * _available_host_bytes()) - host_kv))
+    disk_bytes = shutil.disk_usage(weights.offload_dir).free if weights.offload_dir else None
+    return MemoryBudgets(
+        accelerator_weight_bytes=None if weights.accelerator_gib is None else int(weights.accelerator_gib * GIB_BYTES),
+        accelerator_bytes=accelerator_bytes, kv_cache_bytes=kv_bytes, host_weight_bytes=host_bytes,
+        disk_bytes=disk_bytes, has_offload_dir=weights.offload_dir is not None, host_kv_cache_bytes=host_kv)
+
+
+def workload(config: EngineConfig, max_model_len: int) -> Workload:
+    max_tokens = config.max_num_batched_tokens or max(max_model_len, 2048)  # the scheduler's default
+    return Workload(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_tokens,
+                    block_size=config.cache.block_size,
+                    context_len=min(config.weights.expected_context_len or max_model_len, max_model_len),
+                    layers_in_use=2 if config.offloading else 1)
+
+
+def activation_reserve_bytes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                             max_model_len: int) -> int:
+    """The planner's peak activations: what a KV pool sized from --memory-gib leaves free."""
+    work = workload(config, max_model_len)
+    return activation_peak_bytes(model_config.shape, weight_format(config, dtype), work.max_num_batched_tokens,
+                                 work.max_num_seqs)
+
+
+def measure(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> Measurements:
+    """Copy and disk rates and compute times on this machine, as the engine will run them (each
+    measured once per process: every engine of a process runs on the same hardware)."""
+    weights = config.weights
+    cores = CoreAssignment.for_device(config.device, config.offload.accelerator_threads,
+                                      config.offload.cpu_attention_threads)
+    link = _link_bytes_per_s(config.torch_device, cores)
+    disk, direct = (None, None) if not weights.offload_dir else _disk_bytes_per_s(weights.offload_dir,
+                                                                                  weights.num_io_threads)
+    layer_bytes = layer_image_bytes(model_config.shape, weight_format(config, dtype))
+    costs, link_busy = _compute_costs(model_config, dtype, config.quantization, config.torch_device, cores,
+                                      layer_bytes)
+    logger.info("measured: host->accelerator %.2f GB/s (%.2f beside compute)%s; one layer's linear work at %d "
+                "tokens %.1f ms (%.1f beside a copy)", link / 1e9, link_busy / 1e9,
+                "" if disk is None else f", disk {disk / 1e9:.2f} GB/s ({'O_DIRECT' if direct else 'page cache'})",
+                DECODE_PROBE_TOKENS, costs.linear(DECODE_PROBE_TOKENS) * 1e3,
+                costs.linear_under_transfer(DECODE_PROBE_TOKENS) * 1e3)
+    return Measurements(TransferRates(link, disk, DEFAULT_BLOCK_BYTES, link_busy), costs, direct)
+
+
+@functools.lru_cache(maxsize=None)
+def _link_bytes_per_s(device: str, cores: CoreAssignment) -> float:
+    engine = _copy_engine(device, cores)
+    try:
+        return measure_link_bytes_per_s(engine)
+    finally:
+        engine.close()
+
+
+@functools.lru_cache(maxsize=None)
+def _disk_bytes_per_s(offload_dir: str, num_io_threads: int) -> tuple[float, bool]:
+    reader = DirectReader(num_io_threads)
+    try:
+        return measure_disk_bytes_per_s(offload_dir, reader)
+    finally:
+        reader.close()
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_costs(model_config: ModelConfig, dtype: torch.dtype, quantization: str, device: str,
+                   cores: CoreAssignment, layer_bytes: int) -> tuple[ComputeCosts, float]:
+    queue = _accelerator_queue(cores, device)
+    engine = _copy_engine(device, cores)
+    try:
+        return measure_compute(model_config, dtype, QUANTIZATION_METHODS[quantization], queue, layer_bytes, engine)
+    finally:
+        engine.close()
+        queue.close()
+
+
+def _copy_engine(device: str, cores: CoreAssignment):
+    """The copy engine the streamed layers will use (as create_layer_store makes it)."""
+    return create_copy_engine(device, len(cores.cpu_attention_cores) or 1, cores.cpu_attention_cores or None)
+
+
+def _accelerator_queue(cores: CoreAssignment, device: str) -> AcceleratorQueue:
+    if cores.device == "testbed":
+        return WorkerThreadQueue(set(cores.accelerator_cores), cores.accelerator_threads, name="tandem-probe")
+    if cores.device == "cuda":
+        return CudaStreamQueue(device)
+    return InlineQueue(device)
+
+
+def planner_inputs(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int,
+                   measured: Measurements) -> PlannerInputs:
+    weights = config.weights
+    return PlannerInputs(model_config.shape, weight_format(config, dtype), workload(config, max_model_len),
+                         budgets(config, model_config, dtype), measured.rates, measured.costs,
+                         mode=weights.placement, pipeline=weights.pipeline)
+
+
+def plan_weights(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                 max_model_len: int) -> WeightPlacement:
+    """Measure, then plan; PlacementError (a ValueError) when nothing fits."""
+    measured = measure(config, model_config, dtype)
+    return plan_placement(planner_inputs(config, model_config, dtype, max_model_len, measured))

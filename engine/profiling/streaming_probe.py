@@ -1,0 +1,223 @@
+"""Quick measurements the weight planner needs (PIPO sec. 3.5: placement from *measured*
+bandwidths): host -> accelerator copies, O_DIRECT disk reads, and the accelerator's time for one
+layer's linear work, its decode attention and its head. A second or two in all, run by
+`tandem plan` and by `tandem serve` before any weight is loaded.
+
+Each runs the way the engine does the real thing: copies through the engine's copy engine on a
+transfer thread kept to the host-side cores, reads through the same O_DIRECT reader, layer work
+through the accelerator's queue, on random weights of the model's shape and format (several
+layers' worth, so the caches are cold as in a forward).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine.attention import create_decode_backend
+from engine.execution.queues import AcceleratorQueue, InlineQueue
+from engine.execution.transfer import CopyEngine, pin_to
+from engine.model import ModelConfig
+from engine.model.llama import LlamaModel
+from engine.quant import create_linear_method
+from engine.weights.base import WeightLoader, global_shapes, layer_shapes
+from engine.weights.direct_io import DirectReader, aligned_empty, open_for_reading
+from engine.weights.layer_files import write_file
+from engine.weights.layer_image import LINEAR_NAMES, LayerImage
+from scheduler.cost_model import Curve, kv_bytes_per_token
+from scheduler.placement import ComputeCosts
+
+PROBE_BYTES = 256 * 2**20  # per copy and per disk read: well past any cache
+# layers timed back to back: 4x the development host's 32 MiB L3, so the weights come from memory
+COLD_WEIGHT_BYTES = 128 * 2**20
+REPETITIONS = 3
+# The planner estimates decode forwards: a batch of up to max_num_seqs (64 by default) rows,
+# extrapolated linearly past the last point.
+LINEAR_TOKENS = (1, 8, 32, 64)
+DECODE_PROBE_TOKENS = 8  # the linear stage run beside the copies timed under compute: a decode batch
+HEAD_ROWS = (1, 8, 32, 64)
+WEIGHT_STD = 0.02
+
+
+def _median_s(run: Callable[[], Any], repetitions: int = REPETITIONS) -> float:
+    run()  # warm-up: page faults, lazy initialisation
+    times = []
+    for _ in range(repetitions):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _on_thread(fn: Callable[[], Any], initialize: Callable[[], None]) -> Any:
+    """fn() on a fresh thread set up by `initialize` (as the engine's transfer thread is)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        initialize()
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # re-raised on the caller
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name="tandem-probe")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_link_bytes_per_s(engine: CopyEngine, nbytes: int = PROBE_BYTES) -> float:
+    """Host buffer -> accelerator layer buffer through `engine`, from a transfer thread."""
+    source = engine.allocate_host(nbytes).fill_(1)
+    target = engine.allocate_buffer(nbytes)
+
+    def copy() -> None:
+        engine.copy(target, source)
+        _synchronize(engine.device)
+    return nbytes / _on_thread(lambda: _median_s(copy), pin_to(engine.cores))
+
+
+def measure_disk_bytes_per_s(directory: str | os.PathLike[str], reader: DirectReader,
+                             nbytes: int = PROBE_BYTES) -> tuple[float, bool]:
+    """O_DIRECT reads of a probe file written in `directory` (removed after): bytes per second,
+    and whether the reads bypassed the page cache."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    path = Path(directory) / ".tandem-disk-probe"
+    buffer = aligned_empty(nbytes)
+    buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))  # incompressible
+    write_file(path, buffer)
+    try:
+        file = open_for_reading(path)
+        try:
+            seconds = _median_s(lambda: reader.read(file, 0, nbytes, buffer), repetitions=2)
+        finally:
+            os.close(file.fd)
+    finally:
+        path.unlink(missing_ok=True)
+    return nbytes / seconds, file.direct
+
+
+class _RandomLoader(WeightLoader):
+    """Random weights in the model's shape (as the dummy loader's, without a preset)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.source = f"probe:{config.name}"
+        self.tokenizer_source = None
+        self.generator = torch.Generator().manual_seed(0)
+
+    def _tensors(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return {key: torch.ones(shape, dtype=dtype) if key.endswith("norm")
+                else (torch.randn(shape, generator=self.generator) * WEIGHT_STD).to(dtype)
+                for key, shape in shapes.items()}
+
+    def load_globals(self, dtype):
+        return self._tensors(global_shapes(self.config), dtype)
+
+    def load_layer(self, index, dtype):
+        return self._tensors(layer_shapes(self.config), dtype)
+
+
+class _Repeating:
+    """Runs `fn` over and over on a thread set up by `initialize` (or through `submit`, on the
+    accelerator's queue) until stopped: the other side's load while one side is timed."""
+
+    def __init__(self, fn: Callable[[], Any], initialize: Callable[[], None] | None = None,
+                 accelerator: AcceleratorQueue | None = None) -> None:
+        self._stop = threading.Event()
+        self._started = threading.Event()
+
+        def loop() -> None:
+            if initialize is not None:
+                initialize()
+            self._started.set()
+            while not self._stop.is_set():
+                fn()
+        if accelerator is not None and not isinstance(accelerator, InlineQueue):
+            self._done = accelerator.submit(loop)  # on the accelerator's own thread (and cores)
+        else:  # device cpu: the accelerator's work runs on the caller, which is busy timing
+            self._thread = threading.Thread(target=loop, name="tandem-probe-load", daemon=True)
+            self._thread.start()
+        self._started.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if hasattr(self, "_thread"):
+            self._thread.join()
+        else:
+            self._done.result()
+
+
+def measure_compute(config: ModelConfig, dtype: torch.dtype, linear_method: str, accelerator: AcceleratorQueue,
+                    layer_bytes: int, engine: CopyEngine) -> tuple[ComputeCosts, float]:
+    """One layer's linear work by tokens (layers back to back, cold), alone and while the copy
+    engine copies beside it; decode attention per context token (the accelerator's read bandwidth
+    over one token's K/V); the head by rows. Also the copy engine's rate while a decode-sized
+    linear stage runs: on the host-only testbed both share one memory bus and slow each other (on
+    a GPU they should not). -> (the costs, bytes/s of host -> accelerator copies under compute)"""
+    num_layers = max(1, min(config.num_layers, -(-COLD_WEIGHT_BYTES // layer_bytes)))
+    small = dataclasses.replace(config, num_layers=num_layers)
+    device = accelerator.device
+    model = accelerator.submit(lambda: LlamaModel(
+        small, _RandomLoader(small), dtype, device, 64, create_decode_backend("auto", str(device)),
+        linear_method=create_linear_method(linear_method))).result()
+    for layer in model.layers:  # in the copy engine's buffers, as a placed model's layers are
+        linears = {name: getattr(layer, name) for name in LINEAR_NAMES}
+        image = LayerImage.of(linears)
+        buffer = engine.allocate_buffer(image.nbytes)
+        image.write(linears, buffer)
+        for name, weight in image.bind(linears, buffer).items():
+            setattr(layer, name, weight)
+
+    def timed(work: Callable[[], Any]) -> float:
+        return _median_s(lambda: accelerator.submit(lambda: (work(), _synchronize(device))).result())
+
+    def layers_of(num_tokens: int) -> Callable[[], None]:
+        hidden = torch.randn(num_tokens, config.hidden_size, dtype=dtype, device=device)
+        attn_out = torch.randn(num_tokens, config.q_size, dtype=dtype, device=device)
+        positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+
+        def layers() -> None:
+            for layer in range(num_layers):
+                model.pre_proj(layer, hidden, positions)
+                model.post_proj(layer, hidden, attn_out)
+        return layers
+
+    linear = [(n, timed(layers_of(n)) / num_layers) for n in LINEAR_TOKENS]
+    source, target = engine.allocate_host(PROBE_BYTES).fill_(1), engine.allocate_buffer(PROBE_BYTES)
+    copying = _Repeating(lambda: (engine.copy(target, source), _synchronize(engine.device)), pin_to(engine.cores))
+    try:
+        linear_busy = [(n, timed(layers_of(n)) / num_layers) for n in LINEAR_TOKENS]
+    finally:
+        copying.stop()
+    computing = _Repeating(layers_of(DECODE_PROBE_TOKENS), accelerator=accelerator)
+    try:
+        link_busy = PROBE_BYTES / _on_thread(lambda: _median_s(lambda: (engine.copy(target, source),
+                                                                        _synchronize(engine.device))),
+                                             pin_to(engine.cores))
+    finally:
+        computing.stop()
+    head = []
+    for num_rows in HEAD_ROWS:
+        token_ids = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        rows = torch.arange(num_rows, device=device)
+        head.append((num_rows, timed(lambda: model.post_layer(model.pre_layer(token_ids), rows))))
+    scratch = torch.ones(PROBE_BYTES // dtype.itemsize, dtype=dtype, device=device)
+    read_bytes_per_s = PROBE_BYTES / timed(lambda: scratch.sum())
+    token_bytes = kv_bytes_per_token(1, config.num_kv_heads, config.head_dim, dtype.itemsize)
+    costs = ComputeCosts(Curve.from_points(linear), token_bytes / read_bytes_per_s, Curve.from_points(head),
+                         linear_under_transfer=Curve.from_points(linear_busy))
+    return costs, link_busy

@@ -1,0 +1,61 @@
+"""The scheduler's view of streamed weights (PIPO meets Neo): a cost model whose linear time is
+max(compute, transfer) for the layers that stream, so while transfers bound the forward the
+scheduler sees a bigger batch cost almost nothing more, and grows it."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from scheduler.cost_model import CostModel
+from scheduler.placement.planner import PIPELINE_PERFORMANCE, TIER_ACCELERATOR, WeightPlacement
+
+
+class StreamingCostModel(CostModel):
+    """`base`'s times (measured with every weight present), the linear stage stretched to the
+    transfers a streamed placement adds. Per layer (the scheduler multiplies by num_layers):
+
+        performance-optimised pipeline: max(compute, share)   loads run under computes
+        memory-efficient pipeline:      compute + share       a load starts when the buffer frees
+
+    where share = the streamed layers' loads over all layers (streamed layers are spread between
+    resident ones, so a load hides behind every layer computed before its turn, not only the one
+    before it). A second pass over a layer (Neo's batch-1) finds its weights present."""
+
+    def __init__(self, base: CostModel, transfer_share_s: float, overlapped: bool) -> None:
+        self.base = base
+        self.num_layers = base.num_layers
+        self.transfer_share_s = transfer_share_s
+        self.overlapped = overlapped
+
+    @classmethod
+    def for_placement(cls, base: CostModel, placement: WeightPlacement) -> "StreamingCostModel":
+        loads = sum(placement.load_s[tier] for tier in placement.tiers if tier != TIER_ACCELERATOR)
+        return cls(base, loads / len(placement.tiers), placement.pipeline == PIPELINE_PERFORMANCE)
+
+    def linear(self, num_tokens: int) -> float:
+        compute = self.base.linear(num_tokens)
+        if num_tokens <= 0:
+            return compute
+        if self.overlapped:
+            return max(compute, self.transfer_share_s)
+        return compute + self.transfer_share_s
+
+    def linear_again(self, num_tokens: int) -> float:
+        return self.base.linear(num_tokens)
+
+    def prefill_attention(self, seq_lens: Sequence[int]) -> float:
+        return self.base.prefill_attention(seq_lens)
+
+    def gpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
+        return self.base.gpu_decode_attention(num_seqs, context_tokens)
+
+    def cpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
+        return self.base.cpu_decode_attention(num_seqs, context_tokens)
+
+    def head(self, num_seqs: int) -> float:
+        return self.base.head(num_seqs)
+
+    def swap(self, num_blocks: int) -> float:
+        return self.base.swap(num_blocks)
+
+    def handoff(self) -> float:
+        return self.base.handoff()
