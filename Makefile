@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-integration bench bench-int4 bench-decode bench-neo bench-gpu clean
+.PHONY: install serve test test-integration bench bench-int4 bench-decode bench-neo bench-stream bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -51,6 +51,7 @@ bench: install
 	$(PY) benchmarks/cpu_attention.py
 	$(MAKE) bench-int4
 	$(MAKE) bench-decode
+	$(MAKE) bench-stream
 	$(PY) benchmarks/offline.py
 	$(PY) benchmarks/serve.py --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
@@ -102,6 +103,15 @@ bench-neo: install
 	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --kv-cache-gib 4 --offload off' \
 		--system 'tandem=$(NEO_SERVE) --kv-cache-gib 4' \
 		--all-at-once $(NEO_LOAD) --no-plot --output benchmarks/results/neo_testbed_uncapped.json
+
+# Weight streaming (PIPO) on the host-only testbed: the pipeline against copy-then-compute and
+# against max(compute, transfer), the O_DIRECT reader against fio, tandem plan against the engine.
+# Needs ~8 GiB of memory and ~2.5 GB in OFFLOAD_DIR on a disk that takes O_DIRECT.
+OFFLOAD_DIR ?= $(HOME)/.cache/tandem/bench-offload
+bench-stream: install
+	nice -n 10 $(PY) benchmarks/weight_streaming.py --offload-dir $(OFFLOAD_DIR)
+	nice -n 10 $(PY) benchmarks/weight_plan.py --offload-dir $(OFFLOAD_DIR)
+	$(PY) benchmarks/update_readme.py
 
 # On a CUDA GPU: the Triton INT4 matmul against dense bf16; Neo (Llama-3.1-8B shape, random
 # weights), GPU-only vs offloading, capped then not.

@@ -27,8 +27,8 @@ from engine.model import ModelConfig
 from engine.model.llama import LlamaModel
 from engine.quant import create_linear_method
 from engine.weights.base import WeightLoader, global_shapes, layer_shapes
-from engine.weights.direct_io import DirectReader, aligned_empty, open_for_reading
-from engine.weights.layer_files import write_file
+from engine.weights.direct_io import IO_ALIGN_BYTES, DirectReader, aligned_empty, open_for_reading
+from engine.weights.layer_files import LAYER_FILE_PATTERN, write_file
 from engine.weights.layer_image import LINEAR_NAMES, LayerImage
 from scheduler.cost_model import Curve, kv_bytes_per_token
 from scheduler.placement import ComputeCosts
@@ -92,22 +92,49 @@ def measure_link_bytes_per_s(engine: CopyEngine, nbytes: int = PROBE_BYTES) -> f
 
 def measure_disk_bytes_per_s(directory: str | os.PathLike[str], reader: DirectReader,
                              nbytes: int = PROBE_BYTES) -> tuple[float, bool]:
-    """O_DIRECT reads of a probe file written in `directory` (removed after): bytes per second,
-    and whether the reads bypassed the page cache."""
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    path = Path(directory) / ".tandem-disk-probe"
+    """O_DIRECT reads in `directory`: of the layer files already there (what the engine will read),
+    else of a probe file written for the purpose (removed after; on a VM a file just written may
+    still sit in the host's cache, and read faster than the disk). -> bytes per second, and
+    whether the reads bypassed the page cache."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    existing = sorted(directory.glob(LAYER_FILE_PATTERN))
+    if existing:
+        return _read_rate(_enough(existing, nbytes), reader)
+    path = directory / ".tandem-disk-probe"
     buffer = aligned_empty(nbytes)
     buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))  # incompressible
     write_file(path, buffer)
     try:
-        file = open_for_reading(path)
-        try:
-            seconds = _median_s(lambda: reader.read(file, 0, nbytes, buffer), repetitions=2)
-        finally:
-            os.close(file.fd)
+        return _read_rate([path], reader)
     finally:
         path.unlink(missing_ok=True)
-    return nbytes / seconds, file.direct
+
+
+def _enough(paths: list[Path], nbytes: int) -> list[Path]:
+    """The first files holding at least `nbytes` together (all of them if they hold less)."""
+    chosen, total = [], 0
+    for path in paths:
+        chosen.append(path)
+        total += path.stat().st_size
+        if total >= nbytes:
+            break
+    return chosen
+
+
+def _read_rate(paths: list[Path], reader: DirectReader) -> tuple[float, bool]:
+    sizes = [path.stat().st_size // IO_ALIGN_BYTES * IO_ALIGN_BYTES for path in paths]
+    buffer = aligned_empty(max(sizes)).zero_()
+    files = [open_for_reading(path) for path in paths]
+    try:
+        def read_all() -> None:
+            for file, size in zip(files, sizes):
+                reader.read(file, 0, size, buffer)
+        seconds = _median_s(read_all, repetitions=2)
+    finally:
+        for file in files:
+            os.close(file.fd)
+    return sum(sizes) / seconds, all(file.direct for file in files)
 
 
 class _RandomLoader(WeightLoader):

@@ -24,6 +24,7 @@ from engine.weights.layer_image import LayerImage
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
+LAYER_FILE_PATTERN = "layer-*.bin"
 FORMAT_VERSION = 1
 
 
