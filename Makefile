@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-integration bench bench-int4 bench-decode bench-neo bench-stream bench-gpu clean
+.PHONY: install serve test test-streamed test-integration bench bench-int4 bench-decode bench-neo bench-stream bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -31,6 +31,14 @@ serve: install
 
 test: install
 	$(PY) -m pytest tests
+
+# The OpenAI SDK, greedy-parity and Neo offloading server suites again with a weight budget smaller
+# than the model (0.5 GiB in float32): layers stream from host memory and from disk (PIPO).
+STREAMED_SERVE_FLAGS := --weights-gpu-gib 0.2 --weights-cpu-gib 0.1
+test-streamed: install
+	dir=$$(mktemp -d) && trap 'rm -rf "$$dir"' EXIT && \
+		TANDEM_TEST_SERVE_FLAGS="$(STREAMED_SERVE_FLAGS) --offload-dir $$dir" $(PY) -m pytest \
+		tests/server/test_openai_sdk.py tests/server/test_greedy_parity.py tests/server/test_offload_server.py
 
 # The deployment checks that need system tools and minutes (tests marked integration): Prometheus
 # scraping a live server, the Dockerfiles built by buildah on a debootstrapped Debian base and run

@@ -38,7 +38,9 @@ class ServerProcess:
         self.log_path = log_path
         self.flags = ("--port", str(self.port), "--dtype", "float32", *flags,
                       *os.environ.get(EXTRA_FLAGS_ENV, "").split())
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        # the server refuses TANDEM_* variables it has no flag for: the suite's own stays here
+        inherited = {k: v for k, v in os.environ.items() if k != EXTRA_FLAGS_ENV}
+        self.env = {**inherited, "HF_HUB_OFFLINE": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ServerProcess":
