@@ -6,6 +6,7 @@ layer; the scheduler multiplies by `num_layers`. Neo's symbols:
     T_l   = linear(tokens)                       pre-projection + post-projection + MLP
     T_ga  = prefill_attention(...) + gpu_decode_attention(...)
     T_ca  = cpu_decode_attention(...)
+    T_cl  = cpu_linear(tokens)                   the CPU's own share of T_l (sliced MLPs), beside T_ca
 
 Two implementations sit behind `CostModel`: `TableCostModel` interpolates tables profiled on this
 machine (engine/profiler.py builds them), and `RooflineCostModel` (scheduler/roofline.py) derives
@@ -33,6 +34,12 @@ class CostModel(ABC):
         right after batch-0): the same as `linear` unless weights stream in (the streamed layer's
         transfer is paid by the first pass)."""
         return self.linear(num_tokens)
+
+    def cpu_linear(self, num_tokens: int) -> float:
+        """The part of `linear(num_tokens)` the host CPU computes itself (ScheInfer's CC slices of
+        the MLP) while the accelerator computes the rest: the stage lasts `linear`, and the CPU is
+        busy for this long of it, on the same time line as its decode attention. None by default."""
+        return 0.0
 
     @abstractmethod
     def prefill_attention(self, seq_lens: Sequence[int]) -> float:

@@ -24,7 +24,8 @@ Each `schedule()` follows the paper's steps, one method each:
   3. admit prefills first come first served, into the GPU pool, else the host pool while the CPU
      runqueue is not backed up (`cpu_admission_wait_fraction`), else stop;
   4. place CPU decodes (longest waiting first) into batch-1 while T_ca1 <= T_l0, else batch-0
-     while T_ca0 <= T_l1 + T_ga0, else skip them this iteration;
+     while T_ca0 <= T_l1 + T_ga0, else skip them this iteration (where MLPs are sliced, the CPU's
+     share of the other sub-batch's linear stage, T_cl, joins each inequality's CPU side);
   5. drop CPU-bound prefills that only lengthen the GPU's side of the pipeline, unless the CPU
      has too little decode work without them (a deviation from the paper, see the method);
   6. compare the GPU-only plan (batch-0 less its CPU decodes) with the pipelined plan by
@@ -164,6 +165,12 @@ class _TwoBatches:
     def linear1(self) -> float:  # T_l1: batch-1 holds one token per CPU decode, on weights batch-0 brought
         return self.cost.linear_again(self.num_cpu_decodes1)
 
+    def cpu_linear0(self) -> float:  # T_cl0: the CPU's share of batch-0's linear stage, beside T_ca1
+        return self.cost.cpu_linear(self.num_tokens0)
+
+    def cpu_linear1(self) -> float:  # T_cl1: the CPU's share of batch-1's, beside T_ca0
+        return self.cost.cpu_linear(self.num_cpu_decodes1)
+
     def gpu_attention0(self) -> float:  # T_ga0: every prefill's attention runs on the accelerator
         return (self.cost.prefill_attention(self.prefill_lens)
                 + self.cost.gpu_decode_attention(self.num_gpu_decodes, self.gpu_context_tokens))
@@ -175,13 +182,15 @@ class _TwoBatches:
         return cpu_stage_time(self.cost, self.num_cpu_decodes1 + num_more, self.cpu_context_tokens1 + more_tokens)
 
     def fits_batch1(self, context_tokens: int) -> bool:
-        """T_ca1 <= T_l0 with one more decode in batch-1 (which only lengthens T_l1, the other
-        inequality's right side). Batch-1 needs a batch-0 to hide under."""
-        return self.num_tokens0 > 0 and self.cpu_attention1(1, context_tokens) <= self.linear0()
+        """T_cl0 + T_ca1 <= T_l0 with one more decode in batch-1 (which only lengthens T_l1, the other
+        inequality's right side, and T_cl1 by a token's CPU slice). Batch-1 needs a batch-0 to hide under."""
+        return (self.num_tokens0 > 0
+                and self.cpu_linear0() + self.cpu_attention1(1, context_tokens) <= self.linear0())
 
     def fits_batch0(self, context_tokens: int) -> bool:
-        """T_ca0 <= T_l1 + T_ga0 with one more decode in batch-0 (which only lengthens T_l0)."""
-        return self.cpu_attention0(1, context_tokens) <= self.linear1() + self.gpu_attention0()
+        """T_cl1 + T_ca0 <= T_l1 + T_ga0 with one more decode in batch-0 (which lengthens T_l0 and
+        T_cl0 by as much as the accelerator's and the CPU's slices of one token take)."""
+        return self.cpu_linear1() + self.cpu_attention0(1, context_tokens) <= self.linear1() + self.gpu_attention0()
 
     def add(self, batch: int, context_tokens: int) -> None:
         if batch == 0:
@@ -192,9 +201,11 @@ class _TwoBatches:
             self.cpu_context_tokens1 += context_tokens
 
     def layer_time(self) -> float:
-        """One layer of the pipelined plan: max(T_l0, T_ca1) + max(T_l1 + T_ga0, T_ca0)."""
-        return (max(self.linear0(), self.cpu_attention1())
-                + max(self.linear1() + self.gpu_attention0(), self.cpu_attention0()))
+        """One layer of the pipelined plan: max(T_l0, T_cl0 + T_ca1) + max(T_l1 + T_ga0, T_cl1 + T_ca0).
+        The CPU computes its share of each linear stage (T_cl, zero unless MLPs are sliced) in the
+        same window as the other sub-batch's attention."""
+        return (max(self.linear0(), self.cpu_linear0() + self.cpu_attention1())
+                + max(self.linear1() + self.gpu_attention0(), self.cpu_linear1() + self.cpu_attention0()))
 
     def cheaper_batch_for(self, context_tokens: int) -> int:
         """The sub-batch whose layer time grows less with one more CPU decode. An empty batch-1
@@ -217,8 +228,8 @@ class _TwoBatches:
 
     def balanced(self) -> bool:
         """Both of Neo's inequalities: the CPU never works while the accelerator idles."""
-        return (self.cpu_attention1() <= self.linear0()
-                and self.cpu_attention0() <= self.linear1() + self.gpu_attention0())
+        return (self.cpu_linear0() + self.cpu_attention1() <= self.linear0()
+                and self.cpu_linear1() + self.cpu_attention0() <= self.linear1() + self.gpu_attention0())
 
 
 def _rate(num_seqs: int, seconds: float) -> float:

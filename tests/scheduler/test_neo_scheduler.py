@@ -3,6 +3,7 @@ small explicit tables, fake sampled tokens. No torch."""
 import random
 import subprocess
 import sys
+from dataclasses import dataclass, fields
 
 import pytest
 
@@ -85,6 +86,9 @@ def stage_times(plan, cost):
                + (cost.handoff() if plan.cpu_decodes else 0.0),
         "ca1": cost.cpu_decode_attention(len(plan.cpu_decodes1), context(plan.cpu_decodes1))
                + (cost.handoff() if plan.cpu_decodes1 else 0.0),
+        # the CPU's share of each linear stage (sliced MLPs), in the other sub-batch's attention window
+        "cl0": cost.cpu_linear(sum(prefill_lens) + len(plan.decodes) + len(plan.cpu_decodes)),
+        "cl1": cost.cpu_linear(len(plan.cpu_decodes1)),
     }
 
 
@@ -93,7 +97,7 @@ def estimated_time(plan, cost):
     t = stage_times(plan, cost)
     moved = sum(len(s.src_blocks) for s in (*plan.swap_out, *plan.swap_in))
     if plan.mode == PlanMode.PIPELINED:
-        per_layer = max(t["l0"], t["ca1"]) + max(t["l1"] + t["ga0"], t["ca0"])
+        per_layer = max(t["l0"], t["cl0"] + t["ca1"]) + max(t["l1"] + t["ga0"], t["cl1"] + t["ca0"])
     else:
         per_layer = t["l0"] + t["ga0"]
     return cost.num_layers * per_layer + cost.head(len(plan.scheduled)) + cost.swap(moved)
@@ -120,8 +124,8 @@ def check_plan(plan, cost):
         assert not plan.cpu_decodes and not plan.cpu_decodes1 and not plan.forced
     elif not plan.forced:  # both of Neo's inequalities
         t = stage_times(plan, cost)
-        assert t["ca1"] <= t["l0"] + TOLERANCE
-        assert t["ca0"] <= t["l1"] + t["ga0"] + TOLERANCE
+        assert t["cl0"] + t["ca1"] <= t["l0"] + TOLERANCE
+        assert t["cl1"] + t["ca0"] <= t["l1"] + t["ga0"] + TOLERANCE
     assert not (plan.swap_in and plan.swap_out), "one copy direction per plan"
     for swap in (*plan.swap_out, *plan.swap_in):
         assert len(swap.src_blocks) == len(swap.dst_blocks)
@@ -652,3 +656,42 @@ def test_finish_and_abort_free_blocks_in_the_right_pool():
     while sched.has_unfinished_sequences():  # the rest finish by length
         step(sched)
     assert sched.block_pool.num_free_blocks == 16 and sched.num_running == 0
+
+
+# ---- the CPU's share of sliced MLPs (ScheInfer's CC) ---------------------------------------------
+@dataclass(frozen=True)
+class CpuSharedLinearCosts(TableCostModel):
+    """The tables, with the CPU computing `cpu_share` of every linear stage itself (CC slices)."""
+
+    cpu_share: float = 0.0
+
+    def cpu_linear(self, num_tokens: int) -> float:
+        return self.cpu_share * self.linear(num_tokens) if num_tokens > 0 else 0.0
+
+
+def cpu_shared(cost: TableCostModel, cpu_share: float) -> CpuSharedLinearCosts:
+    return CpuSharedLinearCosts(**{f.name: getattr(cost, f.name) for f in fields(cost)}, cpu_share=cpu_share)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("cpu_share", [0.3, 0.8])
+def test_cpu_share_of_linear_stages_counts_against_the_cpu_window(seed, cpu_share):
+    """With the CPU computing part of every linear stage, less of its attention hides under the
+    accelerator: both inequalities hold with that share on the CPU's side (check_plan), and fewer
+    CPU decodes ride in batch-1 than with the same tables and no share."""
+    base = make_cost_model(cpu_seconds_per_token=2e-5)  # attention dear enough that the window binds
+    placed = {}
+    for share in (0.0, cpu_share):
+        sched = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=96, max_model_len=64, max_num_seqs=24,
+                               cost_model=cpu_shared(base, share))
+        history = run_trace(sched, seed)
+        placed[share] = sum(len(plan.cpu_decodes1) for plan in history if not plan.forced)
+    assert placed[cpu_share] < placed[0.0]
+
+
+def test_a_cpu_busy_with_its_linear_share_takes_no_batch1():
+    """A share that fills batch-0's linear window leaves no room for batch-1's attention."""
+    sched, _ = fill_both_tiers(cpu_shared(make_cost_model(cpu_seconds_per_token=1e-7), 1.0))
+    for _ in range(5):
+        plan = step(sched)
+        assert not plan.cpu_decodes1 or plan.forced
