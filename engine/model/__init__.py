@@ -7,7 +7,8 @@ from importlib import import_module
 
 from engine.model.config import PRESET_DIR, ConfigError, ModelConfig, RopeScaling, list_presets, load_model_preset
 
-_LAZY = {"LlamaModel": "engine.model.llama", "LayerWeights": "engine.model.llama"}
+_LAZY = {"LlamaModel": "engine.model.llama", "LayerWeights": "engine.model.llama", "MoeModel": "engine.model.moe",
+         "create_model": "engine.model.registry"}
 __all__ = ["PRESET_DIR", "ConfigError", "ModelConfig", "RopeScaling", "list_presets", "load_model_preset", *_LAZY]
 
 
