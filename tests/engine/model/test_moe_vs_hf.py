@@ -1,0 +1,124 @@
+"""Tiny random mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE) against Hugging Face
+transformers built from the same config and weights: logits through the engine's paged KV cache,
+greedy tokens against `generate`, weight accounting, and the C++ decoder declining MoE layers."""
+import pytest
+import torch
+
+from engine.attention import create_decode_backend
+from engine.execution import ModelRunner
+from engine.model import MoeModel, create_model
+from engine.model.moe import SparseMoe, SwiGluMlp
+from engine.weights import create_loader
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sequence import Sequence
+from tiny_moe import (BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, VOCAB_SIZE, build_tiny_moe, check_logits_against_hf,
+                      family_cases)
+
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module", params=sorted(family_cases()))
+def tiny_moe(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return build_tiny_moe(request.param, path), str(path)
+
+
+def make_runner(path: str, backend: str = "torch") -> ModelRunner:
+    loader = create_loader(path)
+    return ModelRunner(loader.config, loader, dtype=torch.float32, device="cpu", num_blocks=NUM_BLOCKS,
+                       block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, decode_backend=backend)
+
+
+def make_scheduler() -> Scheduler:
+    return Scheduler(SchedulerConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN))
+
+
+def random_prompt(gen: torch.Generator, length: int) -> list[int]:
+    return torch.randint(0, VOCAB_SIZE, (length,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_prefill_and_paged_decode_logits_match_hf(tiny_moe, backend):
+    """Prefills of mixed lengths packed in one batch (one an exact block multiple), then decodes
+    from the paged cache with a late prefill joining: every sequence's logits equal HF's."""
+    hf_model, path = tiny_moe
+    runner = make_runner(path, backend)
+    assert isinstance(runner.model, MoeModel)
+    check_logits_against_hf(runner, hf_model, prompt_lengths=[7, 1, 16, 13], num_steps=6, seed=1,
+                            late_prompt_length=9)
+
+
+@torch.no_grad()
+def test_greedy_tokens_match_hf_generate(tiny_moe):
+    """Batched greedy decoding through the scheduler, the runner and the sampler gives HF's tokens."""
+    hf_model, path = tiny_moe
+    runner, sched = make_runner(path, "cpu"), make_scheduler()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [random_prompt(gen, length) for length in (5, 12, 3)]
+    sequences = [Sequence(str(i), p, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+                 for i, p in enumerate(prompts)]
+    for seq in sequences:
+        sched.add_sequence(seq)
+    while sched.has_unfinished_sequences():
+        plan = sched.schedule()
+        sched.update(plan, runner.execute(plan).sampled.token_ids)
+    for seq, prompt in zip(sequences, prompts):
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                do_sample=False, max_new_tokens=NEW_TOKENS)
+        assert seq.output_token_ids == out[0, len(prompt):].tolist()
+
+
+def test_tokens_are_grouped_by_expert_and_several_experts_run(tiny_moe):
+    """The routing the parity tests cover is not degenerate: a prefill spreads its tokens over
+    several experts of every MoE layer."""
+    _, path = tiny_moe
+    loader = create_loader(path)
+    model = create_model(loader.config, loader, torch.float32, "cpu", MAX_MODEL_LEN, create_decode_backend("torch"))
+    moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoe)]
+    assert moe_layers
+    x = torch.randn(24, loader.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for moe in moe_layers:
+        routing = moe.router.route(x)
+        assert len(set(routing.expert_ids.flatten().tolist())) > 1
+
+
+def test_weight_bytes_count_every_parameter_once(tiny_moe):
+    """Every expert's, router's and norm's bytes as the weight objects report them: the same total
+    as the HF model's parameters."""
+    hf_model, path = tiny_moe
+    loader = create_loader(path)
+    model = create_model(loader.config, loader, torch.float32, "cpu", 64, create_decode_backend("torch"))
+    num_params = sum(p.numel() for p in hf_model.parameters())
+    assert model.weight_bytes() == {("float32", "accelerator"): 4 * num_params}
+
+
+def test_layers_keep_the_families_mlp_kinds(tiny_moe):
+    """MoE layers route; the layers a Qwen config keeps dense (`mlp_only_layers`) have the plain MLP."""
+    _, path = tiny_moe
+    loader = create_loader(path)
+    model = create_model(loader.config, loader, torch.float32, "cpu", 64, create_decode_backend("torch"))
+    moe = loader.config.moe
+    for index, layer in enumerate(model.layers):
+        if moe.is_moe_layer(index):
+            assert isinstance(layer.mlp, SparseMoe) and len(layer.mlp.experts) == moe.num_experts
+            assert (layer.mlp.shared is not None) == moe.has_shared_expert
+        else:
+            assert isinstance(layer.mlp, SwiGluMlp)
+
+
+def test_cpu_decoder_declines_moe_and_the_model_runs_op_by_op(tiny_moe, caplog):
+    _, path = tiny_moe
+    loader = create_loader(path)
+    with caplog.at_level("INFO", logger="engine.model.llama"):
+        model = create_model(loader.config, loader, torch.float32, "cpu", 64, create_decode_backend("cpu"),
+                             cpu_ops="layers")
+    assert model.native is None
+    assert "run op by op" in caplog.text and "routed experts" in caplog.text
+
+
+def test_weight_streaming_refuses_moe_layers_with_a_reason():
+    from engine import LLM
+    from engine.model import ConfigError
+    with pytest.raises(ConfigError, match="weight streaming does not take mixture-of-experts layers"):
+        LLM("qwen3-moe-tiny", load_format="dummy", dtype="float32", weights_gpu_gib=0.001)
