@@ -62,7 +62,9 @@ def _qwen_moe_fields(d: Mapping[str, Any], num_layers: int, shared_expert_interm
         raise MoeConfigError(f"decoder_sparse_step must be positive, got {step}")
     mlp_only = set(int(i) for i in d.get("mlp_only_layers") or ())
     dense = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step)
-    return MoeConfig(num_experts=int(d["num_experts"]), num_experts_per_token=int(d["num_experts_per_tok"]),
+    # published Qwen checkpoints say `num_experts`; transformers 5 writes `num_local_experts`
+    num_experts = d["num_experts"] if "num_experts" in d else d["num_local_experts"]
+    return MoeConfig(num_experts=int(num_experts), num_experts_per_token=int(d["num_experts_per_tok"]),
                      expert_intermediate_size=int(d["moe_intermediate_size"]),
                      normalize_top_k=bool(d.get("norm_topk_prob", False)), dense_layers=dense,
                      shared_expert_intermediate_size=shared_expert_intermediate_size,
