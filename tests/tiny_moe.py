@@ -32,7 +32,7 @@ def family_cases():
         "mixtral": (transformers.MixtralConfig, dict(
             intermediate_size=96, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
         "qwen3-moe-dense-layer": (transformers.Qwen3MoeConfig, dict(
-            intermediate_size=96, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+            intermediate_size=96, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
             norm_topk_prob=True, mlp_only_layers=[1], head_dim=32)),
         "qwen3-moe-raw-top3": (transformers.Qwen3MoeConfig, dict(
             intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=3,
