@@ -84,9 +84,6 @@ class LLMEngine:
         logger.info("compute dtype: %s (%s)", str(self.dtype).removeprefix("torch."), reason)
         self.placement: WeightPlacement | None = None  # where decoder layers live, when planned
         if config.weights.streaming_requested:
-            if self.model_config.is_moe:
-                raise ConfigError(f"{self.model_config.architecture}: weight streaming does not take mixture-of-experts "
-                                  "layers yet; serve it with every layer resident (no --weights-gpu-gib, --weight-placement auto)")
             self.placement = plan_weights(config, self.model_config, self.dtype, self._model_max_len())
             logger.info("%s", describe(self.placement, config.weights.offload_dir))
         cache = config.cache
