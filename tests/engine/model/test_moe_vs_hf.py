@@ -151,3 +151,13 @@ def test_int4_experts_are_weight_objects_of_their_own(tiny_moe):
         expected = dense._mlp(index, x)
         error = (int4._mlp(index, x) - expected).norm() / expected.norm()
         assert error < INT4_RELATIVE_ERROR, (index, error)
+
+
+def test_layer_files_refuse_moe_layers(tmp_path):
+    from engine.model import ConfigError
+    from engine.weights.convert import convert
+    from engine.weights.layer_files import ConversionKey, LayerFiles
+    loader = create_loader("qwen3-moe-tiny", load_format="dummy")
+    files = LayerFiles(str(tmp_path), ConversionKey(loader.source, 0, "float32", "none", "cpu"), loader.config.num_layers)
+    with pytest.raises(ConfigError, match="mixture-of-experts layers are served resident"):
+        convert(loader, files, create_linear_method("dense"), torch.float32, torch.device("cpu"))
