@@ -92,11 +92,11 @@ class ExpertGroups:
     counts: list[int]  # [num_experts] pairs routed to each expert
 
     def spans(self):
-        """(expert, token rows [n], weights [n]) for each expert with n > 0 rows, in expert order."""
+        """(expert, the slice of its pairs) for each expert with pairs, in expert order."""
         start = 0
         for expert, count in enumerate(self.counts):
             if count:
-                yield expert, self.token_rows[start:start + count], self.weights[start:start + count]
+                yield expert, slice(start, start + count)
             start += count
 
 
@@ -137,10 +137,15 @@ class SparseMoe:
     def apply(self, x: torch.Tensor, silu_mul: SiluMul) -> torch.Tensor:
         groups = group_by_expert(self.router.route(x), len(self.experts))
         out = torch.zeros_like(x)  # [num_tokens, hidden]
-        # experts in index order, each adding into its tokens' rows: the order of the sums is fixed
-        for expert, token_rows, weights in groups.spans():
-            expert_out = self.experts[expert].apply(x[token_rows], silu_mul)  # [rows, hidden]
-            out.index_add_(0, token_rows, (expert_out * weights[:, None]).to(x.dtype))
+        if groups.token_rows.numel():
+            # One gather, each expert's matmuls on its run of rows, one weighted scatter-add: on the
+            # CPU a small torch op between two experts' kernel calls costs more than a decode
+            # row's GEMV, so nothing else runs per expert.
+            rows = x[groups.token_rows]  # [num_pairs, hidden], grouped by expert
+            expert_out = torch.cat([self.experts[expert].apply(rows[pairs], silu_mul)
+                                    for expert, pairs in groups.spans()])
+            # pairs in expert order: each token's outputs are summed in expert order, as HF's loop does
+            out.index_add_(0, groups.token_rows, (expert_out * groups.weights[:, None]).to(x.dtype))
         if self.shared is not None:
             out = out + self.shared.apply(x, silu_mul)
         return out

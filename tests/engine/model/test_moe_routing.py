@@ -81,7 +81,8 @@ def test_group_by_expert_lists_each_pair_once_under_its_expert():
     groups = group_by_expert(Routing(expert_ids, weights), NUM_EXPERTS)
     assert sum(groups.counts) == num_tokens * top_k and len(groups.counts) == NUM_EXPERTS
     seen = set()
-    for expert, rows, row_weights in groups.spans():
+    for expert, pairs in groups.spans():
+        rows, row_weights = groups.token_rows[pairs], groups.weights[pairs]
         assert rows.tolist() == sorted(rows.tolist())  # tokens in order within an expert
         for token, w in zip(rows.tolist(), row_weights.tolist()):
             slot = expert_ids[token].tolist().index(expert)
