@@ -243,6 +243,13 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False  # the LM head is the embedding matrix (stored once)
     attention_bias: bool = False  # Q, K and V carry a bias (Qwen2)
+    # Mixture of experts (num_experts 0: a dense model): each layer's MLP is a router over
+    # `num_experts` SwiGLU experts of width `expert_intermediate_size`, `num_experts_per_token` of
+    # them used by each token, plus a shared expert every token uses where the width is not 0.
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @property
     def q_size(self) -> int:
@@ -253,11 +260,36 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def attention_params(self) -> int:
+        """Weights of one layer's QKV and O projections."""
+        return self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+
+    def _mlp_params(self, num_experts: int) -> int:
+        """A layer's MLP weights with `num_experts` routed experts counted (the router and the
+        shared expert and its gate always)."""
+        hidden = self.hidden_size
+        if not self.is_moe:
+            return 3 * hidden * self.intermediate_size
+        shared = 3 * hidden * self.shared_expert_intermediate_size
+        shared_gate = hidden if self.shared_expert_intermediate_size else 0
+        router = self.num_experts * hidden
+        return router + num_experts * 3 * hidden * self.expert_intermediate_size + shared + shared_gate
+
+    @property
     def layer_params(self) -> int:
-        """Weights in one layer's linear work (QKV, O, gate/up, down)."""
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        return self.hidden_size * (q + 2 * kv) + q * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
+        """Weights in one layer's linear work (QKV, O, gate/up, down; every expert of a MoE layer):
+        what the layer stores."""
+        return self.attention_params + self._mlp_params(self.num_experts)
+
+    @property
+    def active_layer_params(self) -> int:
+        """Weights one token's linear work in a layer multiplies by: a MoE layer's router, its
+        top-k experts and shared expert (the whole layer of a dense model)."""
+        return self.attention_params + self._mlp_params(self.num_experts_per_token)
 
     def kv_bytes_per_token_layer(self, dtype_bytes: int) -> int:
         """K and V of one token in one layer."""

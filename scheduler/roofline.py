@@ -230,9 +230,11 @@ class RooflineCostModel(CostModel):
         q_width = shape.num_heads * shape.head_dim
         kv_width = shape.num_kv_heads * shape.head_dim
         derived = {
-            # linear: the layer's weights, read once per batch, shared by the GPUs
+            # linear: the layer's weights, read once per batch, shared by the GPUs (every expert of
+            # a MoE layer: an upper bound for batches too small to route to all of them); the
+            # FLOPs are those of the weights each token uses
             "_linear_memory_s": shape.layer_params * size / (num_gpus * hw.gpu_bandwidth),
-            "_linear_s_per_token": 2 * shape.layer_params / (num_gpus * hw.gpu_flops),
+            "_linear_s_per_token": 2 * shape.active_layer_params / (num_gpus * hw.gpu_flops),
             # a ring all-reduce sends 2 (g - 1) / g of the message from each GPU
             "_allreduce_s_per_token": (NUM_ALLREDUCES_PER_LAYER * 2 * (num_gpus - 1) / num_gpus
                                        * shape.hidden_size * size / hw.interconnect_bandwidth

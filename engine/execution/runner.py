@@ -20,7 +20,8 @@ from engine.execution.pipeline import PipelineTimes, pipelined_forward
 from engine.execution.queues import AcceleratorQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
 from engine.kv import KVCache, TwoTierKVCache
 from engine.model import ModelConfig
-from engine.model.llama import LayerStore, LlamaModel
+from engine.model.llama import LayerStore
+from engine.model.registry import create_model
 from engine.outputs import TokenLogprob
 from engine.quant import create_linear_method
 from engine.sampling import Sampler, SamplerOutput, prompt_logprobs
@@ -68,10 +69,10 @@ class ModelRunner:
         self.block_size = block_size
         store = layer_store(self.device, self.cores) if layer_store is not None else None
         try:
-            self.model = LlamaModel(config, loader, dtype, self.device, max_model_len,
-                                    create_decode_backend(decode_backend, str(self.device)), show_progress=show_progress,
-                                    linear_method=create_linear_method(linear_method), cpu_ops=cpu_ops,
-                                    layer_store=store)
+            self.model = create_model(config, loader, dtype, self.device, max_model_len,
+                                      create_decode_backend(decode_backend, str(self.device)),
+                                      show_progress=show_progress, linear_method=create_linear_method(linear_method),
+                                      cpu_ops=cpu_ops, layer_store=store)
         except BaseException:
             if store is not None:
                 store.close()

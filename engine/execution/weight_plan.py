@@ -15,7 +15,7 @@ from engine.execution.cores import CoreAssignment
 from engine.execution.queues import AcceleratorQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
 from engine.execution.transfer import create_copy_engine
 from engine.kv import KVCache
-from engine.model import ModelConfig
+from engine.model import ConfigError, ModelConfig
 from engine.profiling.streaming_probe import (
     DECODE_PROBE_TOKENS,
     measure_compute,
@@ -121,6 +121,9 @@ def activation_reserve_bytes(config: EngineConfig, model_config: ModelConfig, dt
 def measure(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> Measurements:
     """Copy and disk rates and compute times on this machine, as the engine will run them (each
     measured once per process: every engine of a process runs on the same hardware)."""
+    if model_config.is_moe:  # the probes and the layer images hold dense Llama layers
+        raise ConfigError(f"{model_config.architecture}: weight streaming does not take mixture-of-experts layers "
+                          "yet; serve it with every layer resident (no --weights-gpu-gib, --weight-placement auto)")
     weights = config.weights
     cores = CoreAssignment.for_device(config.device, config.offload.accelerator_threads,
                                       config.offload.cpu_attention_threads)

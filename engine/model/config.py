@@ -11,18 +11,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from engine.model.moe_config import MOE_FROM_HF, MoeConfig, MoeConfigError, moe_from_gguf
 from scheduler.cost_model import ModelShape
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
-# HF architectures names -> our family names. All are the Llama block with small variations.
+# HF architectures names -> our family names. All are the Llama block with small variations; the
+# mixture-of-experts families swap the MLP for routed experts (engine/model/moe.py).
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-# GGUF `general.architecture` values we can run.
-_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# GGUF `general.architecture` values we can run. llama.cpp writes Mixtral as `llama` with experts.
+_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen2moe": "qwen2_moe",
+                       "qwen3moe": "qwen3_moe"}
+_GGUF_MOE_FAMILIES = {"llama": "mixtral"}  # a dense family's name once the file has experts
+# Families with RMSNorm over each Q and K head before RoPE (`q_norm`, `k_norm`).
+_QK_NORM_FAMILIES = frozenset({"qwen3_moe"})
+# Families whose Q, K and V projections carry a bias unless the config says otherwise.
+_QKV_BIAS_FAMILIES = frozenset({"qwen2", "qwen2_moe"})
+# The config key that says so, where it is not `attention_bias`.
+_QKV_BIAS_KEYS = {"qwen2_moe": "qkv_bias"}
+# Families whose `attention_bias` also puts a bias on the O-projection, which is not supported.
+_O_BIAS_FAMILIES = frozenset({"qwen3_moe"})
 # Bytes of one element of a checkpoint dtype (`torch_dtype` in an HF config), for planners that
 # size memory without torch.
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -64,6 +79,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
     checkpoint_dtype: str | None = None  # the HF config's `torch_dtype`; None when it names none
+    qk_norm: bool = False  # RMSNorm over each Q and K head before RoPE (Qwen3)
+    moe: MoeConfig | None = None  # routed experts in place of the MLP; None for a dense model
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -73,6 +90,10 @@ class ModelConfig:
         for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
             if getattr(self, attr) <= 0:
                 raise ConfigError(f"{attr} must be positive, got {getattr(self, attr)}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
 
     @property
     def q_size(self) -> int:
@@ -92,7 +113,17 @@ class ModelConfig:
         return ModelShape(num_layers=self.num_layers, hidden_size=self.hidden_size,
                           intermediate_size=self.intermediate_size, num_heads=self.num_heads,
                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, vocab_size=self.vocab_size,
-                          tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias)
+                          tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
+                          **self._moe_shape_fields())
+
+    def _moe_shape_fields(self) -> dict[str, int]:
+        """ModelShape's MoE numbers (it takes every layer of a MoE model for a MoE layer)."""
+        moe = self.moe
+        if moe is None:
+            return {}
+        return dict(num_experts=moe.num_experts, num_experts_per_token=moe.num_experts_per_token,
+                    expert_intermediate_size=moe.expert_intermediate_size,
+                    shared_expert_intermediate_size=moe.shared_expert_intermediate_size)
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], name: str = "") -> "ModelConfig":
@@ -104,12 +135,17 @@ class ModelConfig:
         hidden = int(d["hidden_size"])
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        num_layers = int(d["num_hidden_layers"])
+        try:
+            moe = MOE_FROM_HF[arch](d, num_layers) if arch in MOE_FROM_HF else None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{archs[0]}: bad mixture-of-experts fields in the config ({e!r})") from e
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
             head_dim=int(d.get("head_dim") or hidden // num_heads),
@@ -117,12 +153,14 @@ class ModelConfig:
             rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            attention_bias=_qkv_bias(arch, d),
             rope_scaling=_parse_rope_scaling(d.get("rope_scaling") or d.get("rope_parameters")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name or str(d.get("_name_or_path", "")),
             checkpoint_dtype=d.get("torch_dtype"),
+            qk_norm=arch in _QK_NORM_FAMILIES,
+            moe=moe,
         )
 
     @classmethod
@@ -161,11 +199,19 @@ class ModelConfig:
         scaling = None
         if get("rope.scaling.type") == "llama3" or get("rope.freq_factors") is not None:
             raise ConfigError("GGUF llama3 rope scaling is stored as rope_freqs; use the safetensors checkpoint")
+        feed_forward_length = int(get("feed_forward_length", 0) or 0)
+        try:
+            moe = moe_from_gguf(arch_name, get, feed_forward_length)
+        except (MoeConfigError, TypeError) as e:
+            raise ConfigError(f"GGUF mixture-of-experts metadata: {e}") from e
+        if moe is not None:
+            arch = _GGUF_MOE_FAMILIES.get(arch_name, arch)
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
+            # a MoE file may have no dense MLP width: its experts' stands in
+            intermediate_size=feed_forward_length or (moe.expert_intermediate_size if moe else 0),
             num_layers=int(get("block_count")),
             num_heads=num_heads,
             num_kv_heads=int(get("attention.head_count_kv", num_heads)),
@@ -175,12 +221,21 @@ class ModelConfig:
             max_position_embeddings=int(get("context_length", 2048)),
             # tied unless the file carries output.weight; the GGUF loader overrides this
             tie_word_embeddings=True,
-            attention_bias=arch == "qwen2",
+            attention_bias=arch in _QKV_BIAS_FAMILIES,
             rope_scaling=scaling,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
             name=name or str(meta.get("general.name", "")),
+            qk_norm=arch in _QK_NORM_FAMILIES,
+            moe=moe,
         )
+
+
+def _qkv_bias(arch: str, d: Mapping[str, Any]) -> bool:
+    """Whether Q, K and V carry a bias, from the family and its config."""
+    if arch in _O_BIAS_FAMILIES and d.get("attention_bias"):
+        raise ConfigError(f"{arch}: attention_bias puts a bias on the O-projection too, which is not supported")
+    return bool(d.get(_QKV_BIAS_KEYS.get(arch, "attention_bias"), arch in _QKV_BIAS_FAMILIES))
 
 
 def _parse_rope_scaling(d: Mapping[str, Any] | None) -> RopeScaling | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,11 +21,38 @@ from engine.kv import TwoTierKVCache
 from engine.model.config import ModelConfig
 from engine.model.layers import RotaryEmbedding, fused_rms_norm, fused_silu_mul, rms_norm, silu_mul
 from engine.model.native import NativeDecoder, NotNative
+from engine.model.registry import register_model
 from engine.quant import LinearMethod, LinearWeight, create_linear_method
 from engine.quant.int4 import fuse
 from engine.weights import WeightLoader
 
 logger = logging.getLogger(__name__)
+
+
+Make = Callable[..., LinearWeight]  # (weight, bias=None) -> the linear method's weight object
+
+
+def linear_maker(linear: LinearMethod, dtype: torch.dtype, device: torch.device,
+                 layout_device: torch.device | None = None) -> Make:
+    """`make(weight, bias=None)`: a loaded matrix as `linear`'s weight object computing in `dtype` on `device`."""
+    def make(weight, bias: torch.Tensor | None = None) -> LinearWeight:
+        return linear.create_weight(weight, bias, dtype=dtype, device=device, layout_device=layout_device)
+
+    return make
+
+
+def attention_weights(w: dict, make: Make, device: torch.device) -> dict:
+    """The attention half of a decoder layer from a loader's layer: its norms, the fused QKV
+    (with Qwen2's bias) and the O-projection, as LayerWeights' fields of those names."""
+    bias = None
+    if "q_bias" in w:
+        bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])
+    return dict(
+        input_norm=w["input_layernorm"].to(device),
+        qkv=make(fuse([w["q_proj"], w["k_proj"], w["v_proj"]]), bias),
+        o_proj=make(w["o_proj"]),
+        post_norm=w["post_attention_layernorm"].to(device),
+    )
 
 
 @dataclass
@@ -42,20 +70,17 @@ class LayerWeights:
         """From a loader's layer (tensors, and packed 4-bit weights where the method takes them);
         `layout_device`: whose kernels the weights are laid out for, when they are stored elsewhere
         (a streamed layer, kept on the host until it is copied to the accelerator)."""
-        def make(weight, bias: torch.Tensor | None = None) -> LinearWeight:
-            return linear.create_weight(weight, bias, dtype=dtype, device=device, layout_device=layout_device)
+        make = linear_maker(linear, dtype, device, layout_device)
+        return cls(**attention_weights(w, make, device), gate_up=make(fuse([w["gate_proj"], w["up_proj"]])),
+                   down=make(w["down_proj"]))
 
-        bias = None
-        if "q_bias" in w:
-            bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])
-        return cls(
-            input_norm=w["input_layernorm"].to(device),
-            qkv=make(fuse([w["q_proj"], w["k_proj"], w["v_proj"]]), bias),
-            o_proj=make(w["o_proj"]),
-            post_norm=w["post_attention_layernorm"].to(device),
-            gate_up=make(fuse([w["gate_proj"], w["up_proj"]])),
-            down=make(w["down_proj"]),
-        )
+    def linear_weights(self) -> tuple[LinearWeight, ...]:
+        """Every linear weight of the layer, for reports."""
+        return (self.qkv, self.o_proj, self.gate_up, self.down)
+
+    def dense_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors outside weight objects (norms), for reports."""
+        return (self.input_norm, self.post_norm)
 
 
 class LayerStore:
@@ -102,6 +127,9 @@ class LayerStore:
         """Stop threads and close files."""
 
 
+@register_model("llama")
+@register_model("mistral")
+@register_model("qwen2")
 class LlamaModel:
     def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype,
                  device: torch.device | str, max_model_len: int, decode_backend: DecodeAttentionBackend,
@@ -127,7 +155,7 @@ class LlamaModel:
         load_layer = loader.load_layer_packed if self.linear_method.takes_packed_int4 else loader.load_layer
         self.layer_store = layer_store or LayerStore(self.device)
         self.layers = [
-            self.layer_store.build(i, load_layer(i, dtype), self.linear_method, dtype)
+            self._build_layer(i, load_layer(i, dtype))
             for i in tqdm(range(config.num_layers), desc="loading layers", unit="layer", disable=not show_progress)
         ]
         self.layer_store.start()
@@ -136,6 +164,10 @@ class LlamaModel:
         # decode-sized stages (and whole decode steps) in one C++ call: engine/model/native.py
         # (only over weights that stay where they were loaded: streamed layers come and go)
         self.native = self._native_decoder() if cpu_ops == "layers" and self.layer_store.weights_stay_put else None
+
+    def _build_layer(self, index: int, loaded: dict):
+        """Layer `index`'s weights from what the loader gave, where the layer store keeps them."""
+        return self.layer_store.build(index, loaded, self.linear_method, self.dtype)
 
     def _native_decoder(self) -> NativeDecoder | None:
         try:
@@ -162,9 +194,9 @@ class LlamaModel:
             totals[fmt, tier] = totals.get((fmt, tier), 0) + nbytes
 
         dense = str(self.dtype).removeprefix("torch.")
-        tensors = [self.embed_tokens, self.final_norm, *(t for w in self.layers for t in (w.input_norm, w.post_norm))]
+        tensors = [self.embed_tokens, self.final_norm, *(t for w in self.layers for t in w.dense_tensors())]
         count(dense, self.RESIDENT_TIER, sum(t.numel() * t.element_size() for t in tensors))
-        linears = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        linears = [w for layer in self.layers for w in layer.linear_weights()]
         if not self.config.tie_word_embeddings:
             linears.append(self.lm_head)
         for weight in linears:
@@ -186,9 +218,15 @@ class LlamaModel:
         qkv = w.qkv.apply(self.rms_norm(hidden, w.input_norm, cfg.rms_norm_eps))
         qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
         # Q and K heads rotated in one pass: [num_tokens, num_heads + kv_heads, head_dim]
-        qk = self.rope(qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), positions)
+        qk = self.rope(self._normalize_heads(layer, qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)),
+                       positions)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         return q, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+
+    def _normalize_heads(self, layer: int, qk: torch.Tensor) -> torch.Tensor:
+        """Q and K heads [num_tokens, num_heads + kv_heads, head_dim] before RoPE: as they are in
+        the Llama family (Qwen3 normalizes each, engine/model/moe.py)."""
+        return qk
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kv_cache: TwoTierKVCache, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -229,8 +267,12 @@ class LlamaModel:
             return self.native.post_proj(layer, hidden, attn_out)
         w = self.layers[layer]
         hidden = hidden + w.o_proj.apply(attn_out)
-        gate_up = w.gate_up.apply(self.rms_norm(hidden, w.post_norm, self.config.rms_norm_eps))
-        return hidden + w.down.apply(self.silu_mul(gate_up))
+        return hidden + self._mlp(layer, self.rms_norm(hidden, w.post_norm, self.config.rms_norm_eps))
+
+    def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The layer's SwiGLU MLP on normalized rows x [num_tokens, hidden] -> [num_tokens, hidden]."""
+        w = self.layers[layer]
+        return w.down.apply(self.silu_mul(w.gate_up.apply(x)))
 
     def _native_decode_applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: TwoTierKVCache) -> bool:
         """A pure decode batch the C++ decoder takes whole: its stages apply, and the attention

@@ -7,7 +7,8 @@ layer's weights once, at load, and then runs a layer's `pre_proj` or `post_proj`
 or every layer of a pure decode batch in one call. It strings together the very kernels the fused
 op-by-op path calls, with the same roundings, so the two agree (tests/engine/model/test_native.py).
 
-It applies where every piece has its kernel: CPU tensors; each matmul an INT4 weight on the CPU
+It applies where every piece has its kernel: a dense Llama-family layer (no mixture of experts,
+no per-head Q/K norms); CPU tensors; each matmul an INT4 weight on the CPU
 kernels' tiled layout or a dense fp32/bf16/fp16 one; widths multiples of 16 (head_dim of 32); and
 at most `max_tokens` rows (the INT4 kernel's 64, the dense GEMV's 4, whichever the model holds).
 `NativeDecoder.build` says why not otherwise, and the model keeps its op-by-op stages.
@@ -53,6 +54,10 @@ class NativeDecoder:
         """From a loaded LlamaModel (kernels of instruction set `isa`, default the best this CPU
         has); NotNative with the reason where it does not apply."""
         cfg = model.config
+        if cfg.is_moe:
+            raise NotNative(f"{cfg.architecture}: the C++ decoder's layer is Llama's dense MLP, not routed experts")
+        if cfg.qk_norm:
+            raise NotNative(f"{cfg.architecture}: the C++ decoder has no RMSNorm over each Q and K head")
         if not cpu_kernels.is_available() or model.device.type != "cpu":
             raise NotNative("the model is not on the CPU, or the CPU kernels are not built")
         if model.dtype not in _DTYPE_CODES:

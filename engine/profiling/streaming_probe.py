@@ -155,7 +155,7 @@ class _RandomLoader(WeightLoader):
         return self._tensors(global_shapes(self.config), dtype)
 
     def load_layer(self, index, dtype):
-        return self._tensors(layer_shapes(self.config), dtype)
+        return self._tensors(layer_shapes(self.config, index), dtype)
 
 
 class _Repeating:

@@ -24,6 +24,7 @@ _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
 GLOBAL_KEYS = ("embed_tokens", "norm", "lm_head")
+MLP_KEYS = ("gate_proj", "up_proj", "down_proj")  # a SwiGLU MLP's; an expert's under its prefix
 LAYER_KEYS = (
     "input_layernorm",
     "q_proj",
@@ -31,11 +32,20 @@ LAYER_KEYS = (
     "v_proj",
     "o_proj",
     "post_attention_layernorm",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
+    *MLP_KEYS,
 )
 BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
+QK_NORM_KEYS = ("q_norm", "k_norm")  # [head_dim] each, when `config.qk_norm`
+# A mixture-of-experts layer has, in place of MLP_KEYS: the router [num_experts, hidden], each
+# expert's MLP_KEYS under `expert_prefix(e)`, and where the family has one the shared expert's
+# under SHARED_EXPERT_PREFIX with its gate [1, hidden].
+ROUTER_KEY = "router"
+SHARED_EXPERT_PREFIX = "shared_expert."
+SHARED_EXPERT_GATE_KEY = "shared_expert_gate"
+
+
+def expert_prefix(expert: int) -> str:
+    return f"experts.{expert}."
 
 
 class WeightLoadError(RuntimeError):
@@ -60,7 +70,9 @@ class WeightLoader(ABC):
 
     @abstractmethod
     def load_layer(self, index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """LAYER_KEYS, plus BIAS_KEYS when `config.attention_bias`."""
+        """The keys of `layer_shapes(config, index)`: LAYER_KEYS, plus BIAS_KEYS when
+        `config.attention_bias`, QK_NORM_KEYS when `config.qk_norm`, and a mixture-of-experts
+        layer's router and experts in place of MLP_KEYS."""
 
     def load_layer_packed(self, index: int, dtype: torch.dtype) -> dict[str, Any]:
         """`load_layer` for the int4 method: a linear weight stored as 4-bit blocks the int4
@@ -86,8 +98,14 @@ def global_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape each key of `load_layer` must have under `config`."""
+def mlp_shapes(hidden: int, intermediate: int, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """A SwiGLU MLP's MLP_KEYS (under `prefix`) and their shapes."""
+    return {f"{prefix}gate_proj": (intermediate, hidden), f"{prefix}up_proj": (intermediate, hidden),
+            f"{prefix}down_proj": (hidden, intermediate)}
+
+
+def layer_shapes(config: ModelConfig, index: int = 0) -> dict[str, tuple[int, ...]]:
+    """The shape each key of `load_layer(index)` must have under `config`."""
     hidden, inter = config.hidden_size, config.intermediate_size
     shapes = {
         "input_layernorm": (hidden,),
@@ -96,12 +114,22 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "v_proj": (config.kv_size, hidden),
         "o_proj": (hidden, config.q_size),
         "post_attention_layernorm": (hidden,),
-        "gate_proj": (inter, hidden),
-        "up_proj": (inter, hidden),
-        "down_proj": (hidden, inter),
     }
     if config.attention_bias:
         shapes.update(q_bias=(config.q_size,), k_bias=(config.kv_size,), v_bias=(config.kv_size,))
+    if config.qk_norm:
+        shapes.update({key: (config.head_dim,) for key in QK_NORM_KEYS})
+    moe = config.moe
+    if moe is None or not moe.is_moe_layer(index):
+        shapes.update(mlp_shapes(hidden, inter))
+        return shapes
+    shapes[ROUTER_KEY] = (moe.num_experts, hidden)
+    for expert in range(moe.num_experts):
+        shapes.update(mlp_shapes(hidden, moe.expert_intermediate_size, expert_prefix(expert)))
+    if moe.has_shared_expert:
+        shapes.update(mlp_shapes(hidden, moe.shared_expert_intermediate_size, SHARED_EXPERT_PREFIX))
+        if moe.shared_expert_gated:
+            shapes[SHARED_EXPERT_GATE_KEY] = (1, hidden)
     return shapes
 
 
@@ -115,7 +143,7 @@ def required_shapes(
     """
     shapes = {global_names[key]: shape for key, shape in global_shapes(config).items()}
     for index in range(config.num_layers):
-        for key, shape in layer_shapes(config).items():
+        for key, shape in layer_shapes(config, index).items():
             shapes[layer_name(index, key)] = shape
     return shapes
 

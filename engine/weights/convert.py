@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from engine.model import ConfigError
 from engine.model.llama import LayerWeights
 from engine.quant import LinearMethod
 from engine.weights.base import WeightLoader
@@ -46,6 +47,9 @@ def build_host_layer(loader: WeightLoader, index: int, linear: LinearMethod, dty
 def convert(loader: WeightLoader, files: LayerFiles, linear: LinearMethod, dtype: torch.dtype,
             layout_device: torch.device, show_progress: bool = False) -> tuple[int, int]:
     """Write every layer's file (those already holding their image are kept). -> (layers written, kept)"""
+    if loader.config.is_moe:
+        raise ConfigError(f"{loader.config.architecture}: layer files hold dense Llama layers; mixture-of-experts "
+                          "layers are served resident and have none")
     written = kept = 0
     for index in tqdm(range(loader.config.num_layers), desc="converting layers", unit="layer",
                       disable=not show_progress):

@@ -36,7 +36,7 @@ class DummyLoader(WeightLoader):
 
     def load_layer(self, index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         self._check_layer_index(index)
-        return self._generate(layer_shapes(self.config), f"layer{index}", dtype)
+        return self._generate(layer_shapes(self.config, index), f"layer{index}", dtype)
 
     def _generate(self, shapes: dict[str, tuple[int, ...]], stream: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         # A string seed is hashed deterministically (unlike hash() of a tuple across runs).

@@ -34,7 +34,6 @@ from engine.weights.base import (
     global_shapes,
     layer_shapes,
     register_loader,
-    required_shapes,
     shape_error,
 )
 from engine.weights.gguf_int4 import REPACKERS
@@ -73,10 +72,24 @@ _LAYER_NAMES = {
     "q_bias": "attn_q.bias",
     "k_bias": "attn_k.bias",
     "v_bias": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
+    "router": "ffn_gate_inp.weight",
+    "shared_expert.gate_proj": "ffn_gate_shexp.weight",
+    "shared_expert.up_proj": "ffn_up_shexp.weight",
+    "shared_expert.down_proj": "ffn_down_shexp.weight",
+    "shared_expert_gate": "ffn_gate_inp_shexp.weight",
 }
+# llama.cpp keeps each projection of all a layer's experts in one 3-D tensor, [experts, out, in]
+# in Hugging Face's order of dimensions; expert e's matrix is its slice e.
+_EXPERT_STACKS = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
+                  "down_proj": "ffn_down_exps.weight"}
+# Tensors llama.cpp stores with fewer dimensions than Hugging Face: the shared expert's gate is
+# [hidden] there, [1, hidden] here.
+_FLATTENED_KEYS = frozenset({"shared_expert_gate"})
 # llama.cpp's converter reorders the Q/K rows of these architectures for its interleaved
-# RoPE; Qwen2 files keep Hugging Face's order.
-_PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
+# RoPE; Qwen files keep Hugging Face's order.
+_PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral", "mixtral"})
 
 
 def layer_tensor_name(index: int, key: str) -> str:
@@ -85,6 +98,42 @@ def layer_tensor_name(index: int, key: str) -> str:
 
 def _is_linear(key: str) -> bool:
     return key.endswith("_proj")
+
+
+def _expert_key(key: str) -> tuple[int, str] | None:
+    """(expert, projection) of a routed expert's key ("experts.3.up_proj"), else None."""
+    if not key.startswith("experts."):
+        return None
+    _, expert, projection = key.split(".")
+    return int(expert), projection
+
+
+def _layer_tensor_shapes(config: ModelConfig, index: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Layer `index`'s GGUF tensors: name -> (shape in Hugging Face's order, the layer keys it holds).
+    A routed expert's matrices live in their projection's 3-D stack; the rest one key each."""
+    tensors = {}
+    stacked: dict[str, list[str]] = {}
+    shapes = layer_shapes(config, index)
+    for key, shape in shapes.items():
+        expert = _expert_key(key)
+        if expert is None:
+            shape = (shape[-1],) if key in _FLATTENED_KEYS else shape
+            tensors[layer_tensor_name(index, key)] = (shape, (key,))
+        else:
+            stacked.setdefault(expert[1], []).append(key)
+    for projection, keys in stacked.items():
+        tensors[f"blk.{index}.{_EXPERT_STACKS[projection]}"] = ((len(keys), *shapes[keys[0]]), tuple(keys))
+    return tensors
+
+
+def _split_experts(stacked: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A 3-D stack (tensor, PackedInt4 or KeepDense over [experts * rows, ...]) -> each key's slice."""
+    if isinstance(stacked, KeepDense):
+        return {key: KeepDense(part) for key, part in _split_experts(stacked.weight, keys).items()}
+    if isinstance(stacked, PackedInt4):
+        rows = stacked.shape[0] // len(keys)
+        return {key: stacked.take_rows(torch.arange(e * rows, (e + 1) * rows)) for e, key in enumerate(keys)}
+    return dict(zip(keys, stacked.unbind(0)))
 
 
 class _Int4Handling(Enum):
@@ -147,9 +196,12 @@ class GGUFLoader(WeightLoader):
         if index == 0:
             logger.info("%s: %s", self.path.name, self._load_summary(dtype, for_int4))
         weights = {}
-        for key in layer_shapes(self.config):
-            name = layer_tensor_name(index, key)
-            weights[key] = self._load_for_int4(name, dtype) if for_int4 and _is_linear(key) else self._load(name, dtype)
+        for name, (_, keys) in _layer_tensor_shapes(self.config, index).items():
+            value = self._load_for_int4(name, dtype) if for_int4 and _is_linear(keys[0]) else self._load(name, dtype)
+            if _expert_key(keys[0]) is not None:
+                weights.update(_split_experts(value, keys))
+            else:
+                weights[keys[0]] = value[None] if keys[0] in _FLATTENED_KEYS else value
         if self.config.architecture in _PERMUTED_ARCHITECTURES:
             for key, num_heads in (("q", self.config.num_heads), ("k", self.config.num_kv_heads)):
                 weights[f"{key}_proj"] = _unpermute_rows(weights[f"{key}_proj"], num_heads)
@@ -168,7 +220,7 @@ class GGUFLoader(WeightLoader):
     def _load_packed(self, name: str) -> PackedInt4:
         """The tensor's blocks, uint8 [rows, blocks per row, bytes per block], repacked exactly."""
         tensor = self._tensors[name]
-        rows, _ = _hf_shape(tensor)
+        rows = int(np.prod(_hf_shape(tensor)[:-1]))  # an expert stack's experts' rows one after another
         _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
         blocks = torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, -1, type_size)
         return REPACKERS[tensor.tensor_type](blocks)
@@ -187,9 +239,9 @@ class GGUFLoader(WeightLoader):
                 # the model keeps the embeddings and LM head dense whatever the linear method
                 items.append(f"{role} ({_GLOBAL_NAMES[key]}, {qtype.name}) -> "
                              f"{_read_as(qtype, dtype)}{', kept dense' if for_int4 else ''}")
-        counts = Counter(self._tensors[layer_tensor_name(index, key)].tensor_type
-                         for index in range(self.config.num_layers) for key in layer_shapes(self.config)
-                         if _is_linear(key))
+        counts = Counter(self._tensors[name].tensor_type
+                         for index in range(self.config.num_layers)
+                         for name, (_, keys) in _layer_tensor_shapes(self.config, index).items() if _is_linear(keys[0]))
         for qtype, count in sorted(counts.items(), key=lambda item: (-item[1], item[0].name)):
             becomes = _int4_becomes(qtype, dtype) if for_int4 else _read_as(qtype, dtype)
             items.append(f"{count} {qtype.name} linear weight{'s' if count != 1 else ''} -> {becomes}")
@@ -197,7 +249,10 @@ class GGUFLoader(WeightLoader):
 
     def _check_tensors(self) -> None:
         """Every tensor the config needs is present, of a supported type, and the config's shape."""
-        for name, shape in required_shapes(self.config, _GLOBAL_NAMES, layer_tensor_name).items():
+        required = {_GLOBAL_NAMES[key]: shape for key, shape in global_shapes(self.config).items()}
+        for index in range(self.config.num_layers):
+            required.update({name: shape for name, (shape, _) in _layer_tensor_shapes(self.config, index).items()})
+        for name, shape in required.items():
             tensor = self._tensors.get(name)
             if tensor is None:
                 raise WeightLoadError(f"{self.path}: tensor {name!r} missing")

@@ -16,6 +16,9 @@ from safetensors import SafetensorError, safe_open
 
 from engine.model import ModelConfig
 from engine.weights.base import (
+    MLP_KEYS,
+    ROUTER_KEY,
+    SHARED_EXPERT_GATE_KEY,
     WeightLoader,
     WeightLoadError,
     global_shapes,
@@ -46,11 +49,30 @@ _LAYER_NAMES = {
     "q_bias": "self_attn.q_proj.bias",
     "k_bias": "self_attn.k_proj.bias",
     "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
 }
+# A mixture-of-experts layer's tensors: the family's MoE block module and its experts' projection
+# names (Mixtral: block_sparse_moe.experts.E.w1/w3/w2; the Qwen MoE families: mlp.experts.E.gate_proj/...).
+_MOE_BLOCKS = {"mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
+_DEFAULT_MOE_BLOCK = ("mlp", {key: key for key in MLP_KEYS})
 
 
-def layer_tensor_name(index: int, key: str) -> str:
-    return f"model.layers.{index}.{_LAYER_NAMES[key]}"
+def layer_tensor_name(index: int, key: str, architecture: str = "llama") -> str:
+    """The checkpoint name of layer `index`'s tensor `key` (engine/weights/base.py's keys)."""
+    return f"model.layers.{index}.{_layer_name(key, architecture)}"
+
+
+def _layer_name(key: str, architecture: str) -> str:
+    if key in _LAYER_NAMES:
+        return _LAYER_NAMES[key]
+    block, projections = _MOE_BLOCKS.get(architecture, _DEFAULT_MOE_BLOCK)
+    if key == ROUTER_KEY:
+        return f"{block}.gate.weight"
+    if key == SHARED_EXPERT_GATE_KEY:
+        return f"{block}.shared_expert_gate.weight"
+    module, projection = key.rsplit(".", 1)  # "experts.3" or "shared_expert", then "gate_proj"
+    return f"{block}.{module}.{projections[projection]}.weight"
 
 
 @register_loader("safetensors")
@@ -75,7 +97,10 @@ class SafetensorsLoader(WeightLoader):
 
     def load_layer(self, index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         self._check_layer_index(index)
-        return {key: self._load(layer_tensor_name(index, key), dtype) for key in layer_shapes(self.config)}
+        return {key: self._load(self._tensor_name(index, key), dtype) for key in layer_shapes(self.config, index)}
+
+    def _tensor_name(self, index: int, key: str) -> str:
+        return layer_tensor_name(index, key, self.config.architecture)
 
     def _read_weight_map(self) -> dict[str, Path]:
         index_path = self.directory / INDEX_FILE
@@ -101,7 +126,7 @@ class SafetensorsLoader(WeightLoader):
 
     def _check_tensors(self) -> None:
         """Every tensor the config needs is present and has the config's shape."""
-        for name, shape in required_shapes(self.config, _GLOBAL_NAMES, layer_tensor_name).items():
+        for name, shape in required_shapes(self.config, _GLOBAL_NAMES, self._tensor_name).items():
             shard = self._shard_of.get(name)
             if shard is None:
                 why = " (config.json says tie_word_embeddings is false)" if name == _GLOBAL_NAMES["lm_head"] else ""

@@ -70,18 +70,37 @@ class WeightFormat:
         return [rows * in_features // 2, params, params]  # codes, scales, mins
 
 
+# A MoE layer's weights the engine keeps dense whatever the format (engine/model/moe.py): tiny,
+# and a rounding there changes which experts a token gets.
+ALWAYS_DENSE_LINEARS = frozenset({"router", "shared_expert_gate"})
+
+
 def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
-    """[out, in] of each linear weight of a layer, in image order (fused QKV and gate/up)."""
+    """[out, in] of each linear weight of a layer, in image order (fused QKV and gate/up; a MoE
+    layer's router, then each expert's gate/up and down, then the shared expert's)."""
     hidden = shape.hidden_size
-    return {"qkv": (shape.q_size + 2 * shape.kv_size, hidden), "o_proj": (hidden, shape.q_size),
-            "gate_up": (2 * shape.intermediate_size, hidden), "down": (hidden, shape.intermediate_size)}
+    shapes = {"qkv": (shape.q_size + 2 * shape.kv_size, hidden), "o_proj": (hidden, shape.q_size)}
+    if not shape.is_moe:
+        return {**shapes, **_mlp_shapes("", hidden, shape.intermediate_size)}
+    shapes["router"] = (shape.num_experts, hidden)
+    for expert in range(shape.num_experts):
+        shapes.update(_mlp_shapes(f"experts.{expert}.", hidden, shape.expert_intermediate_size))
+    if shape.shared_expert_intermediate_size:
+        shapes.update(_mlp_shapes("shared_expert.", hidden, shape.shared_expert_intermediate_size))
+        shapes["shared_expert_gate"] = (1, hidden)
+    return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[int, int]]:
+    return {f"{prefix}gate_up": (2 * intermediate, hidden), f"{prefix}down": (hidden, intermediate)}
 
 
 def layer_image_bytes(shape: ModelShape, fmt: WeightFormat) -> int:
     """One decoder layer's linear weights (and QKV bias) as an image."""
+    dense = WeightFormat("none", fmt.dtype_bytes)
     sizes: list[int] = []
     for name, (out_features, in_features) in linear_shapes(shape).items():
-        sizes += fmt.linear_tensor_bytes(out_features, in_features)
+        sizes += (dense if name in ALWAYS_DENSE_LINEARS else fmt).linear_tensor_bytes(out_features, in_features)
         if name == "qkv" and shape.attention_bias:
             sizes.append(out_features * fmt.dtype_bytes)
     return image_layout(sizes)[1]
@@ -108,6 +127,10 @@ def activation_peak_bytes(shape: ModelShape, fmt: WeightFormat, num_tokens: int,
     p, d, inter = fmt.dtype_bytes, shape.hidden_size, shape.intermediate_size
     attention = num_tokens * (2 * d + 2 * shape.q_size + 2 * shape.kv_size) * p  # hidden, normed, qkv, out
     mlp = num_tokens * (2 * d + 3 * inter) * p  # hidden, normed, gate/up, silu(gate) * up
+    if shape.is_moe:  # one expert at a time over at most every token, beside the output being summed
+        inter = max(shape.expert_intermediate_size, shape.shared_expert_intermediate_size)
+        routing = num_tokens * shape.num_experts * LOGITS_BYTES  # fp32 router probabilities
+        mlp = num_tokens * (4 * d + 3 * inter) * p + routing  # + the rows gathered and the sum
     head = num_logit_rows * (d * p + shape.vocab_size * (p + LOGITS_BYTES))
     scratch = 0
     if fmt.quantization == "int4" and num_tokens > INT4_KERNEL_MAX_ROWS:

@@ -19,6 +19,7 @@ from scheduler.block_pool import BlockPool, blocks_for
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence, Tier
 from scheduler.scheduler import IterationPlan, PlanMode, ScheduledSeq, Swap
+from tiny_moe import randomize_routers_norms_and_biases
 
 BLOCK_SIZE = 4
 TOLERANCE = 1e-4
@@ -32,12 +33,23 @@ DEVICES = ["cpu",
            pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+# The pipeline drives a model's stages only: a dense Llama, and a Qwen3-MoE (routed experts, per-head Q/K norms).
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "qwen3-moe": (transformers.Qwen3MoeConfig, dict(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                                                    norm_topk_prob=True, head_dim=16)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def tiny_model(request, tmp_path_factory):
+    config_cls, extra = FAMILIES[request.param]
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(
-        transformers.LlamaConfig(**TINY), torch_dtype=torch.float32, attn_implementation="eager").eval()
-    path = tmp_path_factory.mktemp("tiny-llama")
+        config_cls(**TINY, **extra), torch_dtype=torch.float32, attn_implementation="eager").eval()
+    if extra:
+        randomize_routers_norms_and_biases(hf_model)
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     hf_model.save_pretrained(path, safe_serialization=True)
     return hf_model, str(path)
 

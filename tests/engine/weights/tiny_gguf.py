@@ -60,6 +60,21 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def new_gguf_writer(path: Path, architecture: str, config: ModelConfig) -> gguf.GGUFWriter:
+    """A writer of `architecture` with the metadata llama.cpp reads a model's shape from."""
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    return writer
+
+
 def write_tiny_gguf(path: Path, architecture: str = "llama", qtype: QType = QType.F32, tie: bool = False,
                     skip: tuple[str, ...] = (), types: dict[str, QType] | None = None,
                     seed: int = 0) -> tuple[dict, str]:
@@ -77,16 +92,7 @@ def write_tiny_gguf(path: Path, architecture: str = "llama", qtype: QType = QTyp
         rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=tie,
         attention_bias=architecture == "qwen2", **GGUF_SHAPE,
     )
-    writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_block_count(config.num_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    writer = new_gguf_writer(path, architecture, config)
 
     last_name = ""
 
