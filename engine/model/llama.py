@@ -45,17 +45,22 @@ class LayerWeights:
         def make(weight, bias: torch.Tensor | None = None) -> LinearWeight:
             return linear.create_weight(weight, bias, dtype=dtype, device=device, layout_device=layout_device)
 
-        bias = None
-        if "q_bias" in w:
-            bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])
         return cls(
             input_norm=w["input_layernorm"].to(device),
-            qkv=make(fuse([w["q_proj"], w["k_proj"], w["v_proj"]]), bias),
-            o_proj=make(w["o_proj"]),
             post_norm=w["post_attention_layernorm"].to(device),
+            **attention_linears(w, make),
             gate_up=make(fuse([w["gate_proj"], w["up_proj"]])),
             down=make(w["down_proj"]),
         )
+
+
+def attention_linears(w: dict, make) -> dict[str, LinearWeight]:
+    """A loaded layer's attention projections as weight objects, `make(weight, bias)` making each:
+    qkv (Q, K and V fused, with Qwen2's biases) and o_proj."""
+    bias = None
+    if "q_bias" in w:
+        bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])
+    return {"qkv": make(fuse([w["q_proj"], w["k_proj"], w["v_proj"]]), bias), "o_proj": make(w["o_proj"])}
 
 
 class LayerStore:
@@ -80,6 +85,10 @@ class LayerStore:
     def start(self) -> None:
         """Every layer is built: allocate what serving needs."""
 
+    def use_accelerator(self, accelerator) -> None:
+        """The engine.execution.queues.AcceleratorQueue the forward's accelerator work runs on,
+        given before any layer is built (a sliced MLP hands its CPU part through it)."""
+
     def acquire(self, layer: int) -> None:
         """The layer's weights are about to be used on the accelerator."""
 
@@ -96,6 +105,11 @@ class LayerStore:
     def transfer_stats(self):
         """Running totals of streamed bytes and transfer and stall seconds (a snapshot), or None
         where nothing streams."""
+        return None
+
+    def mlp_cpu_s(self) -> float | None:
+        """Running total of seconds the CPU computed MLP parts (sliced MLPs' CC), or None where
+        it computes none."""
         return None
 
     def close(self) -> None:
@@ -168,8 +182,8 @@ class LlamaModel:
         if not self.config.tie_word_embeddings:
             linears.append(self.lm_head)
         for weight in linears:
-            for part in weight.parts:
-                count(part.format, weight.tier, part.nbytes)
+            for part, tier in weight.placed_parts():
+                count(part.format, tier, part.nbytes)
         return totals
 
     # ---- stages ---------------------------------------------------------------------------
