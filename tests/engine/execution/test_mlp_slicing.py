@@ -14,6 +14,7 @@ import transformers
 from engine.execution import ModelRunner
 from engine.execution.mlp_slicing import SlicedDown, SlicedGateUp, create_sliced_layer_store, slice_mlp
 from engine.execution.queues import WorkerThreadQueue
+from engine.quant.dense import DenseWeight
 from engine.quant.int4 import PackedInt4
 from engine.weights import create_loader
 from kernels.cpu import int4 as int4_kernels
@@ -214,3 +215,38 @@ def test_the_testbed_runs_host_work_on_the_waiting_thread():
         assert queue.submit(lambda: 2).result() == 2
     finally:
         queue.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", on_testbed("testbed")])
+def test_a_failed_cpu_part_fails_its_forward_and_the_next_one_computes(tiny_model, device):
+    """CC's error (here a down weight of the wrong shape) reaches the forward that waits for it,
+    on the accelerator's side; the runner recovers and the next forward is right again."""
+    hf_model, path = tiny_model
+    runner = sliced_runner(path, (MIXED,) * NUM_LAYERS, device)
+    try:
+        mlp = sliced_store(runner).mlps[1]
+        good = mlp.slices["cc"]["down"]
+        mlp.slices["cc"]["down"] = DenseWeight(torch.zeros(TINY["hidden_size"], 3), None)
+        forwards = steps(runner)
+        with pytest.raises(RuntimeError):
+            next(forwards)
+        mlp.slices["cc"]["down"] = good
+        for tokens, logits in next(steps(runner)):
+            torch.testing.assert_close(logits, hf_last_logits(hf_model, tokens), atol=TOLERANCE, rtol=TOLERANCE)
+    finally:
+        runner.close()
+
+
+def test_a_sliced_down_needs_its_gate_up_first(tiny_model):
+    _, path = tiny_model
+    runner = sliced_runner(path, (MIXED,) * NUM_LAYERS)
+    try:
+        down, store = runner.model.layers[0].down, sliced_store(runner)
+        with pytest.raises(RuntimeError, match="layer 0's weights are not on the accelerator"):  # CG's
+            down.apply(torch.zeros(2, down.in_features))
+        store.acquire(0)
+        with pytest.raises(RuntimeError, match="layer 0's sliced down was applied before its gate_up"):
+            down.apply(torch.zeros(2, down.in_features))
+        store.release(0)
+    finally:
+        runner.close()
