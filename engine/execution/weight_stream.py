@@ -163,7 +163,8 @@ class StreamedLayers(LayerStore):
         self.budget_bytes = accelerator_weight_budget_bytes
         self.used_bytes = global_weight_bytes  # embeddings, LM head, norms: resident always
         self.tiers = list(layout.tiers)
-        self._streamed: dict[int, _StreamedLayer] = {}  # what streams of each layer that has something streamed
+        # layers with streamed weights -> what streams (the whole layer, or a sliced MLP's CG part)
+        self._streamed: dict[int, _StreamedLayer] = {}
         self._bindings: dict[int, _Binding] = {}
         self.stats = StreamStats()
         self._buffers: list[_Buffer] = []

@@ -48,6 +48,11 @@ def on_testbed(*values):
     return pytest.param(*values, marks=pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores"))
 
 
+ON_CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the copy stream and the deferred CPU part on CUDA "
+    "run only where a GPU is lent"))
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     torch.manual_seed(0)
@@ -118,7 +123,7 @@ def check_the_parts_ran(runner: ModelRunner, rates, device: str) -> None:
     assert runner.model.native is None  # the C++ whole-layer decoder never runs over sliced layers
 
 
-@pytest.mark.parametrize("device", ["cpu", on_testbed("testbed")])
+@pytest.mark.parametrize("device", ["cpu", on_testbed("testbed"), ON_CUDA])
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 def test_sliced_logits_match_hf(tiny_model, placement, device):
     hf_model, path = tiny_model
@@ -127,7 +132,8 @@ def test_sliced_logits_match_hf(tiny_model, placement, device):
     try:
         for rows in steps(runner):
             for tokens, logits in rows:
-                torch.testing.assert_close(logits, hf_last_logits(hf_model, tokens), atol=TOLERANCE, rtol=TOLERANCE)
+                torch.testing.assert_close(logits.cpu(), hf_last_logits(hf_model, tokens), atol=TOLERANCE,
+                                           rtol=TOLERANCE)
         check_the_parts_ran(runner, rates, device)
     finally:
         runner.close()
