@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.model.config import ConfigError
 from scheduler.neo import NeoKnobs
+from scheduler.placement.slicing import SliceRates
 
 # Compute dtype names a user may give -> torch's names for them (the short ones are aliases).
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -52,6 +53,17 @@ def _require_choice(config: object, name: str, choices: tuple[str, ...]) -> None
     value = getattr(config, name)
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _parse_slice_rates(text: str) -> SliceRates:
+    """--mlp-slicing CC,CG: the CPU-computed and streamed fractions; the rest is resident."""
+    try:
+        cc, cg = (float(part) for part in text.split(","))
+        return SliceRates(cc, cg, max(0.0, 1.0 - cc - cg))
+    except ValueError as exc:
+        raise ConfigError(f"--mlp-slicing takes off or CC,CG: two fractions in [0, 1] summing to at most 1 "
+                          f"(the CPU-computed and the streamed share of each MLP), e.g. 0.25,0.5; got "
+                          f"{text!r} ({exc})") from None
 
 
 def _blocks_in(memory_gib: float, block_bytes: int) -> int:
@@ -167,6 +179,10 @@ class WeightsConfig:
     num_io_threads: int = field(default=4, metadata={FLAT_NAME: "weight_io_threads"})  # disk reads in flight
     # the decode the planner's throughput estimate is for: tokens a sequence holds; None: max_model_len
     expected_context_len: int | None = None
+    # ScheInfer's MLP slicing (engine/execution/mlp_slicing.py): "off"; "CC,CG", the fractions of
+    # every layer's MLP units computed on the CPU and streamed to the accelerator (the rest stays
+    # resident), e.g. "0.25,0.5"; or one SliceRates per layer
+    mlp_slicing: str | tuple[SliceRates, ...] = "off"
 
     def __post_init__(self) -> None:
         _require_choice(self, "placement", WEIGHT_PLACEMENTS)
@@ -181,6 +197,23 @@ class WeightsConfig:
                               "--offload-dir")
         if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
             raise ConfigError(f"offload_dir must be a directory path, got {self.offload_dir!r}")
+        self.slice_rates(None)  # raises ConfigError for a value it cannot read
+
+    def slice_rates(self, num_layers: int | None) -> tuple[SliceRates, ...] | None:
+        """Each of `num_layers` layers' MLP slice rates, or None when slicing is off (None layers:
+        only check the setting)."""
+        value = self.mlp_slicing
+        if value == "off":
+            return None
+        if isinstance(value, str):
+            rates = _parse_slice_rates(value)
+            return None if num_layers is None else (rates,) * num_layers
+        if not isinstance(value, (tuple, list)) or not all(isinstance(r, SliceRates) for r in value):
+            raise ConfigError(f"mlp_slicing must be off, CC,CG (e.g. 0.25,0.5) or one SliceRates per layer, "
+                              f"got {value!r}")
+        if num_layers is not None and len(value) != num_layers:
+            raise ConfigError(f"mlp_slicing gives slice rates for {len(value)} layers, but the model has {num_layers}")
+        return tuple(value)
 
     @property
     def streaming_requested(self) -> bool:

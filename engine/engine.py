@@ -20,6 +20,7 @@ import torch
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.execution import CoreAssignment, ModelRunner
 from engine.execution.weight_plan import conversion_key, plan_weights
+from engine.execution.mlp_slicing import create_sliced_layer_store
 from engine.execution.weight_stream import create_layer_store
 from engine.kv import KVCache
 from engine.model import ConfigError, ModelConfig
@@ -71,6 +72,8 @@ class IterationStats:
     weight_transfer_time: float = 0.0  # loading streamed layers (overlapping the forward)
     weight_stall_time: float = 0.0  # the accelerator waiting for a streamed layer's weights
     weight_bytes_streamed: dict[str, int] = field(default_factory=dict)  # by tier (host, disk)
+    # ---- MLP slicing (ScheInfer): the CG parts' bytes are in weight_bytes_streamed["host"] ------
+    mlp_cpu_time: float = 0.0  # the CPU computing its MLP parts (CC)
 
 
 class LLMEngine:
@@ -122,19 +125,23 @@ class LLMEngine:
         self.stats = IterationStats()
 
     def _layer_store_factory(self, loader):
-        """How the runner builds its layer store under the placement (None: all resident)."""
+        """How the runner builds its layer store under the placement and the MLP slicing (None:
+        all resident)."""
         placement, config = self.placement, self.config
-        if placement is None:
-            return None
         weights = config.weights
+        slice_rates = weights.slice_rates(self.model_config.num_layers)
+        if placement is None and slice_rates is None:
+            return None
         files = None
-        if placement.num_layers_in(TIER_DISK):
+        if placement is not None and placement.num_layers_in(TIER_DISK):
             key = conversion_key(config, loader.source, self.dtype)
             files = LayerFiles(weights.offload_dir, key, self.model_config.num_layers)
         budget = None if weights.accelerator_gib is None else int(weights.accelerator_gib * GIB_BYTES)
-        return functools.partial(create_layer_store, placement, files=files, num_io_threads=weights.num_io_threads,
-                                 accelerator_weight_budget_bytes=budget,
-                                 global_weight_bytes=placement.memory.global_bytes)
+        options = dict(files=files, num_io_threads=weights.num_io_threads, accelerator_weight_budget_bytes=budget,
+                       global_weight_bytes=placement.memory.global_bytes if placement is not None else 0)
+        if slice_rates is not None:
+            return functools.partial(create_sliced_layer_store, slice_rates, placement, **options)
+        return functools.partial(create_layer_store, placement, **options)
 
     def _load_cost_model(self, loader, dtype: torch.dtype) -> CostModel:
         """Cost tables from the given file, else this machine's profile (measured once per key);
@@ -243,9 +250,12 @@ class LLMEngine:
         for scheduled in plan.prefills:
             metrics = self._requests[scheduled.sequence.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        streamed_before = self.runner.model.layer_store.transfer_stats()
+        store = self.runner.model.layer_store
+        streamed_before, mlp_cpu_before = store.transfer_stats(), store.mlp_cpu_s()
         output = self.runner.execute(plan)
         stats.forward_time = output.forward_time
+        if mlp_cpu_before is not None:
+            stats.mlp_cpu_time = store.mlp_cpu_s() - mlp_cpu_before
         if streamed_before is not None:
             self._record_streaming(stats, streamed_before, self.runner.model.layer_store.transfer_stats())
         if output.pipeline is not None:

@@ -135,6 +135,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     weights.add_argument("--weight-io-threads", type=int, default=4, help="disk reads in flight per layer load")
     weights.add_argument("--expected-context-len", type=int, default=None,
                          help="tokens per sequence the placement's throughput estimate assumes (default: max-model-len)")
+    weights.add_argument("--mlp-slicing", default="off",
+                         help="ScheInfer's MLP slicing: off, or CC,CG: the fractions of each layer's MLP computed "
+                              "on the CPU and streamed to the accelerator (the rest resident), e.g. 0.25,0.5")
 
 
 def engine_config(args: argparse.Namespace, **overrides):
@@ -153,7 +156,8 @@ def engine_config(args: argparse.Namespace, **overrides):
         cost_tables=args.cost_tables, profile_cache_dir=args.profile_cache_dir, show_progress=True,
         weight_placement=args.weight_placement, weights_gpu_gib=args.weights_gpu_gib,
         weights_cpu_gib=args.weights_cpu_gib, offload_dir=args.offload_dir, weight_pipeline=args.weight_pipeline,
-        weight_io_threads=args.weight_io_threads, expected_context_len=args.expected_context_len), **overrides})
+        weight_io_threads=args.weight_io_threads, expected_context_len=args.expected_context_len,
+        mlp_slicing=args.mlp_slicing), **overrides})
 
 
 def profile(args: argparse.Namespace) -> int:

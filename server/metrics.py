@@ -97,6 +97,9 @@ class Metrics:
         self.iteration_compute = histogram(
             "iteration_compute_seconds", "Per iteration with streamed layers: forward time less weight stalls.",
             _LATENCY_BUCKETS)
+        # ---- MLP slicing (ScheInfer): CG's bytes are weight_streamed_bytes{tier="host"} ----------------
+        self.mlp_cpu_seconds = counter(
+            "mlp_cpu_seconds", "Time the CPU computed its slices of the MLPs (CC), beside the accelerator's.")
         self._last_token_time: dict[str, float] = {}
 
     def request_success(self, finished_reason: str):
@@ -117,6 +120,7 @@ class Metrics:
             self._swapped_blocks.labels(name, "in").inc(stats.num_blocks_swapped_in)
             self.cpu_attention_seconds.inc(stats.cpu_attention_time)
             self.pipeline_cpu_wait_seconds.inc(stats.cpu_wait_time)
+            self.mlp_cpu_seconds.inc(stats.mlp_cpu_time)
             self.forward_seconds.observe(stats.forward_time)
             if stats.estimated_time is not None and stats.forward_time > 0:
                 self.cost_model_error.observe(abs(stats.forward_time - stats.estimated_time) / stats.forward_time)

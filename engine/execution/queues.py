@@ -14,9 +14,17 @@ result. Three implementations:
 - `CudaStreamQueue`: work is launched at once on the compute stream (launches are asynchronous);
   copies between the pools go on a side stream ordered by events; `Future.result()` waits on an
   event. Untested on real hardware in CI (no GPU there).
+
+Accelerator work may hand work back to the CPU side (ScheInfer's CPU-computed MLP slice,
+engine/execution/mlp_slicing.py): `run_on_host` runs it on the engine thread, the one that
+conducts the forward, and `copy_to_host` starts the activations' hop there. On the testbed the
+accelerator thread queues it and the engine thread runs it while it waits on a future; on CUDA and
+inline the engine thread itself runs the accelerator's work (launches), so the host work runs when
+its result is first asked for, after the accelerator's share was launched.
 """
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
@@ -42,6 +50,23 @@ class Future:
         return self._value
 
 
+class DeferredFuture(Future):
+    """Work that runs on the thread that first asks for its result, once."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__(self._run_once)
+        self._fn: Callable[[], Any] | None = fn
+
+    def _run_once(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is None:
+            return
+        try:
+            self._value = fn()
+        except BaseException as exc:  # raised by result(), now and on every later call
+            self._error = exc
+
+
 class AcceleratorQueue(ABC):
     """Runs submitted callables on the accelerator, in submission order."""
 
@@ -54,6 +79,20 @@ class AcceleratorQueue(ABC):
     def submit_copy(self, fn: Callable[[], Any]) -> Future:
         """Queue pool-to-pool copies (swaps). Ordered before every later `submit`."""
         return self.submit(fn)
+
+    def run_on_host(self, fn: Callable[[], Any]) -> Future:
+        """`fn` on the CPU side (the engine thread), for accelerator work that hands part of its
+        work to the CPU; the accelerator's work waits on the future where it needs the value. Here:
+        run when the result is first asked for (the caller conducts the accelerator, so by then it
+        has launched what overlaps)."""
+        return DeferredFuture(fn)
+
+    def copy_to_host(self, tensor: torch.Tensor) -> Future:
+        """Start copying an accelerator tensor to host memory (ordered after the work that makes
+        it); the future's value is the host copy. Here the accelerator's memory is the host's."""
+        future = Future()
+        future._value = tensor
+        return future
 
     def synchronize(self) -> None:
         self.submit(lambda: None).result()
@@ -80,7 +119,11 @@ class InlineQueue(AcceleratorQueue):
 
 
 class WorkerThreadQueue(AcceleratorQueue):
-    """The host-only testbed's accelerator: one thread, its own cores, its own torch threads."""
+    """The host-only testbed's accelerator: one thread, its own cores, its own torch threads.
+
+    Work the accelerator thread hands to the host (`run_on_host`) is queued for the engine thread,
+    which runs it while it waits on any of this queue's futures: the engine thread is the CPU side
+    (its cores, its thread count), and a forward's engine thread always comes back to wait."""
 
     def __init__(self, cores: set[int] | None, num_threads: int, name: str = "tandem-accelerator") -> None:
         if num_threads < 1:
@@ -92,6 +135,9 @@ class WorkerThreadQueue(AcceleratorQueue):
         # The first error of a forward: later items depend on the failed one, so they are skipped
         # and fail with it instead of computing on half-written tensors. Cleared by `recover`.
         self._error: BaseException | None = None
+        # host work from the accelerator thread, and what wakes a waiter: that work or an item done
+        self._host_work: collections.deque = collections.deque()
+        self._wakeup = threading.Condition()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -117,15 +163,46 @@ class WorkerThreadQueue(AcceleratorQueue):
                         future._value = fn()
                 except BaseException as exc:  # handed to whoever waits on this or a later future
                     self._error = future._error = exc
-            done.set()
+            with self._wakeup:
+                done.set()
+                self._wakeup.notify_all()
 
     def submit(self, fn):
         if not self._thread.is_alive():
             raise RuntimeError("the accelerator thread has stopped")
         done = threading.Event()
-        future = Future(done.wait)
+        future = Future(lambda: self._wait_serving_host(done))
         self._items.put((fn, future, done))
         return future
+
+    def run_on_host(self, fn):
+        if threading.current_thread() is not self._thread:
+            return super().run_on_host(fn)  # called from the CPU side already
+        done = threading.Event()
+        future = Future(done.wait)
+        with self._wakeup:
+            self._host_work.append((fn, future, done))
+            self._wakeup.notify_all()
+        return future
+
+    def _wait_serving_host(self, done: threading.Event) -> None:
+        """Wait for an item, running the host work the accelerator thread queues meanwhile."""
+        if threading.current_thread() is self._thread:  # only ever on work already done
+            done.wait()
+            return
+        while True:
+            with self._wakeup:
+                while not done.is_set() and not self._host_work:
+                    self._wakeup.wait()
+                if not self._host_work:
+                    return
+                fn, future, host_done = self._host_work.popleft()
+            try:
+                with torch.inference_mode():
+                    future._value = fn()
+            except BaseException as exc:  # the accelerator's work that waits on it fails with it
+                future._error = exc
+            host_done.set()
 
     def recover(self) -> None:
         self.submit(_RECOVER).result()
@@ -159,3 +236,16 @@ class CudaStreamQueue(AcceleratorQueue):
 
     def submit_copy(self, fn):
         return self._launch(fn, self.copies, self.compute)
+
+    def copy_to_host(self, tensor):
+        # on the copy stream, after the compute that makes `tensor`, into pinned memory
+        self.copies.wait_stream(self.compute)
+        with torch.cuda.stream(self.copies):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copies)
+        tensor.record_stream(self.copies)  # not reused by the compute stream before the copy is done
+        future = Future(event.synchronize)
+        future._value = host
+        return future

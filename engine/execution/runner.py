@@ -68,6 +68,8 @@ class ModelRunner:
         self.device = self.accelerator.device
         self.block_size = block_size
         store = layer_store(self.device, self.cores) if layer_store is not None else None
+        if store is not None:
+            store.use_accelerator(self.accelerator)
         try:
             self.model = create_model(config, loader, dtype, self.device, max_model_len,
                                       create_decode_backend(decode_backend, str(self.device)),

@@ -116,6 +116,24 @@ class _StreamedLayer:
     file: OpenFile | None = None  # disk tier
 
 
+@dataclass(frozen=True)
+class StreamLayout:
+    """What a store of streamed weights needs of a placement: each layer's tier, how many
+    accelerator buffers the ring has, and the bytes of one (the planner's estimate, reserved
+    against the weight budget while layers are built; the ring itself is sized from the images)."""
+
+    tiers: tuple[str, ...]
+    num_buffers: int
+    buffer_bytes: int
+
+    @classmethod
+    def of(cls, placement: WeightPlacement) -> "StreamLayout":
+        return cls(tuple(placement.tiers), placement.num_buffers, placement.layer_bytes)
+
+    def num_layers_in(self, tier: str) -> int:
+        return sum(t == tier for t in self.tiers)
+
+
 @dataclass
 class StreamStats:
     """Running totals since start (seconds, bytes); the engine reports per-iteration deltas."""
@@ -132,19 +150,20 @@ class StreamStats:
 class StreamedLayers(LayerStore):
     weights_stay_put = False  # streamed layers' weights are rebound to ring buffers as they come
 
-    def __init__(self, placement: WeightPlacement, device: torch.device, copy_engine: CopyEngine,
+    def __init__(self, layout: StreamLayout, device: torch.device, copy_engine: CopyEngine,
                  files: LayerFiles | None = None, reader: DirectReader | None = None,
                  accelerator_weight_budget_bytes: int | None = None, global_weight_bytes: int = 0) -> None:
         super().__init__(device)
-        if placement.num_layers_in(TIER_DISK) and (files is None or reader is None):
+        if layout.num_layers_in(TIER_DISK) and (files is None or reader is None):
             raise ValueError("disk-placed layers need the offload directory's files and a reader")
-        self.placement = placement
+        self.layout = layout
         self.copy_engine = copy_engine
         self.files = files
         self.reader = reader
         self.budget_bytes = accelerator_weight_budget_bytes
         self.used_bytes = global_weight_bytes  # embeddings, LM head, norms: resident always
-        self.tiers = list(placement.tiers)
+        self.tiers = list(layout.tiers)
+        # layers with streamed weights -> what streams (the whole layer, or a sliced MLP's CG part)
         self._streamed: dict[int, _StreamedLayer] = {}
         self._bindings: dict[int, _Binding] = {}
         self.stats = StreamStats()
@@ -168,27 +187,37 @@ class StreamedLayers(LayerStore):
         norms = dict(input_norm=host.input_norm.to(self.device), post_norm=host.post_norm.to(self.device))
         if self.tiers[index] == TIER_ACCELERATOR:
             if self._fits(image.nbytes):
-                self.used_bytes += image.nbytes
-                buffer = self.copy_engine.allocate_buffer(image.nbytes)
-                self.copy_engine.copy(buffer, built.data)
-                return LayerWeights(**norms, **image.bind(templates, buffer))
+                return LayerWeights(**norms, **self._resident(image, templates, built.data))
             logger.info("layer %d: %.1f MiB more than the planner counted leave no room on the accelerator; "
                         "streamed from host memory instead", index, image.nbytes / 2**20)
             self.tiers[index] = TIER_HOST
-        layer = _StreamedLayer(self.tiers[index], image, templates)
-        if layer.tier == TIER_HOST:
-            layer.host_data = built.data
+        return LayerWeights(**norms, **self._stream(index, self.tiers[index], image, templates, built.data))
+
+    def _resident(self, image: LayerImage, templates: dict[str, LinearWeight],
+                  data: torch.Tensor) -> dict[str, LinearWeight]:
+        """Weights copied from their host image into an accelerator buffer of their own, bound there."""
+        self.used_bytes += image.nbytes
+        buffer = self.copy_engine.allocate_buffer(image.nbytes)
+        self.copy_engine.copy(buffer, data)
+        return image.bind(templates, buffer)
+
+    def _stream(self, index: int, tier: str, image: LayerImage, templates: dict[str, LinearWeight],
+                data: torch.Tensor) -> dict[str, LinearWeight]:
+        """Layer `index`'s weights in `image` (host bytes `data`) streamed from `tier` each time the
+        layer is acquired: the StreamedWeights that apply them, by name."""
+        layer = _StreamedLayer(tier, image, templates)
+        if tier == TIER_HOST:
+            layer.host_data = data
         else:
-            layer.file = self._store_on_disk(index, image, built.data)
+            layer.file = self._store_on_disk(index, image, data)
         self._streamed[index] = layer
         binding = self._bindings[index] = _Binding(index)
-        proxies = {name: StreamedWeight(binding, name, layer.templates[name], layer.tier) for name in LINEAR_NAMES}
-        return LayerWeights(**norms, **proxies)
+        return {name: StreamedWeight(binding, name, template, tier) for name, template in templates.items()}
 
     def _fits(self, nbytes: int) -> bool:
         if self.budget_bytes is None:
             return True
-        reserved = self.placement.num_buffers * self.placement.layer_bytes  # the ring, allocated at start
+        reserved = self.layout.num_buffers * self.layout.buffer_bytes  # the ring, allocated at start
         return self.used_bytes + nbytes + reserved <= self.budget_bytes
 
     def _store_on_disk(self, index: int, image: LayerImage, data: torch.Tensor) -> OpenFile:
@@ -203,11 +232,11 @@ class StreamedLayers(LayerStore):
     def start(self) -> None:
         """Allocate the ring (and disk staging) for the largest streamed image; start loading."""
         self.copy_engine.synchronize()  # resident layers' copies
-        self._order = [i for i, tier in enumerate(self.tiers) if tier != TIER_ACCELERATOR]
+        self._order = sorted(self._streamed)
         if not self._order:
             return
         buffer_bytes = max(self._streamed[i].image.nbytes for i in self._order)
-        num_buffers = max(1, min(self.placement.num_buffers, len(self._order)))
+        num_buffers = max(1, min(self.layout.num_buffers, len(self._order)))
         total = self.used_bytes + num_buffers * buffer_bytes
         if self.budget_bytes is not None and total > self.budget_bytes:
             raise ConfigError(f"weights on the accelerator take {total / 2**30:.2f} GiB ({num_buffers} layer buffers "
@@ -228,7 +257,7 @@ class StreamedLayers(LayerStore):
 
     # ---- the compute side (the accelerator's thread) ---------------------------------------------
     def acquire(self, layer: int) -> None:
-        if self.tiers[layer] == TIER_ACCELERATOR:
+        if layer not in self._streamed:
             return
         expected = self._order[self._next_use % len(self._order)]
         if layer != expected:
@@ -246,7 +275,7 @@ class StreamedLayers(LayerStore):
         self._next_use += 1
 
     def release(self, layer: int) -> None:
-        if self.tiers[layer] == TIER_ACCELERATOR:
+        if layer not in self._streamed:
             return
         buffer = self._buffers[self._next_release % len(self._buffers)]
         if buffer.layer != layer or self._next_release >= self._next_use:
@@ -346,13 +375,20 @@ class StreamedLayers(LayerStore):
 def create_layer_store(placement: WeightPlacement, device: torch.device, cores: CoreAssignment,
                        files: LayerFiles | None, num_io_threads: int,
                        accelerator_weight_budget_bytes: int | None, global_weight_bytes: int) -> StreamedLayers:
-    """The store for `placement` on `device`: transfer threads on the host-side cores (all of
-    them where the accelerator has none of its own), disk reads `num_io_threads` at a time."""
+    """The store for `placement` on `device`."""
+    layout = StreamLayout.of(placement)
+    engine, reader = create_transfer(layout, device, cores, num_io_threads)
+    return StreamedLayers(layout, device, engine, files, reader, accelerator_weight_budget_bytes, global_weight_bytes)
+
+
+def create_transfer(layout: StreamLayout, device: torch.device, cores: CoreAssignment,
+                    num_io_threads: int) -> tuple[CopyEngine, DirectReader | None]:
+    """The copy engine and (with disk-placed layers) the disk reader a store streams with:
+    transfer threads on the host-side cores (all of them where the accelerator has none of its
+    own), disk reads `num_io_threads` at a time."""
     host_cores = cores.cpu_attention_cores or None
-    num_copy_threads = len(cores.cpu_attention_cores) or 1
-    engine = create_copy_engine(device, num_copy_threads, host_cores)
+    engine = create_copy_engine(device, len(cores.cpu_attention_cores) or 1, host_cores)
     reader = None
-    if placement.num_layers_in(TIER_DISK):
+    if layout.num_layers_in(TIER_DISK):
         reader = DirectReader(num_io_threads, initializer=pin_to(host_cores))
-    return StreamedLayers(placement, device, engine, files, reader, accelerator_weight_budget_bytes,
-                          global_weight_bytes)
+    return engine, reader

@@ -41,18 +41,20 @@ def linear_maker(linear: LinearMethod, dtype: torch.dtype, device: torch.device,
     return make
 
 
-def attention_weights(w: dict, make: Make, device: torch.device) -> dict:
-    """The attention half of a decoder layer from a loader's layer: its norms, the fused QKV
-    (with Qwen2's bias) and the O-projection, as LayerWeights' fields of those names."""
+def attention_linears(w: dict, make: Make) -> dict[str, LinearWeight]:
+    """A loaded layer's attention projections as weight objects: the fused QKV (with Qwen2's
+    bias) and the O-projection, as LayerWeights' fields of those names."""
     bias = None
     if "q_bias" in w:
         bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])
-    return dict(
-        input_norm=w["input_layernorm"].to(device),
-        qkv=make(fuse([w["q_proj"], w["k_proj"], w["v_proj"]]), bias),
-        o_proj=make(w["o_proj"]),
-        post_norm=w["post_attention_layernorm"].to(device),
-    )
+    return {"qkv": make(fuse([w["q_proj"], w["k_proj"], w["v_proj"]]), bias), "o_proj": make(w["o_proj"])}
+
+
+def attention_weights(w: dict, make: Make, device: torch.device) -> dict:
+    """The attention half of a decoder layer from a loader's layer: its norms on `device` and its
+    projections (attention_linears)."""
+    return dict(input_norm=w["input_layernorm"].to(device), post_norm=w["post_attention_layernorm"].to(device),
+                **attention_linears(w, make))
 
 
 @dataclass
@@ -105,6 +107,10 @@ class LayerStore:
     def start(self) -> None:
         """Every layer is built: allocate what serving needs."""
 
+    def use_accelerator(self, accelerator) -> None:
+        """The engine.execution.queues.AcceleratorQueue the forward's accelerator work runs on,
+        given before any layer is built (a sliced MLP hands its CPU part through it)."""
+
     def acquire(self, layer: int) -> None:
         """The layer's weights are about to be used on the accelerator."""
 
@@ -121,6 +127,11 @@ class LayerStore:
     def transfer_stats(self):
         """Running totals of streamed bytes and transfer and stall seconds (a snapshot), or None
         where nothing streams."""
+        return None
+
+    def mlp_cpu_s(self) -> float | None:
+        """Running total of seconds the CPU computed MLP parts (sliced MLPs' CC), or None where
+        it computes none."""
         return None
 
     def close(self) -> None:
@@ -200,8 +211,8 @@ class LlamaModel:
         if not self.config.tie_word_embeddings:
             linears.append(self.lm_head)
         for weight in linears:
-            for part in weight.parts:
-                count(part.format, weight.tier, part.nbytes)
+            for part, tier in weight.placed_parts():
+                count(part.format, tier, part.nbytes)
         return totals
 
     # ---- stages ---------------------------------------------------------------------------

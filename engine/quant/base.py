@@ -43,6 +43,11 @@ class LinearWeight(ABC):
     # streamed in before use (engine/execution/weight_stream.py).
     tier: str = "accelerator"
 
+    def placed_parts(self) -> tuple[tuple["LinearWeight", str], ...]:
+        """Each part with the tier it is stored in, for reports: here all in the weight's tier (a
+        sliced MLP's parts, engine/execution/mlp_slicing.py, live in several)."""
+        return tuple((part, self.tier) for part in self.parts)
+
     @abstractmethod
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the weight reads when applied, by a name stable for its kind: what a layer

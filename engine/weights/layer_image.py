@@ -47,8 +47,9 @@ class LayerImage:
 
     @classmethod
     def of(cls, weights: Mapping[str, LinearWeight]) -> "LayerImage":
-        """The image layout of these weights (LINEAR_NAMES, in that order)."""
-        entries = [(name, key, t) for name in LINEAR_NAMES for key, t in weights[name].tensors().items()]
+        """The image layout of these weights, in the mapping's order (a whole layer: LINEAR_NAMES;
+        a sliced MLP's streamed part: its gate/up and down)."""
+        entries = [(name, key, t) for name, weight in weights.items() for key, t in weight.tensors().items()]
         offsets, nbytes = image_layout(t.numel() * t.element_size() for _, _, t in entries)
         return cls(tuple(ImageTensor(name, key, t.dtype, tuple(t.shape), offset)
                          for (name, key, t), offset in zip(entries, offsets)), nbytes)
@@ -63,10 +64,10 @@ class LayerImage:
     def bind(self, templates: Mapping[str, LinearWeight], buffer: torch.Tensor) -> dict[str, LinearWeight]:
         """Weights like `templates` (same kinds and layouts) reading their tensors from `buffer`."""
         self._check_buffer(buffer)
-        views: dict[str, dict[str, torch.Tensor]] = {name: {} for name in LINEAR_NAMES}
+        views: dict[str, dict[str, torch.Tensor]] = {name: {} for name in templates}
         for entry, view in zip(self.tensors, self._views(buffer)):
             views[entry.weight][entry.name] = view
-        return {name: templates[name].with_tensors(views[name]) for name in LINEAR_NAMES}
+        return {name: template.with_tensors(views[name]) for name, template in templates.items()}
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.tensors]
@@ -93,4 +94,4 @@ def meta_templates(weights: Mapping[str, LinearWeight]) -> dict[str, LinearWeigh
     streamed layer keeps between loads."""
     return {name: weights[name].with_tensors({key: torch.empty(t.shape, dtype=t.dtype, device="meta")
                                               for key, t in weights[name].tensors().items()})
-            for name in LINEAR_NAMES}
+            for name in weights}

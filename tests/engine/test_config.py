@@ -13,6 +13,7 @@ from engine.engine import LLMEngine
 from engine.model import ConfigError
 from engine.profiling import dtype_probe
 from scheduler.neo import NeoKnobs
+from scheduler.placement.slicing import SliceRates
 from scheduler.scheduler import SchedulerConfigError
 
 
@@ -40,6 +41,11 @@ from scheduler.scheduler import SchedulerConfigError
     (WeightsConfig, {"placement": "disk"}, "weight_placement disk streams every layer from files in offload_dir"),
     (WeightsConfig, {"pipeline": "fast"}, "pipeline must be one of auto, performance, memory"),
     (WeightsConfig, {"num_io_threads": 0}, "num_io_threads must be an integer >= 1"),
+    (WeightsConfig, {"mlp_slicing": "0.25"}, "--mlp-slicing takes off or CC,CG"),
+    (WeightsConfig, {"mlp_slicing": "0.75,0.5"}, "--mlp-slicing takes off or CC,CG.*must sum to 1"),
+    (WeightsConfig, {"mlp_slicing": "half,0.5"}, "--mlp-slicing takes off or CC,CG"),
+    (WeightsConfig, {"mlp_slicing": "-0.25,0.5"}, "--mlp-slicing takes off or CC,CG.*must lie in"),
+    (WeightsConfig, {"mlp_slicing": [0.25, 0.5]}, "mlp_slicing must be off, CC,CG .* or one SliceRates per layer"),
 ])
 def test_each_section_refuses_a_bad_value_when_built(section, kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -146,3 +152,13 @@ def test_the_dtype_probe_runs_once_when_the_engine_starts_and_is_logged(counted_
         assert counted_probe == [1]
     finally:
         engine.close()
+
+
+def test_mlp_slicing_gives_each_layer_its_rates():
+    assert WeightsConfig().slice_rates(3) is None
+    assert WeightsConfig(mlp_slicing="0.25,0.5").slice_rates(2) == (SliceRates(0.25, 0.5, 0.25),) * 2
+    assert WeightsConfig(mlp_slicing="1,0").slice_rates(1) == (SliceRates(1.0, 0.0, 0.0),)
+    per_layer = (SliceRates(1.0, 0.0, 0.0), SliceRates(0.0, 0.5, 0.5))
+    assert EngineConfig.from_flat(mlp_slicing=per_layer).weights.slice_rates(2) == per_layer
+    with pytest.raises(ConfigError, match="slice rates for 2 layers, but the model has 3"):
+        WeightsConfig(mlp_slicing=per_layer).slice_rates(3)

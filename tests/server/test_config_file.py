@@ -26,7 +26,7 @@ EVERY_FLAG = {
     "cost-tables": "/tmp/costs.json", "profile-cache-dir": "/tmp/profiles",
     "log-level": "warning",
     "weight-placement": "cpu", "weights-gpu-gib": 0.5, "weights-cpu-gib": 2.0, "offload-dir": "/tmp/offload",
-    "weight-pipeline": "memory", "weight-io-threads": 2, "expected-context-len": 300,
+    "weight-pipeline": "memory", "weight-io-threads": 2, "expected-context-len": 300, "mlp-slicing": "0.25,0.5",
 }
 # EngineConfig takes one of kv_cache_memory_gib and memory_gib
 ENGINE_FLAGS = {name: value for name, value in EVERY_FLAG.items() if name != "kv-cache-gib"}

@@ -63,3 +63,26 @@ def test_streamed_weights_server_matches_engine_and_reports_tiers(start_server, 
         assert metric(samples, "iteration_weight_transfer_seconds_count") == metric(
             samples, "iteration_compute_seconds_count") > 0
     assert "weight placement (auto):" in server.log_path.read_text()  # logged before loading
+
+
+@pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
+def test_sliced_mlp_server_matches_engine_and_reports_the_cpu_part(start_server, llm):
+    """`--mlp-slicing`: each MLP's CC slice on the engine thread, CG streamed, GG resident; the
+    text is the resident engine's, /metrics has the CPU's MLP time and CG's host bytes."""
+    from engine import SamplingParams
+
+    server = start_server("--device", "testbed", "--offload", "off", "--max-model-len", "128",
+                          "--mlp-slicing", "0.25,0.5")
+    prompts = PROMPTS[:2]
+    expected = [o.outputs[0].text for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
+        for prompt, text in zip(prompts, expected):
+            response = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                          "temperature": 0, "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == text
+        samples = wait_idle(http)
+        assert metric(samples, "mlp_cpu_seconds_total") > 0
+        assert metric(samples, "weight_streamed_bytes_total", tier="host") > 0
+        assert metric(samples, "weight_bytes", format="float32", tier="host") > 0

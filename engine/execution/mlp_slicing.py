@@ -1,0 +1,355 @@
+"""ScheInfer's MLP slicing (sec. III-B, III-C): each decoder layer's MLP cut along its intermediate
+units into a part the CPU computes where it is stored (CC), a part stored in host memory and
+streamed to the accelerator to be computed there (CG), and a part resident on the accelerator
+(GG). The parts' outputs sum to the MLP's, as under tensor parallelism.
+
+Units [0, cc) are CC's, [cc, cc + cg) CG's and the rest GG's: gate/up rows and the matching down
+columns, cut on quantization-block boundaries where the format groups down's input dimension
+(INT4: blocks of 32). The seam is the weight objects: `SlicedLayers` (a `LayerStore`) builds each
+sliced layer's `gate_up` as a `SlicedGateUp` and its `down` as a `SlicedDown` over one shared
+`SlicedMLP`, and the model's code (gate_up, silu(gate) * up, down) does not change.
+
+Where the activation runs. The two weight objects could each slice their own matmul, with the
+model's silu_mul over the whole intermediate between them; then CC's gate/up result would hop to
+the accelerator for the activation and back for CC's down: two hops each way, and the CPU idle
+while the accelerator finishes its gate/up. Instead `SlicedGateUp.apply` hands the CPU its whole
+part of the MLP at once: the normed activations hop to the host once, the engine thread computes
+CC's gate/up, silu(gate) * up and down there, and only CC's partial output [num_tokens, hidden]
+hops back, summed into `SlicedDown`'s result. So `SlicedGateUp` returns the accelerator's units
+only ([gate | up] of CG then GG), the model's silu_mul runs over those, and `SlicedDown` takes
+them: one hop each way, and the CPU computes from the first matmul to the last while the
+accelerator computes GG and CG (ScheInfer's fig. 5 timeline).
+
+Execution: CC runs through the accelerator queue's `run_on_host` (engine/execution/queues.py: on
+the testbed the accelerator thread hands it to the engine thread, which runs it while it waits;
+on CUDA and inline the engine thread runs it after launching the accelerator's parts), with its
+own thread count. CG's parts of a layer are one layer image streamed through `StreamedLayers`'
+ring and transfer thread (PIPO's machinery, engine/execution/weight_stream.py): loaded while
+earlier layers compute, acquired with the layer. Partial outputs are summed in one order (CG,
+then GG, then CC), so results do not depend on which finished first. A layer the placement
+streams whole (PIPO) is not sliced.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from engine.execution.cores import CoreAssignment
+from engine.execution.queues import AcceleratorQueue, Future, InlineQueue
+from engine.execution.weight_stream import StreamedLayers, StreamLayout, create_transfer
+from engine.model.layers import fused_silu_mul
+from engine.model.llama import LayerWeights, attention_linears, linear_maker
+from engine.quant import LinearMethod, LinearWeight
+from engine.quant.int4 import DEFAULT_GROUP_SIZE, KeepDense, PackedInt4, fuse
+from engine.weights.layer_files import LayerFiles
+from engine.weights.layer_image import LayerImage, meta_templates
+from scheduler.placement import TIER_ACCELERATOR, TIER_HOST, WeightPlacement
+from scheduler.placement.slicing import SliceRates
+
+SLICES = ("cc", "cg", "gg")  # in unit order
+# Accelerator buffers CG parts pass through: two layers held at once (Neo's two-batch forward
+# holds layer i+1 before it releases layer i) and one preloading.
+NUM_SLICE_BUFFERS = 3
+MLP_NAMES = ("gate_up", "down")  # a slice's weights, in image order
+HOST = torch.device("cpu")
+
+
+# ---- cutting a loaded layer's MLP ---------------------------------------------------------------
+def _rows(weight, start: int, end: int):
+    """Output rows [start, end) of a loaded weight (a tensor, PackedInt4 or KeepDense)."""
+    if isinstance(weight, PackedInt4):
+        return PackedInt4(weight.qweight[start:end], weight.scales[start:end], weight.mins[start:end],
+                          weight.group_size)
+    if isinstance(weight, KeepDense):
+        return KeepDense(weight.weight[start:end])
+    return weight[start:end]
+
+
+def _columns(weight, start: int, end: int):
+    """Input columns [start, end) of a loaded weight; a packed one only on its groups' boundaries."""
+    if isinstance(weight, PackedInt4):
+        group = weight.group_size
+        if start % group or end % group:
+            raise ValueError(f"a packed INT4 weight is cut on its groups of {group} columns, not at "
+                             f"[{start}, {end})")
+        return PackedInt4(weight.qweight[:, start // 2:end // 2].contiguous(),
+                          weight.scales[:, start // group:end // group].contiguous(),
+                          weight.mins[:, start // group:end // group].contiguous(), group)
+    if isinstance(weight, KeepDense):
+        return KeepDense(weight.weight[:, start:end].contiguous())
+    return weight[:, start:end].contiguous()
+
+
+def slice_mlp(loaded: dict, counts: tuple[int, int, int]) -> dict[str, dict]:
+    """A loaded layer's MLP cut into slices of `counts` (CC, CG, GG) intermediate units: for each
+    slice with units, its fused gate/up rows ([gate | up], as LayerWeights fuses them) and down
+    columns, as the linear methods take them."""
+    slices, start = {}, 0
+    for name, num_units in zip(SLICES, counts):
+        end = start + num_units
+        if num_units:
+            gate_up = fuse([_rows(loaded["gate_proj"], start, end), _rows(loaded["up_proj"], start, end)])
+            slices[name] = {"gate_up": gate_up, "down": _columns(loaded["down_proj"], start, end)}
+        start = end
+    return slices
+
+
+def unit_alignment(linear: LinearMethod) -> int:
+    """The units a slice's size is a multiple of: INT4 groups down's input dimension."""
+    return getattr(linear, "group_size", DEFAULT_GROUP_SIZE) if linear.takes_packed_int4 else 1
+
+
+# ---- the weight objects -----------------------------------------------------------------------
+@dataclass
+class SliceStats:
+    """Running totals of the CPU's part since start (CG's transfers are the store's StreamStats)."""
+
+    num_cc_calls: int = 0
+    cc_s: float = 0.0  # CC's gate/up, activation and down, on the CPU
+    cc_thread_ids: set[int] = field(default_factory=set)  # the threads that computed CC
+
+
+class HostSide:
+    """How a sliced MLP reaches the CPU side: the accelerator queue the forward runs on (inline
+    until the runner hands its own), and the threads CC's kernels use (None: the caller's)."""
+
+    def __init__(self, num_threads: int | None) -> None:
+        self.queue: AcceleratorQueue = InlineQueue()
+        self.num_threads = num_threads
+
+    @contextmanager
+    def threads(self):
+        """The CPU part's torch thread count (per thread under OpenMP), the caller's after."""
+        before = torch.get_num_threads()
+        if self.num_threads is not None and self.num_threads != before:
+            torch.set_num_threads(self.num_threads)
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+
+
+class SlicedMLP:
+    """One layer's MLP as slices: CC's weights on the host, CG's streamed (StreamedWeights), GG's
+    resident; shared by the layer's SlicedGateUp and SlicedDown, which hand CC's output over."""
+
+    def __init__(self, layer: int, slices: dict[str, dict[str, LinearWeight]], counts: tuple[int, int, int],
+                 host: HostSide, stats: SliceStats) -> None:
+        self.layer = layer
+        self.slices = slices  # "cc" / "cg" / "gg" -> {"gate_up": ..., "down": ...}, slices with units only
+        self.counts = dict(zip(SLICES, counts))
+        self.host = host
+        self.stats = stats
+        self.pending_cc: Future | None = None  # CC's output of the gate_up applied last
+
+    @property
+    def accelerator_slices(self) -> list[str]:
+        return [name for name in ("cg", "gg") if name in self.slices]
+
+    def start_cc(self, x: torch.Tensor) -> None:
+        """Hand the CPU its whole part: x's hop to the host, CC's gate/up, activation and down."""
+        if "cc" not in self.slices:
+            return
+        queue = self.host.queue
+        x_host = queue.copy_to_host(x)
+        self.pending_cc = queue.run_on_host(lambda: self._compute_cc(x_host))
+
+    def _compute_cc(self, x_host: Future) -> torch.Tensor:
+        start = time.perf_counter()
+        weights = self.slices["cc"]
+        x = x_host.result()  # [num_tokens, hidden] on the host
+        with self.host.threads():
+            out = weights["down"].apply(fused_silu_mul(weights["gate_up"].apply(x)))
+        self.stats.num_cc_calls += 1
+        self.stats.cc_s += time.perf_counter() - start
+        self.stats.cc_thread_ids.add(threading.get_ident())
+        return out  # [num_tokens, hidden]
+
+    def take_cc(self) -> torch.Tensor | None:
+        """CC's output for the down being applied (waits for the CPU), or None without CC."""
+        if "cc" not in self.slices:
+            return None
+        if self.pending_cc is None:
+            raise RuntimeError(f"layer {self.layer}'s sliced down was applied before its gate_up")
+        future, self.pending_cc = self.pending_cc, None
+        return future.result()
+
+    def parts(self, name: str) -> list[tuple[LinearWeight, str]]:
+        """The `name` weights (gate_up or down) of every slice, each with its tier."""
+        placed = []
+        for slice_name, weights in self.slices.items():
+            tier = TIER_HOST if slice_name == "cc" else weights[name].tier
+            placed += [(part, tier) for part, _ in weights[name].placed_parts()]
+        return placed
+
+
+class _SlicedWeight(LinearWeight):
+    """What SlicedGateUp and SlicedDown report alike: their parts in several tiers."""
+
+    method = "sliced"
+    name: str  # the MLP weight it is: gate_up or down
+
+    def __init__(self, mlp: SlicedMLP) -> None:
+        self.mlp = mlp
+
+    @property
+    def parts(self) -> tuple[LinearWeight, ...]:
+        return tuple(part for part, _ in self.mlp.parts(self.name))
+
+    def placed_parts(self) -> tuple[tuple[LinearWeight, str], ...]:
+        return tuple(self.mlp.parts(self.name))
+
+    @property
+    def format(self) -> str:
+        return "+".join(dict.fromkeys(part.format for part in self.parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        # CG's tensors live in the streamed image; these are the CPU's and the resident ones
+        return {f"{slice_name}.{key}": t for slice_name, weights in self.mlp.slices.items() if slice_name != "cg"
+                for key, t in weights[self.name].tensors().items()}
+
+    def with_tensors(self, tensors):
+        raise TypeError("a sliced MLP weight is not rebound to other memory: its slices live in different tiers")
+
+
+class SlicedGateUp(_SlicedWeight):
+    """gate/up of a sliced MLP: starts the CPU's part, returns the accelerator's units,
+    [num_tokens, 2 * (cg + gg)] as [gate | up], CG's units before GG's."""
+
+    name = "gate_up"
+
+    def __init__(self, mlp: SlicedMLP, hidden_size: int) -> None:
+        super().__init__(mlp)
+        self.in_features = hidden_size
+        self.out_features = 2 * (mlp.counts["cg"] + mlp.counts["gg"])
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        self.mlp.start_cc(x)
+        outputs = [self.mlp.slices[name]["gate_up"].apply(x) for name in self.mlp.accelerator_slices]
+        if not outputs:
+            return x.new_empty(x.shape[0], 0)
+        if len(outputs) == 1:
+            return outputs[0]
+        gates, ups = zip(*(out.chunk(2, dim=-1) for out in outputs))
+        return torch.cat([*gates, *ups], dim=-1)
+
+
+class SlicedDown(_SlicedWeight):
+    """down of a sliced MLP: the accelerator's slices over their units of the activation, plus
+    the CPU's output, summed CG, GG, CC. -> [num_tokens, hidden]"""
+
+    name = "down"
+
+    def __init__(self, mlp: SlicedMLP, hidden_size: int) -> None:
+        super().__init__(mlp)
+        self.in_features = mlp.counts["cg"] + mlp.counts["gg"]
+        self.out_features = hidden_size
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        out, start = None, 0
+        for name in self.mlp.accelerator_slices:
+            end = start + self.mlp.counts[name]
+            partial = self.mlp.slices[name]["down"].apply(x[:, start:end].contiguous())
+            out = partial if out is None else out + partial
+            start = end
+        cc = self.mlp.take_cc()
+        if cc is not None:
+            cc = cc.to(x.device, non_blocking=True)
+            out = cc if out is None else out + cc
+        return out
+
+
+# ---- the store ----------------------------------------------------------------------------------
+class SlicedLayers(StreamedLayers):
+    """Decoder layers whose MLPs are sliced at each layer's rates; attention and GG resident, CC
+    in host memory, CG streamed through the ring. Layers the layout streams whole are streamed
+    as StreamedLayers streams them."""
+
+    def __init__(self, rates: Sequence[SliceRates], layout: StreamLayout, device: torch.device, copy_engine,
+                 num_cc_threads: int | None, **stream_options) -> None:
+        if len(rates) != len(layout.tiers):
+            raise ValueError(f"slice rates for {len(rates)} layers, but the model has {len(layout.tiers)}")
+        super().__init__(layout, device, copy_engine, **stream_options)
+        self.rates = tuple(rates)
+        self.host = HostSide(num_cc_threads)
+        self.slice_stats = SliceStats()
+        self.mlps: dict[int, SlicedMLP] = {}  # the sliced layers' MLPs
+
+    def use_accelerator(self, accelerator: AcceleratorQueue) -> None:
+        self.host.queue = accelerator
+
+    def build(self, index: int, loaded: dict, linear: LinearMethod, dtype: torch.dtype) -> LayerWeights:
+        rates = self.rates[index]
+        if self.tiers[index] != TIER_ACCELERATOR or rates == SliceRates.resident():
+            return super().build(index, loaded, linear, dtype)
+        counts = rates.counts(loaded["gate_proj"].shape[0], unit_alignment(linear))
+        cut = slice_mlp(loaded, counts)
+
+        for_accelerator = linear_maker(linear, dtype, HOST, self.device)  # built on the host, copied over
+        resident = attention_linears(loaded, for_accelerator)
+        resident.update({f"gg.{name}": for_accelerator(w) for name, w in cut.get("gg", {}).items()})
+        weights = self._resident(*_host_image(resident, self.copy_engine.allocate_host))
+        slices = {}
+        if "cc" in cut:
+            slices["cc"] = {name: linear_maker(linear, dtype, HOST, HOST)(w) for name, w in cut["cc"].items()}
+        if "cg" in cut:
+            streamed = {name: for_accelerator(w) for name, w in cut["cg"].items()}
+            slices["cg"] = self._stream(index, TIER_HOST, *_host_image(streamed, self.copy_engine.allocate_host))
+        if "gg" in cut:
+            slices["gg"] = {name: weights[f"gg.{name}"] for name in MLP_NAMES}
+        mlp = self.mlps[index] = SlicedMLP(index, slices, counts, self.host, self.slice_stats)
+        hidden_size = weights["o_proj"].out_features
+        return LayerWeights(input_norm=loaded["input_layernorm"].to(self.device), qkv=weights["qkv"],
+                            o_proj=weights["o_proj"], post_norm=loaded["post_attention_layernorm"].to(self.device),
+                            gate_up=SlicedGateUp(mlp, hidden_size), down=SlicedDown(mlp, hidden_size))
+
+    def mlp_cpu_s(self) -> float | None:
+        return self.slice_stats.cc_s if self.mlps else None
+
+    def recover(self) -> None:
+        super().recover()
+        for mlp in self.mlps.values():
+            mlp.pending_cc = None
+
+
+def _host_image(linears: dict[str, LinearWeight], allocate) -> tuple[LayerImage, dict[str, LinearWeight], torch.Tensor]:
+    """The weights' image written into a host buffer from `allocate(nbytes)`: (image, meta
+    templates, bytes)."""
+    image = LayerImage.of(linears)
+    data = allocate(image.nbytes)
+    image.write(linears, data)
+    return image, meta_templates(linears), data
+
+
+def slicing_layout(num_layers: int, placement: WeightPlacement | None) -> StreamLayout:
+    """The placement's layout (layers it streams whole stay streamed), with room in the ring for
+    CG's parts; every layer resident without a placement."""
+    if placement is None:
+        return StreamLayout((TIER_ACCELERATOR,) * num_layers, NUM_SLICE_BUFFERS, 0)
+    layout = StreamLayout.of(placement)
+    return StreamLayout(layout.tiers, max(layout.num_buffers, NUM_SLICE_BUFFERS), layout.buffer_bytes)
+
+
+def create_sliced_layer_store(rates: Sequence[SliceRates], placement: WeightPlacement | None,
+                              device: torch.device, cores: CoreAssignment, files: LayerFiles | None = None,
+                              num_io_threads: int = 1, accelerator_weight_budget_bytes: int | None = None,
+                              global_weight_bytes: int = 0) -> SlicedLayers:
+    """The store slicing each layer's MLP at `rates` (one per layer), composed with `placement`'s
+    whole-layer streaming where there is one: transfer threads on the host-side cores, CC on the
+    CPU side's threads (the caller's own on device cpu, where one pool serves both sides)."""
+    layout = slicing_layout(len(rates), placement)
+    engine, reader = create_transfer(layout, device, cores, num_io_threads)
+    num_cc_threads = None if cores.device == "cpu" else cores.cpu_attention_threads
+    return SlicedLayers(rates, layout, device, engine, num_cc_threads, files=files, reader=reader,
+                        accelerator_weight_budget_bytes=accelerator_weight_budget_bytes,
+                        global_weight_bytes=global_weight_bytes)

@@ -1,0 +1,258 @@
+"""ScheInfer's MLP slicing (engine/execution/mlp_slicing.py): logits of a tiny random Llama with
+every layer's MLP cut into CC, CG and GG parts match Hugging Face transformers to 1e-4 in fp32
+for every placement (all GG, all CC, all CG, mixed rates, per-layer mixes), serially and on the
+host-only testbed, dense and INT4; the CC part ran on the engine thread and the CG part was
+copied; the parts' bytes are reported in their tiers."""
+import functools
+import os
+import threading
+
+import pytest
+import torch
+import transformers
+
+from engine.execution import ModelRunner
+from engine.execution.mlp_slicing import SlicedDown, SlicedGateUp, create_sliced_layer_store, slice_mlp
+from engine.execution.queues import WorkerThreadQueue
+from engine.quant.dense import DenseWeight
+from engine.quant.int4 import PackedInt4
+from engine.weights import create_loader
+from kernels.cpu import int4 as int4_kernels
+from scheduler.placement import TIER_ACCELERATOR, TIER_HOST
+from scheduler.placement.slicing import SliceRates
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sequence import Sequence
+
+BLOCK_SIZE = 4
+TOLERANCE = 1e-4
+NUM_LAYERS = 3
+TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
+# intermediate 256 units: 8 INT4 groups, so every rate below cuts on group boundaries with units left
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=NUM_LAYERS,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, rope_theta=10000.0)
+
+ALL_GG, ALL_CC, ALL_CG = SliceRates(0.0, 0.0, 1.0), SliceRates(1.0, 0.0, 0.0), SliceRates(0.0, 1.0, 0.0)
+MIXED = SliceRates(0.25, 0.5, 0.25)
+PLACEMENTS = {
+    "all-gg": (ALL_GG,) * NUM_LAYERS,
+    "all-cc": (ALL_CC,) * NUM_LAYERS,
+    "all-cg": (ALL_CG,) * NUM_LAYERS,
+    "mixed": (MIXED,) * NUM_LAYERS,
+    "per-layer": (ALL_CC, SliceRates(0.0, 0.5, 0.5), SliceRates(0.25, 0.25, 0.5)),
+}
+
+
+def on_testbed(*values):
+    return pytest.param(*values, marks=pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores"))
+
+
+ON_CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the copy stream and the deferred CPU part on CUDA "
+    "run only where a GPU is lent"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**TINY), torch_dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():  # norms are ones at init: make them count
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf_model.save_pretrained(path, safe_serialization=True)
+    return hf_model, str(path)
+
+
+def sliced_runner(path: str, rates, device: str = "cpu", linear_method: str = "dense") -> ModelRunner:
+    loader = create_loader(path)
+    return ModelRunner(loader.config, loader, dtype=torch.float32, device=device, num_blocks=64,
+                       block_size=BLOCK_SIZE, max_model_len=128, linear_method=linear_method,
+                       layer_store=None if rates is None else functools.partial(create_sliced_layer_store, rates, None))
+
+
+def steps(runner: ModelRunner, num_steps: int = 5):
+    """Prefills of mixed lengths, then decodes with a late prefill among them: (tokens, logits) per
+    scheduled row of each step, teacher-forced with random tokens."""
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=128))
+    gen = torch.Generator().manual_seed(1)
+    for i, n in enumerate([7, 1, 13]):
+        sched.add_sequence(Sequence(str(i), torch.randint(0, 256, (n,), generator=gen).tolist(),
+                                    SamplingParams(max_tokens=20)))
+    for step in range(num_steps):
+        if step == 2:
+            sched.add_sequence(Sequence("late", torch.randint(0, 256, (9,), generator=gen).tolist(),
+                                        SamplingParams(max_tokens=20)))
+        plan = sched.schedule()
+        logits = runner.compute_logits(plan)
+        yield [(list(s.sequence.all_token_ids), logits[row]) for row, s in enumerate(plan.scheduled)]
+        sched.update(plan, torch.randint(0, 256, (len(plan.scheduled),), generator=gen).tolist())
+
+
+@torch.no_grad()
+def hf_last_logits(hf_model, token_ids):
+    return hf_model(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+def sliced_store(runner: ModelRunner):
+    return runner.model.layer_store
+
+
+def check_the_parts_ran(runner: ModelRunner, rates, device: str) -> None:
+    """CC computed on the engine thread (this one, which waits on the accelerator's futures), never
+    on the testbed's accelerator thread; every layer with a CG part copied it in once per forward."""
+    store = sliced_store(runner)
+    num_forwards = 5
+    cc_layers = sum(r.cc > 0 for r in rates)
+    assert store.slice_stats.num_cc_calls == cc_layers * num_forwards
+    if cc_layers:
+        assert store.slice_stats.cc_thread_ids == {threading.get_ident()}
+    if device == "testbed":
+        assert runner.accelerator._thread.ident not in store.slice_stats.cc_thread_ids
+    cg_layers = [i for i, r in enumerate(rates) if r.cg > 0]
+    stats = store.transfer_stats()
+    if cg_layers:
+        assert stats.num_loads >= len(cg_layers) * num_forwards
+        cg_bytes = sum(store._streamed[i].image.nbytes for i in cg_layers)
+        assert stats.bytes_by_tier[TIER_HOST] >= cg_bytes * num_forwards
+    else:
+        assert stats is None
+    assert runner.model.native is None  # the C++ whole-layer decoder never runs over sliced layers
+
+
+@pytest.mark.parametrize("device", ["cpu", on_testbed("testbed"), ON_CUDA])
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_sliced_logits_match_hf(tiny_model, placement, device):
+    hf_model, path = tiny_model
+    rates = PLACEMENTS[placement]
+    runner = sliced_runner(path, rates, device)
+    try:
+        for rows in steps(runner):
+            for tokens, logits in rows:
+                torch.testing.assert_close(logits.cpu(), hf_last_logits(hf_model, tokens), atol=TOLERANCE,
+                                           rtol=TOLERANCE)
+        check_the_parts_ran(runner, rates, device)
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("placement", ["all-cc", "all-cg", "mixed", "per-layer"])
+def test_sliced_int4_logits_match_the_resident_int4_model(tiny_model, placement):
+    """INT4 cut on its groups of 32: every placement computes what the unsliced INT4 model does."""
+    _, path = tiny_model
+    rates = PLACEMENTS[placement]
+    reference, runner = sliced_runner(path, None, linear_method="int4"), sliced_runner(path, rates, linear_method="int4")
+    try:
+        for expected, got in zip(steps(reference), steps(runner)):
+            for (_, want), (_, logits) in zip(expected, got):
+                torch.testing.assert_close(logits, want, atol=TOLERANCE, rtol=TOLERANCE)
+        assert {part.format for layer in runner.model.layers for part in layer.down.parts} == {"int4"}
+        check_the_parts_ran(runner, rates, "cpu")
+    finally:
+        reference.close()
+        runner.close()
+
+
+def test_weight_bytes_put_cc_and_cg_in_host_memory(tiny_model):
+    """Every parameter counted once: CC and CG parts as host bytes, GG, attention and globals as
+    accelerator bytes, and the ring CG passes through beside them."""
+    hf_model, path = tiny_model
+    runner = sliced_runner(path, (MIXED,) * NUM_LAYERS)
+    try:
+        model = runner.model
+        bytes_by_tier = {}
+        for (fmt, tier), nbytes in model.weight_bytes().items():
+            if fmt != "layer buffers":
+                bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + nbytes
+        total = 4 * sum(p.numel() for p in hf_model.parameters())
+        mlp_bytes = 4 * 3 * TINY["hidden_size"] * TINY["intermediate_size"]  # gate, up, down
+        cc, cg, gg = MIXED.counts(TINY["intermediate_size"])
+        host_bytes = NUM_LAYERS * mlp_bytes * (cc + cg) // TINY["intermediate_size"]
+        assert bytes_by_tier == {TIER_HOST: host_bytes, TIER_ACCELERATOR: total - host_bytes}
+        layer = model.layers[0]
+        assert isinstance(layer.gate_up, SlicedGateUp) and isinstance(layer.down, SlicedDown)
+        assert (layer.gate_up.out_features, layer.down.in_features) == (2 * (cg + gg), cg + gg)
+        assert model.weight_bytes()[("layer buffers", TIER_ACCELERATOR)] > 0
+    finally:
+        runner.close()
+
+
+def test_packed_int4_is_cut_on_its_groups():
+    """gate/up rows and down's columns of a packed weight cut at group boundaries dequantize to the
+    same numbers as the whole; a cut inside a group is refused."""
+    gen = torch.Generator().manual_seed(3)
+    packed = {name: PackedInt4(*int4_kernels.quantize_rtn(torch.randn(shape, generator=gen), 32), 32)
+              for name, shape in (("gate_proj", (96, 64)), ("up_proj", (96, 64)), ("down_proj", (64, 96)))}
+    slices = slice_mlp(packed, (32, 32, 32))
+    whole = packed["down_proj"].dequantize()
+    for index, name in enumerate(("cc", "cg", "gg")):
+        torch.testing.assert_close(slices[name]["down"].dequantize(), whole[:, 32 * index:32 * (index + 1)],
+                                   rtol=0, atol=0)
+        gate_up = slices[name]["gate_up"].dequantize()
+        torch.testing.assert_close(gate_up[:32], packed["gate_proj"].dequantize()[32 * index:32 * (index + 1)],
+                                   rtol=0, atol=0)
+    with pytest.raises(ValueError, match="groups of 32"):
+        slice_mlp(packed, (16, 48, 32))
+
+
+@pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
+def test_the_testbed_runs_host_work_on_the_waiting_thread():
+    """Work the accelerator thread hands to the host runs on the thread that waits on the queue,
+    while the accelerator thread goes on with its own work."""
+    queue = WorkerThreadQueue(None, 1)
+    try:
+        def accelerator_work():
+            host = queue.run_on_host(lambda: threading.get_ident())
+            own = threading.get_ident()
+            return own, host.result()
+
+        accelerator_id, host_id = queue.submit(accelerator_work).result()
+        assert host_id == threading.get_ident() != accelerator_id
+
+        def failing_host_work():
+            return queue.run_on_host(lambda: 1 / 0).result()
+
+        with pytest.raises(ZeroDivisionError):
+            queue.submit(failing_host_work).result()
+        queue.recover()
+        assert queue.submit(lambda: 2).result() == 2
+    finally:
+        queue.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", on_testbed("testbed")])
+def test_a_failed_cpu_part_fails_its_forward_and_the_next_one_computes(tiny_model, device):
+    """CC's error (here a down weight of the wrong shape) reaches the forward that waits for it,
+    on the accelerator's side; the runner recovers and the next forward is right again."""
+    hf_model, path = tiny_model
+    runner = sliced_runner(path, (MIXED,) * NUM_LAYERS, device)
+    try:
+        mlp = sliced_store(runner).mlps[1]
+        good = mlp.slices["cc"]["down"]
+        mlp.slices["cc"]["down"] = DenseWeight(torch.zeros(TINY["hidden_size"], 3), None)
+        forwards = steps(runner)
+        with pytest.raises(RuntimeError):
+            next(forwards)
+        mlp.slices["cc"]["down"] = good
+        for tokens, logits in next(steps(runner)):
+            torch.testing.assert_close(logits, hf_last_logits(hf_model, tokens), atol=TOLERANCE, rtol=TOLERANCE)
+    finally:
+        runner.close()
+
+
+def test_a_sliced_down_needs_its_gate_up_first(tiny_model):
+    _, path = tiny_model
+    runner = sliced_runner(path, (MIXED,) * NUM_LAYERS)
+    try:
+        down, store = runner.model.layers[0].down, sliced_store(runner)
+        with pytest.raises(RuntimeError, match="layer 0's weights are not on the accelerator"):  # CG's
+            down.apply(torch.zeros(2, down.in_features))
+        store.acquire(0)
+        with pytest.raises(RuntimeError, match="layer 0's sliced down was applied before its gate_up"):
+            down.apply(torch.zeros(2, down.in_features))
+        store.release(0)
+    finally:
+        runner.close()
