@@ -1,0 +1,248 @@
+"""How long one sliced MLP (or MoE layer) takes: ScheInfer's four streams (sec. III-C, IV-A2),
+from the linear cost models of slicing_cost.py. Plain Python, no torch.
+
+The paper's equations 4-12 did not survive in our copy of the text; this is the model rebuilt
+from its prose. Each of the layer's n GEMMs (gate/up then down; or each kind of a MoE layer's
+expert GEMMs) is cut by the same rates into a CC, a CG and a GG part, and (in a prefill, sec.
+IV-B) CC's weights may also go to the accelerator as CG' with some of the tokens:
+
+- Stream A, the CPU: the activations' hop to the CPU, then the CC parts GEMM by GEMM.
+- Stream B, launches: one launch per copy (CG, CG') and per accelerator GEMM (GG, CG, CG'),
+  each taking `launch_s`; copies are launched first (so the link starts at once), then GG's,
+  CG's and CG''s GEMMs. "A CG operation requires a launch to transfer data and a launch to
+  execute GPU computation, so its coefficient is 2."
+- Stream C, the link: the CG (then CG') weight slices GEMM by GEMM, each once its launch is done,
+  and after the CPU finishes, the CC result's hop back (it queues behind the weight copies).
+- Stream D, the accelerator: the GG parts (they wait for nothing but their launches), then each
+  CG and CG' part once its launch and its copy are done.
+
+A part's time is `a + b * volume` when the part is not empty and 0 when it is (the paper's sign
+function). The layer's time is when the last stream is done: max(accelerator, CPU's result back).
+Costs per part: CPU GEMM of cc x the GEMM's multiply-adds (at the tokens the CPU keeps),
+accelerator GEMM of cg x / gg x them, a copy of cg x the weight's bytes; a hop moves
+tokens x hidden x dtype bytes. A MoE layer is sliced by whole experts, so a part's startup time
+counts the GEMM calls it makes (rate x experts) instead of one; its GEMMs of a kind are one group
+(all experts' gate/up, then all downs), a coarser order than the engine's expert by expert.
+
+Every completion time is built from sums and maxima of such terms, so with the slice pattern (which
+parts are empty) fixed and one unknown (the CC rate, or the number of moved tokens) it is a
+maximum of functions linear in that unknown: `Pieces`. That is what makes the edge-point solver
+(slicing_solver.py) exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.placement.memory import WeightFormat
+from scheduler.placement.slicing import SliceRates
+from scheduler.placement.slicing_cost import SlicingCosts
+
+# A rate or token share at or below this is an empty part (floating-point solvers leave 1e-17s).
+EMPTY_SHARE = 1e-12
+
+
+@dataclass(frozen=True)
+class Affine:
+    """intercept + slope * x, x being the one unknown a solver varies."""
+
+    intercept: float
+    slope: float = 0.0
+
+    def __add__(self, other: "Affine") -> "Affine":
+        return Affine(self.intercept + other.intercept, self.slope + other.slope)
+
+    def scale(self, factor: float) -> "Affine":
+        return Affine(self.intercept * factor, self.slope * factor)
+
+    def times(self, other: "Affine") -> "Affine":
+        """The product, which stays linear because a solver varies one factor at a time."""
+        if self.slope and other.slope:
+            raise ValueError("times: both factors vary with the unknown; the product is not linear")
+        return Affine(self.intercept * other.intercept,
+                      self.slope * other.intercept + other.slope * self.intercept)
+
+    def at(self, x: float) -> float:
+        return self.intercept + self.slope * x
+
+
+ZERO = Affine(0.0)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """max over linear functions of x: a completion time that depends on which path was critical."""
+
+    lines: tuple[Affine, ...]
+
+    @classmethod
+    def of(cls, line: Affine) -> "Pieces":
+        return cls((line,))
+
+    def plus(self, line: Affine) -> "Pieces":
+        return Pieces(tuple(piece + line for piece in self.lines))
+
+    def maximum(self, *others: "Pieces") -> "Pieces":
+        """The maximum, keeping per slope only the highest line (the others never win)."""
+        best: dict[float, Affine] = {}
+        for pieces in (self, *others):
+            for line in pieces.lines:
+                if line.slope not in best or line.intercept > best[line.slope].intercept:
+                    best[line.slope] = line
+        return Pieces(tuple(best.values()))
+
+    def at(self, x: float) -> float:
+        return max(line.at(x) for line in self.lines)
+
+    def crossings(self, low: float, high: float) -> list[float]:
+        """Where two of the lines meet strictly inside (low, high): the only places, besides the
+        ends, where the maximum can turn from falling to rising."""
+        points = []
+        for i, a in enumerate(self.lines):
+            for b in self.lines[i + 1:]:
+                if a.slope != b.slope:
+                    x = (b.intercept - a.intercept) / (a.slope - b.slope)
+                    if low < x < high:
+                        points.append(x)
+        return points
+
+
+@dataclass(frozen=True)
+class GemmWork:
+    """One GEMM of an MLP at the layer's token count, or all of a MoE layer's expert GEMMs of one
+    kind (gate/up or down) taken together."""
+
+    multiply_adds: float  # tokens x out_features x in_features, summed over experts
+    weight_bytes: int  # as stored (INT4: codes, scales and mins), summed over experts
+    num_experts: int = 0  # 0: one GEMM cut by rows; else this many experts' GEMMs, cut by whole experts
+
+    def __post_init__(self) -> None:
+        if self.multiply_adds < 0 or self.weight_bytes < 0 or self.num_experts < 0:
+            raise ValueError(f"multiply_adds={self.multiply_adds}, weight_bytes={self.weight_bytes} and "
+                             f"num_experts={self.num_experts} must be >= 0")
+
+
+@dataclass(frozen=True)
+class MlpWork:
+    """One layer's sliced work at a token count: its GEMMs in order and the activations' hop."""
+
+    gemms: tuple[GemmWork, ...]
+    num_tokens: int
+    hop_bytes: int  # num_tokens x hidden x dtype bytes: x to the CPU, and CC's result back
+
+    def __post_init__(self) -> None:
+        if not self.gemms:
+            raise ValueError("gemms: a layer needs one or more GEMMs")
+        if self.num_tokens < 1 or self.hop_bytes < 0:
+            raise ValueError(f"num_tokens={self.num_tokens} must be >= 1 and hop_bytes={self.hop_bytes} >= 0")
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(gemm.weight_bytes for gemm in self.gemms)
+
+
+def dense_mlp_work(hidden_size: int, intermediate_size: int, num_tokens: int, fmt: WeightFormat) -> MlpWork:
+    """A SwiGLU MLP: the fused gate/up [2I, H], then down [H, I]."""
+    shapes = ((2 * intermediate_size, hidden_size), (hidden_size, intermediate_size))
+    gemms = tuple(GemmWork(float(num_tokens) * out * inp, sum(fmt.linear_tensor_bytes(out, inp)))
+                  for out, inp in shapes)
+    return MlpWork(gemms, num_tokens, num_tokens * hidden_size * fmt.dtype_bytes)
+
+
+def moe_mlp_work(hidden_size: int, expert_intermediate_size: int, num_experts: int, num_experts_per_token: int,
+                 num_tokens: int, fmt: WeightFormat) -> MlpWork:
+    """A MoE layer's routed experts, each a SwiGLU MLP; every token visits `num_experts_per_token`
+    of them, so the experts' GEMMs multiply num_tokens x top-k rows in all. Every expert's slice
+    is counted as copied, used or not (an upper bound at small batches)."""
+    if not 1 <= num_experts_per_token <= num_experts:
+        raise ValueError(f"num_experts_per_token={num_experts_per_token} must lie in [1, num_experts={num_experts}]")
+    rows = float(num_tokens * num_experts_per_token)
+    shapes = ((2 * expert_intermediate_size, hidden_size), (hidden_size, expert_intermediate_size))
+    gemms = tuple(GemmWork(rows * out * inp, num_experts * sum(fmt.linear_tensor_bytes(out, inp)), num_experts)
+                  for out, inp in shapes)
+    return MlpWork(gemms, num_tokens, num_tokens * hidden_size * fmt.dtype_bytes)
+
+
+@dataclass(frozen=True)
+class SliceTerms:
+    """The shares a layer's time depends on, each linear in the solver's unknown (or constant),
+    and which parts are empty (fixed while a solver varies the unknown)."""
+
+    cc: Affine
+    cg: Affine
+    gg: Affine
+    moved_share: Affine  # of the tokens, those CG' computes on the accelerator (prefill only)
+    has_cc: bool  # the CPU computes something: CC weights and tokens left to it
+    has_cg: bool
+    has_gg: bool
+    has_moved: bool  # CG' is copied and computed: CC weights and tokens moved
+
+    @classmethod
+    def at(cls, rates: SliceRates, moved_share: float = 0.0) -> "SliceTerms":
+        """Constant terms and the pattern of one point."""
+        has_cc = rates.cc > EMPTY_SHARE
+        return cls(Affine(rates.cc), Affine(rates.cg), Affine(rates.gg), Affine(moved_share),
+                   has_cc and moved_share < 1.0 - EMPTY_SHARE, rates.cg > EMPTY_SHARE, rates.gg > EMPTY_SHARE,
+                   has_cc and moved_share > EMPTY_SHARE)
+
+    @property
+    def cpu_share(self) -> Affine:
+        return Affine(1.0) + self.moved_share.scale(-1.0)
+
+
+def _calls(gemm: GemmWork, rate: Affine, present: bool) -> Affine:
+    """GEMM calls (or copies) a part makes: one for a GEMM cut by rows, rate x experts for experts."""
+    if not present:
+        return ZERO
+    return rate.scale(gemm.num_experts) if gemm.num_experts else Affine(1.0)
+
+
+def layer_pieces(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Pieces:
+    """The layer's time as a maximum of linear functions of the unknown in `terms`."""
+    link, accel, cpu = costs.link, costs.accelerator_gemm, costs.cpu_gemm
+    # (part, share of the weight, share of the tokens, present) of the accelerator's parts, in its order
+    parts = [("gg", terms.gg, Affine(1.0), terms.has_gg), ("cg", terms.cg, Affine(1.0), terms.has_cg),
+             ("cgp", terms.cc, terms.moved_share, terms.has_moved)]
+    copied = [part for part in parts if part[0] != "gg"]
+    num_launches = ZERO
+    copy_launched: dict[tuple[int, str], Affine] = {}
+    for index, gemm in enumerate(work.gemms):
+        for name, rate, _, present in copied:
+            num_launches = num_launches + _calls(gemm, rate, present)
+            copy_launched[index, name] = num_launches.scale(costs.launch_s)
+    link_done = Pieces.of(ZERO)
+    copy_done: dict[tuple[int, str], Pieces] = {}
+    for index, gemm in enumerate(work.gemms):
+        for name, rate, _, present in copied:
+            if present:
+                copy_s = _calls(gemm, rate, present).scale(link.a_s) + rate.scale(link.b_s_per_unit * gemm.weight_bytes)
+                link_done = link_done.maximum(Pieces.of(copy_launched[index, name])).plus(copy_s)
+                copy_done[index, name] = link_done
+    accelerator_done = Pieces.of(ZERO)
+    for name, rate, token_share, present in parts:
+        if not present:
+            continue
+        for index, gemm in enumerate(work.gemms):
+            calls = _calls(gemm, rate, present)
+            num_launches = num_launches + calls
+            ready = [Pieces.of(num_launches.scale(costs.launch_s))]
+            if name != "gg":
+                ready.append(copy_done[index, name])
+            gemm_s = calls.scale(accel.a_s) + rate.times(token_share).scale(accel.b_s_per_unit * gemm.multiply_adds)
+            accelerator_done = accelerator_done.maximum(*ready).plus(gemm_s)
+    if not terms.has_cc:
+        return accelerator_done
+    hop_s = Affine(link.a_s) + terms.cpu_share.scale(link.b_s_per_unit * work.hop_bytes)
+    cpu_done = hop_s
+    for gemm in work.gemms:
+        cpu_done = cpu_done + _calls(gemm, terms.cc, True).scale(cpu.a_s) + \
+            terms.cc.times(terms.cpu_share).scale(cpu.b_s_per_unit * gemm.multiply_adds)
+    result_back = Pieces.of(cpu_done).maximum(link_done).plus(hop_s)
+    return accelerator_done.maximum(result_back)
+
+
+def layer_time_s(work: MlpWork, costs: SlicingCosts, rates: SliceRates, num_moved_tokens: int = 0) -> float:
+    """The layer's predicted time at these rates, `num_moved_tokens` of its tokens computed with CG'."""
+    if not 0 <= num_moved_tokens <= work.num_tokens:
+        raise ValueError(f"num_moved_tokens={num_moved_tokens} must lie in [0, num_tokens={work.num_tokens}]")
+    terms = SliceTerms.at(rates, num_moved_tokens / work.num_tokens)
+    return layer_pieces(work, costs, terms).at(0.0)
