@@ -196,48 +196,85 @@ def _calls(gemm: GemmWork, rate: Affine, present: bool) -> Affine:
     return rate.scale(gemm.num_experts) if gemm.num_experts else Affine(1.0)
 
 
-def layer_pieces(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Pieces:
-    """The layer's time as a maximum of linear functions of the unknown in `terms`."""
-    link, accel, cpu = costs.link, costs.accelerator_gemm, costs.cpu_gemm
-    # (part, share of the weight, share of the tokens, present) of the accelerator's parts, in its order
-    parts = [("gg", terms.gg, Affine(1.0), terms.has_gg), ("cg", terms.cg, Affine(1.0), terms.has_cg),
-             ("cgp", terms.cc, terms.moved_share, terms.has_moved)]
-    copied = [part for part in parts if part[0] != "gg"]
-    num_launches = ZERO
-    copy_launched: dict[tuple[int, str], Affine] = {}
+@dataclass(frozen=True)
+class _Part:
+    """A part the accelerator computes: its name, its share of each weight and of the tokens."""
+
+    name: str  # "gg", "cg" or "cgp" (CG')
+    rate: Affine
+    token_share: Affine
+    present: bool
+
+
+def _accelerator_parts(terms: SliceTerms) -> list[_Part]:
+    """In the accelerator's order: resident work first, since it waits for no copy."""
+    return [_Part("gg", terms.gg, Affine(1.0), terms.has_gg), _Part("cg", terms.cg, Affine(1.0), terms.has_cg),
+            _Part("cgp", terms.cc, terms.moved_share, terms.has_moved)]
+
+
+class _LaunchStream:
+    """Stream B: launches one after the other; `issue` gives when the last of `calls` is done."""
+
+    def __init__(self, launch_s: float) -> None:
+        self.launch_s = launch_s
+        self.num_launches = ZERO
+
+    def issue(self, calls: Affine) -> Affine:
+        self.num_launches = self.num_launches + calls
+        return self.num_launches.scale(self.launch_s)
+
+
+def _link_stream(work: MlpWork, costs: SlicingCosts, copied: list[_Part],
+                 launches: _LaunchStream) -> tuple[dict[tuple[int, str], Pieces], Pieces]:
+    """Stream C: each GEMM's CG then CG' slice, once launched and once the link is free.
+    -> when each copy has landed, and when the link is free again."""
+    launched = {(index, part.name): launches.issue(_calls(gemm, part.rate, part.present))
+                for index, gemm in enumerate(work.gemms) for part in copied}
+    link_done, landed = Pieces.of(ZERO), {}
     for index, gemm in enumerate(work.gemms):
-        for name, rate, _, present in copied:
-            num_launches = num_launches + _calls(gemm, rate, present)
-            copy_launched[index, name] = num_launches.scale(costs.launch_s)
-    link_done = Pieces.of(ZERO)
-    copy_done: dict[tuple[int, str], Pieces] = {}
-    for index, gemm in enumerate(work.gemms):
-        for name, rate, _, present in copied:
-            if present:
-                copy_s = _calls(gemm, rate, present).scale(link.a_s) + rate.scale(link.b_s_per_unit * gemm.weight_bytes)
-                link_done = link_done.maximum(Pieces.of(copy_launched[index, name])).plus(copy_s)
-                copy_done[index, name] = link_done
-    accelerator_done = Pieces.of(ZERO)
-    for name, rate, token_share, present in parts:
-        if not present:
-            continue
+        for part in (part for part in copied if part.present):
+            copy_s = _calls(gemm, part.rate, True).scale(costs.link.a_s) + \
+                part.rate.scale(costs.link.b_s_per_unit * gemm.weight_bytes)
+            link_done = landed[index, part.name] = link_done.maximum(Pieces.of(launched[index, part.name])).plus(copy_s)
+    return landed, link_done
+
+
+def _accelerator_stream(work: MlpWork, costs: SlicingCosts, parts: list[_Part], launches: _LaunchStream,
+                        landed: dict[tuple[int, str], Pieces]) -> Pieces:
+    """Stream D: each part's GEMMs in order, each once launched and (streamed parts) once copied."""
+    gemm_cost, done = costs.accelerator_gemm, Pieces.of(ZERO)
+    for part in (part for part in parts if part.present):
         for index, gemm in enumerate(work.gemms):
-            calls = _calls(gemm, rate, present)
-            num_launches = num_launches + calls
-            ready = [Pieces.of(num_launches.scale(costs.launch_s))]
-            if name != "gg":
-                ready.append(copy_done[index, name])
-            gemm_s = calls.scale(accel.a_s) + rate.times(token_share).scale(accel.b_s_per_unit * gemm.multiply_adds)
-            accelerator_done = accelerator_done.maximum(*ready).plus(gemm_s)
-    if not terms.has_cc:
-        return accelerator_done
+            calls = _calls(gemm, part.rate, True)
+            ready = [Pieces.of(launches.issue(calls))] + ([landed[index, part.name]] if part.name != "gg" else [])
+            gemm_s = calls.scale(gemm_cost.a_s) + \
+                part.rate.times(part.token_share).scale(gemm_cost.b_s_per_unit * gemm.multiply_adds)
+            done = done.maximum(*ready).plus(gemm_s)
+    return done
+
+
+def _cpu_result_back(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, link_done: Pieces) -> Pieces:
+    """Stream A, then C: x's hop to the CPU and the CC GEMMs, then the result's hop back once the
+    link has landed the weight slices queued before it."""
+    link, cpu = costs.link, costs.cpu_gemm
     hop_s = Affine(link.a_s) + terms.cpu_share.scale(link.b_s_per_unit * work.hop_bytes)
     cpu_done = hop_s
     for gemm in work.gemms:
         cpu_done = cpu_done + _calls(gemm, terms.cc, True).scale(cpu.a_s) + \
             terms.cc.times(terms.cpu_share).scale(cpu.b_s_per_unit * gemm.multiply_adds)
-    result_back = Pieces.of(cpu_done).maximum(link_done).plus(hop_s)
-    return accelerator_done.maximum(result_back)
+    return Pieces.of(cpu_done).maximum(link_done).plus(hop_s)
+
+
+def layer_pieces(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Pieces:
+    """The layer's time as a maximum of linear functions of the unknown in `terms`: when the
+    accelerator's last GEMM and the CC result's hop back are both done."""
+    parts = _accelerator_parts(terms)
+    launches = _LaunchStream(costs.launch_s)
+    landed, link_done = _link_stream(work, costs, [part for part in parts if part.name != "gg"], launches)
+    accelerator_done = _accelerator_stream(work, costs, parts, launches, landed)
+    if not terms.has_cc:
+        return accelerator_done
+    return accelerator_done.maximum(_cpu_result_back(work, costs, terms, link_done))
 
 
 def layer_time_s(work: MlpWork, costs: SlicingCosts, rates: SliceRates, num_moved_tokens: int = 0) -> float:
