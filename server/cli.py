@@ -34,6 +34,9 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                           "without loading weights", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_flags(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON after the breakdown")
+    plan.add_argument("--mlp-slicing", default="off", type=_mlp_slicing, metavar="off|auto|CC,CG",
+                      help="also show ScheInfer's MLP slicing: per layer the CPU-computed (CC), streamed (CG) and "
+                           "resident (GG) rates and their predicted times; auto: solved within --weights-gpu-gib")
     convert = sub.add_parser("convert", help="write per-layer weight files into --offload-dir for streaming from disk",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_flags(convert)
@@ -41,6 +44,16 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     bench.add_argument("suite", choices=["serve"], help="serve: load-latency sweeps and side-by-side runs")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own flags")
     return parser, serve
+
+
+def _mlp_slicing(value: str):
+    """--mlp-slicing's value checked as the flag is read: "off", "auto" or fixed SliceRates."""
+    from scheduler.placement import parse_mlp_slicing
+
+    try:
+        return parse_mlp_slicing(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 SERVE_DESCRIPTION = (
@@ -185,9 +198,10 @@ def plan(args: argparse.Namespace) -> int:
     from engine.execution.weight_plan import measure, planner_inputs
     from engine.profiling import compute_dtype
     from engine.weights import create_loader
-    from scheduler.placement import describe, plan_placement
+    from scheduler.placement import describe, describe_slicing, plan_placement
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    slicing = args.mlp_slicing
     config = engine_config(args)
     model_config = create_loader(config.model, config.load_format, seed=config.seed).config  # the shape only
     dtype, reason = compute_dtype(config.dtype, config.torch_device)
@@ -197,9 +211,16 @@ def plan(args: argparse.Namespace) -> int:
     print(f"tandem plan: {args.model}, {str(dtype).removeprefix('torch.')} ({reason}), "
           f"{'int4 ' if config.quantization == 'int4' else ''}weights, on {args.device}")
     print(describe(placement, config.weights.offload_dir))
+    report = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "placement": placement.to_dict()}
+    if slicing != "off":
+        from engine.execution.weight_plan import plan_mlp_slicing
+
+        sliced, costs = plan_mlp_slicing(config, model_config, dtype, max_len, placement.estimate.batch,
+                                         None if slicing == "auto" else slicing)
+        print(describe_slicing(sliced))
+        report.update(slicing=sliced.to_dict(), slicing_costs=costs.to_dict())
     if args.json:
-        print(json.dumps({"model": args.model, "dtype": str(dtype).removeprefix("torch."),
-                          "placement": placement.to_dict()}, indent=1))
+        print(json.dumps(report, indent=1))
     return 0
 
 

@@ -81,13 +81,19 @@ def _synchronize(device: torch.device) -> None:
 
 def measure_link_bytes_per_s(engine: CopyEngine, nbytes: int = PROBE_BYTES) -> float:
     """Host buffer -> accelerator layer buffer through `engine`, from a transfer thread."""
+    return nbytes / measure_copy_s(engine, nbytes)
+
+
+def measure_copy_s(engine: CopyEngine, nbytes: int) -> float:
+    """One copy of `nbytes` from a host buffer into an accelerator buffer through `engine`, from a
+    transfer thread, until it has landed."""
     source = engine.allocate_host(nbytes).fill_(1)
     target = engine.allocate_buffer(nbytes)
 
     def copy() -> None:
         engine.copy(target, source)
         _synchronize(engine.device)
-    return nbytes / _on_thread(lambda: _median_s(copy), pin_to(engine.cores))
+    return _on_thread(lambda: _median_s(copy), pin_to(engine.cores))
 
 
 def measure_disk_bytes_per_s(directory: str | os.PathLike[str], reader: DirectReader,

@@ -29,15 +29,29 @@ def test_noisy_points_fit_close_with_r_squared_below_one():
     assert cost.r_squared == pytest.approx(1 - residual / sum((t - mean) ** 2 for _, t in points))
 
 
+def test_errors_count_relative_to_each_points_time():
+    """A small point off the line moves the fit as much as a large one off by the same share."""
+    points = [(1.0, 1.0 * 1.1), (10.0, 10.0), (100.0, 100.0), (1000.0, 1000.0 * 1.1)]
+    cost = fit_linear_cost(points, UNIT_BYTES)
+    relative = [cost.time_s(v) / t - 1 for v, t in points]
+    assert abs(relative[0]) < 0.1 and abs(relative[-1]) < 0.1
+
+
 def test_a_fit_never_predicts_negative_times():
-    falling = fit_linear_cost([(1.0, 3.0), (2.0, 2.0), (3.0, 1.5)], UNIT_BYTES)
-    assert falling.b_s_per_unit == 0.0 and falling.a_s == pytest.approx(6.5 / 3)
-    below_origin = fit_linear_cost([(1.0, 0.5), (2.0, 2.0), (3.0, 3.5)], UNIT_BYTES)
-    assert below_origin.a_s == 0.0 and below_origin.b_s_per_unit == pytest.approx(15.0 / 14.0)
+    points = [(1.0, 3.0), (2.0, 2.0), (3.0, 1.5)]
+    falling = fit_linear_cost(points, UNIT_BYTES)
+    # the flat line nearest in relative terms: sum(1/t) / sum(1/t^2)
+    assert falling.b_s_per_unit == 0.0
+    assert falling.a_s == pytest.approx(sum(1 / t for _, t in points) / sum(1 / t ** 2 for _, t in points))
+    points = [(1.0, 0.5), (2.0, 2.0), (3.0, 3.5)]
+    below_origin = fit_linear_cost(points, UNIT_BYTES)
+    # through the origin: sum(v/t) / sum(v^2/t^2)
+    assert below_origin.a_s == 0.0
+    assert below_origin.b_s_per_unit == pytest.approx(sum(v / t for v, t in points) / sum((v / t) ** 2 for v, t in points))
 
 
 @pytest.mark.parametrize("points,field", [([(1.0, 1.0)], "points"), ([(1.0, 1.0), (1.0, 2.0)], "points"),
-                                          ([(1.0, -1.0), (2.0, 1.0)], "points")])
+                                          ([(1.0, 0.0), (2.0, 1.0)], "points")])
 def test_unfittable_points_are_refused(points, field):
     with pytest.raises(ValueError, match=field):
         fit_linear_cost(points, UNIT_BYTES)
