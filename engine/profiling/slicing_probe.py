@@ -28,7 +28,7 @@ from engine.execution.transfer import CopyEngine
 from engine.model import ModelConfig
 from engine.profiling.streaming_probe import COLD_WEIGHT_BYTES, PROBE_BYTES, WEIGHT_STD, _median_s, measure_copy_s
 from engine.quant import LinearWeight, create_linear_method
-from scheduler.placement.slicing_cost import UNIT_BYTES, UNIT_MULTIPLY_ADDS, SlicingCosts, fit_linear_cost
+from scheduler.placement.slicing_cost import UNIT_BYTES, SlicingCosts, fit_gemm_cost, fit_linear_cost
 
 GEMM_TOKENS = (1, 4, 16, 64)
 UNIT_FRACTIONS = (0.25, 1.0)  # of the MLP's intermediate units: a slice, and the whole weight
@@ -64,16 +64,16 @@ def _weights(shape: tuple[int, int], method: str, dtype: torch.dtype, device: to
 
 def _gemm_points(config: ModelConfig, method: str, dtype: torch.dtype, device: torch.device,
                  timed: Callable[[Callable[[], object]], float],
-                 on_device: Callable[[Callable[[], object]], object]) -> list[tuple[float, float]]:
-    """(multiply-adds, seconds) of every slice at every token count; weights are made and timed
-    where `on_device` runs work, `timed` gives one run's seconds."""
+                 on_device: Callable[[Callable[[], object]], object]) -> list[tuple[float, float, float]]:
+    """(multiply-adds, weight bytes, seconds) of every slice at every token count; weights are made
+    and timed where `on_device` runs work, `timed` gives one run's seconds."""
     points = []
     for out_features, in_features in _slice_shapes(config):
         weights = on_device(lambda: _weights((out_features, in_features), method, dtype, device))
         for num_tokens in GEMM_TOKENS:
             x = on_device(lambda: torch.randn(num_tokens, in_features, dtype=dtype, device=device))
             seconds = timed(lambda: [weight.apply(x) for weight in weights]) / len(weights)
-            points.append((float(num_tokens * out_features * in_features), seconds))
+            points.append((float(num_tokens * out_features * in_features), float(weights[0].nbytes), seconds))
     return points
 
 
@@ -109,9 +109,8 @@ def measure_slicing_costs(config: ModelConfig, dtype: torch.dtype, linear_method
         lambda make: accelerator.submit(make).result())
     span = max(MIN_COPY_SPAN_BYTES, 3 * config.hidden_size * config.intermediate_size * dtype.itemsize)
     sizes = sorted({min(PROBE_BYTES, max(MIN_COPY_BYTES, round(f * span))) for f in COPY_FRACTIONS})
-    link = [(float(size), measure_copy_s(engine, size)) for size in sizes]
-    costs = SlicingCosts(fit_linear_cost(accelerator_points, UNIT_MULTIPLY_ADDS),
-                         fit_linear_cost(cpu, UNIT_MULTIPLY_ADDS), fit_linear_cost(link, UNIT_BYTES),
+    link = [(float(size), measure_copy_s(engine, size, COLD_WEIGHT_BYTES)) for size in sizes]
+    costs = SlicingCosts(fit_gemm_cost(accelerator_points), fit_gemm_cost(cpu), fit_linear_cost(link, UNIT_BYTES),
                          _launch_s(accelerator))
     logger.info("MLP slicing models measured in %.1f s: %s", time.perf_counter() - start, costs.to_dict())
     return costs

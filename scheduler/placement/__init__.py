@@ -13,7 +13,7 @@ from scheduler.placement.memory import (
 )
 from scheduler.placement.pipeline import ForwardTimeline, simulate_forward
 from scheduler.placement.slicing import SliceRates
-from scheduler.placement.slicing_cost import LinearCost, SlicingCosts, fit_linear_cost
+from scheduler.placement.slicing_cost import GemmCost, LinearCost, SlicingCosts, fit_gemm_cost, fit_linear_cost
 from scheduler.placement.slicing_model import GemmWork, MlpWork, dense_mlp_work, layer_time_s, moe_mlp_work
 from scheduler.placement.slicing_plan import SlicingPlan, describe_slicing, parse_mlp_slicing, plan_slicing
 from scheduler.placement.slicing_solver import assign_gg, layer_choices, solve_cc, solve_moved_tokens
@@ -37,11 +37,11 @@ from scheduler.placement.planner import (
     plan_placement,
 )
 
-__all__ = ["ComputeCosts", "ForwardTimeline", "GIB_BYTES", "GemmWork", "IMAGE_ALIGN_BYTES", "IMAGE_TENSOR_ALIGN_BYTES",
+__all__ = ["ComputeCosts", "ForwardTimeline", "GIB_BYTES", "GemmCost", "GemmWork", "IMAGE_ALIGN_BYTES", "IMAGE_TENSOR_ALIGN_BYTES",
            "LinearCost", "MemoryBreakdown", "MemoryBudgets", "MlpWork", "PIPELINE_CHOICES", "PIPELINE_MEMORY",
            "PIPELINE_PERFORMANCE", "PLACEMENT_MODES", "PlacementError", "PlannerInputs", "SliceRates",
            "SlicingCosts", "SlicingPlan", "TIER_ACCELERATOR", "TIER_DISK", "TIER_HOST", "ThroughputEstimate",
            "TransferRates", "WeightFormat", "WeightPlacement", "Workload", "assign_gg", "dense_mlp_work", "describe",
-           "describe_slicing", "fit_linear_cost", "image_layout", "layer_choices", "layer_image_bytes",
+           "describe_slicing", "fit_gemm_cost", "fit_linear_cost", "image_layout", "layer_choices", "layer_image_bytes",
            "layer_time_s", "moe_mlp_work", "parse_mlp_slicing", "plan_placement", "plan_slicing",
            "simulate_forward", "solve_cc", "solve_moved_tokens"]

@@ -16,10 +16,11 @@ IV-B) CC's weights may also go to the accelerator as CG' with some of the tokens
 - Stream D, the accelerator: the GG parts (they wait for nothing but their launches), then each
   CG and CG' part once its launch and its copy are done.
 
-A part's time is `a + b * volume` when the part is not empty and 0 when it is (the paper's sign
-function). The layer's time is when the last stream is done: max(accelerator, CPU's result back).
-Costs per part: CPU GEMM of cc x the GEMM's multiply-adds (at the tokens the CPU keeps),
-accelerator GEMM of cg x / gg x them, a copy of cg x the weight's bytes; a hop moves
+A part's time is its linear model's (slicing_cost.py) when the part is not empty and 0 when it is
+(the paper's sign function). The layer's time is when the last stream is done: max(accelerator,
+CPU's result back). Volumes per part: a CPU GEMM of cc x the GEMM's multiply-adds (at the tokens
+the CPU keeps) and cc x its weight bytes, accelerator GEMMs of cg x / gg x them (CG' of cc x the
+bytes, at the moved tokens), a copy of cg x the weight's bytes; a hop moves
 tokens x hidden x dtype bytes. A MoE layer is sliced by whole experts, so a part's startup time
 counts the GEMM calls it makes (rate x experts) instead of one; its GEMMs of a kind are one group
 (all experts' gate/up, then all downs), a coarser order than the engine's expert by expert.
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 from scheduler.placement.memory import WeightFormat
 from scheduler.placement.slicing import SliceRates
-from scheduler.placement.slicing_cost import SlicingCosts
+from scheduler.placement.slicing_cost import GemmCost, SlicingCosts
 
 # A rate or token share at or below this is an empty part (floating-point solvers leave 1e-17s).
 EMPTY_SHARE = 1e-12
@@ -239,29 +240,32 @@ def _link_stream(work: MlpWork, costs: SlicingCosts, copied: list[_Part],
     return landed, link_done
 
 
+def _gemm_s(cost: GemmCost, gemm: GemmWork, calls: Affine, rate: Affine, token_share: Affine) -> Affine:
+    """A part's GEMM: its calls' startups, its multiply-adds (rate x tokens) and its weight bytes (rate)."""
+    return calls.scale(cost.a_s) + rate.times(token_share).scale(cost.b_s_per_multiply_add * gemm.multiply_adds) + \
+        rate.scale(cost.b_s_per_weight_byte * gemm.weight_bytes)
+
+
 def _accelerator_stream(work: MlpWork, costs: SlicingCosts, parts: list[_Part], launches: _LaunchStream,
                         landed: dict[tuple[int, str], Pieces]) -> Pieces:
     """Stream D: each part's GEMMs in order, each once launched and (streamed parts) once copied."""
-    gemm_cost, done = costs.accelerator_gemm, Pieces.of(ZERO)
+    done = Pieces.of(ZERO)
     for part in (part for part in parts if part.present):
         for index, gemm in enumerate(work.gemms):
             calls = _calls(gemm, part.rate, True)
             ready = [Pieces.of(launches.issue(calls))] + ([landed[index, part.name]] if part.name != "gg" else [])
-            gemm_s = calls.scale(gemm_cost.a_s) + \
-                part.rate.times(part.token_share).scale(gemm_cost.b_s_per_unit * gemm.multiply_adds)
-            done = done.maximum(*ready).plus(gemm_s)
+            done = done.maximum(*ready).plus(_gemm_s(costs.accelerator_gemm, gemm, calls, part.rate, part.token_share))
     return done
 
 
 def _cpu_result_back(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, link_done: Pieces) -> Pieces:
     """Stream A, then C: x's hop to the CPU and the CC GEMMs, then the result's hop back once the
     link has landed the weight slices queued before it."""
-    link, cpu = costs.link, costs.cpu_gemm
+    link = costs.link
     hop_s = Affine(link.a_s) + terms.cpu_share.scale(link.b_s_per_unit * work.hop_bytes)
     cpu_done = hop_s
     for gemm in work.gemms:
-        cpu_done = cpu_done + _calls(gemm, terms.cc, True).scale(cpu.a_s) + \
-            terms.cc.times(terms.cpu_share).scale(cpu.b_s_per_unit * gemm.multiply_adds)
+        cpu_done = cpu_done + _gemm_s(costs.cpu_gemm, gemm, _calls(gemm, terms.cc, True), terms.cc, terms.cpu_share)
     return Pieces.of(cpu_done).maximum(link_done).plus(hop_s)
 
 

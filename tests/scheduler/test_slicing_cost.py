@@ -4,9 +4,10 @@ import pytest
 
 from scheduler.placement.slicing_cost import (
     UNIT_BYTES,
-    UNIT_MULTIPLY_ADDS,
+    GemmCost,
     LinearCost,
     SlicingCosts,
+    fit_gemm_cost,
     fit_linear_cost,
 )
 
@@ -21,7 +22,7 @@ def test_exact_points_give_their_line_and_r_squared_one():
 def test_noisy_points_fit_close_with_r_squared_below_one():
     rng = random.Random(7)
     points = [(volume, (1e-5 + 4e-12 * volume) * rng.uniform(0.95, 1.05)) for volume in range(10**6, 10**8, 10**6)]
-    cost = fit_linear_cost(points, UNIT_MULTIPLY_ADDS)
+    cost = fit_linear_cost(points, "multiply-adds")
     assert cost.b_s_per_unit == pytest.approx(4e-12, rel=0.05)
     assert 0.9 < cost.r_squared < 1.0
     mean = sum(t for _, t in points) / len(points)
@@ -57,12 +58,38 @@ def test_unfittable_points_are_refused(points, field):
         fit_linear_cost(points, UNIT_BYTES)
 
 
+def test_gemm_costs_recover_startup_compute_and_weight_bytes():
+    true = GemmCost(2e-5, 3e-11, 5e-11)
+    points = [(n * o * i, o * i * 2, true.time_s(n * o * i, o * i * 2))
+              for n in (1, 4, 16, 64) for o, i in ((512, 2048), (2048, 512), (4096, 4096))]
+    cost = fit_gemm_cost(points)
+    assert cost.a_s == pytest.approx(true.a_s, rel=1e-6)
+    assert cost.b_s_per_multiply_add == pytest.approx(true.b_s_per_multiply_add, rel=1e-6)
+    assert cost.b_s_per_weight_byte == pytest.approx(true.b_s_per_weight_byte, rel=1e-6)
+    assert cost.r_squared == pytest.approx(1.0)
+
+
+def test_gemm_costs_stay_non_negative_and_fit_collinear_volumes():
+    """At one token count multiply-adds and bytes grow together: either may carry the slope."""
+    points = [(o * i, o * i * 2, 1e-5 + 1e-10 * o * i) for o, i in ((512, 2048), (2048, 512), (4096, 4096))]
+    cost = fit_gemm_cost(points)
+    assert min(cost.a_s, cost.b_s_per_multiply_add, cost.b_s_per_weight_byte) >= 0
+    for macs, nbytes, t in points:
+        assert cost.time_s(macs, nbytes) == pytest.approx(t, rel=1e-6)
+    rng = random.Random(3)
+    noisy = [(m, b, t * rng.uniform(0.7, 1.3)) for m, b, t in points * 4]
+    fitted = fit_gemm_cost(noisy)
+    assert min(fitted.a_s, fitted.b_s_per_multiply_add, fitted.b_s_per_weight_byte) >= 0
+
+
 def test_costs_check_units_and_round_trip_through_a_dict():
-    gemm = LinearCost(1e-6, 3e-12, UNIT_MULTIPLY_ADDS, 0.99)
+    gemm = GemmCost(1e-6, 3e-12, 1e-11, 0.99)
     link = LinearCost(5e-6, 2e-11, UNIT_BYTES)
     costs = SlicingCosts(gemm, gemm, link, 4e-5)
     assert SlicingCosts.from_dict(costs.to_dict()) == costs
     with pytest.raises(ValueError, match="link"):
-        SlicingCosts(gemm, gemm, gemm, 4e-5)
+        SlicingCosts(gemm, gemm, LinearCost(5e-6, 2e-11, "multiply-adds"), 4e-5)
     with pytest.raises(ValueError, match="launch_s"):
         SlicingCosts(gemm, gemm, link, -1.0)
+    with pytest.raises(ValueError, match="b_s_per_weight_byte"):
+        GemmCost(1e-6, 3e-12, -1.0)

@@ -5,7 +5,7 @@ import pytest
 
 from scheduler.placement.memory import WeightFormat
 from scheduler.placement.slicing import SliceRates
-from scheduler.placement.slicing_cost import UNIT_BYTES, UNIT_MULTIPLY_ADDS, LinearCost, SlicingCosts
+from scheduler.placement.slicing_cost import UNIT_BYTES, GemmCost, LinearCost, SlicingCosts
 from scheduler.placement.slicing_model import (
     Affine,
     GemmWork,
@@ -18,8 +18,7 @@ from scheduler.placement.slicing_model import (
 )
 
 # Round numbers, so the streams can be followed by hand (see each test's comments).
-HAND_COSTS = SlicingCosts(LinearCost(1.0, 0.1, UNIT_MULTIPLY_ADDS), LinearCost(2.0, 1.0, UNIT_MULTIPLY_ADDS),
-                          LinearCost(3.0, 0.01, UNIT_BYTES), 0.5)
+HAND_COSTS = SlicingCosts(GemmCost(1.0, 0.1), GemmCost(2.0, 1.0), LinearCost(3.0, 0.01, UNIT_BYTES), 0.5)
 HAND_WORK = MlpWork((GemmWork(100.0, 1000), GemmWork(50.0, 500)), num_tokens=1, hop_bytes=200)
 
 
@@ -28,8 +27,8 @@ def random_costs(rng: random.Random, fixed_costs: bool = True) -> SlicingCosts:
     fixed costs every startup and launch is zero."""
     def startup() -> float:
         return rng.uniform(0.0, 1e-4) if fixed_costs else 0.0
-    return SlicingCosts(LinearCost(startup(), 10 ** rng.uniform(-13, -10), UNIT_MULTIPLY_ADDS),
-                        LinearCost(startup(), 10 ** rng.uniform(-12, -10), UNIT_MULTIPLY_ADDS),
+    return SlicingCosts(GemmCost(startup(), 10 ** rng.uniform(-13, -10), 10 ** rng.uniform(-12, -10)),
+                        GemmCost(startup(), 10 ** rng.uniform(-12, -10), 10 ** rng.uniform(-11, -9)),
                         LinearCost(startup(), 10 ** rng.uniform(-11, -9), UNIT_BYTES), startup())
 
 
@@ -74,6 +73,14 @@ def test_prefill_tokens_moved_to_cg_prime():
     assert layer_time_s(work, HAND_COSTS, SliceRates(0.5, 0.5, 0.0), num_moved_tokens=2) == pytest.approx(168.0)
     with pytest.raises(ValueError, match="num_moved_tokens"):
         layer_time_s(work, HAND_COSTS, SliceRates(0.5, 0.5, 0.0), num_moved_tokens=5)
+
+
+def test_gemms_pay_for_the_weight_bytes_they_read():
+    costs = dataclasses.replace(HAND_COSTS, accelerator_gemm=GemmCost(1.0, 0.1, 0.002), cpu_gemm=GemmCost(2.0, 1.0, 0.004))
+    # resident: GEMMs 1 + 10 + 2 and 1 + 5 + 1 after launches at 0.5 and 1.0
+    assert layer_time_s(HAND_WORK, costs, SliceRates(0.0, 0.0, 1.0)) == pytest.approx(20.5)
+    # the CPU: hop 5, GEMMs 2 + 100 + 4 and 2 + 50 + 2, hop back 5
+    assert layer_time_s(HAND_WORK, costs, SliceRates(1.0, 0.0, 0.0)) == pytest.approx(170.0)
 
 
 def test_experts_pay_startup_per_expert_they_run():

@@ -6,6 +6,7 @@ from test_slicing_model import random_costs
 from scheduler.cost_model import ModelShape
 from scheduler.placement import (
     PlacementError,
+    GemmCost,
     LinearCost,
     SliceRates,
     SlicingCosts,
@@ -16,7 +17,7 @@ from scheduler.placement import (
     plan_slicing,
     solve_moved_tokens,
 )
-from scheduler.placement.slicing_cost import UNIT_BYTES, UNIT_MULTIPLY_ADDS
+from scheduler.placement.slicing_cost import UNIT_BYTES
 from scheduler.placement.slicing_plan import fixed_weight_bytes, layer_work
 
 SHAPE = ModelShape(num_layers=6, hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=2, head_dim=64,
@@ -59,8 +60,8 @@ def test_solved_plans_fit_their_budget_and_predict_their_rates_times():
 def test_a_bigger_budget_keeps_more_resident_when_the_accelerator_is_fast():
     """The paper's testbed A (its Table's FP16 models): the accelerator computes 5x faster than the
     CPU, so at a batch of 64 (launches no longer dominate) every resident byte saves time."""
-    costs = SlicingCosts(LinearCost(1.0e-7, 3.2e-12, UNIT_MULTIPLY_ADDS), LinearCost(7.4e-7, 1.6e-11, UNIT_MULTIPLY_ADDS),
-                         LinearCost(3.0e-6, 2.6e-11, UNIT_BYTES), 4.4e-5)
+    costs = SlicingCosts(GemmCost(1.0e-7, 3.2e-12), GemmCost(7.4e-7, 1.6e-11), LinearCost(3.0e-6, 2.6e-11, UNIT_BYTES),
+                         4.4e-5)
     small, large = (plan_slicing(SHAPE, FMT, costs, _bytes(n), 64) for n in (1.0, 4.0))
     assert small.resident_bytes < large.resident_bytes
     assert sum(large.layer_time_s) < sum(small.layer_time_s)

@@ -6,7 +6,7 @@ from test_slicing_model import random_costs, random_work
 
 from scheduler.placement.memory import WeightFormat
 from scheduler.placement.slicing import SliceRates
-from scheduler.placement.slicing_cost import UNIT_BYTES, UNIT_MULTIPLY_ADDS, LinearCost, SlicingCosts
+from scheduler.placement.slicing_cost import UNIT_BYTES, GemmCost, LinearCost, SlicingCosts
 from scheduler.placement.slicing_model import Affine, SliceTerms, dense_mlp_work, layer_pieces, layer_time_s
 from scheduler.placement.slicing_solver import (
     LayerChoices,
@@ -60,8 +60,8 @@ def test_moved_tokens_match_every_count(seed):
 def test_moving_tokens_pays_when_the_cpu_is_the_bottleneck():
     """A 512-token prefill at decode-like rates on the paper's testbed A (FP16 models of its Table):
     the CPU's share of the tokens dwarfs the rest, so tokens move, but not all of them."""
-    costs = SlicingCosts(LinearCost(1.0e-7, 3.2e-12, UNIT_MULTIPLY_ADDS), LinearCost(7.4e-7, 1.6e-11, UNIT_MULTIPLY_ADDS),
-                         LinearCost(3.0e-6, 2.6e-11, UNIT_BYTES), 4.4e-5)
+    costs = SlicingCosts(GemmCost(1.0e-7, 3.2e-12), GemmCost(7.4e-7, 1.6e-11), LinearCost(3.0e-6, 2.6e-11, UNIT_BYTES),
+                         4.4e-5)
     prefill = dense_mlp_work(4096, 11008, 512, WeightFormat("none", 2))
     rates = SliceRates(0.6, 0.2, 0.2)
     count, time_s = solve_moved_tokens(prefill, costs, rates)
