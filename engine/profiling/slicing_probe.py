@@ -12,11 +12,15 @@ launch, measured the way slicing runs them, a few seconds in all.
   of a MiB to one MLP's bytes (16 MiB at least).
 - A launch is the time per queued tiny kernel when many are queued: the cost on the issuing
   side that the accelerator waits for when its queue is otherwise empty.
+- Each side's whole-MLP GEMMs are timed again while the other side runs a GEMM loop: on the
+  host-only testbed the two "devices" are vCPUs sharing a physical core and a memory bus, and a
+  sliced MLP (CC beside GG) ran slower than either side alone; on a GPU the factors come out near 1.
 """
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from typing import Callable
 
@@ -24,9 +28,16 @@ import torch
 
 from engine.execution.cores import CoreAssignment
 from engine.execution.queues import AcceleratorQueue
-from engine.execution.transfer import CopyEngine
+from engine.execution.transfer import CopyEngine, pin_to
 from engine.model import ModelConfig
-from engine.profiling.streaming_probe import COLD_WEIGHT_BYTES, PROBE_BYTES, WEIGHT_STD, _median_s, measure_copy_s
+from engine.profiling.streaming_probe import (
+    COLD_WEIGHT_BYTES,
+    PROBE_BYTES,
+    WEIGHT_STD,
+    _median_s,
+    _Repeating,
+    measure_copy_s,
+)
 from engine.quant import LinearWeight, create_linear_method
 from scheduler.placement.slicing_cost import UNIT_BYTES, SlicingCosts, fit_gemm_cost, fit_linear_cost
 
@@ -62,13 +73,13 @@ def _weights(shape: tuple[int, int], method: str, dtype: torch.dtype, device: to
                       for _ in range(num_copies - 1)]
 
 
-def _gemm_points(config: ModelConfig, method: str, dtype: torch.dtype, device: torch.device,
+def _gemm_points(shapes: list[tuple[int, int]], method: str, dtype: torch.dtype, device: torch.device,
                  timed: Callable[[Callable[[], object]], float],
                  on_device: Callable[[Callable[[], object]], object]) -> list[tuple[float, float, float]]:
     """(multiply-adds, weight bytes, seconds) of every slice at every token count; weights are made
     and timed where `on_device` runs work, `timed` gives one run's seconds."""
     points = []
-    for out_features, in_features in _slice_shapes(config):
+    for out_features, in_features in shapes:
         weights = on_device(lambda: _weights((out_features, in_features), method, dtype, device))
         for num_tokens in GEMM_TOKENS:
             x = on_device(lambda: torch.randn(num_tokens, in_features, dtype=dtype, device=device))
@@ -77,6 +88,18 @@ def _gemm_points(config: ModelConfig, method: str, dtype: torch.dtype, device: t
     return points
 
 
+def _slowdown(alone: list[tuple[float, float, float]], busy: list[tuple[float, float, float]]) -> float:
+    """How many times longer the same GEMMs took beside the other side's work (at least 1: a
+    faster run beside a load is noise)."""
+    return max(1.0, statistics.median(b[-1] / a[-1] for a, b in zip(alone, busy)))
+
+
+def _gemm_load(method: str, dtype: torch.dtype, device: torch.device, shape: tuple[int, int]) -> Callable[[], None]:
+    """A GEMM to run over and over as the other side's load: a whole MLP weight at a decode batch."""
+    weight = create_linear_method(method).create_weight(torch.randn(shape) * WEIGHT_STD, None, dtype=dtype,
+                                                        device=device)
+    x = torch.randn(GEMM_TOKENS[-1], shape[1], dtype=dtype, device=device)
+    return _synchronized(device, lambda: weight.apply(x))
 def _synchronized(device: torch.device, run: Callable[[], object]) -> Callable[[], None]:
     def call() -> None:
         run()
@@ -97,20 +120,40 @@ def _launch_s(accelerator: AcceleratorQueue) -> float:
 
 def measure_slicing_costs(config: ModelConfig, dtype: torch.dtype, linear_method: str, accelerator: AcceleratorQueue,
                           engine: CopyEngine, cores: CoreAssignment) -> SlicingCosts:
-    """The four models for weights made by `linear_method` in `dtype`, fitted to this machine."""
+    """The four models for weights made by `linear_method` in `dtype`, fitted to this machine,
+    and how much each side's GEMMs slow while the other side computes (the whole MLP's slices
+    again, beside a GEMM loop on the other side)."""
     start = time.perf_counter()
-    device = accelerator.device
-    with cores.on_cpu_cores(), torch.inference_mode():
-        cpu = _gemm_points(config, linear_method, dtype, torch.device("cpu"), lambda run: _median_s(run),
-                           lambda make: make())
-    accelerator_points = _gemm_points(
-        config, linear_method, dtype, device,
-        lambda run: accelerator.submit(lambda: _median_s(_synchronized(device, run))).result(),
-        lambda make: accelerator.submit(make).result())
+    device, cpu_device = accelerator.device, torch.device("cpu")
+    shapes = _slice_shapes(config)
+    whole = shapes[-2:]  # the last fraction is the whole MLP: its gate/up and down
+
+    def on_cpu(run_shapes: list[tuple[int, int]]) -> list[tuple[float, float, float]]:
+        with cores.on_cpu_cores(), torch.inference_mode():
+            return _gemm_points(run_shapes, linear_method, dtype, cpu_device, _median_s, lambda make: make())
+
+    def on_accelerator(run_shapes: list[tuple[int, int]]) -> list[tuple[float, float, float]]:
+        return _gemm_points(run_shapes, linear_method, dtype, device,
+                            lambda run: accelerator.submit(lambda: _median_s(_synchronized(device, run))).result(),
+                            lambda make: accelerator.submit(make).result())
+    cpu, accelerator_points = on_cpu(shapes), on_accelerator(shapes)
+    accelerator_load = _Repeating(accelerator.submit(lambda: _gemm_load(linear_method, dtype, device, whole[0])).result(),
+                                  accelerator=accelerator)
+    try:
+        cpu_busy = on_cpu(whole)
+    finally:
+        accelerator_load.stop()
+    cpu_load = _Repeating(_gemm_load(linear_method, dtype, cpu_device, whole[0]), pin_to(cores.cpu_attention_cores or None))
+    try:
+        accelerator_busy = on_accelerator(whole)
+    finally:
+        cpu_load.stop()
     span = max(MIN_COPY_SPAN_BYTES, 3 * config.hidden_size * config.intermediate_size * dtype.itemsize)
     sizes = sorted({min(PROBE_BYTES, max(MIN_COPY_BYTES, round(f * span))) for f in COPY_FRACTIONS})
     link = [(float(size), measure_copy_s(engine, size, COLD_WEIGHT_BYTES)) for size in sizes]
     costs = SlicingCosts(fit_gemm_cost(accelerator_points), fit_gemm_cost(cpu), fit_linear_cost(link, UNIT_BYTES),
-                         _launch_s(accelerator))
+                         _launch_s(accelerator), cpu_gemm_slowdown=_slowdown(cpu[-len(cpu_busy):], cpu_busy),
+                         accelerator_gemm_slowdown=_slowdown(accelerator_points[-len(accelerator_busy):],
+                                                             accelerator_busy))
     logger.info("MLP slicing models measured in %.1f s: %s", time.perf_counter() - start, costs.to_dict())
     return costs

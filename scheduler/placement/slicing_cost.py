@@ -159,18 +159,27 @@ class SlicingCosts:
     cpu_gemm: GemmCost
     link: LinearCost
     launch_s: float
+    # How many times longer each side's GEMMs take while the other side computes too (measured:
+    # where CPU and accelerator share cores or a memory bus, as on the host-only testbed, > 1).
+    cpu_gemm_slowdown: float = 1.0
+    accelerator_gemm_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if self.launch_s < 0:
             raise ValueError(f"launch_s={self.launch_s} must be >= 0")
+        for name in ("cpu_gemm_slowdown", "accelerator_gemm_slowdown"):
+            if getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.link.unit != UNIT_BYTES:
             raise ValueError(f"link must be a model in {UNIT_BYTES}, got {self.link.unit}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"accelerator_gemm": self.accelerator_gemm.to_dict(), "cpu_gemm": self.cpu_gemm.to_dict(),
-                "link": self.link.to_dict(), "launch_s": self.launch_s}
+                "link": self.link.to_dict(), "launch_s": self.launch_s, "cpu_gemm_slowdown": self.cpu_gemm_slowdown,
+                "accelerator_gemm_slowdown": self.accelerator_gemm_slowdown}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SlicingCosts":
         return cls(GemmCost.from_dict(data["accelerator_gemm"]), GemmCost.from_dict(data["cpu_gemm"]),
-                   LinearCost.from_dict(data["link"]), float(data["launch_s"]))
+                   LinearCost.from_dict(data["link"]), float(data["launch_s"]),
+                   float(data["cpu_gemm_slowdown"]), float(data["accelerator_gemm_slowdown"]))

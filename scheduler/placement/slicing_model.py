@@ -240,32 +240,40 @@ def _link_stream(work: MlpWork, costs: SlicingCosts, copied: list[_Part],
     return landed, link_done
 
 
-def _gemm_s(cost: GemmCost, gemm: GemmWork, calls: Affine, rate: Affine, token_share: Affine) -> Affine:
-    """A part's GEMM: its calls' startups, its multiply-adds (rate x tokens) and its weight bytes (rate)."""
-    return calls.scale(cost.a_s) + rate.times(token_share).scale(cost.b_s_per_multiply_add * gemm.multiply_adds) + \
+def _gemm_s(cost: GemmCost, gemm: GemmWork, calls: Affine, rate: Affine, token_share: Affine,
+            slowdown: float) -> Affine:
+    """A part's GEMM: its calls' startups, its multiply-adds (rate x tokens) and its weight bytes
+    (rate), `slowdown` times longer for the other side computing beside it."""
+    alone = calls.scale(cost.a_s) + rate.times(token_share).scale(cost.b_s_per_multiply_add * gemm.multiply_adds) + \
         rate.scale(cost.b_s_per_weight_byte * gemm.weight_bytes)
+    return alone.scale(slowdown)
 
 
-def _accelerator_stream(work: MlpWork, costs: SlicingCosts, parts: list[_Part], launches: _LaunchStream,
-                        landed: dict[tuple[int, str], Pieces]) -> Pieces:
-    """Stream D: each part's GEMMs in order, each once launched and (streamed parts) once copied."""
+def _accelerator_stream(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, parts: list[_Part],
+                        launches: _LaunchStream, landed: dict[tuple[int, str], Pieces]) -> Pieces:
+    """Stream D: each part's GEMMs in order, each once launched and (streamed parts) once copied;
+    all of them slowed while the CPU computes its part (the whole layer long: an upper bound)."""
     done = Pieces.of(ZERO)
+    slowdown = costs.accelerator_gemm_slowdown if terms.has_cc else 1.0
     for part in (part for part in parts if part.present):
         for index, gemm in enumerate(work.gemms):
             calls = _calls(gemm, part.rate, True)
             ready = [Pieces.of(launches.issue(calls))] + ([landed[index, part.name]] if part.name != "gg" else [])
-            done = done.maximum(*ready).plus(_gemm_s(costs.accelerator_gemm, gemm, calls, part.rate, part.token_share))
+            done = done.maximum(*ready).plus(_gemm_s(costs.accelerator_gemm, gemm, calls, part.rate, part.token_share,
+                                                     slowdown))
     return done
 
 
 def _cpu_result_back(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, link_done: Pieces) -> Pieces:
-    """Stream A, then C: x's hop to the CPU and the CC GEMMs, then the result's hop back once the
-    link has landed the weight slices queued before it."""
+    """Stream A, then C: x's hop to the CPU and the CC GEMMs (slowed while the accelerator computes
+    too), then the result's hop back once the link has landed the weight slices queued before it."""
     link = costs.link
     hop_s = Affine(link.a_s) + terms.cpu_share.scale(link.b_s_per_unit * work.hop_bytes)
+    slowdown = costs.cpu_gemm_slowdown if terms.has_cg or terms.has_gg or terms.has_moved else 1.0
     cpu_done = hop_s
     for gemm in work.gemms:
-        cpu_done = cpu_done + _gemm_s(costs.cpu_gemm, gemm, _calls(gemm, terms.cc, True), terms.cc, terms.cpu_share)
+        cpu_done = cpu_done + _gemm_s(costs.cpu_gemm, gemm, _calls(gemm, terms.cc, True), terms.cc, terms.cpu_share,
+                                      slowdown)
     return Pieces.of(cpu_done).maximum(link_done).plus(hop_s)
 
 
@@ -275,7 +283,7 @@ def layer_pieces(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Piece
     parts = _accelerator_parts(terms)
     launches = _LaunchStream(costs.launch_s)
     landed, link_done = _link_stream(work, costs, [part for part in parts if part.name != "gg"], launches)
-    accelerator_done = _accelerator_stream(work, costs, parts, launches, landed)
+    accelerator_done = _accelerator_stream(work, costs, terms, parts, launches, landed)
     if not terms.has_cc:
         return accelerator_done
     return accelerator_done.maximum(_cpu_result_back(work, costs, terms, link_done))

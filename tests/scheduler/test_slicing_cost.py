@@ -93,3 +93,5 @@ def test_costs_check_units_and_round_trip_through_a_dict():
         SlicingCosts(gemm, gemm, link, -1.0)
     with pytest.raises(ValueError, match="b_s_per_weight_byte"):
         GemmCost(1e-6, 3e-12, -1.0)
+    with pytest.raises(ValueError, match="cpu_gemm_slowdown"):
+        SlicingCosts(gemm, gemm, link, 4e-5, cpu_gemm_slowdown=0.5)

@@ -24,12 +24,17 @@ HAND_WORK = MlpWork((GemmWork(100.0, 1000), GemmWork(50.0, 500)), num_tokens=1, 
 
 def random_costs(rng: random.Random, fixed_costs: bool = True) -> SlicingCosts:
     """Linear models over the ranges the paper's Table and this machine's profiles span; without
-    fixed costs every startup and launch is zero."""
+    fixed costs every startup and launch is zero and neither side slows the other (a slowdown
+    that starts with a part is a jump too)."""
     def startup() -> float:
         return rng.uniform(0.0, 1e-4) if fixed_costs else 0.0
+
+    def slowdown() -> float:
+        return rng.choice([1.0, rng.uniform(1.0, 2.5)]) if fixed_costs else 1.0
     return SlicingCosts(GemmCost(startup(), 10 ** rng.uniform(-13, -10), 10 ** rng.uniform(-12, -10)),
                         GemmCost(startup(), 10 ** rng.uniform(-12, -10), 10 ** rng.uniform(-11, -9)),
-                        LinearCost(startup(), 10 ** rng.uniform(-11, -9), UNIT_BYTES), startup())
+                        LinearCost(startup(), 10 ** rng.uniform(-11, -9), UNIT_BYTES), startup(),
+                        cpu_gemm_slowdown=slowdown(), accelerator_gemm_slowdown=slowdown())
 
 
 def random_work(rng: random.Random, fixed_costs: bool = True, num_tokens: int | None = None) -> MlpWork:
@@ -73,6 +78,16 @@ def test_prefill_tokens_moved_to_cg_prime():
     assert layer_time_s(work, HAND_COSTS, SliceRates(0.5, 0.5, 0.0), num_moved_tokens=2) == pytest.approx(168.0)
     with pytest.raises(ValueError, match="num_moved_tokens"):
         layer_time_s(work, HAND_COSTS, SliceRates(0.5, 0.5, 0.0), num_moved_tokens=5)
+
+
+def test_each_side_slows_while_the_other_computes():
+    costs = dataclasses.replace(HAND_COSTS, cpu_gemm_slowdown=2.0, accelerator_gemm_slowdown=3.0)
+    # accelerator GEMMs 3x: GG 1.5-12.0, 12.0-18.75, CG 18.75-29.25, 29.25-36.0; CPU GEMMs 2x:
+    # 5 + 104 + 54, back at 168
+    assert layer_time_s(HAND_WORK, costs, SliceRates(0.5, 0.25, 0.25)) == pytest.approx(168.0)
+    # a side alone is not slowed
+    assert layer_time_s(HAND_WORK, costs, SliceRates(1.0, 0.0, 0.0)) == pytest.approx(164.0)
+    assert layer_time_s(HAND_WORK, costs, SliceRates(0.0, 0.0, 1.0)) == pytest.approx(17.5)
 
 
 def test_gemms_pay_for_the_weight_bytes_they_read():
