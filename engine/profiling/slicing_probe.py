@@ -12,9 +12,11 @@ launch, measured the way slicing runs them, a few seconds in all.
   of a MiB to one MLP's bytes (16 MiB at least).
 - A launch is the time per queued tiny kernel when many are queued: the cost on the issuing
   side that the accelerator waits for when its queue is otherwise empty.
-- Each side's whole-MLP GEMMs are timed again while the other side runs a GEMM loop: on the
-  host-only testbed the two "devices" are vCPUs sharing a physical core and a memory bus, and a
-  sliced MLP (CC beside GG) ran slower than either side alone; on a GPU the factors come out near 1.
+- Each side's whole gate/up GEMM is timed at each token count alone and while the other side
+  runs the same GEMM in a loop: on the host-only testbed the two "devices" are vCPUs sharing a
+  memory bus, and a sliced MLP (CC beside GG) once ran slower than either side alone (on a GPU
+  the factors should come out near 1). The largest copy is timed again beside an accelerator
+  GEMM loop, likewise.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import logging
 import math
 import statistics
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -52,6 +54,7 @@ MIN_COPY_SPAN_BYTES = 16 * 2**20
 NUM_LAUNCHES = 200
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _slice_shapes(config: ModelConfig) -> list[tuple[int, int]]:
@@ -88,18 +91,25 @@ def _gemm_points(shapes: list[tuple[int, int]], method: str, dtype: torch.dtype,
     return points
 
 
-def _slowdown(alone: list[tuple[float, float, float]], busy: list[tuple[float, float, float]]) -> float:
-    """How many times longer the same GEMMs took beside the other side's work (at least 1: a
-    faster run beside a load is noise)."""
-    return max(1.0, statistics.median(b[-1] / a[-1] for a, b in zip(alone, busy)))
+def _slowdown(alone_and_beside_s: list[tuple[float, float]]) -> float:
+    """How many times longer the same work took beside the other side's (the median over the
+    pairs; at least 1: a faster run beside a load is noise)."""
+    return max(1.0, statistics.median(beside / alone for alone, beside in alone_and_beside_s))
 
 
-def _gemm_load(method: str, dtype: torch.dtype, device: torch.device, shape: tuple[int, int]) -> Callable[[], None]:
-    """A GEMM to run over and over as the other side's load: a whole MLP weight at a decode batch."""
-    weight = create_linear_method(method).create_weight(torch.randn(shape) * WEIGHT_STD, None, dtype=dtype,
-                                                        device=device)
-    x = torch.randn(GEMM_TOKENS[-1], shape[1], dtype=dtype, device=device)
-    return _synchronized(device, lambda: weight.apply(x))
+def _gemm_load(method: str, dtype: torch.dtype, device: torch.device,
+               shape: tuple[int, int]) -> Callable[[int], Callable[[], None]]:
+    """-> for a token count, work to run over and over as the other side's load: what slicing
+    gives it, the same GEMM over copies of a weight that spill the caches (the two sides share a
+    memory bus on the testbed, and at some batch sizes the same GEMM library)."""
+    weights = _weights(shape, method, dtype, device)
+
+    def at(num_tokens: int) -> Callable[[], None]:
+        x = torch.randn(num_tokens, shape[1], dtype=dtype, device=device)
+        return _synchronized(device, lambda: [weight.apply(x) for weight in weights])
+    return at
+
+
 def _synchronized(device: torch.device, run: Callable[[], object]) -> Callable[[], None]:
     def call() -> None:
         run()
@@ -118,42 +128,54 @@ def _launch_s(accelerator: AcceleratorQueue) -> float:
     return _median_s(launches) / NUM_LAUNCHES
 
 
+def _beside(start_load: Callable[[], _Repeating], measure: Callable[[], T]) -> T:
+    """`measure()` while the load `start_load` starts runs."""
+    load = start_load()
+    try:
+        return measure()
+    finally:
+        load.stop()
+
+
 def measure_slicing_costs(config: ModelConfig, dtype: torch.dtype, linear_method: str, accelerator: AcceleratorQueue,
                           engine: CopyEngine, cores: CoreAssignment) -> SlicingCosts:
     """The four models for weights made by `linear_method` in `dtype`, fitted to this machine,
-    and how much each side's GEMMs slow while the other side computes (the whole MLP's slices
+    and how much each side's GEMMs slow while the other side computes (the whole MLP's gate/up
     again, beside a GEMM loop on the other side)."""
     start = time.perf_counter()
     device, cpu_device = accelerator.device, torch.device("cpu")
     shapes = _slice_shapes(config)
-    whole = shapes[-2:]  # the last fraction is the whole MLP: its gate/up and down
+    whole = shapes[-2]  # the whole MLP's gate/up (the last fraction's first shape)
 
-    def on_cpu(run_shapes: list[tuple[int, int]]) -> list[tuple[float, float, float]]:
+    def on_cpu(run: Callable[[], object]) -> float:
         with cores.on_cpu_cores(), torch.inference_mode():
-            return _gemm_points(run_shapes, linear_method, dtype, cpu_device, _median_s, lambda make: make())
+            return _median_s(run)
 
-    def on_accelerator(run_shapes: list[tuple[int, int]]) -> list[tuple[float, float, float]]:
-        return _gemm_points(run_shapes, linear_method, dtype, device,
-                            lambda run: accelerator.submit(lambda: _median_s(_synchronized(device, run))).result(),
-                            lambda make: accelerator.submit(make).result())
-    cpu, accelerator_points = on_cpu(shapes), on_accelerator(shapes)
-    accelerator_load = _Repeating(accelerator.submit(lambda: _gemm_load(linear_method, dtype, device, whole[0])).result(),
+    def on_accelerator(run: Callable[[], object]) -> float:
+        return accelerator.submit(lambda: _median_s(_synchronized(device, run))).result()
+    cpu = _gemm_points(shapes, linear_method, dtype, cpu_device, on_cpu, lambda make: make())
+    accelerator_points = _gemm_points(shapes, linear_method, dtype, device, on_accelerator,
+                                      lambda make: accelerator.submit(make).result())
+    # each side's whole gate/up at each token count, alone and beside the same on the other side
+    cpu_work = _gemm_load(linear_method, dtype, cpu_device, whole)
+    accelerator_work = accelerator.submit(lambda: _gemm_load(linear_method, dtype, device, whole)).result()
+
+    def accelerator_load(num_tokens: int) -> Callable[[], _Repeating]:
+        return lambda: _Repeating(accelerator.submit(lambda: accelerator_work(num_tokens)).result(),
                                   accelerator=accelerator)
-    try:
-        cpu_busy = on_cpu(whole)
-    finally:
-        accelerator_load.stop()
-    cpu_load = _Repeating(_gemm_load(linear_method, dtype, cpu_device, whole[0]), pin_to(cores.cpu_attention_cores or None))
-    try:
-        accelerator_busy = on_accelerator(whole)
-    finally:
-        cpu_load.stop()
+
+    def cpu_load(num_tokens: int) -> Callable[[], _Repeating]:
+        return lambda: _Repeating(cpu_work(num_tokens), pin_to(cores.cpu_attention_cores or None))
+    cpu_pairs = [(on_cpu(cpu_work(n)), _beside(accelerator_load(n), lambda: on_cpu(cpu_work(n)))) for n in GEMM_TOKENS]
+    accelerator_pairs = [(on_accelerator(accelerator_work(n)),
+                          _beside(cpu_load(n), lambda: on_accelerator(accelerator_work(n)))) for n in GEMM_TOKENS]
     span = max(MIN_COPY_SPAN_BYTES, 3 * config.hidden_size * config.intermediate_size * dtype.itemsize)
     sizes = sorted({min(PROBE_BYTES, max(MIN_COPY_BYTES, round(f * span))) for f in COPY_FRACTIONS})
     link = [(float(size), measure_copy_s(engine, size, COLD_WEIGHT_BYTES)) for size in sizes]
+    link_beside_s = _beside(accelerator_load(1), lambda: measure_copy_s(engine, sizes[-1], COLD_WEIGHT_BYTES))
     costs = SlicingCosts(fit_gemm_cost(accelerator_points), fit_gemm_cost(cpu), fit_linear_cost(link, UNIT_BYTES),
-                         _launch_s(accelerator), cpu_gemm_slowdown=_slowdown(cpu[-len(cpu_busy):], cpu_busy),
-                         accelerator_gemm_slowdown=_slowdown(accelerator_points[-len(accelerator_busy):],
-                                                             accelerator_busy))
+                         _launch_s(accelerator), cpu_gemm_slowdown=_slowdown(cpu_pairs),
+                         accelerator_gemm_slowdown=_slowdown(accelerator_pairs),
+                         link_slowdown=_slowdown([(link[-1][1], link_beside_s)]))
     logger.info("MLP slicing models measured in %.1f s: %s", time.perf_counter() - start, costs.to_dict())
     return costs

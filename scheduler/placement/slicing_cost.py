@@ -163,11 +163,12 @@ class SlicingCosts:
     # where CPU and accelerator share cores or a memory bus, as on the host-only testbed, > 1).
     cpu_gemm_slowdown: float = 1.0
     accelerator_gemm_slowdown: float = 1.0
+    link_slowdown: float = 1.0  # copies while GEMMs run (the planner's link_bytes_per_s_under_compute)
 
     def __post_init__(self) -> None:
         if self.launch_s < 0:
             raise ValueError(f"launch_s={self.launch_s} must be >= 0")
-        for name in ("cpu_gemm_slowdown", "accelerator_gemm_slowdown"):
+        for name in ("cpu_gemm_slowdown", "accelerator_gemm_slowdown", "link_slowdown"):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.link.unit != UNIT_BYTES:
@@ -176,10 +177,11 @@ class SlicingCosts:
     def to_dict(self) -> dict[str, Any]:
         return {"accelerator_gemm": self.accelerator_gemm.to_dict(), "cpu_gemm": self.cpu_gemm.to_dict(),
                 "link": self.link.to_dict(), "launch_s": self.launch_s, "cpu_gemm_slowdown": self.cpu_gemm_slowdown,
-                "accelerator_gemm_slowdown": self.accelerator_gemm_slowdown}
+                "accelerator_gemm_slowdown": self.accelerator_gemm_slowdown, "link_slowdown": self.link_slowdown}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SlicingCosts":
         return cls(GemmCost.from_dict(data["accelerator_gemm"]), GemmCost.from_dict(data["cpu_gemm"]),
                    LinearCost.from_dict(data["link"]), float(data["launch_s"]),
-                   float(data["cpu_gemm_slowdown"]), float(data["accelerator_gemm_slowdown"]))
+                   float(data["cpu_gemm_slowdown"]), float(data["accelerator_gemm_slowdown"]),
+                   float(data["link_slowdown"]))

@@ -225,17 +225,19 @@ class _LaunchStream:
         return self.num_launches.scale(self.launch_s)
 
 
-def _link_stream(work: MlpWork, costs: SlicingCosts, copied: list[_Part],
+def _link_stream(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, copied: list[_Part],
                  launches: _LaunchStream) -> tuple[dict[tuple[int, str], Pieces], Pieces]:
-    """Stream C: each GEMM's CG then CG' slice, once launched and once the link is free.
-    -> when each copy has landed, and when the link is free again."""
+    """Stream C: each GEMM's CG then CG' slice, once launched and once the link is free, slowed
+    while GEMMs run beside it (GG's, or the CPU's). -> when each copy has landed, and when the
+    link is free again."""
+    slowdown = costs.link_slowdown if terms.has_gg or terms.has_cc else 1.0
     launched = {(index, part.name): launches.issue(_calls(gemm, part.rate, part.present))
                 for index, gemm in enumerate(work.gemms) for part in copied}
     link_done, landed = Pieces.of(ZERO), {}
     for index, gemm in enumerate(work.gemms):
         for part in (part for part in copied if part.present):
-            copy_s = _calls(gemm, part.rate, True).scale(costs.link.a_s) + \
-                part.rate.scale(costs.link.b_s_per_unit * gemm.weight_bytes)
+            copy_s = (_calls(gemm, part.rate, True).scale(costs.link.a_s) +
+                      part.rate.scale(costs.link.b_s_per_unit * gemm.weight_bytes)).scale(slowdown)
             link_done = landed[index, part.name] = link_done.maximum(Pieces.of(launched[index, part.name])).plus(copy_s)
     return landed, link_done
 
@@ -282,7 +284,7 @@ def layer_pieces(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Piece
     accelerator's last GEMM and the CC result's hop back are both done."""
     parts = _accelerator_parts(terms)
     launches = _LaunchStream(costs.launch_s)
-    landed, link_done = _link_stream(work, costs, [part for part in parts if part.name != "gg"], launches)
+    landed, link_done = _link_stream(work, costs, terms, [part for part in parts if part.name != "gg"], launches)
     accelerator_done = _accelerator_stream(work, costs, terms, parts, launches, landed)
     if not terms.has_cc:
         return accelerator_done

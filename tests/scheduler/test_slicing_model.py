@@ -34,7 +34,7 @@ def random_costs(rng: random.Random, fixed_costs: bool = True) -> SlicingCosts:
     return SlicingCosts(GemmCost(startup(), 10 ** rng.uniform(-13, -10), 10 ** rng.uniform(-12, -10)),
                         GemmCost(startup(), 10 ** rng.uniform(-12, -10), 10 ** rng.uniform(-11, -9)),
                         LinearCost(startup(), 10 ** rng.uniform(-11, -9), UNIT_BYTES), startup(),
-                        cpu_gemm_slowdown=slowdown(), accelerator_gemm_slowdown=slowdown())
+                        cpu_gemm_slowdown=slowdown(), accelerator_gemm_slowdown=slowdown(), link_slowdown=slowdown())
 
 
 def random_work(rng: random.Random, fixed_costs: bool = True, num_tokens: int | None = None) -> MlpWork:
@@ -88,6 +88,16 @@ def test_each_side_slows_while_the_other_computes():
     # a side alone is not slowed
     assert layer_time_s(HAND_WORK, costs, SliceRates(1.0, 0.0, 0.0)) == pytest.approx(164.0)
     assert layer_time_s(HAND_WORK, costs, SliceRates(0.0, 0.0, 1.0)) == pytest.approx(17.5)
+
+
+def test_copies_slow_beside_gemms_but_not_alone():
+    costs = dataclasses.replace(HAND_COSTS, link_slowdown=2.0)
+    # all streamed: nothing computes beside the copies (CG waits for them), as test_all_streamed
+    assert layer_time_s(HAND_WORK, costs, SliceRates(0.0, 1.0, 0.0)) == pytest.approx(30.5)
+    # beside GG (1.5-10.0, 10.0-14.75): copies of 2 x 5.5 and 2 x 4.25 land at 11.5 and 20.0, so
+    # CG runs 14.75-18.25 and then waits for its second slice: 20.0-22.25 (alone it would end at 20.5)
+    assert layer_time_s(HAND_WORK, costs, SliceRates(0.0, 0.25, 0.75)) == pytest.approx(22.25)
+    assert layer_time_s(HAND_WORK, HAND_COSTS, SliceRates(0.0, 0.25, 0.75)) == pytest.approx(20.5)
 
 
 def test_gemms_pay_for_the_weight_bytes_they_read():

@@ -40,7 +40,8 @@ def test_every_model_is_fitted_and_grows_with_its_volume(device):
     for gemm in (costs.accelerator_gemm, costs.cpu_gemm):
         assert gemm.r_squared is not None and gemm.time_s(1e9, 1e8) > gemm.time_s(1e3, 1e2)
     assert costs.link.r_squared is not None and costs.link.time_s(1e8) > costs.link.time_s(1e3)
-    assert costs.launch_s > 0 and costs.cpu_gemm_slowdown >= 1 and costs.accelerator_gemm_slowdown >= 1
+    assert costs.launch_s > 0
+    assert min(costs.cpu_gemm_slowdown, costs.accelerator_gemm_slowdown, costs.link_slowdown) >= 1
 
 
 def test_slicing_models_are_cached_beside_the_tables_under_the_same_key(tmp_path):
@@ -50,7 +51,8 @@ def test_slicing_models_are_cached_beside_the_tables_under_the_same_key(tmp_path
                                                          "b_s_per_weight_byte": 0.0},
                                     "cpu_gemm": {"a_s": 2e-6, "b_s_per_multiply_add": 4e-12, "b_s_per_weight_byte": 1e-11},
                                     "link": {"a_s": 5e-6, "b_s_per_unit": 1e-10, "unit": "bytes", "r_squared": 0.99},
-                                    "launch_s": 3e-5, "cpu_gemm_slowdown": 1.5, "accelerator_gemm_slowdown": 1.2})
+                                    "launch_s": 3e-5, "cpu_gemm_slowdown": 1.5, "accelerator_gemm_slowdown": 1.2,
+                                    "link_slowdown": 1.1})
     calls = []
 
     def build():
