@@ -16,6 +16,7 @@ from typing import Any
 from engine.model.config import ConfigError
 from scheduler.neo import NeoKnobs
 from scheduler.placement.slicing import SliceRates
+from scheduler.placement.slicing_plan import SLICING_AUTO, parse_mlp_slicing
 
 # Compute dtype names a user may give -> torch's names for them (the short ones are aliases).
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -55,15 +56,12 @@ def _require_choice(config: object, name: str, choices: tuple[str, ...]) -> None
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def _parse_slice_rates(text: str) -> SliceRates:
-    """--mlp-slicing CC,CG: the CPU-computed and streamed fractions; the rest is resident."""
+def _parse_slice_rates(text: str) -> SliceRates | str:
+    """--mlp-slicing's text: "off", "auto" or fixed CC,CG rates (scheduler/placement/slicing_plan.py)."""
     try:
-        cc, cg = (float(part) for part in text.split(","))
-        return SliceRates(cc, cg, max(0.0, 1.0 - cc - cg))
+        return parse_mlp_slicing(text)
     except ValueError as exc:
-        raise ConfigError(f"--mlp-slicing takes off or CC,CG: two fractions in [0, 1] summing to at most 1 "
-                          f"(the CPU-computed and the streamed share of each MLP), e.g. 0.25,0.5; got "
-                          f"{text!r} ({exc})") from None
+        raise ConfigError(f"{exc}: the CPU-computed and the streamed share of each MLP, e.g. 0.25,0.5") from None
 
 
 def _blocks_in(memory_gib: float, block_bytes: int) -> int:
@@ -179,8 +177,9 @@ class WeightsConfig:
     num_io_threads: int = field(default=4, metadata={FLAT_NAME: "weight_io_threads"})  # disk reads in flight
     # the decode the planner's throughput estimate is for: tokens a sequence holds; None: max_model_len
     expected_context_len: int | None = None
-    # ScheInfer's MLP slicing (engine/execution/mlp_slicing.py): "off"; "CC,CG", the fractions of
-    # every layer's MLP units computed on the CPU and streamed to the accelerator (the rest stays
+    # ScheInfer's MLP slicing (engine/execution/mlp_slicing.py): "off"; "auto", solved at start
+    # within accelerator_gib for decode batches of max_num_seqs; "CC,CG", the fractions of every
+    # layer's MLP units computed on the CPU and streamed to the accelerator (the rest stays
     # resident), e.g. "0.25,0.5"; or one SliceRates per layer
     mlp_slicing: str | tuple[SliceRates, ...] = "off"
 
@@ -200,20 +199,25 @@ class WeightsConfig:
         self.slice_rates(None)  # raises ConfigError for a value it cannot read
 
     def slice_rates(self, num_layers: int | None) -> tuple[SliceRates, ...] | None:
-        """Each of `num_layers` layers' MLP slice rates, or None when slicing is off (None layers:
-        only check the setting)."""
+        """Each of `num_layers` layers' MLP slice rates, or None when slicing is off or solved at
+        start (`slicing_solved`; None layers: only check the setting)."""
         value = self.mlp_slicing
-        if value == "off":
-            return None
         if isinstance(value, str):
             rates = _parse_slice_rates(value)
-            return None if num_layers is None else (rates,) * num_layers
+            if isinstance(rates, str) or num_layers is None:
+                return None
+            return (rates,) * num_layers
         if not isinstance(value, (tuple, list)) or not all(isinstance(r, SliceRates) for r in value):
             raise ConfigError(f"mlp_slicing must be off, CC,CG (e.g. 0.25,0.5) or one SliceRates per layer, "
                               f"got {value!r}")
         if num_layers is not None and len(value) != num_layers:
             raise ConfigError(f"mlp_slicing gives slice rates for {len(value)} layers, but the model has {num_layers}")
         return tuple(value)
+
+    @property
+    def slicing_solved(self) -> bool:
+        """--mlp-slicing auto: the engine solves each layer's rates at start (ScheInfer sec. IV-A)."""
+        return isinstance(self.mlp_slicing, str) and self.mlp_slicing.strip().lower() == SLICING_AUTO
 
     @property
     def streaming_requested(self) -> bool:

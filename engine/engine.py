@@ -19,7 +19,7 @@ import torch
 
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.execution import CoreAssignment, ModelRunner
-from engine.execution.weight_plan import conversion_key, plan_weights
+from engine.execution.weight_plan import conversion_key, plan_mlp_slicing, plan_weights
 from engine.execution.mlp_slicing import create_sliced_layer_store
 from engine.execution.weight_stream import create_layer_store
 from engine.kv import KVCache
@@ -33,7 +33,7 @@ from engine.weights.layer_files import LayerFiles
 from scheduler.cost_model import CostModel, TableCostModel
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.neo import NeoConfig, NeoScheduler
-from scheduler.placement import TIER_DISK, WeightPlacement, describe
+from scheduler.placement import TIER_DISK, SlicingPlan, WeightPlacement, describe, describe_slicing
 from scheduler.placement.cost import StreamingCostModel
 from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig
 
@@ -86,7 +86,12 @@ class LLMEngine:
         self.dtype, reason = compute_dtype(config.dtype, config.torch_device)
         logger.info("compute dtype: %s (%s)", str(self.dtype).removeprefix("torch."), reason)
         self.placement: WeightPlacement | None = None  # where decoder layers live, when planned
-        if config.weights.streaming_requested:
+        self.slicing: SlicingPlan | None = None  # each layer's MLP slice rates, when solved (--mlp-slicing auto)
+        if config.weights.slicing_solved:  # the slicing planner owns the weight budget: every layer sliced
+            self.slicing, _ = plan_mlp_slicing(config, self.model_config, self.dtype, self._model_max_len(),
+                                               config.max_num_seqs)
+            logger.info("%s", describe_slicing(self.slicing))
+        elif config.weights.streaming_requested:
             self.placement = plan_weights(config, self.model_config, self.dtype, self._model_max_len())
             logger.info("%s", describe(self.placement, config.weights.offload_dir))
         cache = config.cache
@@ -129,7 +134,7 @@ class LLMEngine:
         all resident)."""
         placement, config = self.placement, self.config
         weights = config.weights
-        slice_rates = weights.slice_rates(self.model_config.num_layers)
+        slice_rates = self.slicing.rates if self.slicing else weights.slice_rates(self.model_config.num_layers)
         if placement is None and slice_rates is None:
             return None
         files = None

@@ -135,9 +135,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     weights.add_argument("--weight-io-threads", type=int, default=4, help="disk reads in flight per layer load")
     weights.add_argument("--expected-context-len", type=int, default=None,
                          help="tokens per sequence the placement's throughput estimate assumes (default: max-model-len)")
-    weights.add_argument("--mlp-slicing", default="off",
-                         help="ScheInfer's MLP slicing: off, or CC,CG: the fractions of each layer's MLP computed "
-                              "on the CPU and streamed to the accelerator (the rest resident), e.g. 0.25,0.5")
+    weights.add_argument("--mlp-slicing", default="off", metavar="off|auto|CC,CG",
+                         help="ScheInfer's MLP slicing: off; auto (rates solved within --weights-gpu-gib for decode "
+                              "batches of --max-num-seqs); or CC,CG: the fractions of each layer's MLP computed on the "
+                              "CPU and streamed to the accelerator (the rest resident), e.g. 0.25,0.5")
 
 
 def engine_config(args: argparse.Namespace, **overrides):
@@ -189,7 +190,7 @@ def plan(args: argparse.Namespace) -> int:
     from engine.execution.weight_plan import measure, planner_inputs
     from engine.profiling import compute_dtype
     from engine.weights import create_loader
-    from scheduler.placement import describe, plan_placement
+    from scheduler.placement import describe, describe_slicing, plan_placement
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
@@ -201,9 +202,15 @@ def plan(args: argparse.Namespace) -> int:
     print(f"tandem plan: {args.model}, {str(dtype).removeprefix('torch.')} ({reason}), "
           f"{'int4 ' if config.quantization == 'int4' else ''}weights, on {args.device}")
     print(describe(placement, config.weights.offload_dir))
+    report = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "placement": placement.to_dict()}
+    if config.weights.mlp_slicing != "off":
+        from engine.execution.weight_plan import plan_mlp_slicing
+
+        sliced, costs = plan_mlp_slicing(config, model_config, dtype, max_len, placement.estimate.batch)
+        print(describe_slicing(sliced))
+        report.update(slicing=sliced.to_dict(), slicing_costs=costs.to_dict())
     if args.json:
-        print(json.dumps({"model": args.model, "dtype": str(dtype).removeprefix("torch."),
-                          "placement": placement.to_dict()}, indent=1))
+        print(json.dumps(report, indent=1))
     return 0
 
 

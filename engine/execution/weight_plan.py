@@ -16,6 +16,8 @@ from engine.execution.queues import AcceleratorQueue, CudaStreamQueue, InlineQue
 from engine.execution.transfer import create_copy_engine
 from engine.kv import KVCache
 from engine.model import ConfigError, ModelConfig
+from engine.profiling.cache import ProfileKey, load_or_measure, profile_path
+from engine.profiling.slicing_probe import measure_slicing_costs
 from engine.profiling.streaming_probe import (
     DECODE_PROBE_TOKENS,
     measure_compute,
@@ -28,12 +30,15 @@ from scheduler.placement import (
     ComputeCosts,
     MemoryBudgets,
     PlannerInputs,
+    SlicingCosts,
+    SlicingPlan,
     TransferRates,
     WeightFormat,
     WeightPlacement,
     Workload,
     layer_image_bytes,
     plan_placement,
+    plan_slicing,
 )
 from scheduler.placement.memory import activation_peak_bytes
 
@@ -197,3 +202,43 @@ def plan_weights(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
     """Measure, then plan; PlacementError (a ValueError) when nothing fits."""
     measured = measure(config, model_config, dtype)
     return plan_placement(planner_inputs(config, model_config, dtype, max_model_len, measured))
+
+
+def slicing_costs(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> SlicingCosts:
+    """ScheInfer's linear models for this config: cached beside the cost tables under the same key
+    (one file per weight format), else measured (engine/profiling/slicing_probe.py) and cached."""
+    offload = config.offload
+    cores = CoreAssignment.for_device(config.device, offload.accelerator_threads, offload.cpu_attention_threads)
+    key = ProfileKey.create(model=config.model, load_format=config.load_format, dtype=dtype, device=config.device,
+                            accelerator_threads=cores.accelerator_threads,
+                            cpu_attention_threads=cores.cpu_attention_threads, block_size=config.cache.block_size)
+    method = QUANTIZATION_METHODS[config.quantization]
+    kind = f"slicing-{method}"
+
+    def build() -> SlicingCosts:
+        logger.info("measuring the MLP slicing models (once per model/dtype/device and weight format)")
+        queue = _accelerator_queue(cores, config.torch_device)
+        engine = _copy_engine(config.torch_device, cores)
+        try:
+            return measure_slicing_costs(model_config, dtype, method, queue, engine, cores)
+        finally:
+            engine.close()
+            queue.close()
+
+    if offload.force_profile:
+        profile_path(key, offload.profile_cache_dir, kind).unlink(missing_ok=True)
+    return load_or_measure(key, kind, build, SlicingCosts.to_dict, SlicingCosts.from_dict, offload.profile_cache_dir)
+
+
+def plan_mlp_slicing(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int,
+                     num_tokens: int) -> tuple[SlicingPlan, SlicingCosts]:
+    """Per-layer slicing rates for decode batches of `num_tokens` within --weights-gpu-gib (solved
+    for --mlp-slicing auto, else its fixed rates), with the tokens a prefill of the batch's token
+    bound moves to CG'."""
+    rates = config.weights.slice_rates(model_config.num_layers)
+    fixed_rates = None if rates is None else rates[0]
+    costs = slicing_costs(config, model_config, dtype)
+    plan = plan_slicing(model_config.shape, weight_format(config, dtype), costs,
+                        budgets(config, model_config, dtype).accelerator_weight_bytes, num_tokens,
+                        fixed_rates=fixed_rates, prefill_tokens=workload(config, max_model_len).max_num_batched_tokens)
+    return plan, costs

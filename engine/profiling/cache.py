@@ -16,7 +16,7 @@ import platform
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -24,6 +24,7 @@ from engine.weights import EMBEDDED_MODEL, embedded_gguf_path
 from scheduler.cost_model import TableCostModel
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Bump whenever what is measured, or how, changes: files of older versions then miss.
 PROFILE_FORMAT_VERSION = 3
@@ -134,27 +135,38 @@ def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return Path(chosen).expanduser()
 
 
-def profile_path(key: ProfileKey, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    return resolve_cache_dir(cache_dir) / f"{key.digest}.json"
+# The scheduler's cost tables; other kinds of profile (the MLP slicing models) sit beside them.
+TABLES_KIND = "tables"
+
+
+def profile_path(key: ProfileKey, cache_dir: str | os.PathLike[str] | None = None, kind: str = TABLES_KIND) -> Path:
+    """`<digest>.json` for the cost tables, `<digest>.<kind>.json` for another kind measured under the key."""
+    suffix = "" if kind == TABLES_KIND else f".{kind}"
+    return resolve_cache_dir(cache_dir) / f"{key.digest}{suffix}.json"
 
 
 def load_cached(key: ProfileKey, cache_dir: str | os.PathLike[str] | None = None) -> TableCostModel | None:
     """The cached tables for exactly `key`, or None: no file, a file holding another key (a hash
     collision or a copied file), or one that cannot be read (logged)."""
-    path = profile_path(key, cache_dir)
+    return _load_kind(key, cache_dir, TABLES_KIND, TableCostModel.from_dict)
+
+
+def _load_kind(key: ProfileKey, cache_dir: str | os.PathLike[str] | None, kind: str,
+               decode: Callable[[Any], T]) -> T | None:
+    path = profile_path(key, cache_dir, kind)
     try:
         stored = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(stored, dict):
             raise ValueError("not a JSON object")
         if stored.get("key") != key.to_dict():
-            logger.info("%s: cost tables measured under another key; not used", path)
+            logger.info("%s: %s measured under another key; not used", path, kind)
             return None
-        return TableCostModel.from_dict(stored["tables"])
+        return decode(stored[kind])
     except FileNotFoundError:
         return None
     # OSError: unreadable; ValueError: bad JSON, bad text or bad tables (TableError); the rest: wrong types
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        logger.warning("%s: unusable cost tables (%s); profiling again", path, exc)
+        logger.warning("%s: unusable %s (%s); profiling again", path, kind, exc)
         return None
 
 
@@ -179,15 +191,21 @@ def load_or_profile(key: ProfileKey, build: Callable[[], TableCostModel],
                     cache_dir: str | os.PathLike[str] | None = None) -> TableCostModel:
     """The cached tables for `key`, else `build()`'s, written to the cache for the next start.
     A cache that cannot be written is logged, not fatal: the tables just measured still serve."""
-    cached = load_cached(key, cache_dir)
+    return load_or_measure(key, TABLES_KIND, build, TableCostModel.to_dict, TableCostModel.from_dict, cache_dir)
+
+
+def load_or_measure(key: ProfileKey, kind: str, build: Callable[[], T], encode: Callable[[T], Any],
+                    decode: Callable[[Any], T], cache_dir: str | os.PathLike[str] | None = None) -> T:
+    """A profile of `kind` (the cost tables, or another kind with its own JSON form) cached under `key`."""
+    cached = _load_kind(key, cache_dir, kind, decode)
     if cached is not None:
-        logger.info("cost tables from %s", profile_path(key, cache_dir))
+        logger.info("%s from %s", kind, profile_path(key, cache_dir, kind))
         return cached
-    tables = build()
-    path = profile_path(key, cache_dir)
+    measured = build()
+    path = profile_path(key, cache_dir, kind)
     try:
-        _write_atomically(path, {"key": key.to_dict(), "tables": tables.to_dict()})
-        logger.info("cost tables cached at %s", path)
+        _write_atomically(path, {"key": key.to_dict(), kind: encode(measured)})
+        logger.info("%s cached at %s", kind, path)
     except OSError as exc:
-        logger.warning("could not cache the cost tables at %s (%s); the next start measures again", path, exc)
-    return tables
+        logger.warning("could not cache the %s at %s (%s); the next start measures again", kind, path, exc)
+    return measured

@@ -11,6 +11,7 @@ layers' worth, so the caches are cold as in a forward).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import statistics
 import threading
@@ -81,13 +82,23 @@ def _synchronize(device: torch.device) -> None:
 
 def measure_link_bytes_per_s(engine: CopyEngine, nbytes: int = PROBE_BYTES) -> float:
     """Host buffer -> accelerator layer buffer through `engine`, from a transfer thread."""
-    source = engine.allocate_host(nbytes).fill_(1)
+    return nbytes / measure_copy_s(engine, nbytes)
+
+
+def measure_copy_s(engine: CopyEngine, nbytes: int, source_bytes: int = 0) -> float:
+    """One copy of `nbytes` from a host buffer into an accelerator buffer through `engine`, from a
+    transfer thread, until it has landed. With `source_bytes` beyond `nbytes`, each copy reads the
+    next part of a source that large, so small copies come from memory as a layer's would, not
+    from the cache the previous copy filled."""
+    source = engine.allocate_host(max(nbytes, source_bytes)).fill_(1)
     target = engine.allocate_buffer(nbytes)
+    starts = itertools.cycle(range(0, source.numel() - nbytes + 1, nbytes))
 
     def copy() -> None:
-        engine.copy(target, source)
+        start = next(starts)
+        engine.copy(target, source[start:start + nbytes])
         _synchronize(engine.device)
-    return nbytes / _on_thread(lambda: _median_s(copy), pin_to(engine.cores))
+    return _on_thread(lambda: _median_s(copy), pin_to(engine.cores))
 
 
 def measure_disk_bytes_per_s(directory: str | os.PathLike[str], reader: DirectReader,

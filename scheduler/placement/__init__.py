@@ -1,6 +1,7 @@
 """Weight placement: which decoder layers live on the accelerator, in host memory or on disk,
-and which pipeline streams them (PIPO sec. 3.5). Plain Python, no torch: `tandem plan` and the
-engine ask the same planner."""
+and which pipeline streams them (PIPO sec. 3.5); and ScheInfer's slicing of each MLP into parts
+computed on the CPU, streamed, and resident (slicing*.py). Plain Python, no torch: `tandem plan`
+and the engine ask the same planner."""
 from scheduler.placement.memory import (
     GIB_BYTES,
     IMAGE_ALIGN_BYTES,
@@ -11,6 +12,11 @@ from scheduler.placement.memory import (
     layer_image_bytes,
 )
 from scheduler.placement.pipeline import ForwardTimeline, simulate_forward
+from scheduler.placement.slicing import SliceRates
+from scheduler.placement.slicing_cost import GemmCost, LinearCost, SlicingCosts, fit_gemm_cost, fit_linear_cost
+from scheduler.placement.slicing_model import GemmWork, MlpWork, dense_mlp_work, layer_time_s, moe_mlp_work
+from scheduler.placement.slicing_plan import SlicingPlan, describe_slicing, parse_mlp_slicing, plan_slicing
+from scheduler.placement.slicing_solver import assign_gg, layer_choices, solve_cc, solve_moved_tokens
 from scheduler.placement.planner import (
     PIPELINE_CHOICES,
     PIPELINE_MEMORY,
@@ -31,8 +37,11 @@ from scheduler.placement.planner import (
     plan_placement,
 )
 
-__all__ = ["ComputeCosts", "ForwardTimeline", "GIB_BYTES", "IMAGE_ALIGN_BYTES", "IMAGE_TENSOR_ALIGN_BYTES",
-           "MemoryBreakdown", "MemoryBudgets", "PIPELINE_CHOICES", "PIPELINE_MEMORY", "PIPELINE_PERFORMANCE",
-           "PLACEMENT_MODES", "PlacementError", "PlannerInputs", "TIER_ACCELERATOR", "TIER_DISK", "TIER_HOST",
-           "ThroughputEstimate", "TransferRates", "WeightFormat", "WeightPlacement", "Workload", "describe",
-           "image_layout", "layer_image_bytes", "plan_placement", "simulate_forward"]
+__all__ = ["ComputeCosts", "ForwardTimeline", "GIB_BYTES", "GemmCost", "GemmWork", "IMAGE_ALIGN_BYTES", "IMAGE_TENSOR_ALIGN_BYTES",
+           "LinearCost", "MemoryBreakdown", "MemoryBudgets", "MlpWork", "PIPELINE_CHOICES", "PIPELINE_MEMORY",
+           "PIPELINE_PERFORMANCE", "PLACEMENT_MODES", "PlacementError", "PlannerInputs", "SliceRates",
+           "SlicingCosts", "SlicingPlan", "TIER_ACCELERATOR", "TIER_DISK", "TIER_HOST", "ThroughputEstimate",
+           "TransferRates", "WeightFormat", "WeightPlacement", "Workload", "assign_gg", "dense_mlp_work", "describe",
+           "describe_slicing", "fit_gemm_cost", "fit_linear_cost", "image_layout", "layer_choices", "layer_image_bytes",
+           "layer_time_s", "moe_mlp_work", "parse_mlp_slicing", "plan_placement", "plan_slicing",
+           "simulate_forward", "solve_cc", "solve_moved_tokens"]

@@ -59,3 +59,23 @@ def test_sliced_beside_streamed_layers_equals_resident(references, tmp_path, dev
     assert layer_tiers == {TIER_ACCELERATOR, TIER_HOST, TIER_DISK}  # whole layers streamed beside sliced ones
     assert outputs == references(EMBEDDED, "on")
     assert "batch-1" in seen
+
+
+@pytest.mark.parametrize("device", ["cpu", on_testbed("testbed")])
+def test_solved_rates_within_the_budget_equal_resident(references, tmp_path, device):
+    """--mlp-slicing auto: the rates come from the solver, measured on this machine, within a weight
+    budget that holds the attention weights and embeddings but not every MLP; tokens unchanged."""
+    budget_gib = 0.3  # the embedded model in float32: 0.21 GiB beside the MLPs, which take 0.3 GiB
+    with LLM(**EMBEDDED, device=device, offload="off", mlp_slicing="auto", weights_gpu_gib=budget_gib,
+             profile_cache_dir=str(tmp_path / "profiles")) as llm:
+        outputs, _ = generate(llm, *workload(EMBEDDED, "off"))
+        plan = llm.engine.slicing
+        assert plan is not None and plan.accelerator_weight_bytes <= budget_gib * 2**30
+        assert any(rates.gg < 1.0 for rates in plan.rates)
+        store = llm.engine.runner.model.layer_store  # the layers were cut at the solved rates
+        num_units = llm.engine.model_config.intermediate_size
+        sliced = {i for i, rates in enumerate(plan.rates) if rates.gg < 1.0}
+        assert set(store.mlps) == sliced
+        for index in sliced:
+            assert tuple(store.mlps[index].counts.values()) == plan.rates[index].counts(num_units)
+    assert outputs == references(EMBEDDED, "off")

@@ -36,6 +36,23 @@ def test_plan_prints_the_breakdown_and_the_expected_speed_without_loading_weight
     assert "KV pool" in out and "activations" in out and "tokens/s" in out
 
 
+@pytest.mark.parametrize("slicing, expected", [("auto", "MLP slicing (ScheInfer)"),
+                                               ("0.5,0.5", "CC 0.500  CG 0.500  GG 0.000")])
+def test_plan_shows_the_mlp_slicing_rates_when_asked(slicing, expected, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    assert main(["plan", "--dtype", "float32", "--weights-gpu-gib", "0.25", "--mlp-slicing", slicing,
+                 "--log-level", "warning"]) == 0
+    out = capsys.readouterr().out
+    assert expected in out and "predicted" in out and "tokens on CG'" in out
+    assert len(list(tmp_path.glob("*.slicing-dense.json"))) == 1
+
+
+def test_a_bad_mlp_slicing_value_is_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--mlp-slicing", "0.7,0.5"])
+    assert exit_info.value.code == 2 and "--mlp-slicing must be" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["plan", "serve"])
 def test_weights_that_fit_nowhere_are_refused_before_loading(command, capsys):
     assert main([command, "--dtype", "float32", "--weights-gpu-gib", "0.05", "--log-level", "warning"]) == 2

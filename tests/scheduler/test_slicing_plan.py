@@ -1,0 +1,104 @@
+import random
+
+import pytest
+from test_slicing_model import random_costs
+
+from scheduler.cost_model import ModelShape
+from scheduler.placement import (
+    PlacementError,
+    GemmCost,
+    LinearCost,
+    SliceRates,
+    SlicingCosts,
+    WeightFormat,
+    describe_slicing,
+    layer_time_s,
+    parse_mlp_slicing,
+    plan_slicing,
+    solve_moved_tokens,
+)
+from scheduler.placement.slicing_cost import UNIT_BYTES
+from scheduler.placement.slicing_plan import fixed_weight_bytes, layer_work
+
+SHAPE = ModelShape(num_layers=6, hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=2, head_dim=64,
+                   vocab_size=1000)
+FMT = WeightFormat("none", 2)
+
+
+def _bytes(num_resident_mlps: float) -> int:
+    """A budget: what slicing always keeps resident, one MLP's buffer, and this many MLPs more."""
+    mlp = layer_work(SHAPE, FMT, 1).weight_bytes
+    return fixed_weight_bytes(SHAPE, FMT) + mlp + round(num_resident_mlps * mlp)
+
+
+@pytest.mark.parametrize("value,expected", [("off", "off"), ("AUTO", "auto"), ("0.25,0.5", SliceRates(0.25, 0.5, 0.25)),
+                                            ("0,1", SliceRates(0.0, 1.0, 0.0))])
+def test_the_flag_parses(value, expected):
+    assert parse_mlp_slicing(value) == expected
+
+
+@pytest.mark.parametrize("value", ["half", "0.7,0.5", "0.5", "-0.1,0.5"])
+def test_a_bad_flag_names_itself(value):
+    with pytest.raises(ValueError, match="--mlp-slicing"):
+        parse_mlp_slicing(value)
+
+
+def test_solved_plans_fit_their_budget_and_predict_their_rates_times():
+    rng = random.Random(21)
+    for _ in range(30):
+        costs = random_costs(rng)
+        budget = _bytes(rng.uniform(0.0, SHAPE.num_layers + 1))
+        num_tokens = rng.choice([1, 4, 32])
+        plan = plan_slicing(SHAPE, FMT, costs, budget, num_tokens)
+        assert plan.accelerator_weight_bytes <= budget and len(plan.rates) == SHAPE.num_layers
+        work = layer_work(SHAPE, FMT, num_tokens)
+        for rates, time_s in zip(plan.rates, plan.layer_time_s):
+            assert time_s == pytest.approx(layer_time_s(work, costs, rates))
+        assert plan.resident_bytes == sum(round(r.gg * plan.mlp_bytes) for r in plan.rates)
+
+
+def test_a_bigger_budget_keeps_more_resident_when_the_accelerator_is_fast():
+    """The paper's testbed A (its Table's FP16 models): the accelerator computes 5x faster than the
+    CPU, so at a batch of 64 (launches no longer dominate) every resident byte saves time."""
+    costs = SlicingCosts(GemmCost(1.0e-7, 3.2e-12), GemmCost(7.4e-7, 1.6e-11), LinearCost(3.0e-6, 2.6e-11, UNIT_BYTES),
+                         4.4e-5)
+    small, large = (plan_slicing(SHAPE, FMT, costs, _bytes(n), 64) for n in (1.0, 4.0))
+    assert small.resident_bytes < large.resident_bytes
+    assert sum(large.layer_time_s) < sum(small.layer_time_s)
+
+
+def test_everything_resident_needs_no_buffer():
+    plan = plan_slicing(SHAPE, FMT, random_costs(random.Random(2)), _bytes(SHAPE.num_layers - 1), 1,
+                        fixed_rates=SliceRates.resident())
+    assert plan.buffer_bytes == 0 and plan.accelerator_weight_bytes == _bytes(SHAPE.num_layers - 1)
+
+
+def test_unbounded_takes_each_layers_fastest_rates():
+    costs = random_costs(random.Random(8))
+    plan = plan_slicing(SHAPE, FMT, costs, None, 4)
+    bounded = plan_slicing(SHAPE, FMT, costs, _bytes(2.0), 4)
+    assert sum(plan.layer_time_s) <= sum(bounded.layer_time_s)
+
+
+def test_a_budget_without_room_for_the_buffer_is_refused_with_the_flag_to_change():
+    with pytest.raises(PlacementError, match="--weights-gpu-gib"):
+        plan_slicing(SHAPE, FMT, random_costs(random.Random(1)), _bytes(-0.5), 1)
+    with pytest.raises(PlacementError, match="--weights-gpu-gib"):
+        plan_slicing(SHAPE, FMT, random_costs(random.Random(1)), _bytes(1.0), 1, fixed_rates=SliceRates(0.0, 0.0, 1.0))
+
+
+def test_fixed_rates_everywhere_and_the_prefills_moved_tokens():
+    costs = random_costs(random.Random(6))
+    rates = SliceRates(0.5, 0.25, 0.25)
+    plan = plan_slicing(SHAPE, FMT, costs, None, 2, fixed_rates=rates, prefill_tokens=256)
+    assert set(plan.rates) == {rates}
+    expected = solve_moved_tokens(layer_work(SHAPE, FMT, 256), costs, rates)
+    assert plan.moved_tokens == (expected[0],) * SHAPE.num_layers
+    assert plan.prefill_time_s == (expected[1],) * SHAPE.num_layers
+
+
+def test_describe_prints_runs_of_equal_layers():
+    costs = random_costs(random.Random(6))
+    text = describe_slicing(plan_slicing(SHAPE, FMT, costs, None, 2, fixed_rates=SliceRates(0.5, 0.25, 0.25),
+                                         prefill_tokens=64))
+    assert "layers 0-5" in text and "CC 0.500  CG 0.250  GG 0.250" in text and "prefill of 64" in text
