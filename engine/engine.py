@@ -19,7 +19,7 @@ import torch
 
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.execution import CoreAssignment, ModelRunner
-from engine.execution.weight_plan import conversion_key, plan_mlp_slicing, plan_weights
+from engine.execution.weight_plan import conversion_key, plan_mlp_slicing, plan_weights, slicing_costs, weight_format
 from engine.execution.mlp_slicing import create_sliced_layer_store
 from engine.execution.weight_stream import create_layer_store
 from engine.kv import KVCache
@@ -33,8 +33,10 @@ from engine.weights.layer_files import LayerFiles
 from scheduler.cost_model import CostModel, TableCostModel
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.neo import NeoConfig, NeoScheduler
-from scheduler.placement import TIER_DISK, SlicingPlan, WeightPlacement, describe, describe_slicing
-from scheduler.placement.cost import StreamingCostModel
+from scheduler.placement import TIER_DISK, SlicingCosts, SlicingPlan, WeightPlacement, describe, describe_slicing
+from scheduler.placement.cost import SlicedMlpCostModel, StreamingCostModel
+from scheduler.placement.slicing import SliceRates
+from scheduler.placement.slicing_plan import layer_work
 from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -87,9 +89,10 @@ class LLMEngine:
         logger.info("compute dtype: %s (%s)", str(self.dtype).removeprefix("torch."), reason)
         self.placement: WeightPlacement | None = None  # where decoder layers live, when planned
         self.slicing: SlicingPlan | None = None  # each layer's MLP slice rates, when solved (--mlp-slicing auto)
+        self.slicing_costs: SlicingCosts | None = None  # the models they were solved with
         if config.weights.slicing_solved:  # the slicing planner owns the weight budget: every layer sliced
-            self.slicing, _ = plan_mlp_slicing(config, self.model_config, self.dtype, self._model_max_len(),
-                                               config.max_num_seqs)
+            self.slicing, self.slicing_costs = plan_mlp_slicing(config, self.model_config, self.dtype,
+                                                                self._model_max_len(), config.max_num_seqs)
             logger.info("%s", describe_slicing(self.slicing))
         elif config.weights.streaming_requested:
             self.placement = plan_weights(config, self.model_config, self.dtype, self._model_max_len())
@@ -134,7 +137,7 @@ class LLMEngine:
         all resident)."""
         placement, config = self.placement, self.config
         weights = config.weights
-        slice_rates = self.slicing.rates if self.slicing else weights.slice_rates(self.model_config.num_layers)
+        slice_rates = self._slice_rates()
         if placement is None and slice_rates is None:
             return None
         files = None
@@ -148,13 +151,32 @@ class LLMEngine:
             return functools.partial(create_sliced_layer_store, slice_rates, placement, **options)
         return functools.partial(create_layer_store, placement, **options)
 
+    def _slice_rates(self) -> tuple[SliceRates, ...] | None:
+        """Each layer's MLP slice rates: solved at start, or as configured; None without slicing."""
+        if self.slicing is not None:
+            return self.slicing.rates
+        return self.config.weights.slice_rates(self.model_config.num_layers)
+
+    def _linear_weights_key(self) -> str:
+        """What the linear stages compute from, for the profile's key: the format and the slicing."""
+        rates = self._slice_rates()
+        if rates is None:
+            return self.config.quantization
+        return f"{self.config.quantization}, MLPs sliced cc/cg/gg " + " ".join(f"{r.cc:g}/{r.cg:g}/{r.gg:g}" for r in rates)
+
     def _load_cost_model(self, loader, dtype: torch.dtype) -> CostModel:
         """Cost tables from the given file, else this machine's profile (measured once per key);
-        with streamed layers, their transfers stretch the linear stage (StreamingCostModel)."""
-        base = self._load_table_cost_model(loader, dtype)
-        if self.placement is None or not self.placement.streamed_layers:
-            return base
-        return StreamingCostModel.for_placement(base, self.placement)
+        with streamed layers, their transfers stretch the linear stage (StreamingCostModel); with
+        sliced MLPs, the CPU's share of it is charged to the CPU (SlicedMlpCostModel)."""
+        model = self._load_table_cost_model(loader, dtype)
+        if self.placement is not None and self.placement.streamed_layers:
+            model = StreamingCostModel.for_placement(model, self.placement)
+        rates = self._slice_rates()
+        if rates is None:
+            return model
+        costs = self.slicing_costs or slicing_costs(self.config, self.model_config, dtype)
+        fmt, shape = weight_format(self.config, dtype), self.model_config.shape
+        return SlicedMlpCostModel(model, lambda num_tokens: layer_work(shape, fmt, num_tokens), costs, rates)
 
     def _load_table_cost_model(self, loader, dtype: torch.dtype) -> CostModel:
         config, offload = self.config, self.config.offload
@@ -167,7 +189,7 @@ class LLMEngine:
         key = ProfileKey.create(model=config.model, load_format=config.load_format, dtype=dtype,
                                 device=config.device, accelerator_threads=runner.cores.accelerator_threads,
                                 cpu_attention_threads=runner.cores.cpu_attention_threads,
-                                block_size=block_size)
+                                block_size=block_size, linear_weights=self._linear_weights_key())
         grid = ProfileGrid.quick() if offload.profile_grid == "quick" else ProfileGrid()
 
         def build() -> TableCostModel:

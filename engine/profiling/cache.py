@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Bump whenever what is measured, or how, changes: files of older versions then miss.
-PROFILE_FORMAT_VERSION = 3
+PROFILE_FORMAT_VERSION = 4  # 4: the key names what the linear stages compute from
 CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/tandem/profiles")
 # 64 bits of the key's hash name the file: short, and a collision costs nothing since the stored
@@ -99,6 +99,9 @@ class ProfileKey:
     accelerator_threads: int
     cpu_attention_threads: int
     block_size: int
+    # What the linear stages compute from: the weight format, and the MLP slicing where it is on
+    # (a sliced model's linear stage differs from a resident one's)
+    linear_weights: str
     # Kernels change speed between torch releases; a profile from another one would mislead.
     torch_version: str
     format_version: int = PROFILE_FORMAT_VERSION
@@ -110,14 +113,15 @@ class ProfileKey:
 
     @classmethod
     def create(cls, *, model: str | os.PathLike[str], load_format: str, dtype: torch.dtype, device: str,
-               accelerator_threads: int, cpu_attention_threads: int, block_size: int) -> "ProfileKey":
+               accelerator_threads: int, cpu_attention_threads: int, block_size: int,
+               linear_weights: str = "dense") -> "ProfileKey":
         """The key for serving `model` on this machine with these settings."""
         source, num_bytes, mtime_ns, load_format = model_identity(model, load_format)
         return cls(model=source, model_bytes=num_bytes, model_mtime_ns=mtime_ns, load_format=load_format,
                    dtype=str(dtype).removeprefix("torch."), device=device, device_name=accelerator_name(device),
                    cpu_model=host_cpu_model(), accelerator_threads=accelerator_threads,
                    cpu_attention_threads=cpu_attention_threads, block_size=block_size,
-                   torch_version=torch.__version__)
+                   linear_weights=linear_weights, torch_version=torch.__version__)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

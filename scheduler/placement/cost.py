@@ -1,12 +1,16 @@
 """The scheduler's view of streamed weights (PIPO meets Neo): a cost model whose linear time is
 max(compute, transfer) for the layers that stream, so while transfers bound the forward the
-scheduler sees a bigger batch cost almost nothing more, and grows it."""
+scheduler sees a bigger batch cost almost nothing more, and grows it; and of sliced MLPs
+(ScheInfer meets Neo): the CPU's share of each linear stage on the CPU's time line."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from scheduler.cost_model import CostModel
 from scheduler.placement.planner import PIPELINE_PERFORMANCE, TIER_ACCELERATOR, WeightPlacement
+from scheduler.placement.slicing import SliceRates
+from scheduler.placement.slicing_cost import SlicingCosts
+from scheduler.placement.slicing_model import MlpWork, cpu_time_s
 
 
 class StreamingCostModel(CostModel):
@@ -41,6 +45,53 @@ class StreamingCostModel(CostModel):
 
     def linear_again(self, num_tokens: int) -> float:
         return self.base.linear(num_tokens)
+
+    def prefill_attention(self, seq_lens: Sequence[int]) -> float:
+        return self.base.prefill_attention(seq_lens)
+
+    def gpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
+        return self.base.gpu_decode_attention(num_seqs, context_tokens)
+
+    def cpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
+        return self.base.cpu_decode_attention(num_seqs, context_tokens)
+
+    def head(self, num_seqs: int) -> float:
+        return self.base.head(num_seqs)
+
+    def swap(self, num_blocks: int) -> float:
+        return self.base.swap(num_blocks)
+
+    def handoff(self) -> float:
+        return self.base.handoff()
+
+
+class SlicedMlpCostModel(CostModel):
+    """`base`'s times, profiled on the model as loaded, sliced MLPs included (the profile's key
+    names the slicing), with the CPU's share of each linear stage from the slicing model: the CC
+    parts' time (`cpu_linear`), which the CPU spends in the same window as the other sub-batch's
+    CPU attention. Averaged over the layers' rates, as the scheduler multiplies by num_layers."""
+
+    def __init__(self, base: CostModel, works: Callable[[int], MlpWork], costs: SlicingCosts,
+                 rates: Sequence[SliceRates]) -> None:
+        if not rates:
+            raise ValueError("SlicedMlpCostModel needs one SliceRates per layer, got none")
+        self.base = base
+        self.num_layers = base.num_layers
+        self.works = works
+        self.costs = costs
+        self.rates = tuple(rates)
+
+    def linear(self, num_tokens: int) -> float:
+        return self.base.linear(num_tokens)
+
+    def linear_again(self, num_tokens: int) -> float:
+        return self.base.linear_again(num_tokens)
+
+    def cpu_linear(self, num_tokens: int) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        work = self.works(num_tokens)
+        return sum(cpu_time_s(work, self.costs, rates) for rates in self.rates) / len(self.rates)
 
     def prefill_attention(self, seq_lens: Sequence[int]) -> float:
         return self.base.prefill_attention(seq_lens)

@@ -266,17 +266,25 @@ def _accelerator_stream(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, p
     return done
 
 
-def _cpu_result_back(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, link_done: Pieces) -> Pieces:
-    """Stream A, then C: x's hop to the CPU and the CC GEMMs (slowed while the accelerator computes
-    too), then the result's hop back once the link has landed the weight slices queued before it."""
-    link = costs.link
-    hop_s = Affine(link.a_s) + terms.cpu_share.scale(link.b_s_per_unit * work.hop_bytes)
+def _hop_s(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Affine:
+    """x's hop to the CPU, or the CC result's back: the CPU's share of the tokens' activations."""
+    return Affine(costs.link.a_s) + terms.cpu_share.scale(costs.link.b_s_per_unit * work.hop_bytes)
+
+
+def _cpu_done(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Affine:
+    """Stream A: x's hop to the CPU and the CC GEMMs (slowed while the accelerator computes too)."""
     slowdown = costs.cpu_gemm_slowdown if terms.has_cg or terms.has_gg or terms.has_moved else 1.0
-    cpu_done = hop_s
+    cpu_done = _hop_s(work, costs, terms)
     for gemm in work.gemms:
         cpu_done = cpu_done + _gemm_s(costs.cpu_gemm, gemm, _calls(gemm, terms.cc, True), terms.cc, terms.cpu_share,
                                       slowdown)
-    return Pieces.of(cpu_done).maximum(link_done).plus(hop_s)
+    return cpu_done
+
+
+def _cpu_result_back(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, link_done: Pieces) -> Pieces:
+    """Stream A, then C: the CPU's part, then the result's hop back once the link has landed the
+    weight slices queued before it."""
+    return Pieces.of(_cpu_done(work, costs, terms)).maximum(link_done).plus(_hop_s(work, costs, terms))
 
 
 def layer_pieces(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Pieces:
@@ -297,3 +305,11 @@ def layer_time_s(work: MlpWork, costs: SlicingCosts, rates: SliceRates, num_move
         raise ValueError(f"num_moved_tokens={num_moved_tokens} must lie in [0, num_tokens={work.num_tokens}]")
     terms = SliceTerms.at(rates, num_moved_tokens / work.num_tokens)
     return layer_pieces(work, costs, terms).at(0.0)
+
+
+def cpu_time_s(work: MlpWork, costs: SlicingCosts, rates: SliceRates) -> float:
+    """How long the CPU is busy with the layer's MLP at these rates (x's hop and the CC GEMMs; the
+    result's hop back waits on the link, not the CPU): what Neo's scheduler charges to the CPU's
+    time line beside its decode attention. Nothing without a CC part."""
+    terms = SliceTerms.at(rates)
+    return _cpu_done(work, costs, terms).at(0.0) if terms.has_cc else 0.0
