@@ -45,7 +45,7 @@ from engine.execution.weight_stream import StreamedLayers, StreamLayout, create_
 from engine.model.layers import fused_silu_mul
 from engine.model.llama import LayerWeights, attention_linears, linear_maker
 from engine.quant import LinearMethod, LinearWeight
-from engine.quant.int4 import DEFAULT_GROUP_SIZE, KeepDense, PackedInt4, fuse
+from engine.quant.int4 import DEFAULT_GROUP_SIZE, CpuInt4Kernels, KeepDense, PackedInt4, fuse
 from engine.weights.layer_files import LayerFiles
 from engine.weights.layer_image import LayerImage, meta_templates
 from scheduler.placement import TIER_ACCELERATOR, TIER_HOST, WeightPlacement
@@ -121,6 +121,15 @@ class HostSide:
     def __init__(self, num_threads: int | None) -> None:
         self.queue: AcceleratorQueue = InlineQueue()
         self.num_threads = num_threads
+
+    def own_threads(self, weight: LinearWeight) -> LinearWeight:
+        """`weight` (a CC part) with its INT4 kernels on the CPU part's threads; dense ones follow
+        the calling thread's torch threads (`threads`)."""
+        for part in weight.parts:
+            kernels = getattr(part, "kernels", None)
+            if self.num_threads is not None and isinstance(kernels, CpuInt4Kernels):
+                kernels.num_threads = self.num_threads  # each weight has kernels of its own
+        return weight
 
     @contextmanager
     def threads(self):
@@ -301,7 +310,8 @@ class SlicedLayers(StreamedLayers):
         weights = self._resident(*_host_image(resident, self.copy_engine.allocate_host))
         slices = {}
         if "cc" in cut:
-            slices["cc"] = {name: linear_maker(linear, dtype, HOST, HOST)(w) for name, w in cut["cc"].items()}
+            slices["cc"] = {name: self.host.own_threads(linear_maker(linear, dtype, HOST, HOST)(w))
+                            for name, w in cut["cc"].items()}
         if "cg" in cut:
             streamed = {name: for_accelerator(w) for name, w in cut["cg"].items()}
             slices["cg"] = self._stream(index, TIER_HOST, *_host_image(streamed, self.copy_engine.allocate_host))

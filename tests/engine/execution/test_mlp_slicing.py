@@ -12,8 +12,10 @@ import torch
 import transformers
 
 from engine.execution import ModelRunner
+from engine.execution.cores import CoreAssignment
 from engine.execution.mlp_slicing import SlicedDown, SlicedGateUp, create_sliced_layer_store, slice_mlp
 from engine.execution.queues import WorkerThreadQueue
+from engine.quant import create_linear_method
 from engine.quant.dense import DenseWeight
 from engine.quant.int4 import PackedInt4
 from engine.weights import create_loader
@@ -256,3 +258,20 @@ def test_a_sliced_down_needs_its_gate_up_first(tiny_model):
         store.release(0)
     finally:
         runner.close()
+
+
+@pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
+def test_the_cpu_part_computes_on_the_cpu_sides_threads(tiny_model):
+    """CC's INT4 kernels take the CPU side's thread count (the testbed's CPU cores), not the
+    count calibrated for the whole machine; the streamed and resident parts keep theirs."""
+    _, path = tiny_model
+    cores = CoreAssignment.for_device("testbed")
+    store = create_sliced_layer_store((MIXED,) * NUM_LAYERS, None, torch.device("cpu"), cores)
+    try:
+        loader = create_loader(path)
+        store.build(0, loader.load_layer(0, torch.float32), create_linear_method("int4"), torch.float32)
+        slices = store.mlps[0].slices
+        assert {w.kernels.num_threads for w in slices["cc"].values()} == {cores.cpu_attention_threads}
+        assert {w.kernels.num_threads for w in slices["gg"].values()} == {int4_kernels.default_num_threads()}
+    finally:
+        store.close()
