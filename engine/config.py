@@ -61,7 +61,8 @@ def _parse_slice_rates(text: str) -> SliceRates | str:
     try:
         return parse_mlp_slicing(text)
     except ValueError as exc:
-        raise ConfigError(f"{exc}: the CPU-computed and the streamed share of each MLP, e.g. 0.25,0.5") from None
+        raise ConfigError(f"{exc}; CC,CG are the CPU-computed and the streamed share of each MLP, e.g. "
+                          "0.25,0.5") from None
 
 
 def _blocks_in(memory_gib: float, block_bytes: int) -> int:
@@ -208,7 +209,7 @@ class WeightsConfig:
                 return None
             return (rates,) * num_layers
         if not isinstance(value, (tuple, list)) or not all(isinstance(r, SliceRates) for r in value):
-            raise ConfigError(f"mlp_slicing must be off, CC,CG (e.g. 0.25,0.5) or one SliceRates per layer, "
+            raise ConfigError(f"mlp_slicing must be off, auto, CC,CG (e.g. 0.25,0.5) or one SliceRates per layer, "
                               f"got {value!r}")
         if num_layers is not None and len(value) != num_layers:
             raise ConfigError(f"mlp_slicing gives slice rates for {len(value)} layers, but the model has {num_layers}")

@@ -41,11 +41,11 @@ from scheduler.scheduler import SchedulerConfigError
     (WeightsConfig, {"placement": "disk"}, "weight_placement disk streams every layer from files in offload_dir"),
     (WeightsConfig, {"pipeline": "fast"}, "pipeline must be one of auto, performance, memory"),
     (WeightsConfig, {"num_io_threads": 0}, "num_io_threads must be an integer >= 1"),
-    (WeightsConfig, {"mlp_slicing": "0.25"}, "--mlp-slicing takes off or CC,CG"),
-    (WeightsConfig, {"mlp_slicing": "0.75,0.5"}, "--mlp-slicing takes off or CC,CG.*must sum to 1"),
-    (WeightsConfig, {"mlp_slicing": "half,0.5"}, "--mlp-slicing takes off or CC,CG"),
-    (WeightsConfig, {"mlp_slicing": "-0.25,0.5"}, "--mlp-slicing takes off or CC,CG.*must lie in"),
-    (WeightsConfig, {"mlp_slicing": [0.25, 0.5]}, "mlp_slicing must be off, CC,CG .* or one SliceRates per layer"),
+    (WeightsConfig, {"mlp_slicing": "0.25"}, "--mlp-slicing must be off, auto or CC,CG"),
+    (WeightsConfig, {"mlp_slicing": "0.75,0.5"}, "--mlp-slicing must be off, auto or CC,CG.*must sum to 1"),
+    (WeightsConfig, {"mlp_slicing": "half,0.5"}, "--mlp-slicing must be off, auto or CC,CG"),
+    (WeightsConfig, {"mlp_slicing": "-0.25,0.5"}, "--mlp-slicing must be off, auto or CC,CG.*must lie in"),
+    (WeightsConfig, {"mlp_slicing": [0.25, 0.5]}, "mlp_slicing must be off, auto, CC,CG .* or one SliceRates per layer"),
 ])
 def test_each_section_refuses_a_bad_value_when_built(section, kwargs, message):
     with pytest.raises(ConfigError, match=message):
