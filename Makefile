@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-integration bench bench-int4 bench-decode bench-neo bench-stream bench-gpu clean
+.PHONY: install serve test test-streamed test-integration bench bench-int4 bench-decode bench-neo bench-stream bench-slicing bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -60,6 +60,7 @@ bench: install
 	$(MAKE) bench-int4
 	$(MAKE) bench-decode
 	$(MAKE) bench-stream
+	$(MAKE) bench-slicing
 	$(PY) benchmarks/offline.py
 	$(PY) benchmarks/serve.py --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
@@ -119,6 +120,12 @@ OFFLOAD_DIR ?= $(HOME)/.cache/tandem/bench-offload
 bench-stream: install
 	nice -n 10 $(PY) benchmarks/weight_streaming.py --offload-dir $(OFFLOAD_DIR)
 	nice -n 10 $(PY) benchmarks/weight_plan.py --offload-dir $(OFFLOAD_DIR)
+	$(PY) benchmarks/update_readme.py
+
+# ScheInfer's MLP slicing on the host-only testbed: the solver's rates against fixed CPU shares
+# (all streamed, all on the CPU, and the paper's 0.25/0.5/0.75 ablation), then the README table.
+bench-slicing: install
+	nice -n 10 $(PY) benchmarks/mlp_slicing.py
 	$(PY) benchmarks/update_readme.py
 
 # On a CUDA GPU: the Triton INT4 matmul against dense bf16; Neo (Llama-3.1-8B shape, random

@@ -116,7 +116,8 @@ class _BlockMove:
     dst_blocks: tuple[int, ...]
 
 
-def _median_seconds(run: Callable[[], Any], warmup: int, repetitions: int) -> float:
+def median_seconds(run: Callable[[], Any], warmup: int, repetitions: int) -> float:
+    """The median wall time of `repetitions` runs after `warmup` unmeasured ones."""
     for _ in range(warmup):
         run()
     times = []
@@ -153,10 +154,10 @@ class _Profiler:
 
     # ---- helpers ----------------------------------------------------------------------------
     def on_accelerator(self, work: Callable[[], Any]) -> float:
-        return _median_seconds(lambda: self.accelerator.submit(work).result(), self.grid.warmup, self.grid.repetitions)
+        return median_seconds(lambda: self.accelerator.submit(work).result(), self.grid.warmup, self.grid.repetitions)
 
     def here(self, work: Callable[[], Any]) -> float:
-        return _median_seconds(work, self.grid.warmup, self.grid.repetitions)
+        return median_seconds(work, self.grid.warmup, self.grid.repetitions)
 
     def point(self, table: str, x: Any, seconds: float) -> float:
         self.bar.set_postfix_str(f"{table} {x}", refresh=False)
@@ -307,7 +308,7 @@ class _Profiler:
     def handoff(self) -> float:
         """One round trip through the accelerator queue: a CPU attention stage waits for its
         inputs and the accelerator for its output (testbed: two thread wake-ups)."""
-        seconds = _median_seconds(lambda: self.accelerator.submit(lambda: None).result(), self.grid.warmup,
+        seconds = median_seconds(lambda: self.accelerator.submit(lambda: None).result(), self.grid.warmup,
                                   self.grid.handoff_repetitions)
         return self.point("hand-off", self.grid.handoff_repetitions, seconds)
 
@@ -323,7 +324,7 @@ class _Profiler:
         pools = TwoTierKVCache(accelerator_pool, host_pool)
         moves = [_BlockMove(tuple(range(num_blocks)), tuple(range(num_blocks)))]
         seconds = [
-            _median_seconds(lambda: self.accelerator.submit_copy(lambda: pools.copy_blocks(moves, to_cpu)).result(),
+            median_seconds(lambda: self.accelerator.submit_copy(lambda: pools.copy_blocks(moves, to_cpu)).result(),
                             self.grid.warmup, self.grid.repetitions)
             for to_cpu in (True, False)
         ]

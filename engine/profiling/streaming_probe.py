@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-import statistics
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,6 +24,7 @@ from engine.execution.queues import AcceleratorQueue, InlineQueue
 from engine.execution.transfer import CopyEngine, pin_to
 from engine.model import ModelConfig
 from engine.model.llama import LlamaModel
+from engine.profiling.profiler import median_seconds
 from engine.quant import create_linear_method
 from engine.weights.base import WeightLoader, global_shapes, layer_shapes
 from engine.weights.direct_io import IO_ALIGN_BYTES, DirectReader, aligned_empty, open_for_reading
@@ -47,13 +46,8 @@ WEIGHT_STD = 0.02
 
 
 def _median_s(run: Callable[[], Any], repetitions: int = REPETITIONS) -> float:
-    run()  # warm-up: page faults, lazy initialisation
-    times = []
-    for _ in range(repetitions):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """After one warm-up run (page faults, lazy initialisation)."""
+    return median_seconds(run, warmup=1, repetitions=repetitions)
 
 
 def _on_thread(fn: Callable[[], Any], initialize: Callable[[], None]) -> Any:

@@ -13,7 +13,42 @@ from scheduler.placement.slicing_cost import SlicingCosts
 from scheduler.placement.slicing_model import MlpWork, cpu_time_s
 
 
-class StreamingCostModel(CostModel):
+class WrappedCostModel(CostModel):
+    """A cost model over `base`: every time is base's unless a subclass says otherwise."""
+
+    def __init__(self, base: CostModel) -> None:
+        self.base = base
+        self.num_layers = base.num_layers
+
+    def linear(self, num_tokens: int) -> float:
+        return self.base.linear(num_tokens)
+
+    def linear_again(self, num_tokens: int) -> float:
+        return self.base.linear_again(num_tokens)
+
+    def cpu_linear(self, num_tokens: int) -> float:
+        return self.base.cpu_linear(num_tokens)
+
+    def prefill_attention(self, seq_lens: Sequence[int]) -> float:
+        return self.base.prefill_attention(seq_lens)
+
+    def gpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
+        return self.base.gpu_decode_attention(num_seqs, context_tokens)
+
+    def cpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
+        return self.base.cpu_decode_attention(num_seqs, context_tokens)
+
+    def head(self, num_seqs: int) -> float:
+        return self.base.head(num_seqs)
+
+    def swap(self, num_blocks: int) -> float:
+        return self.base.swap(num_blocks)
+
+    def handoff(self) -> float:
+        return self.base.handoff()
+
+
+class StreamingCostModel(WrappedCostModel):
     """`base`'s times (measured with every weight present), the linear stage stretched to the
     transfers a streamed placement adds. Per layer (the scheduler multiplies by num_layers):
 
@@ -25,8 +60,7 @@ class StreamingCostModel(CostModel):
     before it). A second pass over a layer (Neo's batch-1) finds its weights present."""
 
     def __init__(self, base: CostModel, transfer_share_s: float, overlapped: bool) -> None:
-        self.base = base
-        self.num_layers = base.num_layers
+        super().__init__(base)
         self.transfer_share_s = transfer_share_s
         self.overlapped = overlapped
 
@@ -46,26 +80,9 @@ class StreamingCostModel(CostModel):
     def linear_again(self, num_tokens: int) -> float:
         return self.base.linear(num_tokens)
 
-    def prefill_attention(self, seq_lens: Sequence[int]) -> float:
-        return self.base.prefill_attention(seq_lens)
-
-    def gpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
-        return self.base.gpu_decode_attention(num_seqs, context_tokens)
-
-    def cpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
-        return self.base.cpu_decode_attention(num_seqs, context_tokens)
-
-    def head(self, num_seqs: int) -> float:
-        return self.base.head(num_seqs)
-
-    def swap(self, num_blocks: int) -> float:
-        return self.base.swap(num_blocks)
-
-    def handoff(self) -> float:
-        return self.base.handoff()
 
 
-class SlicedMlpCostModel(CostModel):
+class SlicedMlpCostModel(WrappedCostModel):
     """`base`'s times, profiled on the model as loaded, sliced MLPs included (the profile's key
     names the slicing), with the CPU's share of each linear stage from the slicing model: the CC
     parts' time (`cpu_linear`), which the CPU spends in the same window as the other sub-batch's
@@ -75,17 +92,10 @@ class SlicedMlpCostModel(CostModel):
                  rates: Sequence[SliceRates]) -> None:
         if not rates:
             raise ValueError("SlicedMlpCostModel needs one SliceRates per layer, got none")
-        self.base = base
-        self.num_layers = base.num_layers
+        super().__init__(base)
         self.works = works
         self.costs = costs
         self.rates = tuple(rates)
-
-    def linear(self, num_tokens: int) -> float:
-        return self.base.linear(num_tokens)
-
-    def linear_again(self, num_tokens: int) -> float:
-        return self.base.linear_again(num_tokens)
 
     def cpu_linear(self, num_tokens: int) -> float:
         if num_tokens <= 0:
@@ -93,20 +103,3 @@ class SlicedMlpCostModel(CostModel):
         work = self.works(num_tokens)
         return sum(cpu_time_s(work, self.costs, rates) for rates in self.rates) / len(self.rates)
 
-    def prefill_attention(self, seq_lens: Sequence[int]) -> float:
-        return self.base.prefill_attention(seq_lens)
-
-    def gpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
-        return self.base.gpu_decode_attention(num_seqs, context_tokens)
-
-    def cpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
-        return self.base.cpu_decode_attention(num_seqs, context_tokens)
-
-    def head(self, num_seqs: int) -> float:
-        return self.base.head(num_seqs)
-
-    def swap(self, num_blocks: int) -> float:
-        return self.base.swap(num_blocks)
-
-    def handoff(self) -> float:
-        return self.base.handoff()
