@@ -99,9 +99,16 @@ def slice_mlp(loaded: dict, counts: tuple[int, int, int]) -> dict[str, dict]:
     return slices
 
 
+# Dense slices are cut on multiples of this many units: the GEMMs' inner dimension (down's input)
+# then stays a multiple of the kernels' blocking. Unaligned cuts (4126 and 2018 units of a 1B
+# shape's 8192) decoded about 15% slower than aligned ones with more work on the slower side.
+DENSE_SLICE_UNITS = 64
+
+
 def unit_alignment(linear: LinearMethod) -> int:
-    """The units a slice's size is a multiple of: INT4 groups down's input dimension."""
-    return getattr(linear, "group_size", DEFAULT_GROUP_SIZE) if linear.takes_packed_int4 else 1
+    """The units a slice's size is a multiple of: INT4 groups down's input dimension; dense
+    slices keep the GEMMs' blocking (DENSE_SLICE_UNITS)."""
+    return getattr(linear, "group_size", DEFAULT_GROUP_SIZE) if linear.takes_packed_int4 else DENSE_SLICE_UNITS
 
 
 # ---- the weight objects -----------------------------------------------------------------------

@@ -6,6 +6,7 @@ computed its parts and that CG parts were copied."""
 import pytest
 
 from engine import LLM
+from engine.execution.mlp_slicing import DENSE_SLICE_UNITS
 from engine.weights import create_loader
 from scheduler.placement import TIER_ACCELERATOR, TIER_DISK, TIER_HOST
 from scheduler.placement.slicing import SliceRates
@@ -97,5 +98,5 @@ def test_solved_rates_within_the_budget_equal_resident(references, tmp_path, dev
         sliced = {i for i, rates in enumerate(plan.rates) if rates.gg < 1.0}
         assert set(store.mlps) == sliced
         for index in sliced:
-            assert tuple(store.mlps[index].counts.values()) == plan.rates[index].counts(num_units)
+            assert tuple(store.mlps[index].counts.values()) == plan.rates[index].counts(num_units, DENSE_SLICE_UNITS)
     assert outputs == references(EMBEDDED, "off")
