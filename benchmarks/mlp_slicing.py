@@ -135,21 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import kernels  # noqa: F401  (before torch)
 
-    from benchmarks.report import write_results
+    from benchmarks.report import median_rows, run_interleaved, write_results
     from engine.profiling.cache import host_cpu_model
 
     configs = configurations(args)
-    samples: dict[str, list[dict]] = {name: [] for name in configs}
-    for rep in range(args.reps):
-        for name in (list(configs) if rep % 2 == 0 else list(reversed(configs))):
-            samples[name].append(measure_one({**common(args), **configs[name]}))
-            print(name, rep, samples[name][-1], file=sys.stderr, flush=True)
-    rows = {}
-    for name, runs in samples.items():
-        row = dict(runs[0])
-        for key in ("decode_tokens_per_s", "prefill_tokens_per_s"):
-            row[key] = statistics.median(r[key] for r in runs)
-        rows[name] = row
+    samples = run_interleaved(configs, args.reps, lambda config: measure_one({**common(args), **config}))
+    rows = median_rows(samples, ("decode_tokens_per_s", "prefill_tokens_per_s"))
     result = {"cpu": host_cpu_model(), "model": args.model, "dtype": args.dtype, "reps": args.reps,
               "budget_gib": configs["solved (auto)"]["weights_gpu_gib"], "rows": rows, "samples": samples}
     write_results(args.output, result, to_markdown(result))

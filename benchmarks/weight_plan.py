@@ -163,23 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.one is not None:
         print(json.dumps(measure_one(json.loads(args.one))))
         return 0
-    from benchmarks.report import write_results
+    from benchmarks.report import median_rows, run_interleaved, write_results
     from engine.profiling.cache import host_cpu_model
 
     configs = configurations(args.offload_dir)
-    samples: dict[str, list[dict]] = {name: [] for name in configs}
-    for rep in range(args.reps):
-        for name in (list(configs) if rep % 2 == 0 else list(reversed(configs))):
-            samples[name].append(run_in_subprocess({**common(args), **configs[name]}))
-            print(name, rep, samples[name][-1], file=sys.stderr, flush=True)
-    rows = {}
-    for name, runs in samples.items():
-        row = dict(runs[0])
-        for key in ("measured_tokens_per_s", "measured_bytes", "predicted_tokens_per_s", "predicted_bytes"):
-            row[key] = statistics.median(r[key] for r in runs)
+    samples = run_interleaved(configs, args.reps, lambda config: run_in_subprocess({**common(args), **config}))
+    rows = median_rows(samples, ("measured_tokens_per_s", "measured_bytes", "predicted_tokens_per_s", "predicted_bytes"))
+    for row in rows.values():
         row["memory_error"] = row["predicted_bytes"] / row["measured_bytes"] - 1
         row["tokens_per_s_error"] = row["predicted_tokens_per_s"] / row["measured_tokens_per_s"] - 1
-        rows[name] = row
     result = {"cpu": host_cpu_model(), "model": args.model, "dtype": args.dtype, "context_len": args.context_len,
               "reps": args.reps, "rows": rows, "samples": samples}
     write_results(args.output, result, to_markdown(result))
