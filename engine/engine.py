@@ -36,7 +36,7 @@ from scheduler.neo import NeoConfig, NeoScheduler
 from scheduler.placement import TIER_DISK, SlicingCosts, SlicingPlan, WeightPlacement, describe, describe_slicing
 from scheduler.placement.cost import SlicedMlpCostModel, StreamingCostModel
 from scheduler.placement.slicing import SliceRates
-from scheduler.placement.slicing_plan import layer_work
+from scheduler.placement.slicing_plan import layer_works
 from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class LLMEngine:
             return model
         costs = self.slicing_costs or slicing_costs(self.config, self.model_config, dtype)
         fmt, shape = weight_format(self.config, dtype), self.model_config.shape
-        return SlicedMlpCostModel(model, lambda num_tokens: layer_work(shape, fmt, num_tokens), costs, rates)
+        return SlicedMlpCostModel(model, lambda num_tokens: layer_works(shape, fmt, num_tokens), costs, rates)
 
     def _load_table_cost_model(self, loader, dtype: torch.dtype) -> CostModel:
         config, offload = self.config, self.config.offload

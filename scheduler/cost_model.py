@@ -250,6 +250,13 @@ class ModelShape:
     num_experts_per_token: int = 0
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # A MoE model's layers whose MLP is dense, of width `intermediate_size` (Qwen-MoE's
+    # `mlp_only_layers`). The slicing planner reads it; the per-layer aggregates below (and the
+    # streaming planner, which does not take MoE) count every layer as a MoE layer.
+    dense_mlp_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer not in self.dense_mlp_layers
 
     @property
     def q_size(self) -> int:

@@ -197,16 +197,20 @@ def plan(args: argparse.Namespace) -> int:
     model_config = create_loader(config.model, config.load_format, seed=config.seed).config  # the shape only
     dtype, reason = compute_dtype(config.dtype, config.torch_device)
     max_len = model_max_len(config, model_config)
-    inputs = planner_inputs(config, model_config, dtype, max_len, measure(config, model_config, dtype))
-    placement = plan_placement(inputs)
     print(f"tandem plan: {args.model}, {str(dtype).removeprefix('torch.')} ({reason}), "
           f"{'int4 ' if config.quantization == 'int4' else ''}weights, on {args.device}")
-    print(describe(placement, config.weights.offload_dir))
-    report = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "placement": placement.to_dict()}
+    report = {"model": args.model, "dtype": str(dtype).removeprefix("torch.")}
+    batch = config.max_num_seqs  # what `auto` solves for, as the engine does
+    if not config.weights.slicing_solved:  # the slicing planner owns the budget: no layer streams whole
+        placement = plan_placement(planner_inputs(config, model_config, dtype, max_len,
+                                                  measure(config, model_config, dtype)))
+        print(describe(placement, config.weights.offload_dir))
+        report["placement"] = placement.to_dict()
+        batch = placement.estimate.batch
     if config.weights.mlp_slicing != "off":
         from engine.execution.weight_plan import plan_mlp_slicing
 
-        sliced, costs = plan_mlp_slicing(config, model_config, dtype, max_len, placement.estimate.batch)
+        sliced, costs = plan_mlp_slicing(config, model_config, dtype, max_len, batch)
         print(describe_slicing(sliced))
         report.update(slicing=sliced.to_dict(), slicing_costs=costs.to_dict())
     if args.json:

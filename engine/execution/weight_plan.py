@@ -127,8 +127,8 @@ def measure(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
     """Copy and disk rates and compute times on this machine, as the engine will run them (each
     measured once per process: every engine of a process runs on the same hardware)."""
     if model_config.is_moe:  # the probes and the layer images hold dense Llama layers
-        raise ConfigError(f"{model_config.architecture}: weight streaming does not take mixture-of-experts layers "
-                          "yet; serve it with every layer resident (no --weights-gpu-gib, --weight-placement auto)")
+        raise ConfigError(f"{model_config.architecture}: whole-layer weight streaming does not take mixture-of-experts "
+                          "layers; to fit a --weights-gpu-gib budget, place its experts with --mlp-slicing auto")
     weights = config.weights
     cores = CoreAssignment.for_device(config.device, config.offload.accelerator_threads,
                                       config.offload.cpu_attention_threads)

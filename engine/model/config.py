@@ -116,14 +116,15 @@ class ModelConfig:
                           tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
                           **self._moe_shape_fields())
 
-    def _moe_shape_fields(self) -> dict[str, int]:
-        """ModelShape's MoE numbers (it takes every layer of a MoE model for a MoE layer)."""
+    def _moe_shape_fields(self) -> dict[str, object]:
+        """ModelShape's MoE numbers and the layers whose MLP is dense."""
         moe = self.moe
         if moe is None:
             return {}
         return dict(num_experts=moe.num_experts, num_experts_per_token=moe.num_experts_per_token,
                     expert_intermediate_size=moe.expert_intermediate_size,
-                    shared_expert_intermediate_size=moe.shared_expert_intermediate_size)
+                    shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+                    dense_mlp_layers=tuple(moe.dense_layers))
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], name: str = "") -> "ModelConfig":

@@ -4,8 +4,8 @@ launch, measured the way slicing runs them, a few seconds in all.
 
 - GEMMs go through the engine's own weight objects (engine/quant: dense, or INT4 with the
   kernels/cpu kernels) in the configured format, on slices of the model's MLP weights (gate/up
-  rows, down columns) at a few token counts: on the engine thread kept to the CPU's cores for CC,
-  and on the accelerator's queue for CG and GG, timed on the accelerator's side so a launch is
+  rows, down columns; a MoE model's whole experts too) at a few token counts: on the engine
+  thread kept to the CPU's cores for CC, and on the accelerator's queue for CG and GG, timed on the accelerator's side so a launch is
   not counted twice. Several copies of a small slice are run in turn, so its weights come from
   memory as in a forward, not from the cache.
 - Copies go through the engine's copy engine (streaming_probe.measure_copy_s), from a quarter
@@ -58,8 +58,12 @@ T = TypeVar("T")
 
 
 def _slice_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """[out, in] of the gate/up and down slices measured."""
+    """[out, in] of the gate/up and down slices measured, the whole dense MLP's last; a MoE
+    model's experts (its slicing unit) first."""
     shapes = []
+    if config.moe is not None:
+        units = config.moe.expert_intermediate_size
+        shapes += [(2 * units, config.hidden_size), (config.hidden_size, units)]
     for fraction in UNIT_FRACTIONS:
         units = max(UNIT_ALIGN, round(fraction * config.intermediate_size / UNIT_ALIGN) * UNIT_ALIGN)
         shapes += [(2 * units, config.hidden_size), (config.hidden_size, units)]

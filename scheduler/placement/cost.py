@@ -88,7 +88,7 @@ class SlicedMlpCostModel(WrappedCostModel):
     parts' time (`cpu_linear`), which the CPU spends in the same window as the other sub-batch's
     CPU attention. Averaged over the layers' rates, as the scheduler multiplies by num_layers."""
 
-    def __init__(self, base: CostModel, works: Callable[[int], MlpWork], costs: SlicingCosts,
+    def __init__(self, base: CostModel, works: Callable[[int], Sequence[MlpWork]], costs: SlicingCosts,
                  rates: Sequence[SliceRates]) -> None:
         if not rates:
             raise ValueError("SlicedMlpCostModel needs one SliceRates per layer, got none")
@@ -100,6 +100,6 @@ class SlicedMlpCostModel(WrappedCostModel):
     def cpu_linear(self, num_tokens: int) -> float:
         if num_tokens <= 0:
             return 0.0
-        work = self.works(num_tokens)
-        return sum(cpu_time_s(work, self.costs, rates) for rates in self.rates) / len(self.rates)
+        works = self.works(num_tokens)  # each layer's
+        return sum(cpu_time_s(work, self.costs, rates) for work, rates in zip(works, self.rates)) / len(self.rates)
 

@@ -140,6 +140,12 @@ class MlpWork:
     def weight_bytes(self) -> int:
         return sum(gemm.weight_bytes for gemm in self.gemms)
 
+    @property
+    def num_experts(self) -> int:
+        """The experts a MoE layer is sliced by (rates are then multiples of 1 / num_experts), 0
+        for an MLP cut by rows."""
+        return self.gemms[0].num_experts
+
 
 def dense_mlp_work(hidden_size: int, intermediate_size: int, num_tokens: int, fmt: WeightFormat) -> MlpWork:
     """A SwiGLU MLP: the fused gate/up [2I, H], then down [H, I]."""

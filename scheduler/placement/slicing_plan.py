@@ -3,11 +3,12 @@ the accelerator's weight budget (ScheInfer sec. IV-A), with their predicted time
 engine executes and `tandem plan` prints. Plain Python, no torch.
 
 Under slicing the attention weights, embeddings, head and norms stay resident (as in ScheInfer,
-which slices MLPs only); the MLPs share what the budget leaves: each layer's GG part is resident
-and one accelerator buffer of a whole MLP's bytes receives the CG slices (and a prefill's CG',
-which is CC's weights, so one MLP's bytes hold both). Rates come from the greedy (eq. 14) over
-GG candidates in eighths, each solved for its best CC rate at the decode batch; or fixed rates
-(`--mlp-slicing CC,CG`) everywhere.
+which slices MLPs only), and so do a MoE layer's router and shared expert; the MLPs (a MoE layer's
+routed experts, cut by whole experts) share what the budget leaves: each layer's GG part is
+resident, and a ring of NUM_CG_BUFFERS buffers of the largest CG part receives the CG slices.
+Rates come from the greedy (eq. 14) over GG candidates in eighths (whole experts for MoE), each
+solved for its best CC rate at the decode batch; or fixed rates (`--mlp-slicing CC,CG`)
+everywhere.
 """
 from __future__ import annotations
 
@@ -16,16 +17,27 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from scheduler.cost_model import ModelShape
-from scheduler.placement.memory import GIB_BYTES, WeightFormat, linear_shapes, resident_global_bytes
+from scheduler.placement.memory import (
+    ALWAYS_DENSE_LINEARS,
+    GIB_BYTES,
+    WeightFormat,
+    linear_shapes,
+    resident_global_bytes,
+)
 from scheduler.placement.planner import PlacementError
-from scheduler.placement.slicing import SliceRates
+from scheduler.placement.slicing import NUM_CG_BUFFERS, SliceRates
 from scheduler.placement.slicing_cost import SlicingCosts
-from scheduler.placement.slicing_model import MlpWork, dense_mlp_work, layer_time_s
-from scheduler.placement.slicing_solver import LayerChoices, assign_gg, layer_choices, solve_moved_tokens
+from scheduler.placement.slicing_model import MlpWork, dense_mlp_work, layer_time_s, moe_mlp_work
+from scheduler.placement.slicing_solver import (
+    LayerChoices,
+    assign_gg,
+    rate_steps,
+    layer_choices,
+    solve_moved_tokens,
+)
 
 SLICING_OFF = "off"
 SLICING_AUTO = "auto"
-DEFAULT_GG_RATES = tuple(i / 8 for i in range(9))
 
 
 def parse_mlp_slicing(value: str) -> SliceRates | str:
@@ -50,9 +62,9 @@ class SlicingPlan:
     rates: tuple[SliceRates, ...]
     layer_time_s: tuple[float, ...]
     num_tokens: int
-    mlp_bytes: int  # one layer's MLP weights as stored
+    mlp_bytes: int  # the largest layer's MLP weights (a MoE layer's routed experts) as stored
     resident_bytes: int  # every layer's GG part
-    buffer_bytes: int  # where CG and CG' slices land; 0 when every MLP is resident
+    buffer_bytes: int  # the ring the CG parts stream through; 0 when every MLP is resident
     fixed_bytes: int  # embeddings, head, norms and every layer's attention weights
     budget_bytes: int | None
     prefill_tokens: int | None = None
@@ -72,70 +84,98 @@ class SlicingPlan:
                 "prefill_time_s": list(self.prefill_time_s)}
 
 
+# What a MoE layer keeps resident beside its routed experts: the router, and the shared expert
+# with its gate where the family has one (memory.linear_shapes' names).
+MOE_RESIDENT_LINEARS = ("router", "shared_expert.gate_up", "shared_expert.down", "shared_expert_gate")
+
+
 def fixed_weight_bytes(shape: ModelShape, fmt: WeightFormat) -> int:
-    """What slicing leaves resident: embeddings, head and norms, and each layer's QKV (with its
-    bias) and O projections."""
-    attention = sum(sum(fmt.linear_tensor_bytes(*linear_shapes(shape)[name])) for name in ("qkv", "o_proj"))
+    """What slicing leaves resident: embeddings, head and norms, each layer's QKV (with its bias)
+    and O projections, and each MoE layer's router and shared expert."""
+    shapes = linear_shapes(shape)
+
+    def stored(names) -> int:
+        dense = WeightFormat("none", fmt.dtype_bytes)
+        return sum(sum((dense if name in ALWAYS_DENSE_LINEARS else fmt).linear_tensor_bytes(*shapes[name]))
+                   for name in names if name in shapes)
+    attention = stored(("qkv", "o_proj"))
     if shape.attention_bias:
-        attention += linear_shapes(shape)["qkv"][0] * fmt.dtype_bytes
-    return resident_global_bytes(shape, fmt.dtype_bytes) + shape.num_layers * attention
+        attention += shapes["qkv"][0] * fmt.dtype_bytes
+    num_moe_layers = sum(shape.is_moe_layer(layer) for layer in range(shape.num_layers))
+    return (resident_global_bytes(shape, fmt.dtype_bytes) + shape.num_layers * attention +
+            num_moe_layers * stored(MOE_RESIDENT_LINEARS))
 
 
-def layer_work(shape: ModelShape, fmt: WeightFormat, num_tokens: int) -> MlpWork:
-    """A decoder layer's MLP at a token count (every layer alike: ModelShape has no MoE fields yet;
-    a MoE layer's is slicing_model.moe_mlp_work)."""
-    return dense_mlp_work(shape.hidden_size, shape.intermediate_size, num_tokens, fmt)
+def layer_works(shape: ModelShape, fmt: WeightFormat, num_tokens: int) -> list[MlpWork]:
+    """Each decoder layer's sliced work at a token count: a dense MLP, or a MoE layer's routed
+    experts (sliced by whole experts)."""
+    dense = dense_mlp_work(shape.hidden_size, shape.intermediate_size, num_tokens, fmt)
+    if not shape.is_moe:
+        return [dense] * shape.num_layers
+    experts = moe_mlp_work(shape.hidden_size, shape.expert_intermediate_size, shape.num_experts,
+                           shape.num_experts_per_token, num_tokens, fmt)
+    return [experts if shape.is_moe_layer(layer) else dense for layer in range(shape.num_layers)]
 
 
 def plan_slicing(shape: ModelShape, fmt: WeightFormat, costs: SlicingCosts, accelerator_weight_bytes: int | None,
-                 num_tokens: int, fixed_rates: SliceRates | None = None, prefill_tokens: int | None = None,
-                 gg_rates: Sequence[float] = DEFAULT_GG_RATES) -> SlicingPlan:
+                 num_tokens: int, fixed_rates: SliceRates | None = None,
+                 prefill_tokens: int | None = None) -> SlicingPlan:
     """Every layer's rates for decode batches of `num_tokens` within `accelerator_weight_bytes`
     (None: unbounded), solved, or `fixed_rates` everywhere; PlacementError when they cannot fit."""
     if num_tokens < 1:
         raise ValueError(f"num_tokens={num_tokens} must be >= 1")
-    works = [layer_work(shape, fmt, num_tokens)] * shape.num_layers
+    works = layer_works(shape, fmt, num_tokens)
     fixed = fixed_weight_bytes(shape, fmt)
-    mlp_bytes = works[0].weight_bytes
     budget = accelerator_weight_bytes
     if fixed_rates is not None:
         rates = [fixed_rates] * shape.num_layers
     else:
-        rates = _solve_rates(works, costs, fixed, budget, gg_rates)
+        rates = _solve_rates(works, costs, fixed, budget)
     plan = _plan_of(works, costs, rates, fixed, budget)
     if budget is not None and plan.accelerator_weight_bytes > budget:
         raise PlacementError(f"MLP slicing needs {_gib(plan.accelerator_weight_bytes)} of accelerator memory for "
                              f"weights (attention, embeddings, head and norms {_gib(fixed)}, resident MLP parts "
-                             f"{_gib(plan.resident_bytes)}, a buffer of one MLP {_gib(mlp_bytes)}) but "
-                             f"--weights-gpu-gib gives {_gib(budget)}; give more, or lower GG in --mlp-slicing")
+                             f"{_gib(plan.resident_bytes)}, buffers for the streamed parts {_gib(plan.buffer_bytes)})"
+                             f" but --weights-gpu-gib gives {_gib(budget)}; give more, or lower GG in --mlp-slicing")
     if prefill_tokens is None:
         return plan
-    prefill_work = layer_work(shape, fmt, prefill_tokens)
-    prefill = [solve_moved_tokens(prefill_work, costs, layer_rates) for layer_rates in rates]
+    prefill = [solve_moved_tokens(work, costs, layer_rates)
+               for work, layer_rates in zip(layer_works(shape, fmt, prefill_tokens), rates)]
     return dataclasses.replace(plan, prefill_tokens=prefill_tokens, moved_tokens=tuple(moved for moved, _ in prefill),
                                prefill_time_s=tuple(time_s for _, time_s in prefill))
 
 
-def _solve_rates(works: list[MlpWork], costs: SlicingCosts, fixed: int, budget: int | None,
-                 gg_rates: Sequence[float]) -> list[SliceRates]:
-    """Unbounded: each layer's fastest candidate. Else the faster of the greedy's rates within what
-    the budget leaves beside one MLP's buffer, and every MLP resident (which needs no buffer), of
-    those that fit."""
-    solved: dict[MlpWork, LayerChoices] = {}
-    choices = [solved.setdefault(work, layer_choices(work, costs, gg_rates)) for work in works]
+def stream_buffer_bytes(works: Sequence[MlpWork], rates: Sequence[SliceRates]) -> int:
+    """The accelerator buffers the CG parts stream through: NUM_CG_BUFFERS of the largest."""
+    largest = max(round(r.cg * work.weight_bytes) for work, r in zip(works, rates))
+    return NUM_CG_BUFFERS * largest
+
+
+def _solve_rates(works: list[MlpWork], costs: SlicingCosts, fixed: int, budget: int | None) -> list[SliceRates]:
+    """Unbounded: each layer's fastest rates. Else the fastest, of those that fit, of every MLP
+    resident (which needs no buffer) and, for each cap on the CG rate, the greedy's rates (eq. 14)
+    within what the budget leaves beside the stream buffers that cap needs: the buffers grow with
+    CG, the resident parts with GG, and CC takes neither."""
     if budget is None:
-        return [layer.solved[_fastest(layer)].rates for layer in choices]
+        return [layer.solved[_fastest(layer)].rates for layer in _choices(works, costs, 1.0)]
     fitting = []
     if fixed + sum(work.weight_bytes for work in works) <= budget:
         fitting.append([SliceRates.resident()] * len(works))
-    gg_budget = budget - fixed - max(work.weight_bytes for work in works)
-    if gg_budget >= sum(layer.resident_bytes[0] for layer in choices):
-        fitting.append([layer.solved[index].rates for layer, index in zip(choices, assign_gg(choices, gg_budget))])
+    for max_cg in sorted({cap for work in set(works) for cap in rate_steps(work)}):
+        choices = _choices(works, costs, max_cg)
+        gg_budget = budget - fixed - NUM_CG_BUFFERS * max(round(max_cg * work.weight_bytes) for work in works)
+        if gg_budget >= sum(layer.resident_bytes[0] for layer in choices):
+            fitting.append([layer.solved[index].rates for layer, index in zip(choices, assign_gg(choices, gg_budget))])
     if not fitting:
-        raise PlacementError(f"MLP slicing needs attention, embeddings, head and norms ({_gib(fixed)}) and a "
-                             f"buffer of one MLP ({_gib(works[0].weight_bytes)}) on the accelerator, but "
-                             f"--weights-gpu-gib gives {_gib(budget)}; give more")
+        raise PlacementError(f"MLP slicing needs attention, embeddings, head and norms ({_gib(fixed)}) on the "
+                             f"accelerator and room for MLP parts, but --weights-gpu-gib gives {_gib(budget)}; give more")
     return min(fitting, key=lambda rates: _total_s(works, costs, rates))
+
+
+def _choices(works: list[MlpWork], costs: SlicingCosts, max_cg: float) -> list[LayerChoices]:
+    """Each layer's candidates, solved once per distinct work."""
+    solved: dict[MlpWork, LayerChoices] = {}
+    return [solved.setdefault(work, layer_choices(work, costs, rate_steps(work), max_cg)) for work in works]
 
 
 def _fastest(layer: LayerChoices) -> int:
@@ -151,8 +191,8 @@ def _plan_of(works: list[MlpWork], costs: SlicingCosts, rates: list[SliceRates],
     resident = sum(round(r.gg * work.weight_bytes) for work, r in zip(works, rates))
     streams = any(r.gg < 1.0 for r in rates)
     return SlicingPlan(tuple(rates), tuple(layer_time_s(work, costs, r) for work, r in zip(works, rates)),
-                       works[0].num_tokens, works[0].weight_bytes, resident,
-                       max(work.weight_bytes for work in works) if streams else 0, fixed, budget)
+                       works[0].num_tokens, max(work.weight_bytes for work in works), resident,
+                       stream_buffer_bytes(works, rates) if streams else 0, fixed, budget)
 
 
 def _gib(num_bytes: float) -> str:

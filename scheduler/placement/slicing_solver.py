@@ -33,21 +33,38 @@ def _rates(cc: float, gg: float) -> SliceRates:
     return SliceRates(cc, max(0.0, 1.0 - gg - cc), gg)
 
 
-def solve_cc(work: MlpWork, costs: SlicingCosts, gg: float, moved_share: float = 0.0) -> SolvedRates:
-    """The best CC rate at this GG rate (with `moved_share` of the tokens on CG', 0 in a decode)."""
-    if not 0.0 <= gg <= 1.0:
-        raise ValueError(f"gg={gg} must lie in [0, 1]")
+def solve_cc(work: MlpWork, costs: SlicingCosts, gg: float, moved_share: float = 0.0,
+             max_cg: float = 1.0) -> SolvedRates:
+    """The best CC rate at this GG rate (with `moved_share` of the tokens on CG', 0 in a decode),
+    CG the rest but at most `max_cg` (what the stream buffers hold). A MoE layer's rates are
+    whole experts: each crossing's experts either side are evaluated instead of the crossing
+    (exact too: between two crossings the time is linear), and GG and `max_cg` should then be
+    multiples of 1 / num_experts."""
+    if not 0.0 <= gg <= 1.0 or max_cg < 0.0:
+        raise ValueError(f"gg={gg} must lie in [0, 1] and max_cg={max_cg} be >= 0")
     free = 1.0 - gg  # what CC and CG share
-    # at the ends a part empties and its fixed costs go: evaluated with their own pattern
-    times = {cc: layer_pieces(work, costs, SliceTerms.at(_rates(cc, gg), moved_share)).at(0.0) for cc in (0.0, free)}
-    if free > EMPTY_SHARE:
+    if work.num_experts:
+        max_cg = math.floor(max_cg * work.num_experts + EMPTY_SHARE) / work.num_experts
+    low = max(0.0, free - max_cg)  # the least CC that leaves CG within max_cg
+    candidates = {low, free}  # at the ends a part may empty and its fixed costs go: their own pattern
+    if free - low > EMPTY_SHARE:
         interior = layer_pieces(work, costs, SliceTerms(
             cc=Affine(0.0, 1.0), cg=Affine(free, -1.0), gg=Affine(gg), moved_share=Affine(moved_share),
             has_cc=moved_share < 1.0 - EMPTY_SHARE, has_cg=True, has_gg=gg > EMPTY_SHARE,
             has_moved=moved_share > EMPTY_SHARE))
-        times.update((cc, interior.at(cc)) for cc in interior.crossings(0.0, free))
+        candidates.update(_on_unit_grid(interior.crossings(low, free), work.num_experts, low, free))
+    times = {cc: layer_pieces(work, costs, SliceTerms.at(_rates(cc, gg), moved_share)).at(0.0) for cc in candidates}
     best = min(times, key=lambda cc: (times[cc], cc))
     return SolvedRates(_rates(best, gg), times[best])
+
+
+def _on_unit_grid(points: list[float], num_units: int, low: float, high: float) -> set[float]:
+    """The points themselves for rates cut by rows (num_units 0); else the multiples of
+    1 / num_units either side of each, within [low, high]."""
+    if not num_units:
+        return set(points)
+    snapped = {side(x * num_units) / num_units for x in points for side in (math.floor, math.ceil)}
+    return {x for x in snapped if low - EMPTY_SHARE <= x <= high + EMPTY_SHARE}
 
 
 def solve_moved_tokens(work: MlpWork, costs: SlicingCosts, rates: SliceRates) -> tuple[int, float]:
@@ -83,10 +100,21 @@ class LayerChoices:
             raise ValueError(f"resident_bytes must increase with the GG rate, got {self.resident_bytes}")
 
 
-def layer_choices(work: MlpWork, costs: SlicingCosts, gg_rates: Sequence[float]) -> LayerChoices:
-    """Each candidate GG rate solved for its best CC rate; its resident bytes are gg x the layer's."""
+def rate_steps(work: MlpWork, num_steps: int = 8) -> tuple[float, ...]:
+    """The GG rates the greedy chooses among (and the caps on CG the planner tries): `num_steps`
+    equal steps from 0 to 1; for a MoE layer, whole experts in steps of ceil(num_experts / num_steps)."""
+    if not work.num_experts:
+        return tuple(i / num_steps for i in range(num_steps + 1))
+    step = math.ceil(work.num_experts / num_steps)
+    counts = sorted({*range(0, work.num_experts, step), work.num_experts})
+    return tuple(count / work.num_experts for count in counts)
+
+
+def layer_choices(work: MlpWork, costs: SlicingCosts, gg_rates: Sequence[float], max_cg: float = 1.0) -> LayerChoices:
+    """Each candidate GG rate solved for its best CC rate (CG at most `max_cg`); its resident bytes
+    are gg x the layer's."""
     gg_rates = sorted(gg_rates)
-    return LayerChoices(tuple(solve_cc(work, costs, gg) for gg in gg_rates),
+    return LayerChoices(tuple(solve_cc(work, costs, gg, max_cg=max_cg) for gg in gg_rates),
                         tuple(round(gg * work.weight_bytes) for gg in gg_rates))
 
 

@@ -28,7 +28,7 @@ def test_cpu_time_is_the_hop_and_the_cc_gemms(rates, expected_s):
 def test_sliced_cost_model_charges_the_mean_cc_time_and_keeps_the_tables():
     base = make_cost_model()
     rates = [SliceRates(1.0, 0.0, 0.0), SliceRates(0.5, 0.0, 0.5), SliceRates.resident(), SliceRates(0.0, 1.0, 0.0)]
-    model = SlicedMlpCostModel(base, hand_work, HAND_COSTS, rates)
+    model = SlicedMlpCostModel(base, lambda num_tokens: [hand_work(num_tokens)] * len(rates), HAND_COSTS, rates)
     assert model.cpu_linear(0) == 0.0
     assert model.cpu_linear(1) == pytest.approx((159.0 + 84.0) / 4)
     assert model.cpu_linear(4) > model.cpu_linear(1)  # more tokens, longer CC GEMMs

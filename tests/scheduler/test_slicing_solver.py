@@ -32,15 +32,40 @@ def test_edge_points_match_a_brute_force_search_over_rates(seed):
     for _ in range(40):
         work, costs = random_work(rng), random_costs(rng, fixed_costs=rng.random() < 0.8)
         gg = rng.choice([0.0, 0.5, 1.0, round(rng.random(), 3)])
+        if work.num_experts:  # whole experts: the brute force tries every count
+            gg = round(gg * work.num_experts) / work.num_experts
         free = 1.0 - gg
         solved = solve_cc(work, costs, gg)
-        grid = [min(free, free * k / NUM_GRID_STEPS) for k in range(NUM_GRID_STEPS + 1)]
-        brute = min(layer_time_s(work, costs, SliceRates(cc, free - cc, gg)) for cc in grid)
+        if work.num_experts:
+            grid = [k / work.num_experts for k in range(round(free * work.num_experts) + 1)]
+        else:
+            grid = [min(free, free * k / NUM_GRID_STEPS) for k in range(NUM_GRID_STEPS + 1)]
+        brute = min(layer_time_s(work, costs, SliceRates(cc, max(0.0, free - cc), gg)) for cc in grid)
         assert solved.time_s <= brute * (1 + 1e-12)
-        if free > 0:
+        if work.num_experts:
+            assert solved.time_s == pytest.approx(brute, rel=1e-12)
+            assert solved.rates.cc * work.num_experts == pytest.approx(round(solved.rates.cc * work.num_experts))
+        elif free > 0:
             assert brute - solved.time_s <= _max_slope(work, costs, gg) * free / NUM_GRID_STEPS * (1 + 1e-9)
         assert solved.rates.gg == gg
         assert solved.time_s == pytest.approx(layer_time_s(work, costs, solved.rates), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_cap_on_cg_is_kept_and_matches_a_brute_force_search(seed):
+    rng = random.Random(50 + seed)
+    for _ in range(40):
+        work, costs = random_work(rng), random_costs(rng)
+        num_units = work.num_experts or NUM_GRID_STEPS
+        gg, max_cg = rng.randint(0, num_units) / num_units, rng.randint(0, num_units) / num_units
+        free = 1.0 - gg
+        solved = solve_cc(work, costs, gg, max_cg=max_cg)
+        assert solved.rates.cg <= max_cg + 1e-12
+        grid = [k / num_units for k in range(round(free * num_units) + 1) if free - k / num_units <= max_cg + 1e-12]
+        brute = min(layer_time_s(work, costs, SliceRates(cc, max(0.0, free - cc), gg)) for cc in grid)
+        assert solved.time_s <= brute * (1 + 1e-12)
+        if work.num_experts:
+            assert solved.time_s == pytest.approx(brute, rel=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -69,16 +94,25 @@ def test_moving_tokens_pays_when_the_cpu_is_the_bottleneck():
     assert time_s < layer_time_s(prefill, costs, rates)
 
 
+def _rows_work(rng: random.Random):
+    """A random MLP cut by rows, without fixed costs (whole experts make an integer program)."""
+    while True:
+        work = random_work(rng, fixed_costs=False)
+        if not work.num_experts:
+            return work
+
+
 def _gg_curve(work, costs, num_points: int) -> list[float]:
     return [solve_cc(work, costs, i / (num_points - 1)).time_s for i in range(num_points)]
 
 
 def test_time_is_convex_in_gg_without_fixed_costs():
     """min over cc of a maximum of functions linear in (cc, gg) is convex in gg: what makes the
-    greedy exact. It holds while no part's startup, launch or hop appears or vanishes."""
+    greedy exact. It holds while no part's startup, launch or hop appears or vanishes, and for
+    rates cut by rows (whole experts are an integer program)."""
     rng = random.Random(3)
     for _ in range(100):
-        work, costs = random_work(rng, fixed_costs=False), random_costs(rng, fixed_costs=False)
+        work, costs = _rows_work(rng), random_costs(rng, fixed_costs=False)
         times = _gg_curve(work, costs, 33)
         steps = [b - a for a, b in zip(times, times[1:])]
         assert all(later >= earlier - 1e-9 * times[0] for earlier, later in zip(steps, steps[1:]))
@@ -116,7 +150,7 @@ def test_greedy_equals_the_exhaustive_optimum_on_the_models_curves(seed):
     rng = random.Random(200 + seed)
     for _ in range(6):
         num_layers = rng.choice([2, 3, 4])
-        work = random_work(rng, fixed_costs=False)
+        work = _rows_work(rng)
         layers = [layer_choices(work, random_costs(rng, fixed_costs=False), GG_EIGHTHS[::2]) for _ in range(num_layers)]
         step = layers[0].resident_bytes[1]
         for num_steps in range(4 * num_layers + 1):

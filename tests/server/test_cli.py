@@ -1,6 +1,7 @@
 """`tandem bench` runs the benchmark suite from the installed package; `tandem serve` refuses flags that cannot work with one line naming the field."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -45,6 +46,19 @@ def test_plan_shows_the_mlp_slicing_rates_when_asked(slicing, expected, capsys, 
     out = capsys.readouterr().out
     assert expected in out and "predicted" in out and "tokens on CG'" in out
     assert len(list(tmp_path.glob("*.slicing-dense.json"))) == 1
+
+
+def test_plan_places_a_moe_models_experts_by_whole_experts(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    assert main(["plan", "--model", "qwen3-moe-tiny", "--load-format", "dummy", "--dtype", "float32",
+                 "--weights-gpu-gib", "0.004", "--mlp-slicing", "auto", "--log-level", "warning", "--json"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index("\n{") + 1:])
+    slicing = report["slicing"]
+    assert "placement" not in report and len(slicing["rates"]) == 2
+    assert slicing["accelerator_weight_bytes"] <= 0.004 * 2**30
+    for rates in slicing["rates"]:  # 8 experts: rates in eighths
+        assert all(abs(rate * 8 - round(rate * 8)) < 1e-9 for rate in rates)
 
 
 def test_a_bad_mlp_slicing_value_is_refused_naming_the_flag(capsys):
