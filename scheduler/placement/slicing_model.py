@@ -22,8 +22,9 @@ CPU's result back). Volumes per part: a CPU GEMM of cc x the GEMM's multiply-add
 the CPU keeps) and cc x its weight bytes, accelerator GEMMs of cg x / gg x them (CG' of cc x the
 bytes, at the moved tokens), a copy of cg x the weight's bytes; a hop moves
 tokens x hidden x dtype bytes. A MoE layer is sliced by whole experts, so a part's startup time
-counts the GEMM calls it makes (rate x experts) instead of one; its GEMMs of a kind are one group
-(all experts' gate/up, then all downs), a coarser order than the engine's expert by expert.
+counts the GEMM calls it makes (rate x the experts its tokens use) instead of one, and its GEMMs
+read the used experts' weights while its copy moves all of them; its GEMMs of a kind are one
+group (all experts' gate/up, then all downs), a coarser order than the engine's expert by expert.
 
 Every completion time is built from sums and maxima of such terms, so with the slice pattern (which
 parts are empty) fixed and one unknown (the CC rate, or the number of moved tokens) it is a
@@ -115,11 +116,23 @@ class GemmWork:
     multiply_adds: float  # tokens x out_features x in_features, summed over experts
     weight_bytes: int  # as stored (INT4: codes, scales and mins), summed over experts
     num_experts: int = 0  # 0: one GEMM cut by rows; else this many experts' GEMMs, cut by whole experts
+    # of those, how many the tokens route to (expected): the GEMM calls made and the weights read
+    # (a copy moves every expert of its part, used or not)
+    num_active_experts: float = 0.0
 
     def __post_init__(self) -> None:
         if self.multiply_adds < 0 or self.weight_bytes < 0 or self.num_experts < 0:
             raise ValueError(f"multiply_adds={self.multiply_adds}, weight_bytes={self.weight_bytes} and "
                              f"num_experts={self.num_experts} must be >= 0")
+        if not 0.0 <= self.num_active_experts <= self.num_experts:
+            raise ValueError(f"num_active_experts={self.num_active_experts} must lie in [0, num_experts]")
+
+    @property
+    def read_bytes(self) -> float:
+        """The weight bytes its GEMMs read: every expert's share of the used ones'."""
+        if not self.num_experts:
+            return float(self.weight_bytes)
+        return self.weight_bytes * self.num_active_experts / self.num_experts
 
 
 @dataclass(frozen=True)
@@ -155,17 +168,26 @@ def dense_mlp_work(hidden_size: int, intermediate_size: int, num_tokens: int, fm
     return MlpWork(gemms, num_tokens, num_tokens * hidden_size * fmt.dtype_bytes)
 
 
+def expected_active_experts(num_experts: int, num_experts_per_token: int, num_tokens: int) -> float:
+    """How many distinct experts `num_tokens` tokens route to, each to `num_experts_per_token` of
+    `num_experts`, taking each token's choice as uniform and independent: k at one token, every
+    expert soon after."""
+    return num_experts * (1.0 - (1.0 - num_experts_per_token / num_experts) ** num_tokens)
+
+
 def moe_mlp_work(hidden_size: int, expert_intermediate_size: int, num_experts: int, num_experts_per_token: int,
                  num_tokens: int, fmt: WeightFormat) -> MlpWork:
     """A MoE layer's routed experts, each a SwiGLU MLP; every token visits `num_experts_per_token`
-    of them, so the experts' GEMMs multiply num_tokens x top-k rows in all. Every expert's slice
-    is counted as copied, used or not (an upper bound at small batches)."""
+    of them, so the experts' GEMMs multiply num_tokens x top-k rows in all, in as many calls as
+    experts are used (expected_active_experts), reading those experts' weights. Every expert of a
+    streamed part is copied, used or not."""
     if not 1 <= num_experts_per_token <= num_experts:
         raise ValueError(f"num_experts_per_token={num_experts_per_token} must lie in [1, num_experts={num_experts}]")
     rows = float(num_tokens * num_experts_per_token)
+    active = expected_active_experts(num_experts, num_experts_per_token, num_tokens)
     shapes = ((2 * expert_intermediate_size, hidden_size), (hidden_size, expert_intermediate_size))
-    gemms = tuple(GemmWork(rows * out * inp, num_experts * sum(fmt.linear_tensor_bytes(out, inp)), num_experts)
-                  for out, inp in shapes)
+    gemms = tuple(GemmWork(rows * out * inp, num_experts * sum(fmt.linear_tensor_bytes(out, inp)), num_experts,
+                           active) for out, inp in shapes)
     return MlpWork(gemms, num_tokens, num_tokens * hidden_size * fmt.dtype_bytes)
 
 
@@ -197,10 +219,16 @@ class SliceTerms:
 
 
 def _calls(gemm: GemmWork, rate: Affine, present: bool) -> Affine:
-    """GEMM calls (or copies) a part makes: one for a GEMM cut by rows, rate x experts for experts."""
+    """GEMM calls a part makes: one for a GEMM cut by rows, rate x the used experts for experts."""
     if not present:
         return ZERO
-    return rate.scale(gemm.num_experts) if gemm.num_experts else Affine(1.0)
+    return rate.scale(gemm.num_active_experts) if gemm.num_experts else Affine(1.0)
+
+
+def _copies(present: bool) -> Affine:
+    """Copies a streamed part makes per kind of GEMM: its slice is one block of its image, a MoE
+    part's experts side by side."""
+    return Affine(1.0) if present else ZERO
 
 
 @dataclass(frozen=True)
@@ -237,12 +265,12 @@ def _link_stream(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, copied: 
     while GEMMs run beside it (GG's, or the CPU's). -> when each copy has landed, and when the
     link is free again."""
     slowdown = costs.link_slowdown if terms.has_gg or terms.has_cc else 1.0
-    launched = {(index, part.name): launches.issue(_calls(gemm, part.rate, part.present))
-                for index, gemm in enumerate(work.gemms) for part in copied}
+    launched = {(index, part.name): launches.issue(_copies(part.present))
+                for index in range(len(work.gemms)) for part in copied}
     link_done, landed = Pieces.of(ZERO), {}
     for index, gemm in enumerate(work.gemms):
         for part in (part for part in copied if part.present):
-            copy_s = (_calls(gemm, part.rate, True).scale(costs.link.a_s) +
+            copy_s = (_copies(True).scale(costs.link.a_s) +
                       part.rate.scale(costs.link.b_s_per_unit * gemm.weight_bytes)).scale(slowdown)
             link_done = landed[index, part.name] = link_done.maximum(Pieces.of(launched[index, part.name])).plus(copy_s)
     return landed, link_done
@@ -253,7 +281,7 @@ def _gemm_s(cost: GemmCost, gemm: GemmWork, calls: Affine, rate: Affine, token_s
     """A part's GEMM: its calls' startups, its multiply-adds (rate x tokens) and its weight bytes
     (rate), `slowdown` times longer for the other side computing beside it."""
     alone = calls.scale(cost.a_s) + rate.times(token_share).scale(cost.b_s_per_multiply_add * gemm.multiply_adds) + \
-        rate.scale(cost.b_s_per_weight_byte * gemm.weight_bytes)
+        rate.scale(cost.b_s_per_weight_byte * gemm.read_bytes)
     return alone.scale(slowdown)
 
 

@@ -11,7 +11,9 @@ from scheduler.placement.slicing_model import (
     GemmWork,
     MlpWork,
     SliceTerms,
+    cpu_time_s,
     dense_mlp_work,
+    expected_active_experts,
     layer_pieces,
     layer_time_s,
     moe_mlp_work,
@@ -109,10 +111,24 @@ def test_gemms_pay_for_the_weight_bytes_they_read():
 
 
 def test_experts_pay_startup_per_expert_they_run():
-    work = MlpWork((GemmWork(100.0, 1000, num_experts=4),), num_tokens=1, hop_bytes=0)
+    work = MlpWork((GemmWork(100.0, 1000, num_experts=4, num_active_experts=4),), num_tokens=1, hop_bytes=0)
     costs = dataclasses.replace(HAND_COSTS, launch_s=0.0)
-    # CPU: hop 3, 2 experts x 2 + 50; link: 2 copies x 3 + 5 = 11; accelerator 11 + 2 x 1 + 5; back at 57 + 3
+    # CPU: hop 3, 2 experts x 2 + 50; link: one copy 3 + 5 = 8; accelerator 8 + 2 x 1 + 5; back at 57 + 3
     assert layer_time_s(work, costs, SliceRates(0.5, 0.5, 0.0)) == pytest.approx(60.0)
+
+
+def test_unused_experts_are_copied_but_neither_called_nor_read():
+    work = MlpWork((GemmWork(100.0, 1000, num_experts=4, num_active_experts=2),), num_tokens=1, hop_bytes=0)
+    costs = dataclasses.replace(HAND_COSTS, cpu_gemm=GemmCost(2.0, 1.0, 0.01), launch_s=0.0)
+    # CPU: hop 3, 1 expert's call 2, multiply-adds 50, half of its 500 bytes read at 0.01; link 8 as above
+    assert cpu_time_s(work, costs, SliceRates(0.5, 0.5, 0.0)) == pytest.approx(3 + 2 + 50 + 2.5)
+    assert work.gemms[0].read_bytes == 500
+
+
+def test_expected_active_experts():
+    assert expected_active_experts(32, 8, 1) == pytest.approx(8.0)
+    assert expected_active_experts(32, 8, 2) == pytest.approx(32 * (1 - 0.75 ** 2))
+    assert expected_active_experts(8, 2, 512) == pytest.approx(8.0)
 
 
 def test_shapes_give_the_layers_multiply_adds_and_bytes():
