@@ -27,7 +27,8 @@ own thread count. CG's parts of a layer are one layer image streamed through `St
 ring and transfer thread (PIPO's machinery, engine/execution/weight_stream.py): loaded while
 earlier layers compute, acquired with the layer. Partial outputs are summed in one order (CG,
 then GG, then CC), so results do not depend on which finished first. A layer the placement
-streams whole (PIPO) is not sliced.
+streams whole (PIPO) is not sliced. A mixture-of-experts layer is sliced by whole experts
+(`build_moe_layer`, engine/execution/moe_slicing.py).
 """
 from __future__ import annotations
 
