@@ -151,43 +151,48 @@ def build_sliced_moe_layer(store: SlicedLayers, index: int, loaded: dict, config
 
 def _place_routed_layer(store: SlicedLayers, index: int, loaded: dict, config: ModelConfig, linear: LinearMethod,
                         dtype: torch.dtype) -> dict:
-    """A routed layer's linear weights in their tiers: attention, router, shared expert and GG's
-    experts one resident image, CG's experts one streamed image, CC's on the host. -> qkv,
+    """A routed layer's weights in their tiers: the resident ones one image copied to the
+    accelerator, CG's experts one image streamed from host memory, CC's on the host. -> qkv,
     o_proj and the SlicedSparseMoe"""
     moe = config.moe
     counts = store.rates[index].counts(moe.num_experts)
-    num_cc, num_cg, _ = counts
-    for_accelerator = linear_maker(linear, dtype, HOST, store.device)  # built on the host, copied over
-    # the router and the shared expert's gate stay dense, as in the resident layer (engine/model/moe.py)
-    dense_for_accelerator = linear_maker(create_linear_method("dense"), dtype, HOST, store.device)
-    resident = attention_linears(loaded, for_accelerator)
-    resident[ROUTER_KEY] = dense_for_accelerator(loaded[ROUTER_KEY])
-    if moe.has_shared_expert:
-        resident.update(_mlp_linears(loaded, for_accelerator, SHARED_EXPERT_PREFIX))
-        if moe.shared_expert_gated:
-            resident[SHARED_EXPERT_GATE_KEY] = dense_for_accelerator(loaded[SHARED_EXPERT_GATE_KEY])
-    on_host, streamed = {}, {}
-    for expert in range(moe.num_experts):
-        prefix = expert_prefix(expert)
-        if expert < num_cc:
-            computed_here = linear_maker(linear, dtype, HOST, HOST)
-            on_host.update({name: HostWeight(store.host.own_threads(w))
-                            for name, w in _mlp_linears(loaded, computed_here, prefix).items()})
-        elif expert < num_cc + num_cg:
-            streamed.update(_mlp_linears(loaded, for_accelerator, prefix))
-        else:
-            resident.update(_mlp_linears(loaded, for_accelerator, prefix))
-
-    weights = store._resident(*_host_image(resident, store.copy_engine.allocate_host))
-    if streamed:
-        weights.update(store._stream(index, TIER_HOST, *_host_image(streamed, store.copy_engine.allocate_host)))
-    weights.update(on_host)
+    parts = _routed_linears(loaded, config, counts, linear, dtype, store)
+    allocate = store.copy_engine.allocate_host
+    weights = {**parts["cc"], **store._resident(*_host_image(parts["gg"], allocate))}
+    if parts["cg"]:
+        weights.update(store._stream(index, TIER_HOST, *_host_image(parts["cg"], allocate)))
     router = TopKRouter(weights[ROUTER_KEY], moe.num_experts_per_token, moe.normalize_top_k)
     shared = None
     if moe.has_shared_expert:
         shared = SharedExpert(_mlp(weights, SHARED_EXPERT_PREFIX), weights.get(SHARED_EXPERT_GATE_KEY))
     experts = [_mlp(weights, expert_prefix(e)) for e in range(moe.num_experts)]
     mlp = SlicedSparseMoe(index, router, experts, shared, counts, store.host, store.slice_stats)
-    if num_cc or num_cg:
+    if parts["cc"] or parts["cg"]:
         store.moe_layers[index] = mlp
     return dict(qkv=weights["qkv"], o_proj=weights["o_proj"], mlp=mlp)
+
+
+def _routed_linears(loaded: dict, config: ModelConfig, counts: tuple[int, int, int], linear: LinearMethod,
+                    dtype: torch.dtype, store: SlicedLayers) -> dict[str, dict[str, LinearWeight]]:
+    """A routed layer's weight objects by slice: "cc" the CPU's experts (laid out for it), "cg"
+    the streamed experts, "gg" the resident weights (attention, router, shared expert and
+    experts), the last two laid out for the accelerator."""
+    moe = config.moe
+    for_accelerator = linear_maker(linear, dtype, HOST, store.device)  # built on the host, copied over
+    for_cpu = linear_maker(linear, dtype, HOST, HOST)
+    # the router and the shared expert's gate stay dense, as in the resident layer (engine/model/moe.py)
+    dense_for_accelerator = linear_maker(create_linear_method("dense"), dtype, HOST, store.device)
+    parts = {"cc": {}, "cg": {}, "gg": attention_linears(loaded, for_accelerator)}
+    parts["gg"][ROUTER_KEY] = dense_for_accelerator(loaded[ROUTER_KEY])
+    if moe.has_shared_expert:
+        parts["gg"].update(_mlp_linears(loaded, for_accelerator, SHARED_EXPERT_PREFIX))
+        if moe.shared_expert_gated:
+            parts["gg"][SHARED_EXPERT_GATE_KEY] = dense_for_accelerator(loaded[SHARED_EXPERT_GATE_KEY])
+    slice_of_expert = [name for name, num_experts in zip(SLICES, counts) for _ in range(num_experts)]
+    for expert, slice_name in enumerate(slice_of_expert):
+        if slice_name == "cc":
+            parts["cc"].update({name: HostWeight(store.host.own_threads(w))
+                                for name, w in _mlp_linears(loaded, for_cpu, expert_prefix(expert)).items()})
+        else:
+            parts[slice_name].update(_mlp_linears(loaded, for_accelerator, expert_prefix(expert)))
+    return parts
