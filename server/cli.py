@@ -137,8 +137,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                          help="tokens per sequence the placement's throughput estimate assumes (default: max-model-len)")
     weights.add_argument("--mlp-slicing", default="off", metavar="off|auto|CC,CG",
                          help="ScheInfer's MLP slicing: off; auto (rates solved within --weights-gpu-gib for decode "
-                              "batches of --max-num-seqs); or CC,CG: the fractions of each layer's MLP computed on the "
-                              "CPU and streamed to the accelerator (the rest resident), e.g. 0.25,0.5")
+                              "batches of --max-num-seqs); or CC,CG: the fractions of each layer's MLP (of a MoE "
+                              "layer's experts, whole) computed on the CPU and streamed to the accelerator (the rest "
+                              "resident), e.g. 0.25,0.5")
 
 
 def engine_config(args: argparse.Namespace, **overrides):

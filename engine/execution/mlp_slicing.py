@@ -27,7 +27,8 @@ own thread count. CG's parts of a layer are one layer image streamed through `St
 ring and transfer thread (PIPO's machinery, engine/execution/weight_stream.py): loaded while
 earlier layers compute, acquired with the layer. Partial outputs are summed in one order (CG,
 then GG, then CC), so results do not depend on which finished first. A layer the placement
-streams whole (PIPO) is not sliced.
+streams whole (PIPO) is not sliced. A mixture-of-experts layer is sliced by whole experts
+(`build_moe_layer`, engine/execution/moe_slicing.py).
 """
 from __future__ import annotations
 
@@ -35,21 +36,26 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from engine.execution.cores import CoreAssignment
 from engine.execution.queues import AcceleratorQueue, Future, InlineQueue
 from engine.execution.weight_stream import StreamedLayers, StreamLayout, create_transfer
+from engine.model.config import ModelConfig
 from engine.model.layers import fused_silu_mul
 from engine.model.llama import LayerWeights, attention_linears, linear_maker
+from engine.model.moe import MoeLayerWeights
 from engine.quant import LinearMethod, LinearWeight
 from engine.quant.int4 import DEFAULT_GROUP_SIZE, CpuInt4Kernels, KeepDense, PackedInt4, fuse
 from engine.weights.layer_files import LayerFiles
 from engine.weights.layer_image import LayerImage, meta_templates
 from scheduler.placement import TIER_ACCELERATOR, TIER_HOST, WeightPlacement
 from scheduler.placement.slicing import SliceRates
+
+if TYPE_CHECKING:
+    from engine.execution.moe_slicing import SlicedSparseMoe
 
 SLICES = ("cc", "cg", "gg")  # in unit order
 # Accelerator buffers CG parts pass through: two layers held at once (Neo's two-batch forward
@@ -300,6 +306,7 @@ class SlicedLayers(StreamedLayers):
         self.host = HostSide(num_cc_threads)
         self.slice_stats = SliceStats()
         self.mlps: dict[int, SlicedMLP] = {}  # the sliced layers' MLPs
+        self.moe_layers: dict[int, SlicedSparseMoe] = {}  # MoE layers with experts off the accelerator
 
     def use_accelerator(self, accelerator: AcceleratorQueue) -> None:
         self.host.queue = accelerator
@@ -330,8 +337,15 @@ class SlicedLayers(StreamedLayers):
                             o_proj=weights["o_proj"], post_norm=loaded["post_attention_layernorm"].to(self.device),
                             gate_up=SlicedGateUp(mlp, hidden_size), down=SlicedDown(mlp, hidden_size))
 
+    def build_moe_layer(self, index: int, loaded: dict, config: ModelConfig, linear: LinearMethod,
+                        dtype: torch.dtype) -> MoeLayerWeights:
+        """A mixture-of-experts layer with whole experts in the tiers (engine/execution/moe_slicing.py);
+        a MoE model's dense layers sliced as `build` slices them."""
+        from engine.execution.moe_slicing import build_sliced_moe_layer  # it builds on this module
+        return build_sliced_moe_layer(self, index, loaded, config, linear, dtype)
+
     def mlp_cpu_s(self) -> float | None:
-        return self.slice_stats.cc_s if self.mlps else None
+        return self.slice_stats.cc_s if self.mlps or self.moe_layers else None
 
     def recover(self) -> None:
         super().recover()

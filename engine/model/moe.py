@@ -6,14 +6,19 @@ Q and K heads are RMS-normalized before RoPE. The stages (`pre_proj`, `attention
 ...) are Llama's own, so Neo's pipeline and the runner drive it unchanged.
 
 Every expert is a SwiGLU MLP of weight objects (engine/quant), one per expert, so the format
-(dense, INT4) and later the place (resident, streamed, CPU-computed) are chosen per expert. A
-batch's tokens are grouped by expert (one stable sort of the (token, slot) pairs): each chosen
-expert's weights are applied once per forward to all the rows routed to it, never per token.
+(dense, INT4) and the place (resident, streamed, CPU-computed) are chosen per expert. A batch's
+tokens are grouped by expert (one stable sort of the (token, slot) pairs): each chosen expert's
+weights are applied once per forward to all the rows routed to it, never per token.
+
+Where a layer's parts live is the layer store's choice: a `MoeLayerStore` builds MoE layers.
+`ResidentMoeLayers` keeps every layer resident; `SlicedLayers` (engine/execution/mlp_slicing.py,
+engine/execution/moe_slicing.py) puts whole experts in ScheInfer's CC, CG and GG tiers. A store
+that streams whole layers (PIPO's `StreamedLayers`) holds no MoE layers and is refused.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -21,8 +26,9 @@ from engine.model.config import ConfigError, ModelConfig
 from engine.model.layers import rms_norm
 from engine.model.llama import LayerStore, LlamaModel, Make, attention_weights, linear_maker
 from engine.model.registry import register_model
-from engine.quant import LinearWeight, create_linear_method
+from engine.quant import LinearMethod, LinearWeight, create_linear_method
 from engine.quant.int4 import fuse
+from engine.weights import WeightLoader
 from engine.weights.base import ROUTER_KEY, SHARED_EXPERT_GATE_KEY, SHARED_EXPERT_PREFIX, expert_prefix
 
 SiluMul = Callable[[torch.Tensor], torch.Tensor]  # gate_up [rows, 2 * inter] -> silu(gate) * up
@@ -202,23 +208,42 @@ def _feed_forward(w: dict, index: int, config: ModelConfig, make: Make, device: 
     return SparseMoe(router, experts, shared)
 
 
+@runtime_checkable
+class MoeLayerStore(Protocol):
+    """A LayerStore that holds mixture-of-experts layers: it builds each, placing its parts."""
+
+    def build_moe_layer(self, index: int, loaded: dict, config: ModelConfig, linear: LinearMethod,
+                        dtype: torch.dtype) -> MoeLayerWeights:
+        """Layer `index` of a MoE family (a routed or a dense one) from what the loader gave."""
+
+
+class ResidentMoeLayers(LayerStore):
+    """Every layer of a MoE model resident on the accelerator."""
+
+    def build_moe_layer(self, index: int, loaded: dict, config: ModelConfig, linear: LinearMethod,
+                        dtype: torch.dtype) -> MoeLayerWeights:
+        make = linear_maker(linear, dtype, self.device)
+        return MoeLayerWeights.from_loaded(loaded, index, config, make, self.device, dtype)
+
+
 @register_model("mixtral")
 @register_model("qwen2_moe")
 @register_model("qwen3_moe")
 class MoeModel(LlamaModel):
-    """LlamaModel whose layers are MoeLayerWeights. Layers stay resident on the accelerator:
-    the layer stores that stream whole layers (engine/execution/weight_stream.py) do not take
-    experts yet."""
+    """LlamaModel whose layers are MoeLayerWeights, built by a MoeLayerStore: resident without a
+    store, or with experts sliced across tiers (engine/execution/moe_slicing.py)."""
 
-    def __init__(self, config: ModelConfig, *args, layer_store: LayerStore | None = None, **kwargs) -> None:
-        if layer_store is not None and type(layer_store) is not LayerStore:
+    def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype, device: torch.device | str, *args,
+                 layer_store: LayerStore | None = None, **kwargs) -> None:
+        layer_store = layer_store or ResidentMoeLayers(torch.device(device))
+        if not isinstance(layer_store, MoeLayerStore):
             raise ConfigError(f"{config.architecture}: {type(layer_store).__name__} does not hold mixture-of-experts "
-                              "layers; serve it with every layer resident (no weight streaming)")
-        super().__init__(config, *args, layer_store=layer_store, **kwargs)
+                              "layers (weight streaming moves whole dense layers); serve it with every layer "
+                              "resident, or with its experts sliced (--mlp-slicing)")
+        super().__init__(config, loader, dtype, device, *args, layer_store=layer_store, **kwargs)
 
     def _build_layer(self, index: int, loaded: dict) -> MoeLayerWeights:
-        make = linear_maker(self.linear_method, self.dtype, self.device)
-        return MoeLayerWeights.from_loaded(loaded, index, self.config, make, self.device, self.dtype)
+        return self.layer_store.build_moe_layer(index, loaded, self.config, self.linear_method, self.dtype)
 
     def _normalize_heads(self, layer: int, qk: torch.Tensor) -> torch.Tensor:
         w, cfg = self.layers[layer], self.config

@@ -1,5 +1,7 @@
-"""`tandem serve` on a mixture-of-experts preset (qwen3-moe-tiny, dummy weights): the official
-openai SDK gets the offline engine's greedy tokens, streamed and not, over several prompts at once."""
+"""`tandem serve` on a mixture-of-experts preset (qwen3-moe-tiny, dummy weights), with every layer
+resident and with its experts sliced across the CPU, host memory and the accelerator
+(`--mlp-slicing`): the official openai SDK gets the offline resident engine's greedy tokens,
+streamed and not, over several prompts at once, and /metrics counts every expert in its tier."""
 from __future__ import annotations
 
 import os
@@ -9,20 +11,31 @@ import httpx
 import openai
 import pytest
 
-from tandem_server import EXTRA_FLAGS_ENV, REQUEST_TIMEOUT_S, metric, scrape
+from tandem_server import EXTRA_FLAGS_ENV, REQUEST_TIMEOUT_S, metric, scrape, wait_idle
 
-# MoE layers are served resident: the flags a suite adds to every server (make test-streamed's
+# MoE layers are not streamed whole: the flags a suite adds to every server (make test-streamed's
 # weight budget) are not for this one
 pytestmark = pytest.mark.skipif(bool(os.environ.get(EXTRA_FLAGS_ENV)),
                                 reason=f"{EXTRA_FLAGS_ENV} adds flags (a weight budget) MoE serving does not take")
 MOE_PRESET = "qwen3-moe-tiny"
 PROMPTS = [[5, 17, 301, 44], [9] * 11, [100, 200, 300, 400, 500, 7, 8]]
 MAX_TOKENS = 12
+# qwen3-moe-tiny: vocab 512, hidden 128, 2 layers, 4 heads and 2 KV heads of 32, 8 experts of 64
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, EXPERT_WIDTH, LAYERS = 512, 128, 4, 2, 32, 8, 64, 2
+# each layer's experts 0-1 computed by the CPU, 2-3 streamed, 4-7 resident
+SLICING = ("--mlp-slicing", "0.25,0.25")
+EXPERTS_IN_HOST_MEMORY = 4
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["resident", "sliced"])
+def sliced(request) -> bool:
+    """Whether the server slices the experts (SLICING) or keeps every layer resident."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def moe_server(start_server):
-    return start_server("--model", MOE_PRESET, "--load-format", "dummy")
+def moe_server(start_server, sliced):
+    return start_server("--model", MOE_PRESET, "--load-format", "dummy", *(SLICING if sliced else ()))
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +71,27 @@ def test_moe_preset_serves_the_engines_greedy_tokens(moe_client, offline_greedy,
     assert got == offline_greedy
 
 
-def test_moe_preset_is_listed_and_counts_every_expert(moe_client, moe_server):
+def test_moe_preset_is_listed_and_counts_every_expert(moe_client, moe_server, sliced):
     (model,) = moe_client.models.list().data
     assert model.id == MOE_PRESET
     with httpx.Client(base_url=moe_server.url, timeout=REQUEST_TIMEOUT_S) as http:
         samples = scrape(http)
-    # qwen3-moe-tiny: vocab 512, hidden 128, 2 layers, 4 heads and 2 KV heads of 32, 8 experts of 64
-    vocab, hidden, heads, kv_heads, head_dim, experts, width = 512, 128, 4, 2, 32, 8, 64
-    layer = (2 * hidden + 2 * head_dim + hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-             + experts * hidden + experts * 3 * width * hidden)
-    num_params = 2 * vocab * hidden + hidden + 2 * layer  # untied embeddings and LM head, final norm
-    assert metric(samples, "weight_bytes", format="float32", tier="accelerator") == 4 * num_params
+    expert_bytes = 4 * 3 * EXPERT_WIDTH * HIDDEN
+    layer = (2 * HIDDEN + 2 * HEAD_DIM + HIDDEN * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * HIDDEN
+             + EXPERTS * HIDDEN + EXPERTS * 3 * EXPERT_WIDTH * HIDDEN)
+    model_bytes = 4 * (2 * VOCAB * HIDDEN + HIDDEN + LAYERS * layer)  # untied embeddings and LM head, final norm
+    host_bytes = LAYERS * EXPERTS_IN_HOST_MEMORY * expert_bytes if sliced else 0
+    assert metric(samples, "weight_bytes", format="float32", tier="accelerator") == model_bytes - host_bytes
+    if sliced:
+        assert metric(samples, "weight_bytes", format="float32", tier="host") == host_bytes
+
+
+def test_sliced_experts_ran_on_the_cpu_and_were_streamed(moe_client, moe_server, sliced):
+    """The CPU computed its experts, CG's were copied in."""
+    if not sliced:
+        pytest.skip("every expert is resident")
+    completion_token_ids(moe_client, PROMPTS[0], stream=False)
+    with httpx.Client(base_url=moe_server.url, timeout=REQUEST_TIMEOUT_S) as http:
+        samples = wait_idle(http)
+    assert metric(samples, "mlp_cpu_seconds_total") > 0
+    assert metric(samples, "weight_streamed_bytes_total", tier="host") > 0
