@@ -196,6 +196,9 @@ def _plan_of(works: list[MlpWork], costs: SlicingCosts, rates: list[SliceRates],
 
 
 def _gib(num_bytes: float) -> str:
+    """GiB to two places, or MiB where that would round small sizes away."""
+    if num_bytes < 0.1 * GIB_BYTES:
+        return f"{num_bytes / 2**20:.2f} MiB"
     return f"{num_bytes / GIB_BYTES:.2f} GiB"
 
 
