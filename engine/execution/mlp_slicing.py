@@ -34,15 +34,18 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future as CopyFuture
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from engine.execution.cores import CoreAssignment
 from engine.execution.queues import AcceleratorQueue, Future, InlineQueue
-from engine.execution.weight_stream import StreamedLayers, StreamLayout, create_transfer
+from engine.execution.transfer import CopyEngine, pin_to
+from engine.execution.weight_stream import BUFFER_FORMAT, StreamedLayers, StreamLayout, create_transfer
 from engine.model.config import ModelConfig
 from engine.model.layers import fused_silu_mul
 from engine.model.llama import LayerWeights, attention_linears, linear_maker
@@ -52,6 +55,7 @@ from engine.quant.int4 import DEFAULT_GROUP_SIZE, CpuInt4Kernels, KeepDense, Pac
 from engine.weights.layer_files import LayerFiles
 from engine.weights.layer_image import LayerImage, meta_templates
 from scheduler.placement import TIER_ACCELERATOR, TIER_HOST, WeightPlacement
+from scheduler.placement.moved_tokens import MovedTokens
 from scheduler.placement.slicing import SliceRates
 
 if TYPE_CHECKING:
@@ -62,6 +66,7 @@ SLICES = ("cc", "cg", "gg")  # in unit order
 # holds layer i+1 before it releases layer i) and one preloading.
 NUM_SLICE_BUFFERS = 3
 MLP_NAMES = ("gate_up", "down")  # a slice's weights, in image order
+MOVED_HOST_FORMAT = "CG' host copies"  # weight_bytes' format label for CC in the accelerator's format
 HOST = torch.device("cpu")
 
 
@@ -125,6 +130,12 @@ class SliceStats:
     num_cc_calls: int = 0
     cc_s: float = 0.0  # CC's gate/up, activation and down, on the CPU
     cc_thread_ids: set[int] = field(default_factory=set)  # the threads that computed CC
+    # Rows summed over layers: CC's units computed by the CPU, and by CG' on the accelerator instead
+    num_cc_tokens: int = 0
+    num_moved_tokens: int = 0
+    moved_bytes: int = 0  # CC's weights copied to the accelerator for CG'
+    moved_thread_ids: set[int] = field(default_factory=set)  # the threads that computed CG'
+    moved_copy_thread_ids: set[int] = field(default_factory=set)  # the threads that copied CG''s weights
 
 
 class HostSide:
@@ -157,50 +168,181 @@ class HostSide:
                 torch.set_num_threads(before)
 
 
+class MovedPart:
+    """CG' (ScheInfer sec. IV-B): CC's weights, stored on the host, copied into one accelerator
+    buffer for the tokens a forward moves off the CPU (`MovedTokens` says how many per layer).
+
+    The host bytes copies leave from: where the accelerator is a host thread (device cpu, the
+    testbed) it computes from the CPU's format, so CC's weights are one host image per layer and
+    the CPU part's weights are views into it (shared, no second copy; INT4 kernels are shared
+    too, which is safe because the testbed refuses INT4 and device cpu has one thread pool).
+    Elsewhere (CUDA: Triton's INT4 layout, pinned memory for asynchronous copies) a second host
+    image in the accelerator's format is kept beside the CPU's weights.
+
+    Copies go through the store's copy engine on a transfer thread of their own (a real memcpy on
+    the host-side cores on the testbed; queued on the copy stream on CUDA), launched as the MLP
+    starts so they overlap GG's and CG's compute; not on the ring's thread, whose next load may
+    be waiting for this very layer's release. One buffer is enough: a CG' lives from its
+    SlicedGateUp to the SlicedDown of the same sub-batch, and the accelerator runs a forward's
+    MLPs (Neo's two sub-batches' too) one after the other, never interleaved, so the next copy
+    is launched only once the last CG' was computed (on CUDA, queued: the copy waits for the event
+    `done` records, as a ring load waits for its buffer's release)."""
+
+    def __init__(self, policy: MovedTokens, copy_engine: CopyEngine, shares_host_bytes: bool,
+                 stats: SliceStats) -> None:
+        self.policy = policy
+        self.copy_engine = copy_engine
+        self.shares_host_bytes = shares_host_bytes
+        self.stats = stats
+        self._host: dict[int, tuple[LayerImage, dict[str, LinearWeight], torch.Tensor]] = {}
+        self._bound: dict[int, dict[str, LinearWeight]] = {}  # each layer's weights in the buffer
+        self._buffer: torch.Tensor | None = None  # uint8 [CC's largest image]
+        self._state: dict = {}  # the copy engine's events for the buffer
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-moved-copy",
+                                          initializer=pin_to(copy_engine.cores))
+
+    def host_weights(self, layer: int, cpu_weights: dict[str, LinearWeight],
+                     for_accelerator: Callable[[], dict[str, LinearWeight]]) -> dict[str, LinearWeight]:
+        """Keep layer `layer`'s CC image for copies; -> the CPU part's weights (views into that
+        image where the bytes are shared). `for_accelerator()` builds CC in the accelerator's format."""
+        if self.shares_host_bytes:
+            image, templates, data = self._host[layer] = _host_image(cpu_weights, self.copy_engine.allocate_host)
+            return image.bind(templates, data)
+        self._host[layer] = _host_image(for_accelerator(), self.copy_engine.allocate_host)
+        return cpu_weights
+
+    def start(self) -> None:
+        """Allocate the buffer for CC's largest image, and bind each layer's weights in it."""
+        if not self._host:
+            return
+        self._buffer = self.copy_engine.allocate_buffer(max(image.nbytes for image, _, _ in self._host.values()))
+        self._bound = {layer: image.bind(templates, self._buffer)
+                       for layer, (image, templates, _) in self._host.items()}
+
+    @property
+    def buffer_bytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
+        """The buffer, and the host images where they are not the CPU's weights, by (format, tier)."""
+        host_bytes = 0 if self.shares_host_bytes else sum(image.nbytes for image, _, _ in self._host.values())
+        extra = {(BUFFER_FORMAT, TIER_ACCELERATOR): self.buffer_bytes, (MOVED_HOST_FORMAT, TIER_HOST): host_bytes}
+        return {key: nbytes for key, nbytes in extra.items() if nbytes}
+
+    def count(self, layer: int, num_tokens: int) -> int:
+        """The policy's count for these rows, checked."""
+        count = self.policy.count(layer, num_tokens) if num_tokens else 0
+        if not 0 <= count <= num_tokens:
+            raise ValueError(f"{type(self.policy).__name__} moved {count} of layer {layer}'s {num_tokens} tokens")
+        return count
+
+    def load(self, layer: int) -> CopyFuture:
+        """Start copying layer `layer`'s CC weights into the buffer."""
+        return self._thread.submit(self._copy, layer)
+
+    def _copy(self, layer: int) -> None:
+        image, _, data = self._host[layer]
+        self.copy_engine.before_load(self._state)
+        self.copy_engine.copy(self._buffer[:image.nbytes], data[:image.nbytes])
+        self.copy_engine.after_load(self._state)
+        self.stats.moved_bytes += image.nbytes
+        self.stats.moved_copy_thread_ids.add(threading.get_ident())
+
+    def weights(self, layer: int, copy: CopyFuture) -> dict[str, LinearWeight]:
+        """Layer `layer`'s CC weights in the buffer, once `copy` (its load) has landed."""
+        copy.result()
+        self.copy_engine.wait_loaded(self._state)
+        return self._bound[layer]
+
+    def done(self) -> None:
+        """The CG' computed from the buffer is queued: the next copy may overwrite it after."""
+        self.copy_engine.on_release(self._state)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+@dataclass
+class _CcCall:
+    """CC's part of one MLP call in flight: the CPU's rows (the last ones) and CG''s (the first)."""
+
+    on_cpu: Future | None = None  # -> [num_tokens - num_moved, hidden] on the host
+    moved_x: torch.Tensor | None = None  # [num_moved, hidden], the rows CG' computes
+    moved_copy: CopyFuture | None = None  # CC's weights on their way to the accelerator
+
+
 class SlicedMLP:
     """One layer's MLP as slices: CC's weights on the host, CG's streamed (StreamedWeights), GG's
-    resident; shared by the layer's SlicedGateUp and SlicedDown, which hand CC's output over."""
+    resident; shared by the layer's SlicedGateUp and SlicedDown, which hand CC's output over.
+    With `moved`, some of a forward's rows get CC's units from CG' on the accelerator instead."""
 
     def __init__(self, layer: int, slices: dict[str, dict[str, LinearWeight]], counts: tuple[int, int, int],
-                 host: HostSide, stats: SliceStats) -> None:
+                 host: HostSide, stats: SliceStats, moved: MovedPart | None = None) -> None:
         self.layer = layer
         self.slices = slices  # "cc" / "cg" / "gg" -> {"gate_up": ..., "down": ...}, slices with units only
         self.counts = dict(zip(SLICES, counts))
         self.host = host
         self.stats = stats
-        self.pending_cc: Future | None = None  # CC's output of the gate_up applied last
+        self.moved = moved
+        self.pending_cc: _CcCall | None = None  # CC's part of the gate_up applied last
 
     @property
     def accelerator_slices(self) -> list[str]:
         return [name for name in ("cg", "gg") if name in self.slices]
 
     def start_cc(self, x: torch.Tensor) -> None:
-        """Hand the CPU its whole part: x's hop to the host, CC's gate/up, activation and down."""
+        """Hand CC's part of x [num_tokens, hidden] over: the first rows the policy moves go to CG'
+        (their weights' copy launched first, so the link starts at once), the rest to the CPU."""
         if "cc" not in self.slices:
             return
+        num_moved = 0 if self.moved is None else self.moved.count(self.layer, x.shape[0])
+        call = self.pending_cc = _CcCall()
+        if num_moved:
+            call.moved_copy, call.moved_x = self.moved.load(self.layer), x[:num_moved]
+        if num_moved < x.shape[0]:
+            call.on_cpu = self._start_on_cpu(x[num_moved:])
+
+    def _start_on_cpu(self, x: torch.Tensor) -> Future:
+        """The CPU's whole part at once: x's hop to the host, CC's gate/up, activation and down."""
         queue = self.host.queue
         x_host = queue.copy_to_host(x)
-        self.pending_cc = queue.run_on_host(lambda: self._compute_cc(x_host))
+        return queue.run_on_host(lambda: self._compute_cc(x_host))
 
     def _compute_cc(self, x_host: Future) -> torch.Tensor:
         start = time.perf_counter()
         weights = self.slices["cc"]
-        x = x_host.result()  # [num_tokens, hidden] on the host
+        x = x_host.result()  # [num_cpu_tokens, hidden] on the host
         with self.host.threads():
             out = weights["down"].apply(fused_silu_mul(weights["gate_up"].apply(x)))
         self.stats.num_cc_calls += 1
+        self.stats.num_cc_tokens += x.shape[0]
         self.stats.cc_s += time.perf_counter() - start
         self.stats.cc_thread_ids.add(threading.get_ident())
-        return out  # [num_tokens, hidden]
+        return out  # [num_cpu_tokens, hidden]
 
-    def take_cc(self) -> torch.Tensor | None:
-        """CC's output for the down being applied (waits for the CPU), or None without CC."""
+    def _compute_moved(self, call: _CcCall) -> torch.Tensor:
+        """CG': CC's units for the moved rows, on the accelerator from the copied weights."""
+        weights = self.moved.weights(self.layer, call.moved_copy)
+        out = weights["down"].apply(fused_silu_mul(weights["gate_up"].apply(call.moved_x)))
+        self.moved.done()
+        self.stats.num_moved_tokens += call.moved_x.shape[0]
+        self.stats.moved_thread_ids.add(threading.get_ident())
+        return out  # [num_moved, hidden]
+
+    def take_cc(self, device: torch.device) -> torch.Tensor | None:
+        """CC's units' output for the down being applied, [num_tokens, hidden] on `device`: CG''s
+        rows computed now, then the CPU's (waited for); None without CC."""
         if "cc" not in self.slices:
             return None
         if self.pending_cc is None:
             raise RuntimeError(f"layer {self.layer}'s sliced down was applied before its gate_up")
-        future, self.pending_cc = self.pending_cc, None
-        return future.result()
+        call, self.pending_cc = self.pending_cc, None
+        outputs = []
+        if call.moved_copy is not None:
+            outputs.append(self._compute_moved(call))
+        if call.on_cpu is not None:
+            outputs.append(call.on_cpu.result().to(device, non_blocking=True))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def parts(self, name: str) -> list[tuple[LinearWeight, str]]:
         """The `name` weights (gate_up or down) of every slice, each with its tier."""
@@ -268,7 +410,7 @@ class SlicedGateUp(_SlicedWeight):
 
 class SlicedDown(_SlicedWeight):
     """down of a sliced MLP: the accelerator's slices over their units of the activation, plus
-    the CPU's output, summed CG, GG, CC. -> [num_tokens, hidden]"""
+    CC's units' output (CG''s rows, then the CPU's), summed CG, GG, CC. -> [num_tokens, hidden]"""
 
     name = "down"
 
@@ -284,9 +426,8 @@ class SlicedDown(_SlicedWeight):
             partial = self.mlp.slices[name]["down"].apply(x[:, start:end].contiguous())
             out = partial if out is None else out + partial
             start = end
-        cc = self.mlp.take_cc()
+        cc = self.mlp.take_cc(x.device)
         if cc is not None:
-            cc = cc.to(x.device, non_blocking=True)
             out = cc if out is None else out + cc
         return out
 
@@ -294,11 +435,12 @@ class SlicedDown(_SlicedWeight):
 # ---- the store ----------------------------------------------------------------------------------
 class SlicedLayers(StreamedLayers):
     """Decoder layers whose MLPs are sliced at each layer's rates; attention and GG resident, CC
-    in host memory, CG streamed through the ring. Layers the layout streams whole are streamed
-    as StreamedLayers streams them."""
+    in host memory, CG streamed through the ring; with `moved_tokens`, a forward's tokens it
+    names get CC's units from CG' (MovedPart). Layers the layout streams whole are streamed as
+    StreamedLayers streams them."""
 
     def __init__(self, rates: Sequence[SliceRates], layout: StreamLayout, device: torch.device, copy_engine,
-                 num_cc_threads: int | None, **stream_options) -> None:
+                 num_cc_threads: int | None, moved_tokens: MovedTokens | None = None, **stream_options) -> None:
         if len(rates) != len(layout.tiers):
             raise ValueError(f"slice rates for {len(rates)} layers, but the model has {len(layout.tiers)}")
         super().__init__(layout, device, copy_engine, **stream_options)
@@ -307,6 +449,8 @@ class SlicedLayers(StreamedLayers):
         self.slice_stats = SliceStats()
         self.mlps: dict[int, SlicedMLP] = {}  # the sliced layers' MLPs
         self.moe_layers: dict[int, SlicedSparseMoe] = {}  # MoE layers with experts off the accelerator
+        self.moved = None if moved_tokens is None else MovedPart(
+            moved_tokens, copy_engine, torch.device(device).type == HOST.type, self.slice_stats)
 
     def use_accelerator(self, accelerator: AcceleratorQueue) -> None:
         self.host.queue = accelerator
@@ -324,14 +468,13 @@ class SlicedLayers(StreamedLayers):
         weights = self._resident(*_host_image(resident, self.copy_engine.allocate_host))
         slices = {}
         if "cc" in cut:
-            slices["cc"] = {name: self.host.own_threads(linear_maker(linear, dtype, HOST, HOST)(w))
-                            for name, w in cut["cc"].items()}
+            slices["cc"] = self._cc_weights(index, cut["cc"], linear, dtype)
         if "cg" in cut:
             streamed = {name: for_accelerator(w) for name, w in cut["cg"].items()}
             slices["cg"] = self._stream(index, TIER_HOST, *_host_image(streamed, self.copy_engine.allocate_host))
         if "gg" in cut:
             slices["gg"] = {name: weights[f"gg.{name}"] for name in MLP_NAMES}
-        mlp = self.mlps[index] = SlicedMLP(index, slices, counts, self.host, self.slice_stats)
+        mlp = self.mlps[index] = SlicedMLP(index, slices, counts, self.host, self.slice_stats, self.moved)
         hidden_size = weights["o_proj"].out_features
         return LayerWeights(input_norm=loaded["input_layernorm"].to(self.device), qkv=weights["qkv"],
                             o_proj=weights["o_proj"], post_norm=loaded["post_attention_layernorm"].to(self.device),
@@ -344,13 +487,43 @@ class SlicedLayers(StreamedLayers):
         from engine.execution.moe_slicing import build_sliced_moe_layer  # it builds on this module
         return build_sliced_moe_layer(self, index, loaded, config, linear, dtype)
 
+    def _cc_weights(self, index: int, cut: dict, linear: LinearMethod, dtype: torch.dtype) -> dict[str, LinearWeight]:
+        """CC's weights for the CPU, on its threads; with CG' on, their image kept for its copies."""
+        on_host = {name: linear_maker(linear, dtype, HOST, HOST)(w) for name, w in cut.items()}
+        if self.moved is not None:
+            for_accelerator = linear_maker(linear, dtype, HOST, self.device)
+            on_host = self.moved.host_weights(index, on_host, lambda: {name: for_accelerator(w)
+                                                                       for name, w in cut.items()})
+        return {name: self.host.own_threads(w) for name, w in on_host.items()}
+
+    def start(self) -> None:
+        """CG''s buffer, counted against the weight budget with the ring's; then the ring."""
+        if self.moved is not None:
+            self.moved.start()
+            self.used_bytes += self.moved.buffer_bytes
+        super().start()
+
+    def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
+        totals = super().extra_weight_bytes()
+        for key, nbytes in (self.moved.extra_weight_bytes() if self.moved is not None else {}).items():
+            totals[key] = totals.get(key, 0) + nbytes
+        return totals
+
     def mlp_cpu_s(self) -> float | None:
         return self.slice_stats.cc_s if self.mlps or self.moe_layers else None
+
+    def mlp_moved_tokens(self) -> int | None:
+        return self.slice_stats.num_moved_tokens if self.moved is not None and self.mlps else None
 
     def recover(self) -> None:
         super().recover()
         for mlp in self.mlps.values():
             mlp.pending_cc = None
+
+    def close(self) -> None:
+        if self.moved is not None:
+            self.moved.close()
+        super().close()
 
 
 def _host_image(linears: dict[str, LinearWeight], allocate) -> tuple[LayerImage, dict[str, LinearWeight], torch.Tensor]:
@@ -374,13 +547,14 @@ def slicing_layout(num_layers: int, placement: WeightPlacement | None) -> Stream
 def create_sliced_layer_store(rates: Sequence[SliceRates], placement: WeightPlacement | None,
                               device: torch.device, cores: CoreAssignment, files: LayerFiles | None = None,
                               num_io_threads: int = 1, accelerator_weight_budget_bytes: int | None = None,
-                              global_weight_bytes: int = 0) -> SlicedLayers:
+                              global_weight_bytes: int = 0, moved_tokens: MovedTokens | None = None) -> SlicedLayers:
     """The store slicing each layer's MLP at `rates` (one per layer), composed with `placement`'s
     whole-layer streaming where there is one: transfer threads on the host-side cores, CC on the
-    CPU side's threads (the caller's own on device cpu, where one pool serves both sides)."""
+    CPU side's threads (the caller's own on device cpu, where one pool serves both sides); CG'
+    for the tokens `moved_tokens` names (None: the CPU computes CC for every token)."""
     layout = slicing_layout(len(rates), placement)
     engine, reader = create_transfer(layout, device, cores, num_io_threads)
     num_cc_threads = None if cores.device == "cpu" else cores.cpu_attention_threads
-    return SlicedLayers(rates, layout, device, engine, num_cc_threads, files=files, reader=reader,
+    return SlicedLayers(rates, layout, device, engine, num_cc_threads, moved_tokens, files=files, reader=reader,
                         accelerator_weight_budget_bytes=accelerator_weight_budget_bytes,
                         global_weight_bytes=global_weight_bytes)

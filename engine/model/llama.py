@@ -134,6 +134,11 @@ class LayerStore:
         it computes none."""
         return None
 
+    def mlp_moved_tokens(self) -> int | None:
+        """Running total of tokens sliced MLPs computed CC's units for on the accelerator (CG',
+        summed over layers) instead of on the CPU, or None where none are moved."""
+        return None
+
     def close(self) -> None:
         """Stop threads and close files."""
 

@@ -2,7 +2,9 @@
 every layer's MLP cut into CC, CG and GG parts match Hugging Face transformers to 1e-4 in fp32
 for every placement (all GG, all CC, all CG, mixed rates, per-layer mixes), serially and on the
 host-only testbed, dense and INT4; the CC part ran on the engine thread and the CG part was
-copied; the parts' bytes are reported in their tiers."""
+copied; the parts' bytes are reported in their tiers. Prefill token assignment (CG'): with none,
+some or all of a forward's tokens moved, logits still match, CC's weights were copied on a
+transfer thread and computed on the accelerator's, and the CPU saw only the remaining rows."""
 import functools
 import os
 import threading
@@ -13,7 +15,13 @@ import transformers
 
 from engine.execution import ModelRunner
 from engine.execution.cores import CoreAssignment
-from engine.execution.mlp_slicing import SlicedDown, SlicedGateUp, create_sliced_layer_store, slice_mlp
+from engine.execution.mlp_slicing import (
+    MOVED_HOST_FORMAT,
+    SlicedDown,
+    SlicedGateUp,
+    create_sliced_layer_store,
+    slice_mlp,
+)
 from engine.execution.queues import WorkerThreadQueue
 from engine.quant import create_linear_method
 from engine.quant.dense import DenseWeight
@@ -21,6 +29,7 @@ from engine.quant.int4 import PackedInt4
 from engine.weights import create_loader
 from kernels.cpu import int4 as int4_kernels
 from scheduler.placement import TIER_ACCELERATOR, TIER_HOST
+from scheduler.placement.moved_tokens import MovedTokens
 from scheduler.placement.slicing import SliceRates
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -69,11 +78,13 @@ def tiny_model(tmp_path_factory):
     return hf_model, str(path)
 
 
-def sliced_runner(path: str, rates, device: str = "cpu", linear_method: str = "dense") -> ModelRunner:
+def sliced_runner(path: str, rates, device: str = "cpu", linear_method: str = "dense", layer_store=None,
+                  **store_options) -> ModelRunner:
     loader = create_loader(path)
+    if layer_store is None and rates is not None:
+        layer_store = functools.partial(create_sliced_layer_store, rates, None, **store_options)
     return ModelRunner(loader.config, loader, dtype=torch.float32, device=device, num_blocks=64,
-                       block_size=BLOCK_SIZE, max_model_len=128, linear_method=linear_method,
-                       layer_store=None if rates is None else functools.partial(create_sliced_layer_store, rates, None))
+                       block_size=BLOCK_SIZE, max_model_len=128, linear_method=linear_method, layer_store=layer_store)
 
 
 def steps(runner: ModelRunner, num_steps: int = 5):
@@ -275,3 +286,117 @@ def test_the_cpu_part_computes_on_the_cpu_sides_threads(tiny_model):
         assert {w.kernels.num_threads for w in slices["gg"].values()} == {int4_kernels.default_num_threads()}
     finally:
         store.close()
+
+
+# ---- prefill token assignment (CG') ----------------------------------------------------------
+class ForcedMoves(MovedTokens):
+    """Moves `share` of every forward's tokens (rounded down) in every layer, recording each ask."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.asked: list[tuple[int, int]] = []  # (layer, num_tokens)
+
+    def count(self, layer: int, num_tokens: int) -> int:
+        self.asked.append((layer, num_tokens))
+        return int(num_tokens * self.share)
+
+
+MOVED_SHARES = {"none": 0.0, "some": 0.5, "all": 1.0}
+MOVING_RATES = PLACEMENTS["per-layer"]  # an all-CC layer, one without CC, a mixed one
+
+
+def check_the_moves_ran(runner: ModelRunner, policy: ForcedMoves, device: str) -> None:
+    """Only layers with a CC part asked; CG' computed the moved rows on the accelerator's thread
+    from weights the transfer thread copied, once per forward that moved any; the CPU computed the
+    rest and only the rest."""
+    store, stats = sliced_store(runner), sliced_store(runner).slice_stats
+    cc_layers = {i for i, r in enumerate(MOVING_RATES) if r.cc > 0}
+    assert {layer for layer, _ in policy.asked} == cc_layers
+    moved = [int(n * policy.share) for _, n in policy.asked]
+    assert stats.num_moved_tokens == sum(moved)
+    assert stats.num_cc_tokens == sum(n for _, n in policy.asked) - sum(moved)
+    assert stats.num_cc_calls == sum(m < n for m, (_, n) in zip(moved, policy.asked))
+    cc_bytes = {i: store.moved._host[i][0].nbytes for i in cc_layers}
+    assert stats.moved_bytes == sum(cc_bytes[layer] for m, (layer, _) in zip(moved, policy.asked) if m)
+    if not any(moved):
+        assert not stats.moved_thread_ids and not stats.moved_copy_thread_ids
+        return
+    accelerator = runner.accelerator._thread.ident if device == "testbed" else threading.get_ident()
+    assert stats.moved_thread_ids == {accelerator}
+    assert stats.moved_copy_thread_ids.isdisjoint({accelerator, threading.get_ident()})
+    assert store.moved.buffer_bytes == max(cc_bytes.values())  # one buffer, allocated at start
+
+
+@pytest.mark.parametrize("device", ["cpu", on_testbed("testbed"), ON_CUDA])
+@pytest.mark.parametrize("moved", sorted(MOVED_SHARES))
+def test_moved_tokens_logits_match_hf(tiny_model, moved, device):
+    hf_model, path = tiny_model
+    policy = ForcedMoves(MOVED_SHARES[moved])
+    runner = sliced_runner(path, MOVING_RATES, device, moved_tokens=policy)
+    try:
+        for rows in steps(runner):
+            for tokens, logits in rows:
+                torch.testing.assert_close(logits.cpu(), hf_last_logits(hf_model, tokens), atol=TOLERANCE,
+                                           rtol=TOLERANCE)
+        check_the_moves_ran(runner, policy, device)
+    finally:
+        runner.close()
+
+
+def test_moved_int4_tokens_match_the_resident_int4_model(tiny_model):
+    _, path = tiny_model
+    policy = ForcedMoves(0.5)
+    reference = sliced_runner(path, None, linear_method="int4")
+    runner = sliced_runner(path, MOVING_RATES, linear_method="int4", moved_tokens=policy)
+    try:
+        for expected, got in zip(steps(reference), steps(runner)):
+            for (_, want), (_, logits) in zip(expected, got):
+                torch.testing.assert_close(logits, want, atol=TOLERANCE, rtol=TOLERANCE)
+        check_the_moves_ran(runner, policy, "cpu")
+    finally:
+        reference.close()
+        runner.close()
+
+
+def test_cc_weights_are_shared_with_cg_prime_on_the_host_or_copied_in_the_accelerators_format(tiny_model):
+    """On a host device the CPU part's weights are views into the image CG' copies from (no
+    second host copy); where the formats differ (CUDA, here pretended on the CPU) a host copy in
+    the accelerator's format is kept, reported as host bytes, and computes the same logits."""
+    hf_model, path = tiny_model
+    shared = sliced_runner(path, MOVING_RATES, moved_tokens=ForcedMoves(0.5))
+
+    def unshared_store(device, cores):
+        store = create_sliced_layer_store(MOVING_RATES, None, device, cores, moved_tokens=ForcedMoves(0.5))
+        store.moved.shares_host_bytes = False
+        return store
+
+    unshared = sliced_runner(path, MOVING_RATES, layer_store=unshared_store)
+    try:
+        store = sliced_store(shared)
+        image, _, data = store.moved._host[0]
+        cc_weight = store.mlps[0].slices["cc"]["gate_up"].tensors()["weight"]
+        assert data.data_ptr() <= cc_weight.data_ptr() < data.data_ptr() + image.nbytes
+        assert (MOVED_HOST_FORMAT, TIER_HOST) not in shared.model.weight_bytes()
+        host_copies = sum(sliced_store(unshared).moved._host[i][0].nbytes for i in (0, 2))
+        assert unshared.model.weight_bytes()[(MOVED_HOST_FORMAT, TIER_HOST)] == host_copies
+        for rows in steps(unshared):
+            for tokens, logits in rows:
+                torch.testing.assert_close(logits, hf_last_logits(hf_model, tokens), atol=TOLERANCE, rtol=TOLERANCE)
+    finally:
+        shared.close()
+        unshared.close()
+
+
+class TooMany(MovedTokens):
+    def count(self, layer: int, num_tokens: int) -> int:
+        return num_tokens + 1
+
+
+def test_a_policy_moving_more_tokens_than_there_are_fails_the_forward(tiny_model):
+    _, path = tiny_model
+    runner = sliced_runner(path, MOVING_RATES, moved_tokens=TooMany())
+    try:
+        with pytest.raises(ValueError, match="TooMany moved 22 of layer 0's 21 tokens"):
+            next(steps(runner))
+    finally:
+        runner.close()
