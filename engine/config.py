@@ -161,6 +161,7 @@ class OffloadConfig:
 
 WEIGHT_PLACEMENTS = ("auto", "gpu", "cpu", "disk")  # scheduler.placement.PLACEMENT_MODES
 WEIGHT_PIPELINES = ("auto", "performance", "memory")  # scheduler.placement.PIPELINE_CHOICES
+ON_OFF = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,10 @@ class WeightsConfig:
     # layer's MLP units computed on the CPU and streamed to the accelerator (the rest stays
     # resident), e.g. "0.25,0.5"; or one SliceRates per layer
     mlp_slicing: str | tuple[SliceRates, ...] = "off"
+    # ScheInfer's prefill token assignment (sec. IV-B) under MLP slicing: "on", each forward moves
+    # the tokens the slicing models say to CG' (CC's weights copied to the accelerator); "off",
+    # the CPU computes CC for every token (for ablations)
+    mlp_prefill_moving: str = "on"
 
     def __post_init__(self) -> None:
         _require_choice(self, "placement", WEIGHT_PLACEMENTS)
@@ -198,6 +203,8 @@ class WeightsConfig:
         if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
             raise ConfigError(f"offload_dir must be a directory path, got {self.offload_dir!r}")
         self.slice_rates(None)  # raises ConfigError for a value it cannot read
+        if self.mlp_prefill_moving not in ON_OFF:
+            raise ConfigError(f"--mlp-prefill-moving must be on or off, got {self.mlp_prefill_moving!r}")
 
     def slice_rates(self, num_layers: int | None) -> tuple[SliceRates, ...] | None:
         """Each of `num_layers` layers' MLP slice rates, or None when slicing is off or solved at
@@ -219,6 +226,10 @@ class WeightsConfig:
     def slicing_solved(self) -> bool:
         """--mlp-slicing auto: the engine solves each layer's rates at start (ScheInfer sec. IV-A)."""
         return isinstance(self.mlp_slicing, str) and self.mlp_slicing.strip().lower() == SLICING_AUTO
+
+    @property
+    def prefill_moving(self) -> bool:
+        return self.mlp_prefill_moving == "on"
 
     @property
     def streaming_requested(self) -> bool:

@@ -35,6 +35,7 @@ from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.neo import NeoConfig, NeoScheduler
 from scheduler.placement import TIER_DISK, SlicingCosts, SlicingPlan, WeightPlacement, describe, describe_slicing
 from scheduler.placement.cost import SlicedMlpCostModel, StreamingCostModel
+from scheduler.placement.moved_tokens import MovedTokens, SolvedMovedTokens
 from scheduler.placement.slicing import SliceRates
 from scheduler.placement.slicing_plan import layer_works
 from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig
@@ -76,6 +77,7 @@ class IterationStats:
     weight_bytes_streamed: dict[str, int] = field(default_factory=dict)  # by tier (host, disk)
     # ---- MLP slicing (ScheInfer): the CG parts' bytes are in weight_bytes_streamed["host"] ------
     mlp_cpu_time: float = 0.0  # the CPU computing its MLP parts (CC)
+    num_mlp_moved_tokens: int = 0  # tokens whose CC units CG' computed on the accelerator, summed over layers
 
 
 class LLMEngine:
@@ -148,7 +150,8 @@ class LLMEngine:
         options = dict(files=files, num_io_threads=weights.num_io_threads, accelerator_weight_budget_bytes=budget,
                        global_weight_bytes=placement.memory.global_bytes if placement is not None else 0)
         if slice_rates is not None:
-            return functools.partial(create_sliced_layer_store, slice_rates, placement, **options)
+            return functools.partial(create_sliced_layer_store, slice_rates, placement, **options,
+                                     moved_tokens=self._moved_tokens(slice_rates))
         return functools.partial(create_layer_store, placement, **options)
 
     def _slice_rates(self) -> tuple[SliceRates, ...] | None:
@@ -156,6 +159,18 @@ class LLMEngine:
         if self.slicing is not None:
             return self.slicing.rates
         return self.config.weights.slice_rates(self.model_config.num_layers)
+
+    def _moved_tokens(self, rates: tuple[SliceRates, ...]) -> MovedTokens | None:
+        """Prefill token assignment (ScheInfer sec. IV-B): how many of each forward's tokens a
+        sliced layer moves to CG', solved from the slicing models (measured once and cached, and
+        kept for the cost model); None with --mlp-prefill-moving off."""
+        if not self.config.weights.prefill_moving:
+            return None
+        self.slicing_costs = self.slicing_costs or slicing_costs(self.config, self.model_config, self.dtype)
+        fmt, shape = weight_format(self.config, self.dtype), self.model_config.shape
+        logger.info("MLP slicing: each forward moves the tokens the slicing models say to CG' "
+                    "(--mlp-prefill-moving on)")
+        return SolvedMovedTokens(rates, self.slicing_costs, lambda num_tokens: layer_works(shape, fmt, num_tokens))
 
     def _linear_weights_key(self) -> str:
         """What the linear stages compute from, for the profile's key: the format and the slicing."""
@@ -278,11 +293,11 @@ class LLMEngine:
             metrics = self._requests[scheduled.sequence.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         store = self.runner.model.layer_store
-        streamed_before, mlp_cpu_before = store.transfer_stats(), store.mlp_cpu_s()
+        streamed_before = store.transfer_stats()
+        mlp_cpu_before, moved_before = store.mlp_cpu_s(), store.mlp_moved_tokens()
         output = self.runner.execute(plan)
         stats.forward_time = output.forward_time
-        if mlp_cpu_before is not None:
-            stats.mlp_cpu_time = store.mlp_cpu_s() - mlp_cpu_before
+        self._record_slicing(stats, store, mlp_cpu_before, moved_before)
         if streamed_before is not None:
             self._record_streaming(stats, streamed_before, self.runner.model.layer_store.transfer_stats())
         if output.pipeline is not None:
@@ -292,6 +307,16 @@ class LLMEngine:
             plan.scheduled[row].sequence.prompt_logprobs = entries
         updated = self.scheduler.update(plan, output.sampled.token_ids, output.sampled.token_logprobs())
         return self._outputs({seq.request_id: self._requests[seq.request_id] for seq in updated})
+
+    @staticmethod
+    def _record_slicing(stats: IterationStats, store, mlp_cpu_before: float | None, moved_before: int | None) -> None:
+        """This iteration's share of the sliced MLPs' running totals (None: nothing sliced or moved)."""
+        if mlp_cpu_before is not None:
+            stats.mlp_cpu_time = store.mlp_cpu_s() - mlp_cpu_before
+        if moved_before is not None:
+            stats.num_mlp_moved_tokens = store.mlp_moved_tokens() - moved_before
+            logger.debug("MLP slicing: CG' computed %d tokens' CC units (summed over layers)",
+                         stats.num_mlp_moved_tokens)
 
     @staticmethod
     def _record_streaming(stats: IterationStats, before, after) -> None:

@@ -140,6 +140,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                               "batches of --max-num-seqs); or CC,CG: the fractions of each layer's MLP (of a MoE "
                               "layer's experts, whole) computed on the CPU and streamed to the accelerator (the rest "
                               "resident), e.g. 0.25,0.5")
+    weights.add_argument("--mlp-prefill-moving", default="on", choices=["on", "off"],
+                         help="under --mlp-slicing, ScheInfer's prefill token assignment: each forward moves the "
+                              "tokens the slicing models say to the accelerator with CC's weights copied over (CG'); "
+                              "off: the CPU computes its slices for every token")
 
 
 def engine_config(args: argparse.Namespace, **overrides):
@@ -159,7 +163,7 @@ def engine_config(args: argparse.Namespace, **overrides):
         weight_placement=args.weight_placement, weights_gpu_gib=args.weights_gpu_gib,
         weights_cpu_gib=args.weights_cpu_gib, offload_dir=args.offload_dir, weight_pipeline=args.weight_pipeline,
         weight_io_threads=args.weight_io_threads, expected_context_len=args.expected_context_len,
-        mlp_slicing=args.mlp_slicing), **overrides})
+        mlp_slicing=args.mlp_slicing, mlp_prefill_moving=args.mlp_prefill_moving), **overrides})
 
 
 def profile(args: argparse.Namespace) -> int:

@@ -100,6 +100,9 @@ class Metrics:
         # ---- MLP slicing (ScheInfer): CG's bytes are weight_streamed_bytes{tier="host"} ----------------
         self.mlp_cpu_seconds = counter(
             "mlp_cpu_seconds", "Time the CPU computed its slices of the MLPs (CC), beside the accelerator's.")
+        self.mlp_moved_tokens = counter(
+            "mlp_moved_tokens", "Tokens whose CPU slices of an MLP (CC) the accelerator computed instead, with CC's "
+            "weights copied over (CG', prefill token assignment), summed over layers.")
         self._last_token_time: dict[str, float] = {}
 
     def request_success(self, finished_reason: str):
@@ -121,6 +124,7 @@ class Metrics:
             self.cpu_attention_seconds.inc(stats.cpu_attention_time)
             self.pipeline_cpu_wait_seconds.inc(stats.cpu_wait_time)
             self.mlp_cpu_seconds.inc(stats.mlp_cpu_time)
+            self.mlp_moved_tokens.inc(stats.num_mlp_moved_tokens)
             self.forward_seconds.observe(stats.forward_time)
             if stats.estimated_time is not None and stats.forward_time > 0:
                 self.cost_model_error.observe(abs(stats.forward_time - stats.estimated_time) / stats.forward_time)

@@ -234,11 +234,12 @@ def plan_mlp_slicing(config: EngineConfig, model_config: ModelConfig, dtype: tor
                      num_tokens: int) -> tuple[SlicingPlan, SlicingCosts]:
     """Per-layer slicing rates for decode batches of `num_tokens` within --weights-gpu-gib (solved
     for --mlp-slicing auto, else its fixed rates), with the tokens a prefill of the batch's token
-    bound moves to CG'."""
+    bound moves to CG' (unless --mlp-prefill-moving off)."""
     rates = config.weights.slice_rates(model_config.num_layers)
     fixed_rates = None if rates is None else rates[0]
     costs = slicing_costs(config, model_config, dtype)
+    prefill_tokens = workload(config, max_model_len).max_num_batched_tokens if config.weights.prefill_moving else None
     plan = plan_slicing(model_config.shape, weight_format(config, dtype), costs,
                         budgets(config, model_config, dtype).accelerator_weight_bytes, num_tokens,
-                        fixed_rates=fixed_rates, prefill_tokens=workload(config, max_model_len).max_num_batched_tokens)
+                        fixed_rates=fixed_rates, prefill_tokens=prefill_tokens)
     return plan, costs

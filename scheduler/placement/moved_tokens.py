@@ -2,7 +2,7 @@
 tokens reaching a sliced layer's MLP, how many CG' computes on the accelerator, CC's weights
 copied over, instead of the CPU. Plain Python, no torch: the engine's store
 (engine/execution/mlp_slicing.py) asks per layer and forward; `SolvedMovedTokens` answers from
-the slicing models, solved once per (rates, token count)."""
+the slicing models, solved once per layer work (its token count included) and rates."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -25,20 +25,25 @@ class MovedTokens(ABC):
 
 class SolvedMovedTokens(MovedTokens):
     """The count with the least predicted layer time (`solve_moved_tokens`) at each layer's rates,
-    from `work(num_tokens)` (the layer's MLP at a token count) and the measured `costs`. Solved
-    once per (rates, token count) and kept: a serving iteration pays a dict lookup per layer
-    after the first, and there are at most as many keys as distinct rates times token counts up
-    to the batch's token bound."""
+    from `works(num_tokens)` (every layer's sliced work at a token count, slicing_plan.layer_works)
+    and the measured `costs`. Solved once per (work, rates) and kept: a serving iteration pays
+    dict lookups after the first of its size, and there are at most as many keys as distinct
+    (layer work, rates) pairs times token counts up to the batch's token bound."""
 
-    def __init__(self, rates: Sequence[SliceRates], costs: SlicingCosts, work: Callable[[int], MlpWork]) -> None:
+    def __init__(self, rates: Sequence[SliceRates], costs: SlicingCosts,
+                 works: Callable[[int], Sequence[MlpWork]]) -> None:
         self.rates = tuple(rates)
         self.costs = costs
-        self.work = work
-        self._counts: dict[tuple[SliceRates, int], int] = {}
+        self.works = works
+        self._works: dict[int, Sequence[MlpWork]] = {}  # by token count
+        self._counts: dict[tuple[MlpWork, SliceRates], int] = {}
 
     def count(self, layer: int, num_tokens: int) -> int:
-        key = (self.rates[layer], num_tokens)
-        count = self._counts.get(key)
+        works = self._works.get(num_tokens)
+        if works is None:
+            works = self._works[num_tokens] = self.works(num_tokens)
+        work, rates = works[layer], self.rates[layer]
+        count = self._counts.get((work, rates))
         if count is None:
-            count = self._counts[key] = solve_moved_tokens(self.work(num_tokens), self.costs, key[0])[0]
+            count = self._counts[work, rates] = solve_moved_tokens(work, self.costs, rates)[0]
         return count

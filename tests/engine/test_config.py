@@ -46,6 +46,8 @@ from scheduler.scheduler import SchedulerConfigError
     (WeightsConfig, {"mlp_slicing": "half,0.5"}, "--mlp-slicing must be off, auto or CC,CG"),
     (WeightsConfig, {"mlp_slicing": "-0.25,0.5"}, "--mlp-slicing must be off, auto or CC,CG.*must lie in"),
     (WeightsConfig, {"mlp_slicing": [0.25, 0.5]}, "mlp_slicing must be off, auto, CC,CG .* or one SliceRates per layer"),
+    (WeightsConfig, {"mlp_prefill_moving": "yes"}, "--mlp-prefill-moving must be on or off, got 'yes'"),
+    (WeightsConfig, {"mlp_prefill_moving": True}, "--mlp-prefill-moving must be on or off, got True"),
 ])
 def test_each_section_refuses_a_bad_value_when_built(section, kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -162,3 +164,8 @@ def test_mlp_slicing_gives_each_layer_its_rates():
     assert EngineConfig.from_flat(mlp_slicing=per_layer).weights.slice_rates(2) == per_layer
     with pytest.raises(ConfigError, match="slice rates for 2 layers, but the model has 3"):
         WeightsConfig(mlp_slicing=per_layer).slice_rates(3)
+
+
+def test_prefill_moving_is_on_unless_switched_off():
+    assert WeightsConfig().prefill_moving
+    assert not EngineConfig.from_flat(mlp_prefill_moving="off").weights.prefill_moving

@@ -37,15 +37,24 @@ def test_plan_prints_the_breakdown_and_the_expected_speed_without_loading_weight
     assert "KV pool" in out and "activations" in out and "tokens/s" in out
 
 
-@pytest.mark.parametrize("slicing, expected", [("auto", "MLP slicing (ScheInfer)"),
-                                               ("0.5,0.5", "CC 0.500  CG 0.500  GG 0.000")])
-def test_plan_shows_the_mlp_slicing_rates_when_asked(slicing, expected, capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+@pytest.fixture(scope="module")
+def slicing_cache_dir(tmp_path_factory):
+    """One profile cache for the plans below: the slicing models are measured once, not per plan."""
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.mark.parametrize("slicing, moving, expected", [("auto", "on", "MLP slicing (ScheInfer)"),
+                                                       ("0.5,0.5", "on", "CC 0.500  CG 0.500  GG 0.000"),
+                                                       ("0.5,0.5", "off", "CC 0.500  CG 0.500  GG 0.000")])
+def test_plan_shows_the_mlp_slicing_rates_when_asked(slicing, moving, expected, capsys, monkeypatch,
+                                                     slicing_cache_dir):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(slicing_cache_dir))
     assert main(["plan", "--dtype", "float32", "--weights-gpu-gib", "0.25", "--mlp-slicing", slicing,
-                 "--log-level", "warning"]) == 0
+                 "--mlp-prefill-moving", moving, "--log-level", "warning"]) == 0
     out = capsys.readouterr().out
-    assert expected in out and "predicted" in out and "tokens on CG'" in out
-    assert len(list(tmp_path.glob("*.slicing-dense.json"))) == 1
+    assert expected in out and "predicted" in out
+    assert ("tokens on CG'" in out) == (moving == "on")  # the prefill's moved tokens, unless switched off
+    assert len(list(slicing_cache_dir.glob("*.slicing-dense.json"))) == 1
 
 
 def test_plan_places_a_moe_models_experts_by_whole_experts(capsys, monkeypatch, tmp_path):
@@ -64,6 +73,13 @@ def test_plan_places_a_moe_models_experts_by_whole_experts(capsys, monkeypatch, 
 def test_a_bad_mlp_slicing_value_is_refused_naming_the_flag(capsys):
     assert main(["plan", "--mlp-slicing", "0.7,0.5"]) == 2  # refused with the config's other bad values
     assert "--mlp-slicing must be" in capsys.readouterr().err
+
+
+def test_a_bad_mlp_prefill_moving_value_is_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--mlp-prefill-moving", "maybe"])
+    assert exit_info.value.code == 2
+    assert "--mlp-prefill-moving: invalid choice: 'maybe'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["plan", "serve"])

@@ -27,6 +27,7 @@ EVERY_FLAG = {
     "log-level": "warning",
     "weight-placement": "cpu", "weights-gpu-gib": 0.5, "weights-cpu-gib": 2.0, "offload-dir": "/tmp/offload",
     "weight-pipeline": "memory", "weight-io-threads": 2, "expected-context-len": 300, "mlp-slicing": "0.25,0.5",
+    "mlp-prefill-moving": "off",
 }
 # EngineConfig takes one of kv_cache_memory_gib and memory_gib
 ENGINE_FLAGS = {name: value for name, value in EVERY_FLAG.items() if name != "kv-cache-gib"}
@@ -113,6 +114,7 @@ def test_tandem_config_names_the_file(tmp_path):
     ({"kv-cache-gib": [1, 2]}, "kv-cache-gib: expected one value (a number)"),
     ({"load-format": "onnx"}, "load-format: must be one of auto, gguf, safetensors, dummy, got 'onnx'"),
     ({"cpu-ops": "sometimes"}, "cpu-ops: must be one of layers, fused, torch, got 'sometimes'"),
+    ({"mlp-prefill-moving": "maybe"}, "mlp-prefill-moving: must be one of on, off, got 'maybe'"),
     ({"model": True}, "model: expected a string, got true"),
     ({"num-blocks": 4, "num-gpu-blocks": 8}, "'num-blocks' and 'num-gpu-blocks' set the same flag"),
 ])
@@ -124,8 +126,9 @@ def test_a_file_value_that_cannot_set_a_flag_is_refused_naming_it(tmp_path, caps
 
 def test_yaml_on_and_off_mean_the_words_for_on_off_choices(tmp_path):
     path = tmp_path / "serve.yaml"
-    path.write_text("offload: off\n")  # YAML 1.1 reads a bare off as false
-    assert parse("--config", str(path)).offload == "off"
+    path.write_text("offload: off\nmlp-prefill-moving: off\n")  # YAML 1.1 reads a bare off as false
+    args = parse("--config", str(path))
+    assert (args.offload, args.mlp_prefill_moving) == ("off", "off")
 
 
 @pytest.mark.parametrize("text, message", [
