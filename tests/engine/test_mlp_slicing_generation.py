@@ -2,13 +2,17 @@
 the tokens with every layer resident: Neo's offloading off and on (its two-batch forward holds two
 layers' CG parts at once, and the CPU attention and CC share the engine thread), serially and on
 the host-only testbed, and beside PIPO's whole-layer streaming. Each run checks that the CPU
-computed its parts and that CG parts were copied."""
+computed its parts and that CG parts were copied. Prefill token assignment (CG') is on in all of
+them, as solved (on device cpu this machine's models move every prefill token), forced to move
+half of every forward's tokens under Neo's two-batch forward on the testbed, and off."""
 import pytest
 
+import engine.engine
 from engine import LLM
 from engine.execution.mlp_slicing import DENSE_SLICE_UNITS
 from engine.weights import create_loader
 from scheduler.placement import TIER_ACCELERATOR, TIER_DISK, TIER_HOST
+from scheduler.placement.moved_tokens import SolvedMovedTokens
 from scheduler.placement.slicing import SliceRates
 from test_offload_generation import SMALL_POOLS
 import test_weight_streaming
@@ -19,7 +23,8 @@ references = test_weight_streaming.references  # the fixture: the tokens with ev
 
 
 def run_sliced(model: dict, tmp_path, device: str, offload: str, slicing=SLICING, **extra) -> tuple[list, set, set]:
-    """(token ids per prompt, whether a batch-1 ran, the layers' tiers)"""
+    """(token ids per prompt, whether a batch-1 ran, the layers' tiers), checking that the CPU
+    computed CC for the tokens CG' did not compute it for"""
     kwargs = dict(model, device=device, offload=offload, mlp_slicing=slicing, **extra)
     if offload == "on":
         num_layers = create_loader(model["model"]).config.num_layers
@@ -29,9 +34,11 @@ def run_sliced(model: dict, tmp_path, device: str, offload: str, slicing=SLICING
         store = llm.engine.runner.model.layer_store
         rates = llm.engine.config.weights.slice_rates(len(store.tiers))
         assert store.mlps
+        stats = store.slice_stats
         if any(r.cc for r in rates):
-            assert store.slice_stats.num_cc_calls >= len(store.mlps)
-            assert llm.engine.stats.mlp_cpu_time > 0  # the last iteration's CC time, reported
+            assert stats.num_cc_tokens + stats.num_moved_tokens >= len(store.mlps) * len(workload(model, offload)[0])
+            assert stats.cc_s > 0 or stats.num_moved_tokens > 0
+        assert (store.moved is not None) == llm.engine.config.weights.prefill_moving
         if any(r.cg for r in rates):
             assert store.transfer_stats().bytes_by_tier[TIER_HOST] > 0
         tiers = {tier for (_, tier) in llm.engine.runner.model.weight_bytes()}
@@ -48,6 +55,39 @@ def test_embedded_model_sliced_equals_resident(references, tmp_path, device, off
     assert outputs == references(EMBEDDED, offload)
     if offload == "on":
         assert "batch-1" in seen  # two-batch forwards held two layers' CG parts at once
+
+
+class HalfMoved(SolvedMovedTokens):
+    """Half of every forward's tokens, whatever the models say (this machine's move none on the
+    testbed): CG' runs in every sliced layer with CC of every forward of two tokens or more."""
+
+    def count(self, layer: int, num_tokens: int) -> int:
+        return num_tokens // 2
+
+
+@pytest.mark.skipif(not test_weight_streaming.TWO_CORES, reason="the testbed needs 2 cores")
+def test_embedded_model_with_moved_tokens_under_neo_equals_resident(references, tmp_path, monkeypatch):
+    """CG' copied on the transfer thread and computed on the accelerator thread while Neo's
+    two-batch forward holds two layers, beside CC on the engine thread; the iterations report
+    how many tokens moved."""
+    monkeypatch.setattr(engine.engine, "SolvedMovedTokens", HalfMoved)
+    moved_per_iteration = []
+    record = engine.engine.LLMEngine._record_slicing
+
+    def recording(stats, store, *before):
+        record(stats, store, *before)
+        moved_per_iteration.append(stats.num_mlp_moved_tokens)
+
+    monkeypatch.setattr(engine.engine.LLMEngine, "_record_slicing", staticmethod(recording))
+    outputs, seen, _ = run_sliced(EMBEDDED, tmp_path, "testbed", "on")
+    assert outputs == references(EMBEDDED, "on")
+    assert "batch-1" in seen
+    assert max(moved_per_iteration) > 0
+
+
+def test_embedded_model_without_moved_tokens_equals_resident(references, tmp_path):
+    outputs, _, _ = run_sliced(EMBEDDED, tmp_path, "cpu", "off", mlp_prefill_moving="off")
+    assert outputs == references(EMBEDDED, "off")
 
 
 def alternating_rates(num_layers: int) -> tuple[SliceRates, ...]:
