@@ -26,9 +26,20 @@ on CUDA and inline the engine thread runs it after launching the accelerator's p
 own thread count. CG's parts of a layer are one layer image streamed through `StreamedLayers`'
 ring and transfer thread (PIPO's machinery, engine/execution/weight_stream.py): loaded while
 earlier layers compute, acquired with the layer. Partial outputs are summed in one order (CG,
-then GG, then CC), so results do not depend on which finished first. A layer the placement
-streams whole (PIPO) is not sliced. A mixture-of-experts layer is sliced by whole experts
-(`build_moe_layer`, engine/execution/moe_slicing.py).
+then GG, then CC's units), so results do not depend on which finished first. A layer the
+placement streams whole (PIPO) is not sliced. A mixture-of-experts layer is sliced by whole
+experts (`build_moe_layer`, engine/execution/moe_slicing.py; its CC experts take no moved rows).
+
+Prefill token assignment (ScheInfer sec. IV-B, `MovedPart`). A `MovedTokens` policy given to the
+store (scheduler/placement/moved_tokens.py; the engine's solves it per layer and token count from
+the slicing models, --mlp-prefill-moving) says how many of a forward's rows CG' takes: as the MLP
+starts, `SlicedGateUp` has a transfer thread of CG''s own copy CC's weights from their host image
+into one accelerator buffer (the copy overlaps GG's and CG's compute), and hands the CPU the remaining
+rows only (their hop to the host carries only those); `SlicedDown`, after CG's and GG's downs,
+computes CC's units for the moved rows on the accelerator from the buffer and stacks them above
+the CPU's rows. Where the accelerator is a host thread (device cpu, the testbed) the CPU's CC
+weights are views into the very image that is copied; on CUDA a second host image in the
+accelerator's format (pinned) is kept. Decode-sized forwards usually move nothing.
 """
 from __future__ import annotations
 

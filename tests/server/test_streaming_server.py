@@ -68,7 +68,8 @@ def test_streamed_weights_server_matches_engine_and_reports_tiers(start_server, 
 @pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
 def test_sliced_mlp_server_matches_engine_and_reports_the_cpu_part(start_server, llm):
     """`--mlp-slicing`: each MLP's CC slice on the engine thread, CG streamed, GG resident; the
-    text is the resident engine's, /metrics has the CPU's MLP time and CG's host bytes."""
+    text is the resident engine's, /metrics has the CPU's MLP time, the tokens moved to CG' and
+    CG's host bytes."""
     from engine import SamplingParams
 
     server = start_server("--device", "testbed", "--offload", "off", "--max-model-len", "128",
@@ -84,5 +85,6 @@ def test_sliced_mlp_server_matches_engine_and_reports_the_cpu_part(start_server,
             assert response.json()["choices"][0]["text"] == text
         samples = wait_idle(http)
         assert metric(samples, "mlp_cpu_seconds_total") > 0
+        assert ("tandem:mlp_moved_tokens_total", ()) in samples  # CG''s tokens, as many as the models moved
         assert metric(samples, "weight_streamed_bytes_total", tier="host") > 0
         assert metric(samples, "weight_bytes", format="float32", tier="host") > 0
