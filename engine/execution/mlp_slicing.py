@@ -43,6 +43,7 @@ accelerator's format (pinned) is kept. Decode-sized forwards usually move nothin
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future as CopyFuture
@@ -71,6 +72,8 @@ from scheduler.placement.slicing import SliceRates
 
 if TYPE_CHECKING:
     from engine.execution.moe_slicing import SlicedSparseMoe
+
+logger = logging.getLogger(__name__)
 
 SLICES = ("cc", "cg", "gg")  # in unit order
 # Accelerator buffers CG parts pass through: two layers held at once (Neo's two-batch forward
@@ -222,11 +225,15 @@ class MovedPart:
         self._host[layer] = _host_image(for_accelerator(), self.copy_engine.allocate_host)
         return cpu_weights
 
+    @property
+    def largest_image_bytes(self) -> int:
+        return max((image.nbytes for image, _, _ in self._host.values()), default=0)
+
     def start(self) -> None:
         """Allocate the buffer for CC's largest image, and bind each layer's weights in it."""
         if not self._host:
             return
-        self._buffer = self.copy_engine.allocate_buffer(max(image.nbytes for image, _, _ in self._host.values()))
+        self._buffer = self.copy_engine.allocate_buffer(self.largest_image_bytes)
         self._bound = {layer: image.bind(templates, self._buffer)
                        for layer, (image, templates, _) in self._host.items()}
 
@@ -508,11 +515,28 @@ class SlicedLayers(StreamedLayers):
         return {name: self.host.own_threads(w) for name, w in on_host.items()}
 
     def start(self) -> None:
-        """CG''s buffer, counted against the weight budget with the ring's; then the ring."""
-        if self.moved is not None:
-            self.moved.start()
-            self.used_bytes += self.moved.buffer_bytes
+        """The ring (StreamedLayers.start), then CG''s buffer where the weight budget has room for
+        it beside the ring (the slicing planner keeps room for it); where it has not, every token's
+        CC stays on the CPU, as logged."""
         super().start()
+        if self.moved is None:
+            return
+        ring_bytes = sum(buffer.data.numel() for buffer in self._buffers)
+        room_bytes = None if self.budget_bytes is None else self.budget_bytes - self.used_bytes - ring_bytes
+        if room_bytes is not None and self.moved.largest_image_bytes > room_bytes:
+            logger.warning("prefill token assignment off: CG''s buffer of %.1f MiB does not fit in --weights-gpu-gib "
+                           "beside the other weights and buffers (%.1f MiB left); the CPU computes CC for every token",
+                           self.moved.largest_image_bytes / 2**20, room_bytes / 2**20)
+            self._stop_moving()
+            return
+        self.moved.start()
+        self.used_bytes += self.moved.buffer_bytes
+
+    def _stop_moving(self) -> None:
+        self.moved.close()
+        self.moved = None
+        for mlp in self.mlps.values():
+            mlp.moved = None
 
     def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
         totals = super().extra_weight_bytes()

@@ -6,7 +6,9 @@ Under slicing the attention weights, embeddings, head and norms stay resident (a
 which slices MLPs only), and so do a MoE layer's router and shared expert; the MLPs (a MoE layer's
 routed experts, cut by whole experts) share what the budget leaves: each layer's GG part is
 resident, and a ring of NUM_CG_BUFFERS buffers of the largest CG part receives the CG slices.
-Rates come from the greedy (eq. 14) over GG candidates in eighths (whole experts for MoE), each
+With a prefill's token assignment (`prefill_tokens`), one more buffer of the largest CC part
+receives CG' (CC's weights, copied for the tokens moved off the CPU); where the budget has no room
+for it beside the rates' other parts, the plan moves no tokens rather than give up GG. Rates come from the greedy (eq. 14) over GG candidates in eighths (whole experts for MoE), each
 solved for its best CC rate at the decode batch; or fixed rates (`--mlp-slicing CC,CG`)
 everywhere.
 """
@@ -70,10 +72,11 @@ class SlicingPlan:
     prefill_tokens: int | None = None
     moved_tokens: tuple[int, ...] = ()
     prefill_time_s: tuple[float, ...] = ()
+    moved_buffer_bytes: int = 0  # where CG' lands: the largest CC part of a layer cut by units
 
     @property
     def accelerator_weight_bytes(self) -> int:
-        return self.fixed_bytes + self.resident_bytes + self.buffer_bytes
+        return self.fixed_bytes + self.resident_bytes + self.buffer_bytes + self.moved_buffer_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {"rates": [[r.cc, r.cg, r.gg] for r in self.rates], "layer_time_s": list(self.layer_time_s),
@@ -81,7 +84,7 @@ class SlicingPlan:
                 "buffer_bytes": self.buffer_bytes, "fixed_bytes": self.fixed_bytes,
                 "accelerator_weight_bytes": self.accelerator_weight_bytes, "budget_bytes": self.budget_bytes,
                 "prefill_tokens": self.prefill_tokens, "moved_tokens": list(self.moved_tokens),
-                "prefill_time_s": list(self.prefill_time_s)}
+                "prefill_time_s": list(self.prefill_time_s), "moved_buffer_bytes": self.moved_buffer_bytes}
 
 
 # What a MoE layer keeps resident beside its routed experts: the router, and the shared expert
@@ -132,6 +135,9 @@ def plan_slicing(shape: ModelShape, fmt: WeightFormat, costs: SlicingCosts, acce
     else:
         rates = _solve_rates(works, costs, fixed, budget)
     plan = _plan_of(works, costs, rates, fixed, budget)
+    solved = fixed_rates is None and budget is not None
+    moving = _with_moved_buffer(plan, works, costs, solved) if prefill_tokens is not None else None
+    plan = moving or plan
     if budget is not None and plan.accelerator_weight_bytes > budget:
         raise PlacementError(f"MLP slicing needs {_gib(plan.accelerator_weight_bytes)} of accelerator memory for "
                              f"weights (attention, embeddings, head and norms {_gib(fixed)}, resident MLP parts "
@@ -139,8 +145,10 @@ def plan_slicing(shape: ModelShape, fmt: WeightFormat, costs: SlicingCosts, acce
                              f" but --weights-gpu-gib gives {_gib(budget)}; give more, or lower GG in --mlp-slicing")
     if prefill_tokens is None:
         return plan
-    prefill = [solve_moved_tokens(work, costs, layer_rates)
-               for work, layer_rates in zip(layer_works(shape, fmt, prefill_tokens), rates)]
+    prefill_works = layer_works(shape, fmt, prefill_tokens)
+    prefill = ([solve_moved_tokens(work, costs, layer_rates) for work, layer_rates in zip(prefill_works, plan.rates)]
+               if moving else [(0, layer_time_s(work, costs, layer_rates)) for work, layer_rates in
+                               zip(prefill_works, plan.rates)])
     return dataclasses.replace(plan, prefill_tokens=prefill_tokens, moved_tokens=tuple(moved for moved, _ in prefill),
                                prefill_time_s=tuple(time_s for _, time_s in prefill))
 
@@ -149,6 +157,33 @@ def stream_buffer_bytes(works: Sequence[MlpWork], rates: Sequence[SliceRates]) -
     """The accelerator buffers the CG parts stream through: NUM_CG_BUFFERS of the largest."""
     largest = max(round(r.cg * work.weight_bytes) for work, r in zip(works, rates))
     return NUM_CG_BUFFERS * largest
+
+
+def moved_buffer_bytes(works: Sequence[MlpWork], rates: Sequence[SliceRates]) -> int:
+    """The accelerator buffer CG' copies CC's weights into: the largest CC part of a layer cut by
+    units (a MoE layer's CC experts take no moved rows)."""
+    return max((round(r.cc * work.weight_bytes) for work, r in zip(works, rates) if not work.num_experts), default=0)
+
+
+def _with_moved_buffer(plan: SlicingPlan, works: list[MlpWork], costs: SlicingCosts,
+                       solved: bool) -> SlicingPlan | None:
+    """The plan with CG''s buffer beside its parts (solved rates: solved again within what the
+    buffer leaves); None where the budget has no room for it. The buffer's size follows the CC
+    rates solved, so the room kept for it grows to what the last rates need until they fit it
+    (each round keeps more, of finitely many sizes)."""
+    reserved = 0
+    while True:
+        needed = moved_buffer_bytes(works, plan.rates)
+        if needed <= reserved or not solved:
+            moving = dataclasses.replace(plan, moved_buffer_bytes=needed)
+            fits = plan.budget_bytes is None or moving.accelerator_weight_bytes <= plan.budget_bytes
+            return moving if fits else None
+        reserved = needed
+        try:
+            rates = _solve_rates(works, costs, plan.fixed_bytes + reserved, plan.budget_bytes)
+        except PlacementError:
+            return None
+        plan = _plan_of(works, costs, rates, plan.fixed_bytes, plan.budget_bytes)
 
 
 def _solve_rates(works: list[MlpWork], costs: SlicingCosts, fixed: int, budget: int | None) -> list[SliceRates]:
@@ -208,7 +243,8 @@ def describe_slicing(plan: SlicingPlan) -> str:
              f"(streamed) / GG (resident) rates and its predicted time",
              f"  accelerator weights {_gib(plan.accelerator_weight_bytes)}: attention, embeddings, head and norms "
              f"{_gib(plan.fixed_bytes)}, resident MLP parts {_gib(plan.resident_bytes)}, CG buffer "
-             f"{_gib(plan.buffer_bytes)}" + (f" (budget {_gib(plan.budget_bytes)})" if plan.budget_bytes else "")]
+             f"{_gib(plan.buffer_bytes)}, CG' buffer {_gib(plan.moved_buffer_bytes)}"
+             + (f" (budget {_gib(plan.budget_bytes)})" if plan.budget_bytes else "")]
     start = 0
     for end in range(1, len(plan.rates) + 1):
         if end == len(plan.rates) or plan.rates[end] != plan.rates[start]:

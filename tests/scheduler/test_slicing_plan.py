@@ -105,6 +105,33 @@ def test_fixed_rates_everywhere_and_the_prefills_moved_tokens():
     assert plan.prefill_time_s == (expected[1],) * SHAPE.num_layers
 
 
+def test_plans_with_prefill_moves_keep_room_for_cg_primes_buffer_within_their_budget():
+    rng = random.Random(22)
+    for _ in range(8):
+        costs = random_costs(rng)
+        budget = _bytes(rng.uniform(0.0, SHAPE.num_layers + 1))
+        try:
+            plan = plan_slicing(SHAPE, FMT, costs, budget, rng.choice([1, 4, 32]), prefill_tokens=256)
+        except PlacementError:
+            continue
+        assert plan.accelerator_weight_bytes <= budget
+        largest_cc = max(round(r.cc * plan.mlp_bytes) for r in plan.rates)
+        if plan.moved_buffer_bytes:
+            assert plan.moved_buffer_bytes == largest_cc
+        else:  # no room for it: nothing moves
+            assert set(plan.moved_tokens) <= {0}
+
+
+def test_a_budget_with_no_room_for_cg_primes_buffer_moves_no_tokens():
+    costs = SlicingCosts(GemmCost(1.0e-7, 3.2e-12), GemmCost(7.4e-7, 1.6e-11), LinearCost(3.0e-6, 2.6e-11, UNIT_BYTES),
+                         4.4e-5)  # testbed A: a prefill would move tokens if it could
+    roomy = plan_slicing(SHAPE, FMT, costs, None, 1, fixed_rates=SliceRates(1.0, 0.0, 0.0), prefill_tokens=512)
+    assert roomy.moved_buffer_bytes == roomy.mlp_bytes and max(roomy.moved_tokens) > 0
+    tight = plan_slicing(SHAPE, FMT, costs, fixed_weight_bytes(SHAPE, FMT), 1, prefill_tokens=512)
+    assert set(tight.rates) == {SliceRates(1.0, 0.0, 0.0)} and tight.moved_buffer_bytes == 0
+    assert set(tight.moved_tokens) == {0}
+
+
 def test_describe_prints_runs_of_equal_layers():
     costs = random_costs(random.Random(6))
     text = describe_slicing(plan_slicing(SHAPE, FMT, costs, None, 2, fixed_rates=SliceRates(0.5, 0.25, 0.25),

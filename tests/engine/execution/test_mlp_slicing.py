@@ -400,3 +400,23 @@ def test_a_policy_moving_more_tokens_than_there_are_fails_the_forward(tiny_model
             next(steps(runner))
     finally:
         runner.close()
+
+
+def test_without_room_for_cg_primes_buffer_every_token_stays_on_the_cpu(tiny_model, caplog):
+    """A weight budget that holds everything but CG''s buffer: the store says so and moves nothing."""
+    hf_model, path = tiny_model
+    roomy = sliced_runner(path, MOVING_RATES, moved_tokens=ForcedMoves(0.5))
+    store = sliced_store(roomy)
+    budget = store.used_bytes + sum(buffer.data.numel() for buffer in store._buffers) - 1  # one byte short
+    roomy.close()
+    policy = ForcedMoves(0.5)
+    runner = sliced_runner(path, MOVING_RATES, moved_tokens=policy, accelerator_weight_budget_bytes=budget)
+    try:
+        store = sliced_store(runner)
+        assert store.moved is None and "prefill token assignment off" in caplog.text
+        for rows in steps(runner):
+            for tokens, logits in rows:
+                torch.testing.assert_close(logits, hf_last_logits(hf_model, tokens), atol=TOLERANCE, rtol=TOLERANCE)
+        assert not policy.asked and store.slice_stats.num_moved_tokens == 0 and store.mlp_moved_tokens() is None
+    finally:
+        runner.close()
