@@ -144,7 +144,7 @@ class SliceStats:
     num_cc_calls: int = 0
     cc_s: float = 0.0  # CC's gate/up, activation and down, on the CPU
     cc_thread_ids: set[int] = field(default_factory=set)  # the threads that computed CC
-    # Rows summed over layers: CC's units computed by the CPU, and by CG' on the accelerator instead
+    # Rows summed over dense layers: CC's units computed by the CPU, and by CG' on the accelerator instead
     num_cc_tokens: int = 0
     num_moved_tokens: int = 0
     moved_bytes: int = 0  # CC's weights copied to the accelerator for CG'

@@ -6,11 +6,11 @@ Under slicing the attention weights, embeddings, head and norms stay resident (a
 which slices MLPs only), and so do a MoE layer's router and shared expert; the MLPs (a MoE layer's
 routed experts, cut by whole experts) share what the budget leaves: each layer's GG part is
 resident, and a ring of NUM_CG_BUFFERS buffers of the largest CG part receives the CG slices.
-With a prefill's token assignment (`prefill_tokens`), one more buffer of the largest CC part
-receives CG' (CC's weights, copied for the tokens moved off the CPU); where the budget has no room
-for it beside the rates' other parts, the plan moves no tokens rather than give up GG. Rates come from the greedy (eq. 14) over GG candidates in eighths (whole experts for MoE), each
-solved for its best CC rate at the decode batch; or fixed rates (`--mlp-slicing CC,CG`)
-everywhere.
+With a prefill's token assignment (`prefill_tokens`), one more buffer of the largest dense CC
+part receives CG' (CC's weights, copied for the tokens moved off the CPU); solved rates are
+solved within what it leaves, and where no rates fit beside it the plan moves no tokens. Rates
+come from the greedy (eq. 14) over GG candidates in eighths (whole experts for MoE), each solved
+for its best CC rate at the decode batch; or fixed rates (`--mlp-slicing CC,CG`) everywhere.
 """
 from __future__ import annotations
 
