@@ -317,7 +317,7 @@ class SlicedMLP:
         call = self.pending_cc = _CcCall()
         if num_moved:
             call.moved_copy, call.moved_x = self.moved.load(self.layer), x[:num_moved]
-        if num_moved < x.shape[0]:
+        if not num_moved == x.shape[0] > 0:  # rows left, or none at all (an empty sub-batch: [0, hidden])
             call.on_cpu = self._start_on_cpu(x[num_moved:])
 
     def _start_on_cpu(self, x: torch.Tensor) -> Future:

@@ -420,3 +420,16 @@ def test_without_room_for_cg_primes_buffer_every_token_stays_on_the_cpu(tiny_mod
         assert not policy.asked and store.slice_stats.num_moved_tokens == 0 and store.mlp_moved_tokens() is None
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("moved", sorted(MOVED_SHARES))
+def test_an_empty_sub_batch_passes_a_sliced_mlp(tiny_model, moved):
+    """Neo's two-batch forward can hand a layer a sub-batch of no rows: [0, hidden] out."""
+    _, path = tiny_model
+    runner = sliced_runner(path, MOVING_RATES, moved_tokens=ForcedMoves(MOVED_SHARES[moved]))
+    try:
+        layer = runner.model.layers[0]  # all CC: nothing streamed to acquire
+        units = layer.gate_up.apply(torch.zeros(0, TINY["hidden_size"]))
+        assert layer.down.apply(units[:, :units.shape[1] // 2]).shape == (0, TINY["hidden_size"])
+    finally:
+        runner.close()
