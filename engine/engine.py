@@ -163,8 +163,12 @@ class LLMEngine:
     def _moved_tokens(self, rates: tuple[SliceRates, ...]) -> MovedTokens | None:
         """Prefill token assignment (ScheInfer sec. IV-B): how many of each forward's tokens a
         sliced layer moves to CG', solved from the slicing models (measured once and cached, and
-        kept for the cost model); None with --mlp-prefill-moving off."""
+        kept for the cost model); None with --mlp-prefill-moving off, and on device cpu, where one
+        thread computes both sides in turn: a move would only add the copy of CC's weights."""
         if not self.config.weights.prefill_moving:
+            return None
+        if self.config.device == "cpu":
+            logger.info("MLP slicing: no tokens move to CG' on device cpu (nothing computes beside the CPU)")
             return None
         self.slicing_costs = self.slicing_costs or slicing_costs(self.config, self.model_config, self.dtype)
         fmt, shape = weight_format(self.config, self.dtype), self.model_config.shape

@@ -68,7 +68,7 @@ from engine.weights.layer_files import LayerFiles
 from engine.weights.layer_image import LayerImage, meta_templates
 from scheduler.placement import TIER_ACCELERATOR, TIER_HOST, WeightPlacement
 from scheduler.placement.moved_tokens import MovedTokens
-from scheduler.placement.slicing import SliceRates
+from scheduler.placement.slicing import NUM_CG_BUFFERS, SliceRates
 
 if TYPE_CHECKING:
     from engine.execution.moe_slicing import SlicedSparseMoe
@@ -76,9 +76,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SLICES = ("cc", "cg", "gg")  # in unit order
-# Accelerator buffers CG parts pass through: two layers held at once (Neo's two-batch forward
-# holds layer i+1 before it releases layer i) and one preloading.
-NUM_SLICE_BUFFERS = 3
 MLP_NAMES = ("gate_up", "down")  # a slice's weights, in image order
 MOVED_HOST_FORMAT = "CG' host copies"  # weight_bytes' format label for CC in the accelerator's format
 HOST = torch.device("cpu")
@@ -220,9 +217,9 @@ class MovedPart:
         """Keep layer `layer`'s CC image for copies; -> the CPU part's weights (views into that
         image where the bytes are shared). `for_accelerator()` builds CC in the accelerator's format."""
         if self.shares_host_bytes:
-            image, templates, data = self._host[layer] = _host_image(cpu_weights, self.copy_engine.allocate_host)
+            image, templates, data = self._host[layer] = host_image(cpu_weights, self.copy_engine.allocate_host)
             return image.bind(templates, data)
-        self._host[layer] = _host_image(for_accelerator(), self.copy_engine.allocate_host)
+        self._host[layer] = host_image(for_accelerator(), self.copy_engine.allocate_host)
         return cpu_weights
 
     @property
@@ -483,13 +480,13 @@ class SlicedLayers(StreamedLayers):
         for_accelerator = linear_maker(linear, dtype, HOST, self.device)  # built on the host, copied over
         resident = attention_linears(loaded, for_accelerator)
         resident.update({f"gg.{name}": for_accelerator(w) for name, w in cut.get("gg", {}).items()})
-        weights = self._resident(*_host_image(resident, self.copy_engine.allocate_host))
+        weights = self.place_resident(*host_image(resident, self.copy_engine.allocate_host))
         slices = {}
         if "cc" in cut:
             slices["cc"] = self._cc_weights(index, cut["cc"], linear, dtype)
         if "cg" in cut:
             streamed = {name: for_accelerator(w) for name, w in cut["cg"].items()}
-            slices["cg"] = self._stream(index, TIER_HOST, *_host_image(streamed, self.copy_engine.allocate_host))
+            slices["cg"] = self.place_streamed(index, TIER_HOST, *host_image(streamed, self.copy_engine.allocate_host))
         if "gg" in cut:
             slices["gg"] = {name: weights[f"gg.{name}"] for name in MLP_NAMES}
         mlp = self.mlps[index] = SlicedMLP(index, slices, counts, self.host, self.slice_stats, self.moved)
@@ -561,7 +558,7 @@ class SlicedLayers(StreamedLayers):
         super().close()
 
 
-def _host_image(linears: dict[str, LinearWeight], allocate) -> tuple[LayerImage, dict[str, LinearWeight], torch.Tensor]:
+def host_image(linears: dict[str, LinearWeight], allocate) -> tuple[LayerImage, dict[str, LinearWeight], torch.Tensor]:
     """The weights' image written into a host buffer from `allocate(nbytes)`: (image, meta
     templates, bytes)."""
     image = LayerImage.of(linears)
@@ -574,9 +571,9 @@ def slicing_layout(num_layers: int, placement: WeightPlacement | None) -> Stream
     """The placement's layout (layers it streams whole stay streamed), with room in the ring for
     CG's parts; every layer resident without a placement."""
     if placement is None:
-        return StreamLayout((TIER_ACCELERATOR,) * num_layers, NUM_SLICE_BUFFERS, 0)
+        return StreamLayout((TIER_ACCELERATOR,) * num_layers, NUM_CG_BUFFERS, 0)
     layout = StreamLayout.of(placement)
-    return StreamLayout(layout.tiers, max(layout.num_buffers, NUM_SLICE_BUFFERS), layout.buffer_bytes)
+    return StreamLayout(layout.tiers, max(layout.num_buffers, NUM_CG_BUFFERS), layout.buffer_bytes)
 
 
 def create_sliced_layer_store(rates: Sequence[SliceRates], placement: WeightPlacement | None,

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from engine.execution.mlp_slicing import HOST, SLICES, HostSide, SlicedLayers, SliceStats, _host_image
+from engine.execution.mlp_slicing import HOST, SLICES, HostSide, SlicedLayers, SliceStats, host_image
 from engine.execution.queues import Future
 from engine.model.config import ConfigError, ModelConfig
 from engine.model.llama import Make, attention_linears, linear_maker
@@ -158,9 +158,9 @@ def _place_routed_layer(store: SlicedLayers, index: int, loaded: dict, config: M
     counts = store.rates[index].counts(moe.num_experts)
     parts = _routed_linears(loaded, config, counts, linear, dtype, store)
     allocate = store.copy_engine.allocate_host
-    weights = {**parts["cc"], **store._resident(*_host_image(parts["gg"], allocate))}
+    weights = {**parts["cc"], **store.place_resident(*host_image(parts["gg"], allocate))}
     if parts["cg"]:
-        weights.update(store._stream(index, TIER_HOST, *_host_image(parts["cg"], allocate)))
+        weights.update(store.place_streamed(index, TIER_HOST, *host_image(parts["cg"], allocate)))
     router = TopKRouter(weights[ROUTER_KEY], moe.num_experts_per_token, moe.normalize_top_k)
     shared = None
     if moe.has_shared_expert:

@@ -187,13 +187,13 @@ class StreamedLayers(LayerStore):
         norms = dict(input_norm=host.input_norm.to(self.device), post_norm=host.post_norm.to(self.device))
         if self.tiers[index] == TIER_ACCELERATOR:
             if self._fits(image.nbytes):
-                return LayerWeights(**norms, **self._resident(image, templates, built.data))
+                return LayerWeights(**norms, **self.place_resident(image, templates, built.data))
             logger.info("layer %d: %.1f MiB more than the planner counted leave no room on the accelerator; "
                         "streamed from host memory instead", index, image.nbytes / 2**20)
             self.tiers[index] = TIER_HOST
-        return LayerWeights(**norms, **self._stream(index, self.tiers[index], image, templates, built.data))
+        return LayerWeights(**norms, **self.place_streamed(index, self.tiers[index], image, templates, built.data))
 
-    def _resident(self, image: LayerImage, templates: dict[str, LinearWeight],
+    def place_resident(self, image: LayerImage, templates: dict[str, LinearWeight],
                   data: torch.Tensor) -> dict[str, LinearWeight]:
         """Weights copied from their host image into an accelerator buffer of their own, bound there."""
         self.used_bytes += image.nbytes
@@ -201,7 +201,7 @@ class StreamedLayers(LayerStore):
         self.copy_engine.copy(buffer, data)
         return image.bind(templates, buffer)
 
-    def _stream(self, index: int, tier: str, image: LayerImage, templates: dict[str, LinearWeight],
+    def place_streamed(self, index: int, tier: str, image: LayerImage, templates: dict[str, LinearWeight],
                 data: torch.Tensor) -> dict[str, LinearWeight]:
         """Layer `index`'s weights in `image` (host bytes `data`) streamed from `tier` each time the
         layer is acquired: the StreamedWeights that apply them, by name."""

@@ -38,7 +38,8 @@ def run_sliced(model: dict, tmp_path, device: str, offload: str, slicing=SLICING
         if any(r.cc for r in rates):
             assert stats.num_cc_tokens + stats.num_moved_tokens >= len(store.mlps) * len(workload(model, offload)[0])
             assert stats.cc_s > 0 or stats.num_moved_tokens > 0
-        assert (store.moved is not None) == llm.engine.config.weights.prefill_moving
+        # device cpu moves nothing: one thread computes both sides in turn
+        assert (store.moved is not None) == (llm.engine.config.weights.prefill_moving and device != "cpu")
         if any(r.cg for r in rates):
             assert store.transfer_stats().bytes_by_tier[TIER_HOST] > 0
         tiers = {tier for (_, tier) in llm.engine.runner.model.weight_bytes()}

@@ -15,7 +15,7 @@ import torch
 
 from engine.execution import ModelRunner
 from engine.execution.cores import CoreAssignment
-from engine.execution.mlp_slicing import NUM_SLICE_BUFFERS, create_sliced_layer_store
+from engine.execution.mlp_slicing import NUM_CG_BUFFERS, create_sliced_layer_store
 from engine.execution.moe_slicing import HostWeight, SlicedSparseMoe
 from engine.execution.weight_stream import StreamedWeight, create_layer_store
 from engine.model import ConfigError
@@ -121,7 +121,7 @@ def check_the_parts_ran(runner: ModelRunner, rates, device: str) -> None:
     transfers = store.transfer_stats()
     if cg_layers:
         cg_bytes = sum(store._streamed[i].image.nbytes for i in cg_layers)
-        assert len(cg_layers) * NUM_FORWARDS <= transfers.num_loads <= len(cg_layers) * NUM_FORWARDS + NUM_SLICE_BUFFERS
+        assert len(cg_layers) * NUM_FORWARDS <= transfers.num_loads <= len(cg_layers) * NUM_FORWARDS + NUM_CG_BUFFERS
         assert transfers.bytes_by_tier[TIER_HOST] >= cg_bytes * NUM_FORWARDS
     else:
         assert transfers is None
