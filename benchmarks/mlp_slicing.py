@@ -100,7 +100,10 @@ class LayerTimer:
             self._acquire_s[layer] = time.perf_counter() - start
         model._mlp, store.acquire = timed_mlp, timed_acquire
 
-    def medians_s(self, num_tokens: int, num_layers: int) -> list[float]:
+    def medians_s(self, num_tokens: int, num_layers: int) -> list[float] | None:
+        """None where the layers' MLPs were not called one by one (the C++ decoder ran whole steps)."""
+        if not self.times_s.get((num_tokens, 0)):
+            return None
         return [statistics.median(self.times_s[num_tokens, layer]) for layer in range(num_layers)]
 
 
@@ -116,16 +119,20 @@ def _timed_steps(engine, prompt: list[int], max_tokens: int) -> list[float]:
     return steps
 
 
-def predicted_layers_s(engine) -> list[float] | None:
-    """The slicing model's time of each layer's MLP in a batch-1 decode step at the engine's rates."""
-    from engine.execution.weight_plan import plan_mlp_slicing
+def predicted_layers_s(engine) -> list[float]:
+    """The slicing model's time of each layer's MLP in a batch-1 decode step at the engine's rates
+    (every MLP resident when nothing is sliced)."""
+    from engine.execution.weight_plan import slicing_costs, weight_format
+    from scheduler.placement.slicing import SliceRates
+    from scheduler.placement.slicing_model import layer_time_s
+    from scheduler.placement.slicing_plan import layer_works
 
-    if engine.config.weights.mlp_slicing == "off":
-        return None
-    plan = engine.slicing
-    if plan is None:
-        plan, _ = plan_mlp_slicing(engine.config, engine.model_config, engine.dtype, engine.max_model_len, 1)
-    return list(plan.layer_time_s)
+    config, model_config = engine.config, engine.model_config
+    rates = engine.slicing.rates if engine.slicing else config.weights.slice_rates(model_config.num_layers)
+    rates = rates or [SliceRates.resident()] * model_config.num_layers
+    costs = engine.slicing_costs or slicing_costs(config, model_config, engine.dtype)
+    works = layer_works(model_config.shape, weight_format(config, engine.dtype), 1)
+    return [layer_time_s(work, costs, layer_rates) for work, layer_rates in zip(works, rates)]
 
 
 def measure_one(flags: dict) -> dict:
@@ -142,9 +149,9 @@ def measure_one(flags: dict) -> dict:
         predicted = predicted_layers_s(engine)
         measured = timer.medians_s(1, num_layers)
         return {"decode_tokens_per_s": 1.0 / statistics.median(decode), "prefill_tokens_per_s": PREFILL_TOKENS / prefill_s,
-                "predicted_mlp_step_s": None if predicted is None else sum(predicted),
-                "measured_mlp_step_s": sum(measured),
-                "layer_errors": None if predicted is None else [p / m - 1.0 for p, m in zip(predicted, measured)],
+                "predicted_mlp_step_s": sum(predicted),
+                "measured_mlp_step_s": None if measured is None else sum(measured),
+                "layer_errors": None if measured is None else [p / m - 1.0 for p, m in zip(predicted, measured)],
                 "mean_rates": None if rates is None else [sum(getattr(r, k) for r in rates) / len(rates)
                                                            for k in ("cc", "cg", "gg")]}
     finally:
@@ -175,7 +182,7 @@ def shape_markdown(model: str, result: dict) -> str:
              "predicted / measured | layer error: median / worst |", "|---|---|---|---|---|---|"]
     for name, row in result["rows"].items():
         rates = "-" if row["mean_rates"] is None else " / ".join(f"{r:.2f}" for r in row["mean_rates"])
-        mlp = f"- / {row['measured_mlp_step_s'] * 1e3:.1f}"
+        mlp = f"{row['predicted_mlp_step_s'] * 1e3:.1f} / -"
         errors = "-"
         if row["layer_errors"]:
             mlp = f"{row['predicted_mlp_step_s'] * 1e3:.1f} / {row['measured_mlp_step_s'] * 1e3:.1f}"
@@ -216,11 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         configs = configurations(model, args.dtype)
         samples = run_interleaved(configs, args.reps, measure_one)
-        rows = median_rows(samples, ("decode_tokens_per_s", "prefill_tokens_per_s", "measured_mlp_step_s"))
+        rows = median_rows(samples, ("decode_tokens_per_s", "prefill_tokens_per_s"))
         for name, row in rows.items():  # each layer's error: its median over the repetitions
             if row["layer_errors"]:
-                row["layer_errors"] = [statistics.median(errors) for errors in
-                                       zip(*(run["layer_errors"] for run in samples[name]))]
+                runs = samples[name]
+                row["layer_errors"] = [statistics.median(errors) for errors in zip(*(run["layer_errors"] for run in runs))]
+                row["measured_mlp_step_s"] = statistics.median(run["measured_mlp_step_s"] for run in runs)
         result["shapes"][model] = {"budget_gib": configs[SOLVED]["weights_gpu_gib"], "rows": rows,
                                    "summary": summarize(rows), "samples": samples}
     write_results(args.output, result, to_markdown(result))

@@ -42,6 +42,7 @@ class CopyEngine(ABC):
 
     device: torch.device
     cores: frozenset[int] | None = None  # host cores the transfer threads keep to (testbed)
+    copies_on_host_cores = False  # copies are host threads' work (memcpy), not a DMA engine's
 
     @abstractmethod
     def allocate_buffer(self, nbytes: int) -> torch.Tensor:
@@ -90,6 +91,8 @@ def create_copy_engine(device: torch.device | str, num_threads: int = 1,
 @COPY_ENGINES.register("cpu")
 class HostCopyEngine(CopyEngine):
     """Accelerator buffers are host tensors apart from the host tier's; copies are memcpy."""
+
+    copies_on_host_cores = True
 
     def __init__(self, device: torch.device, num_threads: int = 1, cores: frozenset[int] | None = None) -> None:
         self.device = device

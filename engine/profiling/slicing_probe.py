@@ -11,12 +11,14 @@ launch, measured the way slicing runs them, a few seconds in all.
 - Copies go through the engine's copy engine (streaming_probe.measure_copy_s), from a quarter
   of a MiB to one MLP's bytes (16 MiB at least).
 - A launch is the time per queued tiny kernel when many are queued: the cost on the issuing
-  side that the accelerator waits for when its queue is otherwise empty.
+  side that the accelerator waits for when its queue is otherwise empty. A hand-over is the
+  round trip of a trivial CPU part from the accelerator's side (`run_on_host` and the hops).
 - Each side's whole gate/up GEMM is timed at each token count alone and while the other side
   runs the same GEMM in a loop: on the host-only testbed the two "devices" are vCPUs sharing a
   memory bus, and a sliced MLP (CC beside GG) once ran slower than either side alone (on a GPU
   the factors should come out near 1). The largest copy is timed again beside an accelerator
-  GEMM loop, likewise.
+  GEMM loop, likewise. Where the copy engine is host threads (the testbed: `copies_on_cpu`), the
+  accelerator's GEMMs are also timed beside a copy loop, and the larger slowdown kept.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ MIN_COPY_BYTES = 256 * 2**10
 COPY_FRACTIONS = (1 / 64, 1 / 8, 1 / 2, 1.0)
 MIN_COPY_SPAN_BYTES = 16 * 2**20
 NUM_LAUNCHES = 200
+NUM_HANDOFFS = 50
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -122,6 +125,29 @@ def _synchronized(device: torch.device, run: Callable[[], object]) -> Callable[[
     return call
 
 
+def _copy_load(engine: CopyEngine, nbytes: int) -> Callable[[int], Callable[[], _Repeating]]:
+    """-> (for any token count) copies of `nbytes` over and over on the copy engine's cores."""
+    source = engine.allocate_host(nbytes).fill_(1)
+    target = engine.allocate_buffer(nbytes)
+    return lambda num_tokens: lambda: _Repeating(lambda: engine.copy(target, source), pin_to(engine.cores))
+
+
+def _handoff_s(accelerator: AcceleratorQueue, hidden_size: int, dtype: torch.dtype) -> float:
+    """A CPU part's fixed cost, as a sliced MLP pays it: from the accelerator's side, one token's
+    activations copied to the host, a trivial part run there (`run_on_host`) and its result
+    taken back."""
+    device = accelerator.device
+    x = accelerator.submit(lambda: torch.zeros(1, hidden_size, dtype=dtype, device=device)).result()
+
+    def handoff() -> None:
+        on_host = accelerator.copy_to_host(x)
+        accelerator.run_on_host(lambda: on_host.result() + 1).result().to(device)
+
+    def handoffs() -> None:
+        accelerator.submit(lambda: [handoff() for _ in range(NUM_HANDOFFS)]).result()
+    return _median_s(handoffs) / NUM_HANDOFFS
+
+
 def _launch_s(accelerator: AcceleratorQueue) -> float:
     device = accelerator.device
     counter = accelerator.submit(lambda: torch.zeros(1, device=device)).result()
@@ -171,15 +197,22 @@ def measure_slicing_costs(config: ModelConfig, dtype: torch.dtype, linear_method
     def cpu_load(num_tokens: int) -> Callable[[], _Repeating]:
         return lambda: _Repeating(cpu_work(num_tokens), pin_to(cores.cpu_attention_cores or None))
     cpu_pairs = [(on_cpu(cpu_work(n)), _beside(accelerator_load(n), lambda: on_cpu(cpu_work(n)))) for n in GEMM_TOKENS]
-    accelerator_pairs = [(on_accelerator(accelerator_work(n)),
-                          _beside(cpu_load(n), lambda: on_accelerator(accelerator_work(n)))) for n in GEMM_TOKENS]
+
+    def accelerator_pairs(load: Callable[[int], Callable[[], _Repeating]]) -> list[tuple[float, float]]:
+        return [(on_accelerator(accelerator_work(n)), _beside(load(n), lambda: on_accelerator(accelerator_work(n))))
+                for n in GEMM_TOKENS]
     span = max(MIN_COPY_SPAN_BYTES, 3 * config.hidden_size * config.intermediate_size * dtype.itemsize)
     sizes = sorted({min(PROBE_BYTES, max(MIN_COPY_BYTES, round(f * span))) for f in COPY_FRACTIONS})
+    accelerator_slowdown = _slowdown(accelerator_pairs(cpu_load))
+    if engine.copies_on_host_cores:  # the testbed: the CPU side's cores also copy, beside the accelerator
+        accelerator_slowdown = max(accelerator_slowdown, _slowdown(accelerator_pairs(_copy_load(engine, sizes[-1]))))
     link = [(float(size), measure_copy_s(engine, size, COLD_WEIGHT_BYTES)) for size in sizes]
     link_beside_s = _beside(accelerator_load(1), lambda: measure_copy_s(engine, sizes[-1], COLD_WEIGHT_BYTES))
     costs = SlicingCosts(fit_gemm_cost(accelerator_points), fit_gemm_cost(cpu), fit_linear_cost(link, UNIT_BYTES),
                          _launch_s(accelerator), cpu_gemm_slowdown=_slowdown(cpu_pairs),
-                         accelerator_gemm_slowdown=_slowdown(accelerator_pairs),
-                         link_slowdown=_slowdown([(link[-1][1], link_beside_s)]))
+                         accelerator_gemm_slowdown=accelerator_slowdown,
+                         link_slowdown=_slowdown([(link[-1][1], link_beside_s)]),
+                         copies_on_cpu=engine.copies_on_host_cores,
+                         handoff_s=_handoff_s(accelerator, config.hidden_size, dtype))
     logger.info("MLP slicing models measured in %.1f s: %s", time.perf_counter() - start, costs.to_dict())
     return costs

@@ -259,21 +259,52 @@ class _LaunchStream:
         return self.num_launches.scale(self.launch_s)
 
 
+def _copy_s(gemm: GemmWork, costs: SlicingCosts, part: _Part) -> Affine:
+    """One part's slice of a GEMM's weights over the link, alone."""
+    return _copies(True).scale(costs.link.a_s) + part.rate.scale(costs.link.b_s_per_unit * gemm.weight_bytes)
+
+
+Copies = tuple[dict[tuple[int, str], Pieces], Pieces, Affine]  # landed per (GEMM, part), link free, CPU time
+
+
 def _link_stream(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, copied: list[_Part],
-                 launches: _LaunchStream) -> tuple[dict[tuple[int, str], Pieces], Pieces]:
+                 launches: _LaunchStream) -> Copies:
     """Stream C: each GEMM's CG then CG' slice, once launched and once the link is free, slowed
-    while GEMMs run beside it (GG's, or the CPU's). -> when each copy has landed, and when the
-    link is free again."""
+    while GEMMs run beside it (GG's, or the CPU's). -> when each copy has landed, when the link
+    is free again, and no CPU time (a copy engine of its own moves them)."""
     slowdown = costs.link_slowdown if terms.has_gg or terms.has_cc else 1.0
     launched = {(index, part.name): launches.issue(_copies(part.present))
                 for index in range(len(work.gemms)) for part in copied}
     link_done, landed = Pieces.of(ZERO), {}
     for index, gemm in enumerate(work.gemms):
         for part in (part for part in copied if part.present):
-            copy_s = (_copies(True).scale(costs.link.a_s) +
-                      part.rate.scale(costs.link.b_s_per_unit * gemm.weight_bytes)).scale(slowdown)
+            copy_s = _copy_s(gemm, costs, part).scale(slowdown)
             link_done = landed[index, part.name] = link_done.maximum(Pieces.of(launched[index, part.name])).plus(copy_s)
-    return landed, link_done
+    return landed, link_done, ZERO
+
+
+def _copies_on_cpu(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, copied: list[_Part],
+                   launches: _LaunchStream) -> Copies:
+    """The link of the host-only testbed, whose copy engine is a thread on the CPU side's cores:
+    copies take the CPU's time. The ring loads CG's slices for layers ahead, so at steady state
+    a layer's CG keeps the accelerator waiting for nothing but costs the CPU one layer's copies;
+    CG' is copied as the MLP starts, before the CPU's own part, and the accelerator waits for it.
+    -> when each copy has landed, when the link is free (never queued before the result's hop),
+    and the CPU time of the layer's copies."""
+    landed, cgp_done, cpu_s = {}, ZERO, ZERO
+    for index, gemm in enumerate(work.gemms):
+        for part in copied:
+            launched = launches.issue(_copies(part.present))
+            if not part.present:
+                continue
+            copy_s = _copy_s(gemm, costs, part)
+            cpu_s = cpu_s + copy_s
+            if part.name == "cgp":
+                cgp_done = cgp_done + copy_s
+                landed[index, part.name] = Pieces.of(cgp_done).maximum(Pieces.of(launched))
+            else:
+                landed[index, part.name] = Pieces.of(launched)
+    return landed, Pieces.of(ZERO), cpu_s
 
 
 def _gemm_s(cost: GemmCost, gemm: GemmWork, calls: Affine, rate: Affine, token_share: Affine,
@@ -288,9 +319,11 @@ def _gemm_s(cost: GemmCost, gemm: GemmWork, calls: Affine, rate: Affine, token_s
 def _accelerator_stream(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, parts: list[_Part],
                         launches: _LaunchStream, landed: dict[tuple[int, str], Pieces]) -> Pieces:
     """Stream D: each part's GEMMs in order, each once launched and (streamed parts) once copied;
-    all of them slowed while the CPU computes its part (the whole layer long: an upper bound)."""
+    all of them slowed while the CPU computes its part, or copies on the testbed (the whole layer
+    long: an upper bound)."""
     done = Pieces.of(ZERO)
-    slowdown = costs.accelerator_gemm_slowdown if terms.has_cc else 1.0
+    cpu_copies = costs.copies_on_cpu and (terms.has_cg or terms.has_moved)
+    slowdown = costs.accelerator_gemm_slowdown if terms.has_cc or cpu_copies else 1.0
     for part in (part for part in parts if part.present):
         for index, gemm in enumerate(work.gemms):
             calls = _calls(gemm, part.rate, True)
@@ -305,20 +338,22 @@ def _hop_s(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Affine:
     return Affine(costs.link.a_s) + terms.cpu_share.scale(costs.link.b_s_per_unit * work.hop_bytes)
 
 
-def _cpu_done(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Affine:
-    """Stream A: x's hop to the CPU and the CC GEMMs (slowed while the accelerator computes too)."""
+def _cpu_done(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, copies_s: Affine = ZERO) -> Affine:
+    """Stream A: the hand-over to the CPU with x's hop, the copies that take the CPU's time (the
+    testbed's) and the CC GEMMs (slowed while the accelerator computes too)."""
     slowdown = costs.cpu_gemm_slowdown if terms.has_cg or terms.has_gg or terms.has_moved else 1.0
-    cpu_done = _hop_s(work, costs, terms)
+    cpu_done = Affine(costs.handoff_s) + _hop_s(work, costs, terms) + copies_s
     for gemm in work.gemms:
         cpu_done = cpu_done + _gemm_s(costs.cpu_gemm, gemm, _calls(gemm, terms.cc, True), terms.cc, terms.cpu_share,
                                       slowdown)
     return cpu_done
 
 
-def _cpu_result_back(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, link_done: Pieces) -> Pieces:
+def _cpu_result_back(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, link_done: Pieces,
+                     copies_s: Affine) -> Pieces:
     """Stream A, then C: the CPU's part, then the result's hop back once the link has landed the
     weight slices queued before it."""
-    return Pieces.of(_cpu_done(work, costs, terms)).maximum(link_done).plus(_hop_s(work, costs, terms))
+    return Pieces.of(_cpu_done(work, costs, terms, copies_s)).maximum(link_done).plus(_hop_s(work, costs, terms))
 
 
 def layer_pieces(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Pieces:
@@ -326,11 +361,12 @@ def layer_pieces(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Piece
     accelerator's last GEMM and the CC result's hop back are both done."""
     parts = _accelerator_parts(terms)
     launches = _LaunchStream(costs.launch_s)
-    landed, link_done = _link_stream(work, costs, terms, [part for part in parts if part.name != "gg"], launches)
+    link = _copies_on_cpu if costs.copies_on_cpu else _link_stream
+    landed, link_done, copies_s = link(work, costs, terms, [part for part in parts if part.name != "gg"], launches)
     accelerator_done = _accelerator_stream(work, costs, terms, parts, launches, landed)
     if not terms.has_cc:
-        return accelerator_done
-    return accelerator_done.maximum(_cpu_result_back(work, costs, terms, link_done))
+        return accelerator_done.maximum(Pieces.of(copies_s))
+    return accelerator_done.maximum(_cpu_result_back(work, costs, terms, link_done, copies_s))
 
 
 def layer_time_s(work: MlpWork, costs: SlicingCosts, rates: SliceRates, num_moved_tokens: int = 0) -> float:
@@ -342,8 +378,15 @@ def layer_time_s(work: MlpWork, costs: SlicingCosts, rates: SliceRates, num_move
 
 
 def cpu_time_s(work: MlpWork, costs: SlicingCosts, rates: SliceRates) -> float:
-    """How long the CPU is busy with the layer's MLP at these rates (x's hop and the CC GEMMs; the
-    result's hop back waits on the link, not the CPU): what Neo's scheduler charges to the CPU's
-    time line beside its decode attention. Nothing without a CC part."""
+    """How long the CPU is busy with the layer's MLP at these rates (x's hop and the CC GEMMs, and
+    on the testbed the copies; the result's hop back waits on the link, not the CPU): what Neo's
+    scheduler charges to the CPU's time line beside its decode attention."""
     terms = SliceTerms.at(rates)
-    return _cpu_done(work, costs, terms).at(0.0) if terms.has_cc else 0.0
+    copies_s = ZERO
+    if costs.copies_on_cpu:
+        launches = _LaunchStream(costs.launch_s)
+        copied = [part for part in _accelerator_parts(terms) if part.name != "gg"]
+        copies_s = _copies_on_cpu(work, costs, terms, copied, launches)[2]
+    if not terms.has_cc:
+        return copies_s.at(0.0)
+    return _cpu_done(work, costs, terms, copies_s).at(0.0)
