@@ -25,6 +25,7 @@ Writes benchmarks/results/mlp_slicing.json and .md (the README's block).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -99,6 +100,12 @@ class LayerTimer:
             acquire(layer)
             self._acquire_s[layer] = time.perf_counter() - start
         model._mlp, store.acquire = timed_mlp, timed_acquire
+        self._wrapped = (model, store)
+
+    def detach(self) -> None:
+        """The model's own methods back (the wrappers hold the model: a cycle that kept engines alive)."""
+        model, store = self._wrapped
+        del model._mlp, store.acquire
 
     def medians_s(self, num_tokens: int, num_layers: int) -> list[float] | None:
         """None where the layers' MLPs were not called one by one (the C++ decoder ran whole steps)."""
@@ -140,9 +147,9 @@ def measure_one(flags: dict) -> dict:
     from engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig.from_flat(**flags))
+    timer = LayerTimer(engine.runner.model)
     try:
         num_layers, vocab = engine.model_config.num_layers, engine.model_config.vocab_size
-        timer = LayerTimer(engine.runner.model)
         prefill_s = _timed_steps(engine, [(7 * j + 3) % vocab for j in range(PREFILL_TOKENS)], 1)[0]
         decode = _timed_steps(engine, [(11 * j + 5) % vocab for j in range(PROMPT_TOKENS)], DECODE_STEPS + 1)[1:]
         rates = engine.slicing.rates if engine.slicing else engine.config.weights.slice_rates(num_layers)
@@ -155,7 +162,10 @@ def measure_one(flags: dict) -> dict:
                 "mean_rates": None if rates is None else [sum(getattr(r, k) for r in rates) / len(rates)
                                                            for k in ("cc", "cg", "gg")]}
     finally:
+        timer.detach()
         engine.close()
+        del engine
+        gc.collect()  # the next configuration's engine gets this one's memory
 
 
 def summarize(rows: dict[str, dict]) -> dict:

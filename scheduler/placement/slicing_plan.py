@@ -136,7 +136,10 @@ def plan_slicing(shape: ModelShape, fmt: WeightFormat, costs: SlicingCosts, acce
         rates = _solve_rates(works, costs, fixed, budget)
     plan = _plan_of(works, costs, rates, fixed, budget)
     solved = fixed_rates is None and budget is not None
-    moving = _with_moved_buffer(plan, works, costs, solved) if prefill_tokens is not None else None
+    prefill_works = None if prefill_tokens is None else layer_works(shape, fmt, prefill_tokens)
+    moving = None
+    if prefill_works is not None and any(moved for moved, _ in _prefill(prefill_works, costs, plan.rates, True)):
+        moving = _with_moved_buffer(plan, works, costs, solved)  # room for CG' only where a prefill moves tokens
     plan = moving or plan
     if budget is not None and plan.accelerator_weight_bytes > budget:
         raise PlacementError(f"MLP slicing needs {_gib(plan.accelerator_weight_bytes)} of accelerator memory for "
@@ -145,12 +148,17 @@ def plan_slicing(shape: ModelShape, fmt: WeightFormat, costs: SlicingCosts, acce
                              f" but --weights-gpu-gib gives {_gib(budget)}; give more, or lower GG in --mlp-slicing")
     if prefill_tokens is None:
         return plan
-    prefill_works = layer_works(shape, fmt, prefill_tokens)
-    prefill = ([solve_moved_tokens(work, costs, layer_rates) for work, layer_rates in zip(prefill_works, plan.rates)]
-               if moving else [(0, layer_time_s(work, costs, layer_rates)) for work, layer_rates in
-                               zip(prefill_works, plan.rates)])
+    prefill = _prefill(prefill_works, costs, plan.rates, moving is not None)
     return dataclasses.replace(plan, prefill_tokens=prefill_tokens, moved_tokens=tuple(moved for moved, _ in prefill),
                                prefill_time_s=tuple(time_s for _, time_s in prefill))
+
+
+def _prefill(works: list[MlpWork], costs: SlicingCosts, rates: Sequence[SliceRates],
+             moving: bool) -> list[tuple[int, float]]:
+    """Each layer's tokens moved to CG' in a prefill and its time then: solved where tokens move
+    (a layer cut by units; a MoE layer's CC experts keep every routed row), else none moved."""
+    return [solve_moved_tokens(work, costs, layer_rates) if moving and not work.num_experts
+            else (0, layer_time_s(work, costs, layer_rates)) for work, layer_rates in zip(works, rates)]
 
 
 def stream_buffer_bytes(works: Sequence[MlpWork], rates: Sequence[SliceRates]) -> int:
