@@ -14,7 +14,8 @@ experts), plus one MLP's bytes for the streamed parts' buffers. Configurations:
   resident     no budget, nothing sliced: the reference the budget takes away
 Measured per configuration (a fresh engine each, configurations interleaved per repetition,
 medians): decode tokens/s at batch 1 (the median step of DECODE_STEPS after a short prompt),
-prefill tokens/s of one PREFILL_TOKENS-token prompt, and each layer's MLP time in the decode
+prefill tokens/s of one PREFILL_TOKENS-token prompt (after one other, which pays the engine's
+first-forward costs), and each layer's MLP time in the decode
 steps (the median over steps of its MLP call plus any wait for its streamed weights), against the
 slicing model's prediction for that layer at those rates: the planner's own numbers.
 
@@ -150,6 +151,7 @@ def measure_one(flags: dict) -> dict:
     timer = LayerTimer(engine.runner.model)
     try:
         num_layers, vocab = engine.model_config.num_layers, engine.model_config.vocab_size
+        _timed_steps(engine, [(5 * j + 1) % vocab for j in range(PREFILL_TOKENS)], 1)  # first-forward costs
         prefill_s = _timed_steps(engine, [(7 * j + 3) % vocab for j in range(PREFILL_TOKENS)], 1)[0]
         decode = _timed_steps(engine, [(11 * j + 5) % vocab for j in range(PROMPT_TOKENS)], DECODE_STEPS + 1)[1:]
         rates = engine.slicing.rates if engine.slicing else engine.config.weights.slice_rates(num_layers)
