@@ -52,7 +52,7 @@ def test_slicing_models_are_cached_beside_the_tables_under_the_same_key(tmp_path
                                     "cpu_gemm": {"a_s": 2e-6, "b_s_per_multiply_add": 4e-12, "b_s_per_weight_byte": 1e-11},
                                     "link": {"a_s": 5e-6, "b_s_per_unit": 1e-10, "unit": "bytes", "r_squared": 0.99},
                                     "launch_s": 3e-5, "cpu_gemm_slowdown": 1.5, "accelerator_gemm_slowdown": 1.2,
-                                    "link_slowdown": 1.1})
+                                    "link_slowdown": 1.1, "copies_on_cpu": True, "handoff_s": 7e-5})
     calls = []
 
     def build():
