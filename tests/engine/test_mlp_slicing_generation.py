@@ -86,8 +86,9 @@ def test_embedded_model_with_moved_tokens_under_neo_equals_resident(references, 
     assert max(moved_per_iteration) > 0
 
 
-def test_embedded_model_without_moved_tokens_equals_resident(references, tmp_path):
-    outputs, _, _ = run_sliced(EMBEDDED, tmp_path, "cpu", "off", mlp_prefill_moving="off")
+@pytest.mark.parametrize("device", [on_testbed("testbed")])  # device cpu never moves tokens
+def test_embedded_model_without_moved_tokens_equals_resident(references, tmp_path, device):
+    outputs, _, _ = run_sliced(EMBEDDED, tmp_path, device, "off", mlp_prefill_moving="off")
     assert outputs == references(EMBEDDED, "off")
 
 

@@ -136,6 +136,13 @@ def check_the_parts_ran(runner: ModelRunner, rates, device: str) -> None:
     assert runner.model.native is None  # the C++ whole-layer decoder never runs over sliced layers
 
 
+def assert_steps_match_hf(runner, hf_model) -> None:
+    """Every step's last-token logits equal transformers' for the same tokens."""
+    for rows in steps(runner):
+        for tokens, logits in rows:
+            torch.testing.assert_close(logits.cpu(), hf_last_logits(hf_model, tokens), atol=TOLERANCE, rtol=TOLERANCE)
+
+
 @pytest.mark.parametrize("device", ["cpu", on_testbed("testbed"), ON_CUDA])
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 def test_sliced_logits_match_hf(tiny_model, placement, device):
@@ -143,10 +150,7 @@ def test_sliced_logits_match_hf(tiny_model, placement, device):
     rates = PLACEMENTS[placement]
     runner = sliced_runner(path, rates, device)
     try:
-        for rows in steps(runner):
-            for tokens, logits in rows:
-                torch.testing.assert_close(logits.cpu(), hf_last_logits(hf_model, tokens), atol=TOLERANCE,
-                                           rtol=TOLERANCE)
+        assert_steps_match_hf(runner, hf_model)
         check_the_parts_ran(runner, rates, device)
     finally:
         runner.close()
@@ -334,10 +338,7 @@ def test_moved_tokens_logits_match_hf(tiny_model, moved, device):
     policy = ForcedMoves(MOVED_SHARES[moved])
     runner = sliced_runner(path, MOVING_RATES, device, moved_tokens=policy)
     try:
-        for rows in steps(runner):
-            for tokens, logits in rows:
-                torch.testing.assert_close(logits.cpu(), hf_last_logits(hf_model, tokens), atol=TOLERANCE,
-                                           rtol=TOLERANCE)
+        assert_steps_match_hf(runner, hf_model)
         check_the_moves_ran(runner, policy, device)
     finally:
         runner.close()

@@ -6,7 +6,6 @@ host-only testbed; the counters show CC computed on the engine thread only and e
 copied once per forward; experts' bytes are reported in their tiers; stores that cannot hold MoE
 layers are refused with a reason."""
 import functools
-import os
 import threading
 from dataclasses import dataclass
 
@@ -27,15 +26,12 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import Sequence
 from test_weight_stream import placement
+from test_mlp_slicing import ALL_CC, ALL_CG, ALL_GG, MIXED, TWO_CORES
 from tiny_moe import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, TOLERANCE, VOCAB_SIZE, build_tiny_moe
 
 FAMILIES = ("mixtral", "qwen3-moe-dense-layer", "qwen2-moe-shared-expert")
 NUM_LAYERS = 2  # every tiny family's
 NUM_FORWARDS = 5
-TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
-
-ALL_GG, ALL_CC, ALL_CG = SliceRates(0.0, 0.0, 1.0), SliceRates(1.0, 0.0, 0.0), SliceRates(0.0, 1.0, 0.0)
-MIXED = SliceRates(0.25, 0.5, 0.25)
 PLACEMENTS = {
     "all-gg": (ALL_GG,) * NUM_LAYERS,
     "all-cc": (ALL_CC,) * NUM_LAYERS,
