@@ -1,0 +1,108 @@
+"""One plan for the whole model: for each decoder layer, where its weights live and what its MLP
+is. The placement planner (whole layers streamed, PIPO) and the slicing planner (MLPs cut into
+CC/CG/GG parts, ScheInfer) each decide part of it; `ModelPlan` is what the engine executes and
+`tandem plan` prints. Plain Python, no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from scheduler.placement.slicing import SliceRates
+
+if TYPE_CHECKING:
+    from scheduler.placement.planner import WeightPlacement
+    from scheduler.placement.slicing_plan import SlicingPlan
+
+
+class Tier(str, Enum):
+    """Where a weight is stored."""
+
+    ACCELERATOR = "accelerator"
+    HOST = "host"
+    DISK = "disk"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class SliceKind(str, Enum):
+    """ScheInfer's parts of a sliced MLP, in unit order: computed by the CPU where stored (CC),
+    stored on the host and computed on the accelerator (CG), resident (GG)."""
+
+    CC = "cc"
+    CG = "cg"
+    GG = "gg"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One decoder layer: `tier` holds its weights (attention always; the MLP too unless sliced);
+    a streamed layer (host or disk) streams whole. `rates` slice the MLP of a resident layer
+    (a MoE layer's routed experts by whole experts); None: the MLP lives with the layer."""
+
+    tier: Tier
+    rates: SliceRates | None = None
+
+    def __post_init__(self) -> None:
+        if self.rates is not None and self.tier != Tier.ACCELERATOR:
+            raise ValueError(f"a layer streamed whole from {self.tier} is not sliced")
+
+    @property
+    def streamed(self) -> bool:
+        return self.tier != Tier.ACCELERATOR
+
+    @property
+    def sliced(self) -> bool:
+        """Whether part of the MLP lives off the accelerator."""
+        return self.rates is not None and self.rates != SliceRates.resident()
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Every decoder layer's plan, with the planners' decisions behind it: `placement` (whole-layer
+    streaming: pipeline, ring, memory, estimate; None when every layer is resident by default) and
+    `slicing` (rates and predicted MLP times; None without slicing)."""
+
+    layers: tuple[LayerPlan, ...]
+    placement: WeightPlacement | None = None
+    slicing: SlicingPlan | None = None
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return tuple(layer.tier for layer in self.layers)
+
+    @property
+    def rates(self) -> tuple[SliceRates, ...] | None:
+        """Each layer's slice rates (resident ones for layers not sliced); None when nothing is sliced."""
+        if all(layer.rates is None for layer in self.layers):
+            return None
+        return tuple(layer.rates or SliceRates.resident() for layer in self.layers)
+
+    @property
+    def streamed_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, layer in enumerate(self.layers) if layer.streamed)
+
+    @property
+    def sliced_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, layer in enumerate(self.layers) if layer.sliced)
+
+    def num_layers_in(self, tier: Tier) -> int:
+        return sum(layer.tier == tier for layer in self.layers)
+
+    @property
+    def all_resident(self) -> bool:
+        return not self.streamed_layers and not self.sliced_layers
+
+    def to_dict(self) -> dict[str, Any]:
+        report: dict[str, Any] = {"layers": [{"tier": str(layer.tier), "rates": None if layer.rates is None else
+                                              [layer.rates.cc, layer.rates.cg, layer.rates.gg]}
+                                             for layer in self.layers]}
+        if self.placement is not None:
+            report["placement"] = self.placement.to_dict()
+        if self.slicing is not None:
+            report["slicing"] = self.slicing.to_dict()
+        return report
