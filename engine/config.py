@@ -179,7 +179,7 @@ class WeightsConfig:
     num_io_threads: int = field(default=4, metadata={FLAT_NAME: "weight_io_threads"})  # disk reads in flight
     # the decode the planner's throughput estimate is for: tokens a sequence holds; None: max_model_len
     expected_context_len: int | None = None
-    # ScheInfer's MLP slicing (engine/execution/mlp_slicing.py): "off"; "auto", solved at start
+    # ScheInfer's MLP slicing (engine/execution/sliced_mlp.py): "off"; "auto", solved at start
     # within accelerator_gib for decode batches of max_num_seqs; "CC,CG", the fractions of every
     # layer's MLP units computed on the CPU and streamed to the accelerator (the rest stays
     # resident), e.g. "0.25,0.5"; or one SliceRates per layer

@@ -19,9 +19,9 @@ import torch
 
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.execution import CoreAssignment, ModelRunner
+from engine.execution.layer_store import create_layer_store
+from engine.execution.stats import WeightStats
 from engine.execution.weight_plan import conversion_key, plan_mlp_slicing, plan_weights, slicing_costs, weight_format
-from engine.execution.mlp_slicing import create_sliced_layer_store
-from engine.execution.weight_stream import create_layer_store
 from engine.kv import KVCache
 from engine.model import ConfigError, ModelConfig
 from engine.outputs import RequestMetrics, RequestOutput
@@ -33,10 +33,11 @@ from engine.weights.layer_files import LayerFiles
 from scheduler.cost_model import CostModel, TableCostModel
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.neo import NeoConfig, NeoScheduler
-from scheduler.placement import TIER_DISK, SlicingCosts, SlicingPlan, WeightPlacement, describe, describe_slicing
+from scheduler.placement import SlicingCosts, SlicingPlan, WeightPlacement, describe, describe_slicing
+from scheduler.placement.layer_plan import ModelPlan, Tier
+from scheduler.placement.slicing import SliceRates
 from scheduler.placement.cost import SlicedMlpCostModel, StreamingCostModel
 from scheduler.placement.moved_tokens import MovedTokens, SolvedMovedTokens
-from scheduler.placement.slicing import SliceRates
 from scheduler.placement.slicing_plan import layer_works
 from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig
 
@@ -99,6 +100,9 @@ class LLMEngine:
         elif config.weights.streaming_requested:
             self.placement = plan_weights(config, self.model_config, self.dtype, self._model_max_len())
             logger.info("%s", describe(self.placement, config.weights.offload_dir))
+        rates = self.slicing.rates if self.slicing is not None else config.weights.slice_rates(self.model_config.num_layers)
+        self.plan = ModelPlan.compose(self.model_config.num_layers, self.placement, rates, self.slicing)
+        self.weight_stats = WeightStats()  # what the layer store's parts did, read around each step
         cache = config.cache
         block_bytes = KVCache.bytes_per_block(self.model_config, cache.block_size, self.dtype)
         num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.offloading else 0
@@ -135,30 +139,21 @@ class LLMEngine:
         self.stats = IterationStats()
 
     def _layer_store_factory(self, loader):
-        """How the runner builds its layer store under the placement and the MLP slicing (None:
-        all resident)."""
-        placement, config = self.placement, self.config
+        """How the runner builds its layer store for the plan (None: every layer resident)."""
+        plan, config = self.plan, self.config
         weights = config.weights
-        slice_rates = self._slice_rates()
-        if placement is None and slice_rates is None:
+        if plan.all_resident and plan.rates is None:
             return None
         files = None
-        if placement is not None and placement.num_layers_in(TIER_DISK):
+        if plan.num_layers_in(Tier.DISK):
             key = conversion_key(config, loader.source, self.dtype)
             files = LayerFiles(weights.offload_dir, key, self.model_config.num_layers)
         budget = None if weights.accelerator_gib is None else int(weights.accelerator_gib * GIB_BYTES)
-        options = dict(files=files, num_io_threads=weights.num_io_threads, accelerator_weight_budget_bytes=budget,
-                       global_weight_bytes=placement.memory.global_bytes if placement is not None else 0)
-        if slice_rates is not None:
-            return functools.partial(create_sliced_layer_store, slice_rates, placement, **options,
-                                     moved_tokens=self._moved_tokens(slice_rates))
-        return functools.partial(create_layer_store, placement, **options)
-
-    def _slice_rates(self) -> tuple[SliceRates, ...] | None:
-        """Each layer's MLP slice rates: solved at start, or as configured; None without slicing."""
-        if self.slicing is not None:
-            return self.slicing.rates
-        return self.config.weights.slice_rates(self.model_config.num_layers)
+        global_bytes = plan.placement.memory.global_bytes if plan.placement is not None else 0
+        moved_tokens = self._moved_tokens(plan.rates) if plan.rates is not None else None
+        return functools.partial(create_layer_store, plan, files=files, num_io_threads=weights.num_io_threads,
+                                 accelerator_weight_budget_bytes=budget, global_weight_bytes=global_bytes,
+                                 moved_tokens=moved_tokens, stats=self.weight_stats)
 
     def _moved_tokens(self, rates: tuple[SliceRates, ...]) -> MovedTokens | None:
         """Prefill token assignment (ScheInfer sec. IV-B): how many of each forward's tokens a
@@ -178,7 +173,7 @@ class LLMEngine:
 
     def _linear_weights_key(self) -> str:
         """What the linear stages compute from, for the profile's key: the format and the slicing."""
-        rates = self._slice_rates()
+        rates = self.plan.rates
         if rates is None:
             return self.config.quantization
         return f"{self.config.quantization}, MLPs sliced cc/cg/gg " + " ".join(f"{r.cc:g}/{r.cg:g}/{r.gg:g}" for r in rates)
@@ -190,7 +185,7 @@ class LLMEngine:
         model = self._load_table_cost_model(loader, dtype)
         if self.placement is not None and self.placement.streamed_layers:
             model = StreamingCostModel.for_placement(model, self.placement)
-        rates = self._slice_rates()
+        rates = self.plan.rates
         if rates is None:
             return model
         costs = self.slicing_costs or slicing_costs(self.config, self.model_config, dtype)
@@ -216,7 +211,7 @@ class LLMEngine:
             with runner.cores.on_cpu_cores():
                 return profile_costs(runner.model, runner.accelerator, runner.model.decode_backend, runner.cpu_decode,
                                      block_size=block_size, dtype=dtype, grid=grid,
-                                     progress=config.show_progress)
+                                     progress=config.show_progress, weight_stats=self.weight_stats)
 
         self.profile_path = profile_path(key, offload.profile_cache_dir)
         if offload.force_profile and self.profile_path.exists():
@@ -296,14 +291,10 @@ class LLMEngine:
         for scheduled in plan.prefills:
             metrics = self._requests[scheduled.sequence.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        store = self.runner.model.layer_store
-        streamed_before = store.transfer_stats()
-        mlp_cpu_before, moved_before = store.mlp_cpu_s(), store.mlp_moved_tokens()
+        weights_before = self.weight_stats.snapshot()
         output = self.runner.execute(plan)
         stats.forward_time = output.forward_time
-        self._record_slicing(stats, store, mlp_cpu_before, moved_before)
-        if streamed_before is not None:
-            self._record_streaming(stats, streamed_before, self.runner.model.layer_store.transfer_stats())
+        self._record_weights(stats, weights_before, self.weight_stats)
         if output.pipeline is not None:
             stats.cpu_attention_time = output.pipeline.cpu_attention
             stats.cpu_wait_time = output.pipeline.cpu_waiting
@@ -313,22 +304,20 @@ class LLMEngine:
         return self._outputs({seq.request_id: self._requests[seq.request_id] for seq in updated})
 
     @staticmethod
-    def _record_slicing(stats: IterationStats, store, mlp_cpu_before: float | None, moved_before: int | None) -> None:
-        """This iteration's share of the sliced MLPs' running totals (None: nothing sliced or moved)."""
-        if mlp_cpu_before is not None:
-            stats.mlp_cpu_time = store.mlp_cpu_s() - mlp_cpu_before
-        if moved_before is not None:
-            stats.num_mlp_moved_tokens = store.mlp_moved_tokens() - moved_before
+    def _record_weights(stats: IterationStats, before: WeightStats, after: WeightStats) -> None:
+        """This iteration's share of the layer store's running totals: the ring's loads, the CPU's
+        MLP parts, CG''s moved tokens (each where that part exists)."""
+        if after.streams:
+            stats.weight_transfer_time = after.transfer_s - before.transfer_s
+            stats.weight_stall_time = after.stall_s - before.stall_s
+            stats.weight_bytes_streamed = {tier: after.bytes_by_tier[tier] - before.bytes_by_tier.get(tier, 0)
+                                           for tier in after.bytes_by_tier}
+        if after.slices:
+            stats.mlp_cpu_time = after.cc_s - before.cc_s
+        if after.moves:
+            stats.num_mlp_moved_tokens = after.num_moved_tokens - before.num_moved_tokens
             logger.debug("MLP slicing: CG' computed %d tokens' CC units (summed over layers)",
                          stats.num_mlp_moved_tokens)
-
-    @staticmethod
-    def _record_streaming(stats: IterationStats, before, after) -> None:
-        """This iteration's share of the weight stream's running totals."""
-        stats.weight_transfer_time = after.transfer_s - before.transfer_s
-        stats.weight_stall_time = after.stall_s - before.stall_s
-        stats.weight_bytes_streamed = {tier: after.bytes_by_tier[tier] - before.bytes_by_tier.get(tier, 0)
-                                       for tier in after.bytes_by_tier}
 
     def _plan_stats(self, plan: IterationPlan) -> IterationStats:
         stats = IterationStats(

@@ -4,10 +4,10 @@ whole between the CPU (CC), host memory streamed to the accelerator (CG) and the
 A layer's `SliceRates` give `rates.counts(num_experts)` experts to each part, in expert order:
 experts [0, cc) are CC's (their weights in host memory, computed by the CPU where they are
 stored), [cc, cc + cg) CG's (one streamed image of all their gate/up and down weights, loaded
-through `StreamedLayers`' ring every forward like a dense MLP's CG slice), the rest GG's,
+through the ring every forward like a dense MLP's CG slice), the rest GG's,
 resident with the attention, the router, Qwen2's shared-expert gate and the shared expert (which
 every token uses, so it stays where it computes fastest). The layers a MoE config keeps dense
-are sliced along their units by engine/execution/mlp_slicing.py as any dense MLP.
+are sliced along their units by engine/execution/sliced_mlp.py as any dense MLP.
 
 Execution (`SlicedSparseMoe.apply`) keeps the resident layer's grouped routing and ScheInfer's
 one hop each way. The accelerator routes and sorts the (token, slot) pairs by expert; CC's
@@ -23,50 +23,40 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Protocol
 
 import torch
 
-from engine.execution.mlp_slicing import HOST, SLICES, HostSide, SlicedLayers, SliceStats, host_image
+from engine.execution.cpu_side import HOST, CpuSide, HostWeight
+from engine.execution.moved_part import host_image
 from engine.execution.queues import Future
-from engine.model.config import ConfigError, ModelConfig
-from engine.model.llama import Make, attention_linears, linear_maker
-from engine.model.moe import (ExpertGroups, MoeLayerWeights, SharedExpert, SiluMul, SparseMoe, SwiGluMlp, TopKRouter,
-                              group_by_expert)
+from engine.execution.stats import WeightStats
+from engine.model.config import ModelConfig
+from engine.model.feed_forward import Make, SiluMul, SwiGluMlp
+from engine.model.llama import attention_linears, linear_maker
+from engine.model.moe import ExpertGroups, SharedExpert, SparseMoe, TopKRouter, group_by_expert
 from engine.quant import LinearMethod, LinearWeight, create_linear_method
 from engine.weights.base import ROUTER_KEY, SHARED_EXPERT_GATE_KEY, SHARED_EXPERT_PREFIX, expert_prefix
-from scheduler.placement import TIER_ACCELERATOR, TIER_HOST
+from scheduler.placement.layer_plan import SliceKind, Tier
+from scheduler.placement.slicing import SliceRates
 
 
-class HostWeight(LinearWeight):
-    """A CC expert's weight: computed by the CPU where it is stored, reported in host memory."""
+class LayerPlacer(Protocol):
+    """What building a sliced layer needs of the store it goes into (engine/execution/layer_store.py)."""
 
-    tier = TIER_HOST
+    device: torch.device
+    cpu: CpuSide
+    stats: WeightStats
 
-    def __init__(self, weight: LinearWeight) -> None:
-        self.weight = weight
-        self.method = weight.method
-        self.out_features, self.in_features = weight.out_features, weight.in_features
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        """A host buffer for an image copies leave from."""
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight.apply(x)
+    def place_resident(self, image, templates: dict[str, LinearWeight], data: torch.Tensor) -> dict[str, LinearWeight]:
+        """Weights copied from their host image into accelerator memory of their own."""
 
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes
-
-    @property
-    def format(self) -> str:
-        return self.weight.format
-
-    @property
-    def parts(self) -> tuple[LinearWeight, ...]:
-        return self.weight.parts
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return self.weight.tensors()
-
-    def with_tensors(self, tensors):
-        return HostWeight(self.weight.with_tensors(tensors))
+    def place_streamed(self, index: int, tier: Tier, image, templates: dict[str, LinearWeight],
+                       data: torch.Tensor) -> dict[str, LinearWeight]:
+        """Weights streamed through the ring from `tier` each time the layer is acquired."""
 
 
 class SlicedSparseMoe(SparseMoe):
@@ -74,12 +64,12 @@ class SlicedSparseMoe(SparseMoe):
     computes the others (CG's from the layer's streamed image, GG's resident)."""
 
     def __init__(self, layer: int, router: TopKRouter, experts: list[SwiGluMlp], shared: SharedExpert | None,
-                 counts: tuple[int, int, int], host: HostSide, stats: SliceStats) -> None:
+                 counts: tuple[int, int, int], cpu: CpuSide, stats: WeightStats) -> None:
         super().__init__(router, experts, shared)
         self.layer = layer
-        self.counts = dict(zip(SLICES, counts))  # experts of each slice
+        self.counts = dict(zip(SliceKind, counts))  # experts of each slice
         self.num_cc = counts[0]
-        self.host = host
+        self.cpu = cpu
         self.stats = stats
 
     def apply(self, x: torch.Tensor, silu_mul: SiluMul) -> torch.Tensor:
@@ -103,7 +93,7 @@ class SlicedSparseMoe(SparseMoe):
         and routing weights hop to the host; the future's value is their weighted sum per token."""
         if not num_pairs:
             return None
-        queue = self.host.queue
+        queue = self.cpu.queue
         hops = [queue.copy_to_host(t[:num_pairs]) for t in (rows, groups.token_rows, groups.weights)]
         return queue.run_on_host(lambda: self._compute_cc(hops, spans, num_tokens, silu_mul))
 
@@ -111,7 +101,7 @@ class SlicedSparseMoe(SparseMoe):
                     silu_mul: SiluMul) -> torch.Tensor:
         start = time.perf_counter()
         rows, token_rows, weights = (hop.result() for hop in hops)  # [num_pairs, hidden], [num_pairs] twice
-        with self.host.threads():
+        with self.cpu.threads():
             expert_out = torch.cat([self.experts[expert].apply(rows[pairs], silu_mul) for expert, pairs in spans])
             out = rows.new_zeros(num_tokens, rows.shape[1])  # [num_tokens, hidden]
             out.index_add_(0, token_rows, (expert_out * weights[:, None]).to(rows.dtype))
@@ -132,66 +122,47 @@ def _mlp(weights: dict[str, LinearWeight], prefix: str) -> SwiGluMlp:
     return SwiGluMlp(weights[f"{prefix}gate_up"], weights[f"{prefix}down"])
 
 
-def build_sliced_moe_layer(store: SlicedLayers, index: int, loaded: dict, config: ModelConfig,
-                           linear: LinearMethod, dtype: torch.dtype) -> MoeLayerWeights:
-    """Layer `index` of a MoE model in `store`: a routed layer with its experts split whole at the
-    layer's rates, a dense layer with its MLP sliced along units."""
-    if store.tiers[index] != TIER_ACCELERATOR:
-        raise ConfigError(f"{config.architecture}: layer {index} is placed for whole-layer streaming, which does not "
-                          "take mixture-of-experts layers; slice its experts instead (no --weights-gpu-gib placement)")
-    head_norms = {key: loaded[key].to(store.device) for key in ("q_norm", "k_norm")} if config.qk_norm else {}
-    if not config.moe.is_moe_layer(index):
-        dense = store.build(index, loaded, linear, dtype)
-        return MoeLayerWeights(dense.input_norm, dense.qkv, dense.o_proj, dense.post_norm,
-                               SwiGluMlp(dense.gate_up, dense.down), **head_norms)
-    return MoeLayerWeights(input_norm=loaded["input_layernorm"].to(store.device),
-                           post_norm=loaded["post_attention_layernorm"].to(store.device),
-                           **_place_routed_layer(store, index, loaded, config, linear, dtype), **head_norms)
-
-
-def _place_routed_layer(store: SlicedLayers, index: int, loaded: dict, config: ModelConfig, linear: LinearMethod,
-                        dtype: torch.dtype) -> dict:
-    """A routed layer's weights in their tiers: the resident ones one image copied to the
-    accelerator, CG's experts one image streamed from host memory, CC's on the host. -> qkv,
-    o_proj and the SlicedSparseMoe"""
+def place_routed_layer(store: LayerPlacer, index: int, loaded: dict, config: ModelConfig, rates: SliceRates,
+                       linear: LinearMethod, dtype: torch.dtype) -> dict:
+    """A routed layer's weights in their tiers, its experts split whole at `rates`: the resident
+    ones one image copied to the accelerator, CG's experts one image streamed from host memory,
+    CC's on the host. -> qkv, o_proj and the SlicedSparseMoe"""
     moe = config.moe
-    counts = store.rates[index].counts(moe.num_experts)
+    counts = rates.counts(moe.num_experts)
     parts = _routed_linears(loaded, config, counts, linear, dtype, store)
-    allocate = store.copy_engine.allocate_host
-    weights = {**parts["cc"], **store.place_resident(*host_image(parts["gg"], allocate))}
-    if parts["cg"]:
-        weights.update(store.place_streamed(index, TIER_HOST, *host_image(parts["cg"], allocate)))
+    allocate = store.allocate_host
+    weights = {**parts[SliceKind.CC], **store.place_resident(*host_image(parts[SliceKind.GG], allocate))}
+    if parts[SliceKind.CG]:
+        weights.update(store.place_streamed(index, Tier.HOST, *host_image(parts[SliceKind.CG], allocate)))
     router = TopKRouter(weights[ROUTER_KEY], moe.num_experts_per_token, moe.normalize_top_k)
     shared = None
     if moe.has_shared_expert:
         shared = SharedExpert(_mlp(weights, SHARED_EXPERT_PREFIX), weights.get(SHARED_EXPERT_GATE_KEY))
     experts = [_mlp(weights, expert_prefix(e)) for e in range(moe.num_experts)]
-    mlp = SlicedSparseMoe(index, router, experts, shared, counts, store.host, store.slice_stats)
-    if parts["cc"] or parts["cg"]:
-        store.moe_layers[index] = mlp
+    mlp = SlicedSparseMoe(index, router, experts, shared, counts, store.cpu, store.stats)
     return dict(qkv=weights["qkv"], o_proj=weights["o_proj"], mlp=mlp)
 
 
 def _routed_linears(loaded: dict, config: ModelConfig, counts: tuple[int, int, int], linear: LinearMethod,
-                    dtype: torch.dtype, store: SlicedLayers) -> dict[str, dict[str, LinearWeight]]:
-    """A routed layer's weight objects by slice: "cc" the CPU's experts (laid out for it), "cg"
-    the streamed experts, "gg" the resident weights (attention, router, shared expert and
+                    dtype: torch.dtype, store: LayerPlacer) -> dict[SliceKind, dict[str, LinearWeight]]:
+    """A routed layer's weight objects by slice: CC the CPU's experts (laid out for it), CG
+    the streamed experts, GG the resident weights (attention, router, shared expert and
     experts), the last two laid out for the accelerator."""
     moe = config.moe
     for_accelerator = linear_maker(linear, dtype, HOST, store.device)  # built on the host, copied over
     for_cpu = linear_maker(linear, dtype, HOST, HOST)
     # the router and the shared expert's gate stay dense, as in the resident layer (engine/model/moe.py)
     dense_for_accelerator = linear_maker(create_linear_method("dense"), dtype, HOST, store.device)
-    parts = {"cc": {}, "cg": {}, "gg": attention_linears(loaded, for_accelerator)}
-    parts["gg"][ROUTER_KEY] = dense_for_accelerator(loaded[ROUTER_KEY])
+    parts = {SliceKind.CC: {}, SliceKind.CG: {}, SliceKind.GG: attention_linears(loaded, for_accelerator)}
+    parts[SliceKind.GG][ROUTER_KEY] = dense_for_accelerator(loaded[ROUTER_KEY])
     if moe.has_shared_expert:
-        parts["gg"].update(_mlp_linears(loaded, for_accelerator, SHARED_EXPERT_PREFIX))
+        parts[SliceKind.GG].update(_mlp_linears(loaded, for_accelerator, SHARED_EXPERT_PREFIX))
         if moe.shared_expert_gated:
-            parts["gg"][SHARED_EXPERT_GATE_KEY] = dense_for_accelerator(loaded[SHARED_EXPERT_GATE_KEY])
-    slice_of_expert = [name for name, num_experts in zip(SLICES, counts) for _ in range(num_experts)]
+            parts[SliceKind.GG][SHARED_EXPERT_GATE_KEY] = dense_for_accelerator(loaded[SHARED_EXPERT_GATE_KEY])
+    slice_of_expert = [kind for kind, num_experts in zip(SliceKind, counts) for _ in range(num_experts)]
     for expert, slice_name in enumerate(slice_of_expert):
-        if slice_name == "cc":
-            parts["cc"].update({name: HostWeight(store.host.own_threads(w))
+        if slice_name == SliceKind.CC:
+            parts[SliceKind.CC].update({name: HostWeight(store.cpu.own_threads(w))
                                 for name, w in _mlp_linears(loaded, for_cpu, expert_prefix(expert)).items()})
         else:
             parts[slice_name].update(_mlp_linears(loaded, for_accelerator, expert_prefix(expert)))

@@ -16,7 +16,7 @@ result. Three implementations:
   event. Untested on real hardware in CI (no GPU there).
 
 Accelerator work may hand work back to the CPU side (ScheInfer's CPU-computed MLP slice,
-engine/execution/mlp_slicing.py): `run_on_host` runs it on the engine thread, the one that
+engine/execution/sliced_mlp.py): `run_on_host` runs it on the engine thread, the one that
 conducts the forward, and `copy_to_host` starts the activations' hop there. On the testbed the
 accelerator thread queues it and the engine thread runs it while it waits on a future; on CUDA and
 inline the engine thread itself runs the accelerator's work (launches), so the host work runs when

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ from engine.attention import AttentionMetadata, DecodeAttentionBackend, prefill_
 from engine.attention.decode import CpuPagedDecode
 from engine.kv import TwoTierKVCache
 from engine.model.config import ModelConfig
+from engine.model.feed_forward import FeedForward, Make, SwiGluMlp
 from engine.model.layers import RotaryEmbedding, fused_rms_norm, fused_silu_mul, rms_norm, silu_mul
 from engine.model.native import NativeDecoder, NotNative
 from engine.model.registry import register_model
@@ -29,7 +29,6 @@ from engine.weights import WeightLoader
 logger = logging.getLogger(__name__)
 
 
-Make = Callable[..., LinearWeight]  # (weight, bias=None) -> the linear method's weight object
 
 
 def linear_maker(linear: LinearMethod, dtype: torch.dtype, device: torch.device,
@@ -63,8 +62,7 @@ class LayerWeights:
     qkv: LinearWeight  # [q_size + 2 * kv_size, hidden], Q, K and V fused into one matmul (bias: Qwen2)
     o_proj: LinearWeight  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: LinearWeight  # [2 * intermediate, hidden], gate and up fused
-    down: LinearWeight  # [hidden, intermediate]
+    mlp: FeedForward  # a SwiGluMlp, or one sliced across the CPU and the GPU
 
     @classmethod
     def from_loaded(cls, w: dict, linear: LinearMethod, dtype: torch.dtype, device: torch.device,
@@ -73,12 +71,24 @@ class LayerWeights:
         `layout_device`: whose kernels the weights are laid out for, when they are stored elsewhere
         (a streamed layer, kept on the host until it is copied to the accelerator)."""
         make = linear_maker(linear, dtype, device, layout_device)
-        return cls(**attention_weights(w, make, device), gate_up=make(fuse([w["gate_proj"], w["up_proj"]])),
-                   down=make(w["down_proj"]))
+        return cls(**attention_weights(w, make, device), mlp=SwiGluMlp.from_loaded(w, make))
+
+    @classmethod
+    def of_linears(cls, input_norm: torch.Tensor, post_norm: torch.Tensor,
+                   linears: dict[str, LinearWeight]) -> "LayerWeights":
+        """From the norms and the four linear weights by name (`named_linears`' names)."""
+        return cls(input_norm, linears["qkv"], linears["o_proj"], post_norm,
+                   SwiGluMlp(linears["gate_up"], linears["down"]))
+
+    def named_linears(self) -> dict[str, LinearWeight]:
+        """A dense layer's linear weights by name, in a layer image's order (layer_image.LINEAR_NAMES)."""
+        if not isinstance(self.mlp, SwiGluMlp):
+            raise TypeError(f"a layer whose MLP is a {type(self.mlp).__name__} has no single gate_up and down")
+        return dict(qkv=self.qkv, o_proj=self.o_proj, gate_up=self.mlp.gate_up, down=self.mlp.down)
 
     def linear_weights(self) -> tuple[LinearWeight, ...]:
         """Every linear weight of the layer, for reports."""
-        return (self.qkv, self.o_proj, self.gate_up, self.down)
+        return (self.qkv, self.o_proj, *self.mlp.linear_weights())
 
     def dense_tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors outside weight objects (norms), for reports."""
@@ -87,7 +97,8 @@ class LayerWeights:
 
 class LayerStore:
     """Where decoder layers' weights live and how a forward gets at them. This one keeps every
-    layer resident on the accelerator; engine/execution/weight_stream.py streams some in.
+    layer resident on the accelerator; engine/execution/layer_store.py places them by a ModelPlan
+    (streamed whole, or with the MLP sliced across the CPU and the accelerator).
 
     A forward `acquire`s each layer before its first stage and `release`s it after its last (with
     two sub-batches, after the second's), layers in order; both run where the accelerator's work
@@ -123,21 +134,6 @@ class LayerStore:
     def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes of weight memory beside the weights themselves (streaming buffers), by (format, tier)."""
         return {}
-
-    def transfer_stats(self):
-        """Running totals of streamed bytes and transfer and stall seconds (a snapshot), or None
-        where nothing streams."""
-        return None
-
-    def mlp_cpu_s(self) -> float | None:
-        """Running total of seconds the CPU computed MLP parts (sliced MLPs' CC), or None where
-        it computes none."""
-        return None
-
-    def mlp_moved_tokens(self) -> int | None:
-        """Running total of tokens sliced MLPs computed CC's units for on the accelerator (CG',
-        summed over layers) instead of on the CPU, or None where none are moved."""
-        return None
 
     def close(self) -> None:
         """Stop threads and close files."""
@@ -287,8 +283,7 @@ class LlamaModel:
 
     def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """The layer's SwiGLU MLP on normalized rows x [num_tokens, hidden] -> [num_tokens, hidden]."""
-        w = self.layers[layer]
-        return w.down.apply(self.silu_mul(w.gate_up.apply(x)))
+        return self.layers[layer].mlp.apply(x, self.silu_mul)
 
     def _native_decode_applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: TwoTierKVCache) -> bool:
         """A pure decode batch the C++ decoder takes whole: its stages apply, and the attention

@@ -11,57 +11,25 @@ tokens are grouped by expert (one stable sort of the (token, slot) pairs): each 
 weights are applied once per forward to all the rows routed to it, never per token.
 
 Where a layer's parts live is the layer store's choice: a `MoeLayerStore` builds MoE layers.
-`ResidentMoeLayers` keeps every layer resident; `SlicedLayers` (engine/execution/mlp_slicing.py,
-engine/execution/moe_slicing.py) puts whole experts in ScheInfer's CC, CG and GG tiers. A store
-that streams whole layers (PIPO's `StreamedLayers`) holds no MoE layers and is refused.
+`ResidentMoeLayers` keeps every layer resident; `PlannedLayers` (engine/execution/layer_store.py,
+engine/execution/moe_slicing.py) puts whole experts in ScheInfer's CC, CG and GG tiers and
+refuses a plan that streams a MoE layer whole.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from engine.model.config import ConfigError, ModelConfig
+from engine.model.feed_forward import FeedForward, SiluMul, SwiGluMlp
 from engine.model.layers import rms_norm
 from engine.model.llama import LayerStore, LlamaModel, Make, attention_weights, linear_maker
 from engine.model.registry import register_model
 from engine.quant import LinearMethod, LinearWeight, create_linear_method
-from engine.quant.int4 import fuse
 from engine.weights import WeightLoader
 from engine.weights.base import ROUTER_KEY, SHARED_EXPERT_GATE_KEY, SHARED_EXPERT_PREFIX, expert_prefix
-
-SiluMul = Callable[[torch.Tensor], torch.Tensor]  # gate_up [rows, 2 * inter] -> silu(gate) * up
-
-
-class FeedForward(Protocol):
-    """What a decoder layer does after its post-attention norm."""
-
-    def apply(self, x: torch.Tensor, silu_mul: SiluMul) -> torch.Tensor:
-        """x [num_tokens, hidden] (normalized) -> [num_tokens, hidden]"""
-
-    def linear_weights(self) -> tuple[LinearWeight, ...]:
-        """Every weight object it applies, for reports."""
-
-
-class SwiGluMlp:
-    """down(silu(gate(x)) * up(x)), gate and up fused: a dense layer's MLP, one expert, or a shared expert."""
-
-    def __init__(self, gate_up: LinearWeight, down: LinearWeight) -> None:
-        self.gate_up = gate_up  # [2 * intermediate, hidden]
-        self.down = down  # [hidden, intermediate]
-
-    @classmethod
-    def from_loaded(cls, w: dict, make: Make, prefix: str = "") -> "SwiGluMlp":
-        """From a loader's layer: the MLP whose keys start with `prefix` ("experts.3.", ...)."""
-        return cls(make(fuse([w[f"{prefix}gate_proj"], w[f"{prefix}up_proj"]])), make(w[f"{prefix}down_proj"]))
-
-    def apply(self, x: torch.Tensor, silu_mul: SiluMul) -> torch.Tensor:
-        return self.down.apply(silu_mul(self.gate_up.apply(x)))
-
-    def linear_weights(self) -> tuple[LinearWeight, ...]:
-        return (self.gate_up, self.down)
-
 
 @dataclass
 class Routing:
@@ -252,5 +220,3 @@ class MoeModel(LlamaModel):
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # each head over its head_dim
         return torch.cat([rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)], dim=1)
 
-    def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        return self.layers[layer].mlp.apply(x, self.silu_mul)

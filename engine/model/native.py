@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.feed_forward import SwiGluMlp
 from engine.quant import LinearWeight
 from engine.quant.dense import DenseWeight
 from engine.quant.int4 import MAX_KERNEL_ROWS, Int4Weight
@@ -78,8 +79,11 @@ class NativeDecoder:
             layer = ext.DecoderLayer()
             layer.input_norm, layer.post_norm = _pointer(w.input_norm, model.dtype), _pointer(w.post_norm, model.dtype)
             keep_alive += [w.input_norm, w.post_norm]
-            for name in ("qkv", "o_proj", "gate_up", "down"):
-                parts = [_linear_part(ext, part, model.dtype, keep_alive, row_limits) for part in getattr(w, name).parts]
+            if not isinstance(w.mlp, SwiGluMlp):
+                raise NotNative(f"layer's MLP is a {type(w.mlp).__name__}, not one SwiGLU MLP")
+            linears = dict(qkv=w.qkv, o_proj=w.o_proj, gate_up=w.mlp.gate_up, down=w.mlp.down)
+            for name, weight in linears.items():
+                parts = [_linear_part(ext, part, model.dtype, keep_alive, row_limits) for part in weight.parts]
                 setattr(layer, name, parts)
             decoder.add_layer(layer)
         return cls(decoder, min(row_limits), keep_alive, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype)

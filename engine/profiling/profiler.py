@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from engine.attention import DecodeAttentionBackend, prefill_attention
 from engine.execution.queues import AcceleratorQueue
+from engine.execution.stats import WeightStats
 from engine.kv import KVCache, TwoTierKVCache
 from engine.model import ModelConfig
 from engine.model.llama import LlamaModel
@@ -137,8 +138,9 @@ def _split_evenly(total: int, parts: int) -> list[int]:
 class _Profiler:
     def __init__(self, model: LlamaModel, accelerator: AcceleratorQueue, gpu_decode: DecodeAttentionBackend,
                  cpu_decode: DecodeAttentionBackend, block_size: int, dtype: torch.dtype, grid: ProfileGrid,
-                 bar: tqdm) -> None:
+                 bar: tqdm, weight_stats: WeightStats | None = None) -> None:
         self.model = model
+        self.weight_stats = weight_stats
         self.config: ModelConfig = model.config
         self.accelerator = accelerator
         self.device = accelerator.device
@@ -237,11 +239,8 @@ class _Profiler:
     def compute_seconds(self, work: Callable[[], Any]) -> float:
         """`work` on the accelerator, less what it waited for streamed layers' weights: the
         compute the table is of (the transfers are the cost model's own term)."""
-        store = self.model.layer_store
-
         def stalled() -> float:
-            stats = store.transfer_stats()
-            return 0.0 if stats is None else stats.stall_s
+            return 0.0 if self.weight_stats is None else self.weight_stats.stall_s
 
         def run() -> float:
             before = stalled()
@@ -334,17 +333,20 @@ class _Profiler:
 @torch.inference_mode()
 def profile_costs(model: LlamaModel, accelerator: AcceleratorQueue, gpu_decode: DecodeAttentionBackend,
                   cpu_decode: DecodeAttentionBackend, *, block_size: int, dtype: torch.dtype,
-                  grid: ProfileGrid | None = None, progress: bool = False) -> TableCostModel:
+                  grid: ProfileGrid | None = None, progress: bool = False,
+                  weight_stats: WeightStats | None = None) -> TableCostModel:
     """Measure every table of `TableCostModel` for `model` on this machine.
 
     `gpu_decode` is the accelerator's decode backend (run on `accelerator`), `cpu_decode` the
     CPU-requests' backend (run on the calling thread, which should hold the CPU attention's
-    cores and thread count). Scratch KV pools are allocated here and freed on return."""
+    cores and thread count); `weight_stats`, the sink the model's layer store writes to, says
+    how long forwards waited for streamed weights. Scratch KV pools are allocated here and freed
+    on return."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     grid = grid or ProfileGrid()
     with tqdm(total=grid.num_points, desc="profiling costs", unit="point", disable=not progress) as bar:
-        profiler = _Profiler(model, accelerator, gpu_decode, cpu_decode, block_size, dtype, grid, bar)
+        profiler = _Profiler(model, accelerator, gpu_decode, cpu_decode, block_size, dtype, grid, bar, weight_stats)
         try:
             return TableCostModel(
                 num_layers=model.config.num_layers,

@@ -23,13 +23,13 @@ from engine.attention import create_decode_backend
 from engine.execution.queues import AcceleratorQueue, InlineQueue
 from engine.execution.transfer import CopyEngine, pin_to
 from engine.model import ModelConfig
-from engine.model.llama import LlamaModel
+from engine.model.llama import LayerWeights, LlamaModel
 from engine.profiling.profiler import median_seconds
 from engine.quant import create_linear_method
 from engine.weights.base import WeightLoader, global_shapes, layer_shapes
 from engine.weights.direct_io import IO_ALIGN_BYTES, DirectReader, aligned_empty, open_for_reading
 from engine.weights.layer_files import LAYER_FILE_PATTERN, write_file
-from engine.weights.layer_image import LINEAR_NAMES, LayerImage
+from engine.weights.layer_image import LayerImage
 from scheduler.cost_model import Curve, kv_bytes_per_token
 from scheduler.placement import ComputeCosts
 
@@ -206,13 +206,12 @@ def measure_compute(config: ModelConfig, dtype: torch.dtype, linear_method: str,
     model = accelerator.submit(lambda: LlamaModel(
         small, _RandomLoader(small), dtype, device, 64, create_decode_backend("auto", str(device)),
         linear_method=create_linear_method(linear_method))).result()
-    for layer in model.layers:  # in the copy engine's buffers, as a placed model's layers are
-        linears = {name: getattr(layer, name) for name in LINEAR_NAMES}
+    for index, layer in enumerate(model.layers):  # in the copy engine's buffers, as a placed model's layers are
+        linears = layer.named_linears()
         image = LayerImage.of(linears)
         buffer = engine.allocate_buffer(image.nbytes)
         image.write(linears, buffer)
-        for name, weight in image.bind(linears, buffer).items():
-            setattr(layer, name, weight)
+        model.layers[index] = LayerWeights.of_linears(layer.input_norm, layer.post_norm, image.bind(linears, buffer))
 
     def timed(work: Callable[[], Any]) -> float:
         return _median_s(lambda: accelerator.submit(lambda: (work(), _synchronize(device))).result())

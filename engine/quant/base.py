@@ -40,12 +40,12 @@ class LinearWeight(ABC):
         return (self,)
 
     # Where the weight is stored: "accelerator" (resident), or "host" / "disk" for a weight
-    # streamed in before use (engine/execution/weight_stream.py).
+    # streamed in before use (engine/execution/ring.py).
     tier: str = "accelerator"
 
     def placed_parts(self) -> tuple[tuple["LinearWeight", str], ...]:
         """Each part with the tier it is stored in, for reports: here all in the weight's tier (a
-        sliced MLP's parts, engine/execution/mlp_slicing.py, live in several)."""
+        sliced MLP's parts, engine/execution/sliced_mlp.py, live in several)."""
         return tuple((part, self.tier) for part in self.parts)
 
     @abstractmethod

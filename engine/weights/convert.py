@@ -16,7 +16,7 @@ from engine.quant import LinearMethod
 from engine.weights.base import WeightLoader
 from engine.weights.direct_io import aligned_empty
 from engine.weights.layer_files import LayerFiles
-from engine.weights.layer_image import LINEAR_NAMES, LayerImage
+from engine.weights.layer_image import LayerImage
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def build_host_layer(loader: WeightLoader, index: int, linear: LinearMethod, dty
     if loaded is None:
         loaded = (loader.load_layer_packed if linear.takes_packed_int4 else loader.load_layer)(index, dtype)
     weights = LayerWeights.from_loaded(loaded, linear, dtype, torch.device("cpu"), layout_device=layout_device)
-    linears = {name: getattr(weights, name) for name in LINEAR_NAMES}
+    linears = weights.named_linears()
     image = LayerImage.of(linears)
     data = allocate(image.nbytes)
     image.write(linears, data)

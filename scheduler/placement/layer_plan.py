@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from scheduler.placement.slicing import SliceRates
 
@@ -70,6 +70,18 @@ class ModelPlan:
     layers: tuple[LayerPlan, ...]
     placement: WeightPlacement | None = None
     slicing: SlicingPlan | None = None
+
+    @classmethod
+    def compose(cls, num_layers: int, placement: WeightPlacement | None = None,
+                rates: Sequence[SliceRates] | None = None, slicing: SlicingPlan | None = None) -> "ModelPlan":
+        """The plan of `placement`'s tiers (every layer resident without one) with `rates` (one per
+        layer) slicing the resident layers' MLPs; layers streamed whole are not sliced."""
+        tiers = [Tier(tier) for tier in placement.tiers] if placement is not None else [Tier.ACCELERATOR] * num_layers
+        if rates is not None and len(rates) != num_layers:
+            raise ValueError(f"slice rates for {len(rates)} layers, but the model has {num_layers}")
+        layers = tuple(LayerPlan(tier, rates[i] if rates is not None and tier == Tier.ACCELERATOR else None)
+                       for i, tier in enumerate(tiers))
+        return cls(layers, placement, slicing)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:

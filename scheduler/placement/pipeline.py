@@ -1,7 +1,7 @@
 """How long one forward takes when some layers' weights stream in (PIPO sec. 3.2, Alg. 1), in
 simulated time: the estimate the planner ranks placements by.
 
-The engine's streaming pipeline (engine/execution/weight_stream.py) loads streamed layers one at
+The engine's streaming pipeline (engine/execution/ring.py) loads streamed layers one at
 a time, in the order the forward uses them and round and round across forwards, each into the
 next of `num_buffers` accelerator buffers once the layer that used it has been released. The
 forward computes layer after layer and waits for a streamed layer's load before computing it.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 # Accelerator buffers the CG parts stream through (each of the largest CG part's bytes): two
 # layers held at once (Neo's two-batch forward holds layer i+1 before it releases layer i) and one
-# preloading. The engine's ring (engine/execution/mlp_slicing.py) and the planner's budget share it.
+# preloading. The engine's ring (engine/execution/sliced_mlp.py) and the planner's budget share it.
 NUM_CG_BUFFERS = 3
 # How far the three fractions may miss summing to one (they come from floating-point solvers).
 RATE_SUM_TOLERANCE = 1e-6

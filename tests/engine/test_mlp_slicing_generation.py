@@ -9,7 +9,7 @@ import pytest
 
 import engine.engine
 from engine import LLM
-from engine.execution.mlp_slicing import DENSE_SLICE_UNITS
+from engine.execution.sliced_mlp import DENSE_SLICE_UNITS
 from engine.weights import create_loader
 from scheduler.placement import TIER_ACCELERATOR, TIER_DISK, TIER_HOST
 from scheduler.placement.moved_tokens import SolvedMovedTokens
@@ -34,14 +34,14 @@ def run_sliced(model: dict, tmp_path, device: str, offload: str, slicing=SLICING
         store = llm.engine.runner.model.layer_store
         rates = llm.engine.config.weights.slice_rates(len(store.tiers))
         assert store.mlps
-        stats = store.slice_stats
+        stats = llm.engine.weight_stats
         if any(r.cc for r in rates):
             assert stats.num_cc_tokens + stats.num_moved_tokens >= len(store.mlps) * len(workload(model, offload)[0])
             assert stats.cc_s > 0 or stats.num_moved_tokens > 0
         # device cpu moves nothing: one thread computes both sides in turn
         assert (store.moved is not None) == (llm.engine.config.weights.prefill_moving and device != "cpu")
         if any(r.cg for r in rates):
-            assert store.transfer_stats().bytes_by_tier[TIER_HOST] > 0
+            assert stats.bytes_by_tier[TIER_HOST] > 0
         tiers = {tier for (_, tier) in llm.engine.runner.model.weight_bytes()}
         assert {TIER_ACCELERATOR, TIER_HOST} <= tiers
         layer_tiers = set(store.tiers)

@@ -37,14 +37,14 @@ def test_sliced_experts_under_neo_equal_resident(resident_tokens, tmp_path, devi
     assert outputs == resident_tokens
     assert "CPU decode in batch-1" in seen  # two-batch forwards held two layers' CG images at once
     assert sorted(store.moe_layers) == list(range(NUM_LAYERS))
-    assert store.slice_stats.num_cc_calls > 0
-    assert store.transfer_stats().bytes_by_tier[TIER_HOST] > 0
+    assert store.stats.num_cc_calls > 0
+    assert store.stats.bytes_by_tier[TIER_HOST] > 0
 
 
 def test_solved_expert_placement_within_a_budget_equals_resident(resident_tokens, tmp_path):
     """--mlp-slicing auto places whole experts within a budget too small for them all."""
     outputs, _, store = generate(tmp_path, mlp_slicing="auto", weights_gpu_gib=0.0012)
     assert outputs == resident_tokens
-    rates = store.rates
+    rates = store.plan.rates
     assert any(r.gg < 1.0 for r in rates)  # the budget took experts off the accelerator
     assert all(abs(rate * 8 - round(rate * 8)) < 1e-9 for r in rates for rate in (r.cc, r.cg, r.gg))

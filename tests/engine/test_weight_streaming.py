@@ -101,7 +101,7 @@ def run(model: dict, tmp_path, device="cpu", offload="off", tier=None, offload_d
             check_placement(llm, tier, kwargs["weights_gpu_gib"])
         outputs, seen = generate(llm, *workload(model, offload))
         if tier is not None:
-            stats = llm.engine.runner.model.layer_store.transfer_stats()
+            stats = llm.engine.weight_stats
             streamed = set(llm.engine.placement.tiers) - {TIER_ACCELERATOR}
             assert all(stats.bytes_by_tier[t] > 0 for t in streamed)
     return outputs, seen

@@ -1,4 +1,4 @@
-"""ScheInfer's MLP slicing (engine/execution/mlp_slicing.py): logits of a tiny random Llama with
+"""ScheInfer's MLP slicing (engine/execution/sliced_mlp.py, placed by engine/execution/layer_store.py): logits of a tiny random Llama with
 every layer's MLP cut into CC, CG and GG parts match Hugging Face transformers to 1e-4 in fp32
 for every placement (all GG, all CC, all CG, mixed rates, per-layer mixes), serially and on the
 host-only testbed, dense and INT4; the CC part ran on the engine thread and the CG part was
@@ -15,20 +15,18 @@ import transformers
 
 from engine.execution import ModelRunner
 from engine.execution.cores import CoreAssignment
-from engine.execution.mlp_slicing import (
-    MOVED_HOST_FORMAT,
-    SlicedDown,
-    SlicedGateUp,
-    create_sliced_layer_store,
-    slice_mlp,
-)
+from engine.execution.layer_store import create_layer_store
+from engine.execution.moved_part import MOVED_HOST_FORMAT
+from engine.execution.sliced_mlp import SlicedMlp, slice_mlp
 from engine.execution.queues import WorkerThreadQueue
+from engine.model.layers import fused_silu_mul
 from engine.quant import create_linear_method
 from engine.quant.dense import DenseWeight
 from engine.quant.int4 import PackedInt4
 from engine.weights import create_loader
 from kernels.cpu import int4 as int4_kernels
 from scheduler.placement import TIER_ACCELERATOR, TIER_HOST
+from scheduler.placement.layer_plan import ModelPlan
 from scheduler.placement.moved_tokens import MovedTokens
 from scheduler.placement.slicing import SliceRates
 from scheduler.sampling_params import SamplingParams
@@ -78,6 +76,11 @@ def tiny_model(tmp_path_factory):
     return hf_model, str(path)
 
 
+def create_sliced_layer_store(rates, placement, device, cores, **options):
+    """The layer store of a plan slicing every resident layer's MLP at `rates` (one per layer)."""
+    return create_layer_store(ModelPlan.compose(len(rates), placement, rates), device, cores, **options)
+
+
 def sliced_runner(path: str, rates, device: str = "cpu", linear_method: str = "dense", layer_store=None,
                   **store_options) -> ModelRunner:
     loader = create_loader(path)
@@ -120,19 +123,19 @@ def check_the_parts_ran(runner: ModelRunner, rates, device: str) -> None:
     store = sliced_store(runner)
     num_forwards = 5
     cc_layers = sum(r.cc > 0 for r in rates)
-    assert store.slice_stats.num_cc_calls == cc_layers * num_forwards
+    stats = store.stats
+    assert stats.num_cc_calls == cc_layers * num_forwards
     if cc_layers:
-        assert store.slice_stats.cc_thread_ids == {threading.get_ident()}
+        assert stats.cc_thread_ids == {threading.get_ident()}
     if device == "testbed":
-        assert runner.accelerator._thread.ident not in store.slice_stats.cc_thread_ids
+        assert runner.accelerator._thread.ident not in stats.cc_thread_ids
     cg_layers = [i for i, r in enumerate(rates) if r.cg > 0]
-    stats = store.transfer_stats()
     if cg_layers:
         assert stats.num_loads >= len(cg_layers) * num_forwards
-        cg_bytes = sum(store._streamed[i].image.nbytes for i in cg_layers)
+        cg_bytes = sum(store.ring.items[i].image.nbytes for i in cg_layers)
         assert stats.bytes_by_tier[TIER_HOST] >= cg_bytes * num_forwards
     else:
-        assert stats is None
+        assert not stats.streams
     assert runner.model.native is None  # the C++ whole-layer decoder never runs over sliced layers
 
 
@@ -166,7 +169,8 @@ def test_sliced_int4_logits_match_the_resident_int4_model(tiny_model, placement)
         for expected, got in zip(steps(reference), steps(runner)):
             for (_, want), (_, logits) in zip(expected, got):
                 torch.testing.assert_close(logits, want, atol=TOLERANCE, rtol=TOLERANCE)
-        assert {part.format for layer in runner.model.layers for part in layer.down.parts} == {"int4"}
+        assert {part.format for layer in runner.model.layers for weight in layer.mlp.linear_weights()
+                for part in weight.parts} == {"int4"}
         check_the_parts_ran(runner, rates, "cpu")
     finally:
         reference.close()
@@ -190,8 +194,8 @@ def test_weight_bytes_put_cc_and_cg_in_host_memory(tiny_model):
         host_bytes = NUM_LAYERS * mlp_bytes * (cc + cg) // TINY["intermediate_size"]
         assert bytes_by_tier == {TIER_HOST: host_bytes, TIER_ACCELERATOR: total - host_bytes}
         layer = model.layers[0]
-        assert isinstance(layer.gate_up, SlicedGateUp) and isinstance(layer.down, SlicedDown)
-        assert (layer.gate_up.out_features, layer.down.in_features) == (2 * (cg + gg), cg + gg)
+        assert isinstance(layer.mlp, SlicedMlp)
+        assert tuple(layer.mlp.counts.values()) == (cc, cg, gg)
         assert model.weight_bytes()[("layer buffers", TIER_ACCELERATOR)] > 0
     finally:
         runner.close()
@@ -260,16 +264,16 @@ def test_a_failed_cpu_part_fails_its_forward_and_the_next_one_computes(tiny_mode
         runner.close()
 
 
-def test_a_sliced_down_needs_its_gate_up_first(tiny_model):
+def test_a_sliced_mlp_applies_its_cg_part_only_while_acquired(tiny_model):
     _, path = tiny_model
     runner = sliced_runner(path, (MIXED,) * NUM_LAYERS)
     try:
-        down, store = runner.model.layers[0].down, sliced_store(runner)
+        mlp, store = runner.model.layers[0].mlp, sliced_store(runner)
+        x = torch.randn(2, TINY["hidden_size"])
         with pytest.raises(RuntimeError, match="layer 0's weights are not on the accelerator"):  # CG's
-            down.apply(torch.zeros(2, down.in_features))
+            mlp.apply(x, fused_silu_mul)
         store.acquire(0)
-        with pytest.raises(RuntimeError, match="layer 0's sliced down was applied before its gate_up"):
-            down.apply(torch.zeros(2, down.in_features))
+        assert mlp.apply(x, fused_silu_mul).shape == (2, TINY["hidden_size"])
         store.release(0)
     finally:
         runner.close()
@@ -313,7 +317,7 @@ def check_the_moves_ran(runner: ModelRunner, policy: ForcedMoves, device: str) -
     """Only layers with a CC part asked; CG' computed the moved rows on the accelerator's thread
     from weights the transfer thread copied, once per forward that moved any; the CPU computed the
     rest and only the rest."""
-    store, stats = sliced_store(runner), sliced_store(runner).slice_stats
+    store, stats = sliced_store(runner), sliced_store(runner).stats
     cc_layers = {i for i, r in enumerate(MOVING_RATES) if r.cc > 0}
     assert {layer for layer, _ in policy.asked} == cc_layers
     moved = [int(n * policy.share) for _, n in policy.asked]
@@ -408,7 +412,7 @@ def test_without_room_for_cg_primes_buffer_every_token_stays_on_the_cpu(tiny_mod
     hf_model, path = tiny_model
     roomy = sliced_runner(path, MOVING_RATES, moved_tokens=ForcedMoves(0.5))
     store = sliced_store(roomy)
-    budget = store.used_bytes + sum(buffer.data.numel() for buffer in store._buffers) - 1  # one byte short
+    budget = store.used_bytes - 1  # one byte short (the ring and CG''s buffer included)
     roomy.close()
     policy = ForcedMoves(0.5)
     runner = sliced_runner(path, MOVING_RATES, moved_tokens=policy, accelerator_weight_budget_bytes=budget)
@@ -418,7 +422,7 @@ def test_without_room_for_cg_primes_buffer_every_token_stays_on_the_cpu(tiny_mod
         for rows in steps(runner):
             for tokens, logits in rows:
                 torch.testing.assert_close(logits, hf_last_logits(hf_model, tokens), atol=TOLERANCE, rtol=TOLERANCE)
-        assert not policy.asked and store.slice_stats.num_moved_tokens == 0 and store.mlp_moved_tokens() is None
+        assert not policy.asked and store.stats.num_moved_tokens == 0 and not store.stats.moves
     finally:
         runner.close()
 
@@ -430,7 +434,6 @@ def test_an_empty_sub_batch_passes_a_sliced_mlp(tiny_model, moved):
     runner = sliced_runner(path, MOVING_RATES, moved_tokens=ForcedMoves(MOVED_SHARES[moved]))
     try:
         layer = runner.model.layers[0]  # all CC: nothing streamed to acquire
-        units = layer.gate_up.apply(torch.zeros(0, TINY["hidden_size"]))
-        assert layer.down.apply(units[:, :units.shape[1] // 2]).shape == (0, TINY["hidden_size"])
+        assert layer.mlp.apply(torch.zeros(0, TINY["hidden_size"]), fused_silu_mul).shape == (0, TINY["hidden_size"])
     finally:
         runner.close()

@@ -14,9 +14,12 @@ import torch
 
 from engine.execution import ModelRunner
 from engine.execution.cores import CoreAssignment
-from engine.execution.mlp_slicing import NUM_CG_BUFFERS, create_sliced_layer_store
-from engine.execution.moe_slicing import HostWeight, SlicedSparseMoe
-from engine.execution.weight_stream import StreamedWeight, create_layer_store
+from engine.execution.cpu_side import HostWeight
+from engine.execution.layer_store import create_layer_store
+from engine.execution.moe_slicing import SlicedSparseMoe
+from engine.execution.ring import StreamedWeight
+from scheduler.placement.layer_plan import ModelPlan
+from scheduler.placement.slicing import NUM_CG_BUFFERS
 from engine.model import ConfigError
 from engine.quant import create_linear_method
 from engine.weights import create_loader
@@ -26,7 +29,7 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import Sequence
 from test_weight_stream import placement
-from test_mlp_slicing import ALL_CC, ALL_CG, ALL_GG, MIXED, TWO_CORES
+from test_mlp_slicing import ALL_CC, ALL_CG, ALL_GG, MIXED, TWO_CORES, create_sliced_layer_store
 from tiny_moe import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, TOLERANCE, VOCAB_SIZE, build_tiny_moe
 
 FAMILIES = ("mixtral", "qwen3-moe-dense-layer", "qwen2-moe-shared-expert")
@@ -101,7 +104,7 @@ def check_the_parts_ran(runner: ModelRunner, rates, device: str) -> None:
     layer's CC experts skips it); each layer's CG image copied once per forward (the ring loads
     at most its buffers ahead)."""
     store = runner.model.layer_store
-    stats = store.slice_stats
+    stats = store.stats
     cc_layers = ([i for i, mlp in store.mlps.items() if mlp.counts["cc"]]
                  + [i for i, moe in store.moe_layers.items() if moe.num_cc])
     all_cc_layers = sum(rates[i] == ALL_CC for i in cc_layers)  # every token's every pair goes to the CPU
@@ -109,18 +112,18 @@ def check_the_parts_ran(runner: ModelRunner, rates, device: str) -> None:
     assert bool(stats.num_cc_calls) == bool(cc_layers)
     if cc_layers:
         assert stats.cc_thread_ids == {threading.get_ident()}
-        assert store.mlp_cpu_s() > 0
+        assert stats.cc_s > 0
     if device == "testbed":
         assert runner.accelerator._thread.ident not in stats.cc_thread_ids
-    cg_layers = sorted(store._streamed)
+    cg_layers = sorted(store.ring.items)
     assert bool(cg_layers) == any(r.cg for r in rates)
-    transfers = store.transfer_stats()
+    transfers = store.stats
     if cg_layers:
-        cg_bytes = sum(store._streamed[i].image.nbytes for i in cg_layers)
+        cg_bytes = sum(store.ring.items[i].image.nbytes for i in cg_layers)
         assert len(cg_layers) * NUM_FORWARDS <= transfers.num_loads <= len(cg_layers) * NUM_FORWARDS + NUM_CG_BUFFERS
         assert transfers.bytes_by_tier[TIER_HOST] >= cg_bytes * NUM_FORWARDS
     else:
-        assert transfers is None
+        assert not transfers.streams
 
 
 @pytest.mark.parametrize("device", ["cpu", ON_TESTBED, ON_CUDA])
@@ -154,7 +157,7 @@ def test_sliced_experts_compute_exactly_what_resident_ones_do(tiny_moe, linear_m
         for expected, got in zip(steps(resident), steps(runner)):
             for (_, want), (_, logits) in zip(expected, got):
                 torch.testing.assert_close(logits, want, atol=0, rtol=0)
-        assert runner.model.layer_store.slice_stats.num_cc_calls > 0
+        assert runner.model.layer_store.stats.num_cc_calls > 0
     finally:
         resident.close()
         runner.close()
@@ -206,11 +209,12 @@ def test_weight_bytes_put_cc_and_cg_experts_in_host_memory(tiny_moe):
         runner.close()
 
 
-def test_a_whole_layer_streaming_store_is_refused_with_a_reason(tiny_moe):
+def test_a_plan_streaming_a_moe_layer_whole_is_refused_with_a_reason(tiny_moe):
     loader = create_loader(tiny_moe.path)
-    store = functools.partial(create_layer_store, placement((TIER_ACCELERATOR,) * NUM_LAYERS), files=None,
-                              num_io_threads=1, accelerator_weight_budget_bytes=None, global_weight_bytes=0)
-    with pytest.raises(ConfigError, match="StreamedLayers does not hold mixture-of-experts layers"):
+    plan = ModelPlan.compose(NUM_LAYERS, placement((TIER_HOST,) + (TIER_ACCELERATOR,) * (NUM_LAYERS - 1)))
+    store = functools.partial(create_layer_store, plan, files=None, num_io_threads=1,
+                              accelerator_weight_budget_bytes=None, global_weight_bytes=0)
+    with pytest.raises(ConfigError, match="layer 0 is placed for whole-layer streaming"):
         ModelRunner(loader.config, loader, dtype=torch.float32, device="cpu", num_blocks=NUM_BLOCKS,
                     block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, layer_store=store)
 

@@ -1,4 +1,4 @@
-"""The weight-streaming store (engine/execution/weight_stream.py) on its own: streamed layers come
+"""Whole-layer streaming through the layer store's ring (engine/execution/ring.py) on its own: streamed layers come
 back bit for bit in whichever ring buffer they land, the ring is allocated once, a streamed
 weight is never applied outside acquire/release, out-of-order use is refused, a failed forward
 recovers, a failed load fails the forward that waits for it, and a CUDA copy engine (when a GPU is
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine.execution.cores import CoreAssignment
-from engine.execution.weight_stream import StreamedWeight, create_layer_store
+from engine.execution.layer_store import create_layer_store
+from engine.execution.ring import StreamedWeight
 from engine.model import ModelConfig
 from engine.quant import create_linear_method
 from engine.weights import layer_shapes
@@ -24,6 +25,7 @@ from scheduler.placement import (
     ThroughputEstimate,
     WeightPlacement,
 )
+from scheduler.placement.layer_plan import ModelPlan
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=5,
                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -47,7 +49,7 @@ def loaded_layers(seed: int = 0) -> list[dict]:
 def build(tmp_path, tiers=TIERS, num_buffers=2, method="dense", device="cpu"):
     files = LayerFiles(tmp_path / "offload", ConversionKey.create("test", torch.float32, "none", torch.device(device)),
                        CONFIG.num_layers)
-    store = create_layer_store(placement(tiers, num_buffers), torch.device(device), CoreAssignment.for_device("cpu"),
+    store = create_layer_store(ModelPlan.compose(CONFIG.num_layers, placement(tiers, num_buffers)), torch.device(device), CoreAssignment.for_device("cpu"),
                                files, num_io_threads=2, accelerator_weight_budget_bytes=None, global_weight_bytes=0)
     linear = create_linear_method(method)
     layers = [store.build(i, w, linear, torch.float32) for i, w in enumerate(loaded_layers())]
@@ -67,7 +69,8 @@ def forward(store, layers, x):
     outputs = []
     for i, layer in enumerate(layers):
         store.acquire(i)
-        outputs.append([getattr(layer, name).apply(x if name != "down" else x.repeat(1, 2)) for name in
+        linears = layer.named_linears()
+        outputs.append([linears[name].apply(x if name != "down" else x.repeat(1, 2)) for name in
                         ("qkv", "gate_up", "down")])
         store.release(i)
     return outputs
@@ -79,13 +82,13 @@ def test_streamed_layers_apply_exactly_the_resident_weights_cycle_after_cycle(tm
     try:
         x = torch.randn(3, CONFIG.hidden_size)
         expected = forward(_NoStore(), reference_layers(method), x)
-        pointers = [b.data.data_ptr() for b in store._buffers]
+        pointers = [b.data.data_ptr() for b in store.ring._buffers]
         for _ in range(3):  # 4 streamed layers through 2 buffers: each lands in another buffer each cycle
             got = forward(store, layers, x)
             assert all(torch.equal(a, b) for ga, ea in zip(got, expected) for a, b in zip(ga, ea))
-        assert [b.data.data_ptr() for b in store._buffers] == pointers  # the ring is never reallocated
-        stats = store.transfer_stats()
-        layer_bytes = store._streamed[0].image.nbytes
+        assert [b.data.data_ptr() for b in store.ring._buffers] == pointers  # the ring is never reallocated
+        stats = store.stats
+        layer_bytes = store.ring.items[0].image.nbytes
         assert stats.bytes_by_tier[TIER_HOST] >= 3 * 2 * layer_bytes and stats.bytes_by_tier[TIER_DISK] > 0
         assert isinstance(layers[0].qkv, StreamedWeight) and layers[0].qkv.tier == TIER_HOST
         assert not isinstance(layers[1].qkv, StreamedWeight)
@@ -137,7 +140,7 @@ def test_a_failed_load_fails_the_forward_that_waits_for_it(tmp_path):
     store, layers = build(tmp_path, num_buffers=1)
     try:
         store.acquire(0)
-        os.truncate(store.files.path(2), 0)  # layer 2's file loses its bytes before its load
+        os.truncate(store.ring.files.path(2), 0)  # layer 2's file loses its bytes before its load
         store.release(0)
         with pytest.raises(RuntimeError, match="loading layer 2's weights failed"):
             store.acquire(2)

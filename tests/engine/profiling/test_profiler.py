@@ -339,21 +339,23 @@ def test_linear_table_of_a_streamed_model_is_its_compute_alone(checkpoint, tmp_p
     import time
 
     from engine.execution.cores import CoreAssignment
-    from engine.execution.weight_stream import create_layer_store
+    from engine.execution.layer_store import create_layer_store
     from engine.weights.layer_files import ConversionKey, LayerFiles
     from scheduler.placement import TIER_DISK, TIER_HOST, ForwardTimeline, MemoryBreakdown, ThroughputEstimate
     from scheduler.placement import WeightPlacement
+    from scheduler.placement.layer_plan import ModelPlan
 
     loader = create_loader(str(checkpoint), "safetensors")
     tiers = (TIER_HOST, TIER_DISK, TIER_HOST)
     placement = WeightPlacement("cpu", tiers, "performance", 2, 0, MemoryBreakdown(*[0] * 9),
                                 ThroughputEstimate(1, 1, ForwardTimeline(1.0, 1.0, 1.0, 0.0)), {})
     files = LayerFiles(tmp_path, ConversionKey.create(loader.source, torch.float32, "none", torch.device("cpu")), 3)
-    store = create_layer_store(placement, torch.device("cpu"), CoreAssignment.for_device("cpu"), files, 2, None, 0)
+    store = create_layer_store(ModelPlan.compose(3, placement), torch.device("cpu"), CoreAssignment.for_device("cpu"),
+                               files, 2, None, 0)
     copy = store.copy_engine.copy
 
     def slow_copy(dst, src):
-        time.sleep(0.03 * src.numel() / store._streamed[0].image.nbytes)
+        time.sleep(0.03 * src.numel() / store.ring.items[0].image.nbytes)
         copy(dst, src)
     store.copy_engine.copy = slow_copy
     model = LlamaModel(loader.config, loader, torch.float32, "cpu", max_model_len=128,
@@ -364,6 +366,6 @@ def test_linear_table_of_a_streamed_model_is_its_compute_alone(checkpoint, tmp_p
         # compute alone, not the 30 ms loads (at one token: the C++ GEMV, about a millisecond; the
         # larger points go through torch's thread pool, whose time swings with the host's load)
         assert tables.linear_curve(1) < 0.01
-        assert store.transfer_stats().stall_s > 0.03  # the loads were waited for
+        assert store.stats.stall_s > 0.03  # the loads were waited for
     finally:
         store.close()

@@ -184,8 +184,8 @@ def test_mixed_types_generate_alike_under_int4_and_none(tmp_path, caplog, archit
     assert int4_log == MIXED_INT4_LOG
     first = runners["int4"].model.layers[0]
     assert isinstance(first.qkv, ConcatWeight) and [p.format for p in first.qkv.parts] == ["int4", "float32"]
-    assert isinstance(first.gate_up, ConcatWeight) and [p.format for p in first.gate_up.parts] == ["int4", "float32"]
-    assert (first.o_proj.format, first.down.format) == ("int4", "float32")
+    assert isinstance(first.mlp.gate_up, ConcatWeight) and [p.format for p in first.mlp.gate_up.parts] == ["int4", "float32"]
+    assert (first.o_proj.format, first.mlp.down.format) == ("int4", "float32")
     assert {fmt for fmt, _ in runners["int4"].model.weight_bytes()} == {"int4", "float32"}
 
     gen = torch.Generator().manual_seed(0)

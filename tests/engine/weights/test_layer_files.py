@@ -84,7 +84,7 @@ def test_converted_layers_read_back_bit_for_bit(tmp_path, source, quantization):
         original = build_host_layer(loader, index, linear, torch.float32, CPU)
         image, buffer = read_back(files, index, reader)
         assert image == original.image and torch.equal(buffer, original.data)
-        linears = {name: getattr(original.weights, name) for name in LINEAR_NAMES}
+        linears = original.weights.named_linears()
         bound = image.bind(meta_templates(linears), buffer)
         for name in LINEAR_NAMES:
             expected = linears[name].tensors()
@@ -176,5 +176,5 @@ def test_the_planner_counts_the_bytes_the_engine_lays_out(preset, quantization):
     linear = create_linear_method("int4" if quantization == "int4" else "dense")
     for dtype in (torch.float32, torch.bfloat16):
         weights = LayerWeights.from_loaded(loaded, linear, dtype, CPU)
-        image = LayerImage.of({name: getattr(weights, name) for name in LINEAR_NAMES})
+        image = LayerImage.of(weights.named_linears())
         assert image.nbytes == layer_image_bytes(config.shape, WeightFormat(quantization, dtype.itemsize))

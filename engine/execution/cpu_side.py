@@ -1,0 +1,78 @@
+"""The CPU side of a sliced MLP: where the parts the CPU computes (ScheInfer's CC) run, and
+with how many threads. On the testbed the accelerator thread hands such work to the engine
+thread, which runs it while it waits; on CUDA and inline the engine thread runs it after
+launching the accelerator's parts (engine/execution/queues.py, `run_on_host`)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from engine.execution.queues import AcceleratorQueue, InlineQueue
+from engine.quant import LinearWeight
+from engine.quant.int4 import CpuInt4Kernels
+from scheduler.placement.layer_plan import Tier
+
+HOST = torch.device("cpu")
+
+
+class CpuSide:
+    """How a sliced MLP reaches the CPU: the accelerator queue the forward runs on (inline until
+    the runner hands its own), and the threads CC's kernels use (None: the caller's)."""
+
+    def __init__(self, num_threads: int | None) -> None:
+        self.queue: AcceleratorQueue = InlineQueue()
+        self.num_threads = num_threads
+
+    def own_threads(self, weight: LinearWeight) -> LinearWeight:
+        """`weight` (a CC part) with its INT4 kernels on the CPU side's threads; dense ones
+        follow the calling thread's torch threads (`threads`)."""
+        for part in weight.parts:
+            kernels = getattr(part, "kernels", None)
+            if self.num_threads is not None and isinstance(kernels, CpuInt4Kernels):
+                kernels.num_threads = self.num_threads  # each weight has kernels of its own
+        return weight
+
+    @contextmanager
+    def threads(self):
+        """The CPU side's torch thread count (per thread under OpenMP), the caller's after."""
+        before = torch.get_num_threads()
+        if self.num_threads is not None and self.num_threads != before:
+            torch.set_num_threads(self.num_threads)
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+
+
+class HostWeight(LinearWeight):
+    """A CC weight: computed by the CPU where it is stored, reported in host memory."""
+
+    tier = Tier.HOST
+
+    def __init__(self, weight: LinearWeight) -> None:
+        self.weight = weight
+        self.method = weight.method
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.apply(x)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    @property
+    def format(self) -> str:
+        return self.weight.format
+
+    @property
+    def parts(self) -> tuple[LinearWeight, ...]:
+        return self.weight.parts
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.weight.tensors()
+
+    def with_tensors(self, tensors):
+        return HostWeight(self.weight.with_tensors(tensors))

@@ -1,0 +1,38 @@
+"""What the weight parts did, as running totals the engine reads around each forward: the ring's
+loads (PIPO's streamed layers and ScheInfer's CG parts), the CPU side's MLP parts (CC), and CG''s
+moved tokens. The parts write into one `WeightStats` they are given; nothing reads them back
+through the layer store."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from scheduler.placement.layer_plan import Tier
+
+
+@dataclass
+class WeightStats:
+    """Running totals since start (seconds, bytes, counts). `streams`, `slices` and `moves` say
+    which parts exist, so a report can tell "none happened" from "nothing could"."""
+
+    streams: bool = False  # a ring loads weights
+    slices: bool = False  # a CPU side computes MLP parts (CC)
+    moves: bool = False  # CG' computes CC's units for moved tokens
+    # ---- the ring ------------------------------------------------------------------------------
+    bytes_by_tier: dict[Tier, int] = field(default_factory=lambda: {Tier.HOST: 0, Tier.DISK: 0})
+    transfer_s: float = 0.0  # loads in progress, summed
+    stall_s: float = 0.0  # acquires waiting on a load
+    num_loads: int = 0
+    # ---- the CPU side's MLP parts ----------------------------------------------------------------
+    num_cc_calls: int = 0
+    cc_s: float = 0.0  # CC's gate/up, activation and down, on the CPU
+    cc_thread_ids: set[int] = field(default_factory=set)  # the threads that computed CC
+    num_cc_tokens: int = 0  # rows summed over dense layers: CC's units computed by the CPU
+    # ---- CG' -----------------------------------------------------------------------------------
+    num_moved_tokens: int = 0  # rows summed over dense layers: CC's units computed by CG' instead
+    moved_bytes: int = 0  # CC's weights copied to the accelerator for CG'
+    moved_thread_ids: set[int] = field(default_factory=set)  # the threads that computed CG'
+    moved_copy_thread_ids: set[int] = field(default_factory=set)  # the threads that copied CG''s weights
+
+    def snapshot(self) -> "WeightStats":
+        return copy.deepcopy(self)
