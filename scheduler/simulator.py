@@ -4,7 +4,7 @@ Each step asks `NeoScheduler.schedule()` for a plan, advances the clock by the p
 cost model (a `RooflineCostModel` from a hardware profile, or any `CostModel`), and feeds fake
 sampled tokens back through `update()`. Nothing else is simulated: admission, swaps, preemptions,
 batch placement and the GPU-only/pipelined choice are the scheduler's own. The GPU-only baseline is
-the same scheduler with an empty host pool (`num_cpu_blocks=0`), which plans exactly as the v0
+the same scheduler with an empty host pool (`num_cpu_blocks=0`), which plans exactly as the GPU-only
 `Scheduler` does.
 
 The clock advances by the iteration formulas of Neo 3.2, computed here from the plan alone:
