@@ -90,6 +90,9 @@ class PlanMode:
     PIPELINED = "pipelined"  # Neo's asymmetric two-batch forward with CPU decoding attention
 
 
+PLAN_MODES = (PlanMode.GPU_ONLY, PlanMode.PIPELINED)  # every mode, for whoever counts by mode
+
+
 @dataclass
 class IterationPlan:
     """What the runner executes this iteration.

@@ -30,7 +30,7 @@ from scheduler.neo import NeoConfig, NeoKnobs, NeoScheduler, cpu_stage_time
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
 from scheduler.roofline import HardwareProfile, RooflineCostModel, size_pools
-from scheduler.scheduler import IterationPlan, PlanMode, SchedulerConfig, ScheduledSeq
+from scheduler.scheduler import PLAN_MODES, IterationPlan, PlanMode, SchedulerConfig, ScheduledSeq
 
 # The token every simulated sampling returns; requests run to max_tokens (ignore_eos).
 SAMPLED_TOKEN = 0
@@ -212,7 +212,7 @@ def simulate(scheduler: NeoScheduler, workload: Workload, cost: CostModel | None
     clock = 0.0
     first_token: dict[str, float] = {}
     records: list[RequestRecord] = []
-    by_mode = {PlanMode.GPU_ONLY: 0, PlanMode.PIPELINED: 0}
+    by_mode = dict.fromkeys(PLAN_MODES, 0)
     num_iterations = num_forced = num_gpu_seqs = num_cpu_seqs = num_mismatches = 0
     peak_gpu_requests = peak_cpu_requests = 0
     while next_arrival < len(pending) or scheduler.has_unfinished_sequences():
