@@ -121,10 +121,6 @@ class AsyncEngine:
         self._commands.put(("abort", request_id, None))
         self._wakeup.set()
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending_tokens)
-
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort whatever is left and stop the loop thread."""
         self._stop.set()

@@ -40,7 +40,7 @@ Bounded wait: a CPU-sequence skipped `max_cpu_wait_iterations` times in a row is
 (cooldown ignored) or placed even if an inequality breaks (`IterationPlan.forced`), at most
 `max_forced_cpu_decodes` of them per iteration, longest waiting first; every CPU-sequence is
 placed when the GPU has nothing to run. With `num_cpu_blocks == 0` every step reduces to
-the v0 `Scheduler`: same plans, same preemptions.
+the GPU-only `Scheduler` (scheduler/scheduler.py): same plans, same preemptions.
 
 Blocks are reassigned at schedule time (allocate in the destination, free the source); the runner
 performs every swap copy before the iteration's forward, so freed blocks may be reused in the
@@ -114,7 +114,8 @@ class NeoKnobs:
 class NeoConfig(NeoKnobs):
     """What the Neo scheduler runs with: its knobs and the host pool's size."""
 
-    # Blocks in the host (CPU) KV pool; 0 turns offloading off and the scheduler behaves as v0.
+    # Blocks in the host (CPU) KV pool; 0 turns offloading off and the scheduler plans as the
+    # GPU-only `Scheduler`.
     num_cpu_blocks: int = 0
 
     def __post_init__(self) -> None:
@@ -344,7 +345,8 @@ class NeoScheduler(Scheduler):
     def _charge_cpu_decodes(self, plan: IterationPlan) -> None:
         """Step 2, host side: every CPU-sequence gets the block its next token needs, whether it
         decodes this iteration or later; when the host pool is full the newest CPU-sequence is
-        preempted (v0's rule). Done first so swap-outs only take host blocks that are spare."""
+        preempted (the GPU-only scheduler's rule). Done first so swap-outs only take host blocks
+        that are spare."""
         for seq in list(self.cpu_running):  # oldest first
             needed = self._num_new_blocks(seq)
             while seq.status is SequenceStatus.RUNNING and not self.cpu_pool.can_allocate(needed):
@@ -359,8 +361,8 @@ class NeoScheduler(Scheduler):
         """Step 2, accelerator side: every GPU-sequence decodes in batch-0. While the GPU pool cannot
         hold their new KV, the newest GPU-sequence outside its cooldown (else the newest) moves to
         the host pool, or, when the host pool cannot hold it either, the newest is preempted. The
-        sequences that go are the fewest from the newest end, as v0 preempts them. Returns whether
-        the GPU was short of blocks."""
+        sequences that go are the fewest from the newest end, as the GPU-only scheduler preempts
+        them. Returns whether the GPU was short of blocks."""
         needed = sum(self._num_new_blocks(r) for r in self.running)
         short = needed > self.block_pool.num_free_blocks
         while needed > self.block_pool.num_free_blocks:
@@ -463,10 +465,10 @@ class NeoScheduler(Scheduler):
 
     def _schedule_prefills(self, plan: IterationPlan) -> None:
         """Step 3: first come first served into batch-0 while the token budget and `max_num_seqs`
-        (running sequences of both tiers, as v0 counts them) allow. The KV goes to the GPU pool
-        if it holds the prompt, else to the host pool (the runner copies it out layer by layer) while
-        fewer than `max_cpu_admitted` CPU-sequences run, else admission stops. None in an iteration
-        that had to preempt (v0's rule)."""
+        (running sequences of both tiers, as the GPU-only scheduler counts them) allow. The KV goes
+        to the GPU pool if it holds the prompt, else to the host pool (the runner copies it out layer
+        by layer) while fewer than `max_cpu_admitted` CPU-sequences run, else admission stops. None
+        in an iteration that had to preempt (the GPU-only scheduler's rule)."""
         if plan.preempted:
             return
         cfg = self.config

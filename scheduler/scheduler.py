@@ -1,4 +1,7 @@
-"""Scheduler v0: prefill waitqueue + decode runqueue, one mixed batch per iteration.
+"""The GPU-only scheduler: prefill waitqueue + decode runqueue, one mixed batch per iteration.
+
+The engine runs it when there is no host KV pool; `NeoScheduler` (scheduler/neo.py) extends it
+with the CPU tier.
 
 Each iteration every running sequence decodes one token and waiting ones are admitted as
 prefills while `max_num_seqs`, `max_num_batched_tokens` and the block pool allow (Orca's
@@ -83,8 +86,11 @@ class Swap:
 
 
 class PlanMode:
-    GPU_ONLY = "gpu_only"  # one batch, attention on the accelerator (the v0 forward)
+    GPU_ONLY = "gpu_only"  # one batch, attention on the accelerator (layer by layer)
     PIPELINED = "pipelined"  # Neo's asymmetric two-batch forward with CPU decoding attention
+
+
+PLAN_MODES = (PlanMode.GPU_ONLY, PlanMode.PIPELINED)  # every mode, for whoever counts by mode
 
 
 @dataclass

@@ -4,7 +4,7 @@ Each step asks `NeoScheduler.schedule()` for a plan, advances the clock by the p
 cost model (a `RooflineCostModel` from a hardware profile, or any `CostModel`), and feeds fake
 sampled tokens back through `update()`. Nothing else is simulated: admission, swaps, preemptions,
 batch placement and the GPU-only/pipelined choice are the scheduler's own. The GPU-only baseline is
-the same scheduler with an empty host pool (`num_cpu_blocks=0`), which plans exactly as the v0
+the same scheduler with an empty host pool (`num_cpu_blocks=0`), which plans exactly as the GPU-only
 `Scheduler` does.
 
 The clock advances by the iteration formulas of Neo 3.2, computed here from the plan alone:
@@ -30,7 +30,7 @@ from scheduler.neo import NeoConfig, NeoKnobs, NeoScheduler, cpu_stage_time
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
 from scheduler.roofline import HardwareProfile, RooflineCostModel, size_pools
-from scheduler.scheduler import IterationPlan, PlanMode, SchedulerConfig, ScheduledSeq
+from scheduler.scheduler import PLAN_MODES, IterationPlan, PlanMode, SchedulerConfig, ScheduledSeq
 
 # The token every simulated sampling returns; requests run to max_tokens (ignore_eos).
 SAMPLED_TOKEN = 0
@@ -212,7 +212,7 @@ def simulate(scheduler: NeoScheduler, workload: Workload, cost: CostModel | None
     clock = 0.0
     first_token: dict[str, float] = {}
     records: list[RequestRecord] = []
-    by_mode = {PlanMode.GPU_ONLY: 0, PlanMode.PIPELINED: 0}
+    by_mode = dict.fromkeys(PLAN_MODES, 0)
     num_iterations = num_forced = num_gpu_seqs = num_cpu_seqs = num_mismatches = 0
     peak_gpu_requests = peak_cpu_requests = 0
     while next_arrival < len(pending) or scheduler.has_unfinished_sequences():

@@ -8,8 +8,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
 from scheduler.placement import TIER_DISK, TIER_HOST
+from scheduler.scheduler import PLAN_MODES
+from scheduler.sequence import SequenceStatus, Tier
 
 STREAMED_TIERS = (TIER_HOST, TIER_DISK)  # where streamed layers come from
+KV_TIERS = tuple(tier.value for tier in Tier)  # where a request's KV lives
+FINISH_REASONS = tuple(status.value for status in SequenceStatus if status.finished)
+SWAP_OUT, SWAP_IN = "out", "in"  # to the host pool, back to the accelerator's
+SWAP_DIRECTIONS = (SWAP_OUT, SWAP_IN)
 
 disable_created_metrics()  # the *_created series only clutter dashboards (vLLM turns them off too)
 
@@ -85,8 +91,6 @@ class Metrics:
         self._weight_streamed_bytes = Counter(
             "tandem:weight_streamed_bytes", "Bytes of streamed layers loaded into the accelerator's buffers, by the "
             "tier they came from (host, disk).", ["model_name", "tier"], registry=r)
-        for tier in STREAMED_TIERS:  # a series per tier from the start, at 0 where nothing streams
-            self._weight_streamed_bytes.labels(self._model_name, tier)
         self.weight_transfer_seconds = counter(
             "weight_transfer_seconds", "Time spent loading streamed layers (overlaps compute in the pipeline).")
         self.weight_stall_seconds = counter(
@@ -104,6 +108,25 @@ class Metrics:
             "mlp_moved_tokens", "Tokens whose CPU slices of an MLP (CC) the accelerator computed instead, with CC's "
             "weights copied over (CG', prefill token assignment), summed over layers.")
         self._last_token_time: dict[str, float] = {}
+        self._initialise_labelled_series()
+
+    def _initialise_labelled_series(self) -> None:
+        """A series for every known label value from the start, at 0, so a fresh dashboard shows 0
+        rather than "No data" (a labelled metric exports nothing until `.labels()` is called).
+        weight_bytes is set once the weights are loaded (`record_weights`)."""
+        name = self._model_name
+        for reason in FINISH_REASONS:
+            self._success.labels(name, reason)
+        for mode in PLAN_MODES:
+            self._iterations.labels(name, mode)
+        for tier in KV_TIERS:
+            self._tier_running.labels(name, tier)
+            self._tier_usage.labels(name, tier)
+        for direction in SWAP_DIRECTIONS:
+            self._swaps.labels(name, direction)
+            self._swapped_blocks.labels(name, direction)
+        for tier in STREAMED_TIERS:  # at 0 where nothing streams
+            self._weight_streamed_bytes.labels(name, tier)
 
     def request_success(self, finished_reason: str):
         return self._success.labels(self._model_name, finished_reason)
@@ -117,10 +140,10 @@ class Metrics:
         if stats.num_batched_tokens:
             name = self._model_name
             self._iterations.labels(name, stats.mode).inc()
-            self._swaps.labels(name, "out").inc(stats.num_swapped_out)
-            self._swaps.labels(name, "in").inc(stats.num_swapped_in)
-            self._swapped_blocks.labels(name, "out").inc(stats.num_blocks_swapped_out)
-            self._swapped_blocks.labels(name, "in").inc(stats.num_blocks_swapped_in)
+            self._swaps.labels(name, SWAP_OUT).inc(stats.num_swapped_out)
+            self._swaps.labels(name, SWAP_IN).inc(stats.num_swapped_in)
+            self._swapped_blocks.labels(name, SWAP_OUT).inc(stats.num_blocks_swapped_out)
+            self._swapped_blocks.labels(name, SWAP_IN).inc(stats.num_blocks_swapped_in)
             self.cpu_attention_seconds.inc(stats.cpu_attention_time)
             self.pipeline_cpu_wait_seconds.inc(stats.cpu_wait_time)
             self.mlp_cpu_seconds.inc(stats.mlp_cpu_time)
@@ -165,11 +188,12 @@ class Metrics:
         self.kv_cache_usage_perc.set(engine.scheduler.block_pool.usage)
         scheduler, name = engine.scheduler, self._model_name
         num_cpu_running = getattr(scheduler, "num_cpu_running", 0)
-        self._tier_running.labels(name, "gpu").set(scheduler.num_running - num_cpu_running)
-        self._tier_running.labels(name, "cpu").set(num_cpu_running)
-        self._tier_usage.labels(name, "gpu").set(scheduler.block_pool.usage)
+        gpu, cpu = Tier.GPU.value, Tier.CPU.value
+        self._tier_running.labels(name, gpu).set(scheduler.num_running - num_cpu_running)
+        self._tier_running.labels(name, cpu).set(num_cpu_running)
+        self._tier_usage.labels(name, gpu).set(scheduler.block_pool.usage)
         cpu_pool = getattr(scheduler, "cpu_pool", None)
-        self._tier_usage.labels(name, "cpu").set(cpu_pool.usage if cpu_pool is not None and cpu_pool.num_blocks else 0.0)
+        self._tier_usage.labels(name, cpu).set(cpu_pool.usage if cpu_pool is not None and cpu_pool.num_blocks else 0.0)
         if cpu_pool is not None:  # the Neo scheduler's backpressure (+Inf until it has a rate)
             self.cpu_service_rate.set(scheduler.cpu_service_rate or 0.0)
             self.cpu_admission_limit.set(scheduler.max_cpu_admitted)
@@ -178,7 +202,7 @@ class Metrics:
         """Called on the engine thread for a request aborted before it finished. An abort that
         empties the engine is followed by no iteration, so the gauges are refreshed here too."""
         self._last_token_time.pop(request_id, None)
-        self.request_success("abort").inc(num_sequences)
+        self.request_success(SequenceStatus.FINISHED_ABORTED.value).inc(num_sequences)
         self._record_state(engine)
 
     def record_weights(self, weight_bytes: dict[tuple[str, str], int]) -> None:

@@ -1,5 +1,6 @@
 """The imports keep the layers apart: server -> engine -> scheduler/kernels, the scheduler never
-imports torch, and only benchmarks and tests import benchmarks."""
+imports torch, and only benchmarks and tests import benchmarks. No product module imports itself
+through others (a cycle), and no function outgrows a screenful or so."""
 import ast
 import subprocess
 import sys
@@ -48,3 +49,145 @@ def test_the_cpu_engine_loads_without_triton():
     code = ("import sys; import engine.engine, engine.quant, kernels.triton; "
             "sys.exit('triton' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+# ---- import cycles -------------------------------------------------------------------------
+PRODUCT_PACKAGES = ("server", "engine", "scheduler", "kernels")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def product_modules() -> dict[str, Path]:
+    return {module_name(path): path for package in PRODUCT_PACKAGES for path in python_files(package)}
+
+
+def import_edges(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The product modules `module` imports anywhere in its file: at the top, inside functions and
+    under `if TYPE_CHECKING:`. `from pkg import name` imports pkg.name when that is a module, else
+    pkg; a name that is no module counts as the closest package above it that is."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def closest_module(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets.update(closest_module(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package `level - 1` steps above this module's
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                targets.add(submodule if submodule in modules else closest_module(base))
+    targets.discard(None)
+    targets.discard(module)
+    return targets
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = product_modules()
+    return {module: import_edges(module, path, modules) for module, path in modules.items()}
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components with more than one module, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(components)
+
+
+def shortest_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """A shortest import cycle through the component's first module, staying inside it."""
+    start, inside = component[0], set(component)
+    parents = {start: None}
+    queue = [start]
+    for node in queue:
+        for target in sorted(graph[node] & inside):
+            if target == start:
+                cycle = [node]
+                while parents[cycle[-1]] is not None:
+                    cycle.append(parents[cycle[-1]])
+                return [*reversed(cycle), start]
+            if target not in parents:
+                parents[target] = node
+                queue.append(target)
+    raise AssertionError(f"{component} is not strongly connected")
+
+
+def test_the_import_graph_sees_imports_in_functions_and_type_checking_blocks(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from typing import TYPE_CHECKING\n"
+                                  "if TYPE_CHECKING:\n    from pkg.b import B\n"
+                                  "def f():\n    from pkg import c\n    import pkg.d\n")
+    modules = {name: package / f"{name.split('.')[-1]}.py" for name in ("pkg.a", "pkg.b", "pkg.c", "pkg.d")}
+    modules["pkg"] = package / "__init__.py"
+    assert import_edges("pkg.a", package / "a.py", modules) == {"pkg.b", "pkg.c", "pkg.d"}
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert strongly_connected(graph) == [["a", "b", "c"]]
+    assert shortest_cycle(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert len(graph) > 50 and any(graph.values())
+    cycles = []
+    for component in strongly_connected(graph):
+        cycle = " -> ".join(shortest_cycle(graph, component))
+        others = sorted(set(component) - set(cycle.split(" -> ")))
+        cycles.append(cycle + (f" (with {', '.join(others)} in the same knot)" if others else ""))
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+# ---- function length -----------------------------------------------------------------------
+MAX_FUNCTION_LINES = 90
+
+
+def test_no_function_longer_than_the_limit():
+    long_functions = []
+    for package in ("server", "engine", "scheduler"):
+        for path in python_files(package):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    num_lines = node.end_lineno - node.lineno + 1
+                    if num_lines > MAX_FUNCTION_LINES:
+                        where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                        long_functions.append(f"{where} {node.name} ({num_lines} lines)")
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long_functions)

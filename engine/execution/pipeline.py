@@ -20,9 +20,11 @@ import torch
 
 from engine.attention import DecodeAttentionBackend
 from engine.execution.batch import BatchInputs
-from engine.execution.queues import AcceleratorQueue
+from engine.execution.queues import AcceleratorQueue, Future
 from engine.kv import TwoTierKVCache
 from engine.model.llama import LlamaModel
+
+_HOST = torch.device("cpu")
 
 
 @dataclass
@@ -49,96 +51,124 @@ def pipelined_forward(model: LlamaModel, accelerator: AcceleratorQueue, kv_cache
     """-> logits [batch-0 seqs + batch-1 seqs + batch-0's then batch-1's prompt rows, vocab] fp32,
     on the accelerator."""
     times = times if times is not None else PipelineTimes()
-    num_layers = model.config.num_layers
-    host = torch.device("cpu")
-    b0, b1 = _Batch(batch0), _Batch(batch1)
+    return _PipelinedForward(model, accelerator, kv_cache, cpu_decode, batch0, batch1, times).run()
 
-    def pre_proj(batch: _Batch, layer: int):
+
+class _PipelinedForward:
+    """One pipelined forward, stage by stage. The accelerator stages (`_embed`, `_pre_proj`,
+    `_accelerator_attention`, `_post_proj`, `_head`) run in the queue's order; `_cpu_attention`
+    runs on the calling thread, `_wait` blocks it on a future."""
+
+    def __init__(self, model: LlamaModel, accelerator: AcceleratorQueue, kv_cache: TwoTierKVCache,
+                 cpu_decode: DecodeAttentionBackend, batch0: BatchInputs, batch1: BatchInputs,
+                 times: PipelineTimes) -> None:
+        self.model = model
+        self.accelerator = accelerator
+        self.kv_cache = kv_cache
+        self.cpu_decode = cpu_decode
+        self.times = times
+        self.num_layers = model.config.num_layers
+        self.b0, self.b1 = _Batch(batch0), _Batch(batch1)
+        # A plan may leave batch-1 empty (its CPU decodes all fit beside batch-0's linear work).
+        self.has_batch1 = batch1.num_tokens > 0
+        # Layer weights are held from batch-0's first stage of a layer to its last sub-batch's (with
+        # a batch-1, layer i+1's batch-0 stage runs before layer i's batch-1 stage: two layers at once).
+        self.layers = model.layer_store
+
+    def run(self) -> torch.Tensor:
+        self.accelerator.submit(self._embed)
+        rows0 = self.accelerator.submit(lambda: self._pre_proj(self.b0, 0))
+        self.accelerator.submit(lambda: self._accelerator_attention(self.b0, 0))
+        rows1 = self.accelerator.submit(lambda: self._pre_proj(self.b1, 0)) if self.has_batch1 else None
+        for layer in range(self.num_layers):
+            rows0, rows1 = self._conduct_layer(layer, rows0, rows1)
+        return self._wait(self.accelerator.submit(self._head))
+
+    def _conduct_layer(self, layer: int, rows0: Future, rows1: Future | None) -> tuple[Future, Future | None]:
+        """Computes `layer`'s CPU attention of each batch as its rows arrive and queues what
+        follows it on the accelerator. Returns the futures of the next layer's CPU rows."""
+        nxt = layer + 1
+        out0 = self._cpu_attention(self.b0, layer, self._wait(rows0))  # ca0(layer), under ga0(layer) + l1
+        rows0 = self.accelerator.submit(lambda: self._finish_batch0_layer(layer, out0))
+        if nxt < self.num_layers:
+            self.accelerator.submit(lambda: self._accelerator_attention(self.b0, nxt))
+        if not self.has_batch1:
+            return rows0, rows1
+        out1 = self._cpu_attention(self.b1, layer, self._wait(rows1))  # ca1(layer), under l0
+        rows1 = self.accelerator.submit(lambda: self._finish_batch1_layer(layer, out1))
+        return rows0, rows1
+
+    # ---- accelerator stages -----------------------------------------------------------------
+    def _embed(self) -> None:
+        self.b0.hidden = self.model.pre_layer(self.b0.inputs.token_ids)
+        self.b1.hidden = self.model.pre_layer(self.b1.inputs.token_ids)
+        self.layers.acquire(0)
+
+    def _pre_proj(self, batch: _Batch, layer: int):
         """pr(layer): QKV + RoPE; the accelerator attention of batch-0 is queued separately so
         the CPU can start on its rows while it runs. Returns host views of the CPU rows."""
         inputs = batch.inputs
-        q, k, v = model.pre_proj(layer, batch.hidden, inputs.positions)
+        q, k, v = self.model.pre_proj(layer, batch.hidden, inputs.positions)
         batch.attn_out = torch.empty_like(q)
         batch.qkv = (q, k, v)
         start = inputs.num_accelerator_rows
         # [num_cpu_rows, heads, head_dim] each; non-blocking device->host copies on CUDA
-        return tuple(t[start:].to(host, non_blocking=True) for t in (q, k, v))
+        return tuple(t[start:].to(_HOST, non_blocking=True) for t in (q, k, v))
 
-    def accelerator_attention(batch: _Batch, layer: int) -> None:
+    def _accelerator_attention(self, batch: _Batch, layer: int) -> None:
+        """ga(layer): the attention of the batch's accelerator rows."""
         q, k, v = batch.qkv
         if batch.inputs.num_accelerator_rows:
-            model.attention(layer, q, k, v, kv_cache, batch.inputs.meta, out=batch.attn_out)
+            self.model.attention(layer, q, k, v, self.kv_cache, batch.inputs.meta, out=batch.attn_out)
 
-    def post_proj(batch: _Batch, layer: int, cpu_out: torch.Tensor | None) -> None:
+    def _post_proj(self, batch: _Batch, layer: int, cpu_out: torch.Tensor | None) -> None:
+        """po(layer): the CPU rows' attention joins the accelerator's, then O projection and MLP."""
         start = batch.inputs.num_accelerator_rows
         if cpu_out is not None:
             batch.attn_out[start:] = cpu_out.to(batch.attn_out.device, non_blocking=True)
-        batch.hidden = model.post_proj(layer, batch.hidden, batch.attn_out.flatten(1))
+        batch.hidden = self.model.post_proj(layer, batch.hidden, batch.attn_out.flatten(1))
 
-    def cpu_attention(batch: _Batch, layer: int, rows) -> torch.Tensor | None:
+    def _finish_batch0_layer(self, layer: int, cpu_out: torch.Tensor | None):
+        """po0(layer) pr0(layer + 1); returns the next layer's CPU rows (None after the last)."""
+        self._post_proj(self.b0, layer, cpu_out)
+        if not self.has_batch1:
+            self.layers.release(layer)
+        nxt = layer + 1
+        if nxt == self.num_layers:
+            return None
+        self.layers.acquire(nxt)
+        return self._pre_proj(self.b0, nxt)
+
+    def _finish_batch1_layer(self, layer: int, cpu_out: torch.Tensor | None):
+        """po1(layer) pr1(layer + 1); returns the next layer's CPU rows (None after the last)."""
+        self._post_proj(self.b1, layer, cpu_out)
+        self.layers.release(layer)
+        nxt = layer + 1
+        return self._pre_proj(self.b1, nxt) if nxt < self.num_layers else None
+
+    def _head(self) -> torch.Tensor:
+        batch0, batch1 = self.b0.inputs, self.b1.inputs
+        hidden = torch.cat([self.b0.hidden, self.b1.hidden])
+        last = torch.cat([batch0.last_indices, batch1.last_indices + batch0.num_tokens, batch0.prompt_rows,
+                          batch1.prompt_rows + batch0.num_tokens])
+        return self.model.post_layer(hidden, last)
+
+    # ---- calling-thread stages --------------------------------------------------------------
+    def _cpu_attention(self, batch: _Batch, layer: int, rows) -> torch.Tensor | None:
+        """ca(layer): the decoding attention of the batch's CPU rows, over the host KV pool."""
         meta = batch.inputs.cpu
         if meta is None or meta.num_decodes == 0:
             return None
         q, k, v = rows
-        host_pool = kv_cache.pool(on_cpu=True)
+        host_pool = self.kv_cache.pool(on_cpu=True)
         start = time.perf_counter()
-        out = cpu_decode.forward(q, host_pool.key[layer], host_pool.value[layer], meta.block_tables,
-                                 meta.context_lens, model.scale, k, v)
-        times.cpu_attention += time.perf_counter() - start
+        out = self.cpu_decode.forward(q, host_pool.key[layer], host_pool.value[layer], meta.block_tables,
+                                      meta.context_lens, self.model.scale, k, v)
+        self.times.cpu_attention += time.perf_counter() - start
         return out
 
-    def wait(future):
+    def _wait(self, future: Future):
         start = time.perf_counter()
         value = future.result()
-        times.cpu_waiting += time.perf_counter() - start
+        self.times.cpu_waiting += time.perf_counter() - start
         return value
-
-    # A plan may leave batch-1 empty (its CPU decodes all fit beside batch-0's linear work).
-    has_batch1 = batch1.num_tokens > 0
-    # Layer weights are held from batch-0's first stage of a layer to its last sub-batch's (with a
-    # batch-1, layer i+1's batch-0 stage runs before layer i's batch-1 stage: two layers at once).
-    layers = model.layer_store
-
-    def embed() -> None:
-        b0.hidden = model.pre_layer(batch0.token_ids)
-        b1.hidden = model.pre_layer(batch1.token_ids)
-        layers.acquire(0)
-
-    accelerator.submit(embed)
-    rows0 = accelerator.submit(lambda: pre_proj(b0, 0))
-    accelerator.submit(lambda: accelerator_attention(b0, 0))
-    rows1 = accelerator.submit(lambda: pre_proj(b1, 0)) if has_batch1 else None
-    for layer in range(num_layers):
-        nxt = layer + 1
-        out0 = cpu_attention(b0, layer, wait(rows0))  # ca0(layer), under ga0(layer) + l1
-
-        def stage0(layer=layer, out0=out0, nxt=nxt):
-            post_proj(b0, layer, out0)
-            if not has_batch1:
-                layers.release(layer)
-            if nxt == num_layers:
-                return None
-            layers.acquire(nxt)
-            return pre_proj(b0, nxt)
-
-        rows0 = accelerator.submit(stage0)
-        if nxt < num_layers:
-            accelerator.submit(lambda nxt=nxt: accelerator_attention(b0, nxt))
-        if not has_batch1:
-            continue
-        out1 = cpu_attention(b1, layer, wait(rows1))  # ca1(layer), under l0
-
-        def stage1(layer=layer, out1=out1, nxt=nxt):
-            post_proj(b1, layer, out1)
-            layers.release(layer)
-            return pre_proj(b1, nxt) if nxt < num_layers else None
-
-        rows1 = accelerator.submit(stage1)
-
-    def head() -> torch.Tensor:
-        hidden = torch.cat([b0.hidden, b1.hidden])
-        last = torch.cat([batch0.last_indices, batch1.last_indices + batch0.num_tokens, batch0.prompt_rows,
-                          batch1.prompt_rows + batch0.num_tokens])
-        return model.post_layer(hidden, last)
-
-    return wait(accelerator.submit(head))

@@ -48,10 +48,6 @@ class ForwardLogits:
     prompt_spans: list[tuple[int, int]]  # (row of plan.scheduled, number of prompt rows), in order
     pipeline: PipelineTimes | None
 
-    @property
-    def sampled_token_ids(self) -> list[int]:
-        return self.sampled.token_ids
-
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, loader: WeightLoader, *, dtype: torch.dtype,

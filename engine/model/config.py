@@ -104,10 +104,6 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def shape(self) -> ModelShape:
         """The numbers the scheduler's cost models and simulator compute with."""
         return ModelShape(num_layers=self.num_layers, hidden_size=self.hidden_size,

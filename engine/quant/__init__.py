@@ -1,4 +1,4 @@
-"""Linear methods: how a weight is stored and multiplied (dense today; INT4 plugs in here)."""
+"""Linear methods: how a weight is stored and multiplied (dense, INT4).."""
 from engine.quant.base import (
     LinearMethod,
     LinearWeight,

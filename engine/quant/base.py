@@ -1,9 +1,9 @@
 """The linear-method seam: every matmul of the model goes through a weight object.
 
-A `LinearMethod` turns a loaded weight matrix into a `LinearWeight` in its own format (dense
-today; packed INT4, streamed or sliced weights later), and the weight applies itself:
-`apply(x) -> y = x @ W^T (+ bias)`. The model code only ever calls `apply`, so a new format or
-a new place for a weight plugs in here and the model does not change.
+A `LinearMethod` turns a loaded weight matrix into a `LinearWeight` in its own format (dense or
+packed INT4; engine/execution wraps them as streamed or sliced weights), and the weight applies
+itself: `apply(x) -> y = x @ W^T (+ bias)`. The model code only ever calls `apply`, so a new
+format or a new place for a weight plugs in here and the model does not change.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """configs/grafana/tandem.json reads only what tandem exports: every metric name in its queries is a
-series of a live `tandem serve` with offloading on (the testbed), every label it filters or groups
-by is on that series, and every metric tandem exports has a panel."""
+series of a live `tandem serve` with offloading on (the testbed), and of one that has served
+nothing yet, every label it filters or groups by is on that series, and every metric tandem exports
+has a panel."""
 from __future__ import annotations
 
 import httpx
@@ -8,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from promql import all_panels, dashboard_expressions, load_dashboard, names_in, template_queries
+from tandem_server import ServerProcess
 
 DATASOURCE_UID = "prometheus"  # configs/grafana/provisioning/datasources/prometheus.yml
 GRID_COLUMNS = 24
@@ -30,14 +32,19 @@ def exported(offloading_server):
     return exported_series(offloading_server.url)
 
 
-def test_names_come_out_of_promql_without_functions_or_labels():
-    names = names_in('histogram_quantile(0.9, sum by (le) (rate(tandem:ttft_bucket{model_name=~"$m"}[5m]))) '
-                     '/ on(tier) group_left(mode) max(tandem:usage) > bool 1e3')
-    assert names.metrics == {"tandem:ttft_bucket", "tandem:usage"}
-    assert names.labels == {"le", "model_name", "tier", "mode"}
+@pytest.fixture(scope="module")
+def fresh_server(tmp_path_factory):
+    """The tiniest `tandem serve` (a dummy-weight preset, up in seconds), before any request."""
+    log = tmp_path_factory.mktemp("fresh") / "serve.log"
+    server = ServerProcess(log, "--model", "qwen3-moe-tiny", "--load-format", "dummy").start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
-def test_every_dashboard_metric_is_a_live_series_with_the_labels_it_uses(exported):
+def assert_dashboard_reads_only(exported: dict[str, dict[str, set[str]]]) -> None:
+    """Every metric the dashboard's queries read is a series in `exported`, with the labels they use."""
     series_labels = {name: labels for samples in exported.values() for name, labels in samples.items()}
     queries = [(expr, names_in(expr)) for expr in dashboard_expressions(load_dashboard())]
     queries += [(f"variable {q.metrics}", q) for q in template_queries(load_dashboard())]
@@ -49,6 +56,23 @@ def test_every_dashboard_metric_is_a_live_series_with_the_labels_it_uses(exporte
         labels_there = set().union(*(series_labels[name] for name in names.metrics))
         stray = sorted(names.labels - labels_there)
         assert not stray, f"{expr}: labels {stray} are on none of its series"
+
+
+def test_names_come_out_of_promql_without_functions_or_labels():
+    names = names_in('histogram_quantile(0.9, sum by (le) (rate(tandem:ttft_bucket{model_name=~"$m"}[5m]))) '
+                     '/ on(tier) group_left(mode) max(tandem:usage) > bool 1e3')
+    assert names.metrics == {"tandem:ttft_bucket", "tandem:usage"}
+    assert names.labels == {"le", "model_name", "tier", "mode"}
+
+
+def test_every_dashboard_metric_is_a_live_series_with_the_labels_it_uses(exported):
+    assert_dashboard_reads_only(exported)
+
+
+def test_a_server_that_served_nothing_already_exports_every_dashboard_metric(fresh_server):
+    """Labelled metrics export nothing until `.labels()` is called: tandem calls it at start with
+    every known label value, so a fresh dashboard shows 0 rather than "No data"."""
+    assert_dashboard_reads_only(exported_series(fresh_server.url))
 
 
 def test_every_exported_metric_has_a_panel(exported):
