@@ -95,10 +95,10 @@ def transfer_only_s(engine: LLMEngine, num_cycles: int = 3) -> float:
                 store.acquire(layer)
                 store.release(layer)
     cycles()  # warm-up: the loads in flight when it starts belong to no cycle
-    before = store.transfer_stats()
+    before = engine.weight_stats.snapshot()
     engine.runner.accelerator.submit(cycles).result()
-    after = store.transfer_stats()
-    return (after.transfer_s - before.transfer_s) / (after.num_loads - before.num_loads) * len(store._order)
+    after = engine.weight_stats
+    return (after.transfer_s - before.transfer_s) / (after.num_loads - before.num_loads) * len(store.ring.items)
 
 
 def compute_beside_transfers_s(resident: LLMEngine, streaming: LLMEngine, num_tokens: int, num_forwards: int) -> float:

@@ -73,13 +73,13 @@ def test_embedded_model_with_moved_tokens_under_neo_equals_resident(references, 
     how many tokens moved."""
     monkeypatch.setattr(engine.engine, "SolvedMovedTokens", HalfMoved)
     moved_per_iteration = []
-    record = engine.engine.LLMEngine._record_slicing
+    record = engine.engine.LLMEngine._record_weights
 
-    def recording(stats, store, *before):
-        record(stats, store, *before)
+    def recording(stats, before, after):
+        record(stats, before, after)
         moved_per_iteration.append(stats.num_mlp_moved_tokens)
 
-    monkeypatch.setattr(engine.engine.LLMEngine, "_record_slicing", staticmethod(recording))
+    monkeypatch.setattr(engine.engine.LLMEngine, "_record_weights", staticmethod(recording))
     outputs, seen, _ = run_sliced(EMBEDDED, tmp_path, "testbed", "on")
     assert outputs == references(EMBEDDED, "on")
     assert "batch-1" in seen
