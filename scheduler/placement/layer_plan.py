@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from scheduler.placement.slicing import SliceRates
+from scheduler.placement.slicing import NUM_CG_BUFFERS, SliceRates
 
 if TYPE_CHECKING:
     from scheduler.placement.planner import WeightPlacement
@@ -36,6 +36,17 @@ class SliceKind(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def ring_size(num_layer_buffers: int, layer_bytes: int, largest_cg_bytes: int) -> tuple[int, int]:
+    """The one ring of accelerator buffers that layers streamed whole and CG parts pass through, as
+    (buffers, bytes of each): the whole-layer pipeline's `num_layer_buffers`, at least
+    NUM_CG_BUFFERS where a CG part streams, each holding the largest thing that passes (a layer
+    image, else the largest CG part); (0, 0) where nothing streams."""
+    num_buffers = max(num_layer_buffers, NUM_CG_BUFFERS if largest_cg_bytes else 0)
+    if not num_buffers:
+        return 0, 0
+    return num_buffers, max(layer_bytes if num_layer_buffers else 0, largest_cg_bytes)
 
 
 @dataclass(frozen=True)
