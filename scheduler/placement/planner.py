@@ -192,7 +192,7 @@ def plan_placement(inputs: PlannerInputs) -> WeightPlacement:
             candidate = _candidate(inputs, num_resident, pipeline)
             if isinstance(candidate, str):
                 reasons.append(candidate)
-            elif best is None or _better(candidate, best):
+            elif best is None or is_better(candidate, best):
                 best = candidate
     if best is None:
         # the last reason is the least demanding candidate's (fewest resident layers, least memory)
@@ -200,7 +200,7 @@ def plan_placement(inputs: PlannerInputs) -> WeightPlacement:
     return best
 
 
-def _better(a: WeightPlacement, b: WeightPlacement) -> bool:
+def is_better(a: WeightPlacement, b: WeightPlacement) -> bool:
     """Whether `a` beats `b`: streaming more layers must earn MIN_STREAMING_GAIN more throughput
     (loads cost link bandwidth and host cores the estimate does not charge), else the faster wins,
     then the smaller."""
