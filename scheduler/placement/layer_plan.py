@@ -125,7 +125,8 @@ class ModelPlan:
         report: dict[str, Any] = {"layers": [{"tier": str(layer.tier), "rates": None if layer.rates is None else
                                               [layer.rates.cc, layer.rates.cg, layer.rates.gg]}
                                              for layer in self.layers],
-                                  "ring": {"num_buffers": self.num_ring_buffers, "buffer_bytes": self.ring_buffer_bytes},
+                                  "ring": {"num_buffers": self.num_ring_buffers,
+                                           "buffer_bytes": self.ring_buffer_bytes},
                                   "accelerator_weight_bytes": self.accelerator_weight_bytes,
                                   "budget_bytes": self.budget_bytes}
         if self.placement is not None:

@@ -245,8 +245,9 @@ def describe_model_plan(plan: ModelPlan, offload_dir: str | None = None) -> str:
              f"from host memory, D from disk)"]
     if plan.accelerator_weight_bytes is not None:
         budget = f" of the {_gib(plan.budget_bytes)} --weights-gpu-gib gives" if plan.budget_bytes is not None else ""
-        ring = (f"{plan.num_ring_buffers} buffers of {_gib(plan.ring_buffer_bytes)} that layers streamed whole and CG "
-                f"parts pass through" if plan.num_ring_buffers else "none, nothing streams")
+        ring = (f"{plan.num_ring_buffers} buffer{'s' if plan.num_ring_buffers > 1 else ''} of "
+                f"{_gib(plan.ring_buffer_bytes)} that layers streamed whole and CG parts pass through"
+                if plan.num_ring_buffers else "none, nothing streams")
         lines.append(f"  accelerator weights {_gib(plan.accelerator_weight_bytes)}{budget}; ring: {ring}")
     if plan.placement is not None:
         lines.append(describe(plan.placement, offload_dir))

@@ -324,8 +324,8 @@ def layer_ranges(layers: Sequence[int]) -> str:
 
 def describe_slicing(plan: SlicingPlan) -> str:
     """The rates and predicted MLP times, layers of equal rates on one line, as `tandem plan` prints."""
-    ring = (f"ring {_gib(plan.buffer_bytes)} ({plan.num_ring_buffers} buffers of {_gib(plan.ring_buffer_bytes)})"
-            if plan.num_ring_buffers else "no ring")
+    ring = (f"ring {_gib(plan.buffer_bytes)} ({plan.num_ring_buffers} buffer{'s' if plan.num_ring_buffers > 1 else ''}"
+            f" of {_gib(plan.ring_buffer_bytes)})" if plan.num_ring_buffers else "no ring")
     lines = [f"MLP slicing (ScheInfer): decode batch {plan.num_tokens}; per layer the MLP's CC (CPU) / CG "
              f"(streamed) / GG (resident) rates and its predicted time",
              f"  accelerator weights {_gib(plan.accelerator_weight_bytes)}: attention, embeddings, head and norms "

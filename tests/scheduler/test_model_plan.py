@@ -108,8 +108,9 @@ def test_cg_parts_share_the_ring_of_the_layers_streamed_whole():
     assert len(plan.streamed_layers) == 6 and plan.placement.num_buffers == NUM_CG_BUFFERS
     assert any(r.cg > 0 for r in plan.slicing.rates)
     assert (plan.num_ring_buffers, plan.ring_buffer_bytes) == (NUM_CG_BUFFERS, layer)
-    assert plan.accelerator_weight_bytes == (fixed_weight_bytes(shape, BF16, plan.slicing.layers) + NUM_CG_BUFFERS * layer
-                                             + plan.slicing.resident_bytes + plan.slicing.moved_buffer_bytes) <= budget
+    expected = (fixed_weight_bytes(shape, BF16, plan.slicing.layers) + NUM_CG_BUFFERS * layer
+                + plan.slicing.resident_bytes + plan.slicing.moved_buffer_bytes)
+    assert plan.accelerator_weight_bytes == expected <= budget
 
 
 def test_fixed_rates_compose_with_the_placement():
@@ -162,7 +163,7 @@ def test_describe_and_to_dict_show_both_parts():
     plan = plan_model(SHAPE, BF16, request(budgets(GLOBALS + LAYER + 10 * ATTENTION)), sliced())
     text = describe_model_plan(plan)
     assert "layers: " + "".join("H" if layer.streamed else "S" for layer in plan.layers) in text
-    assert "weight placement (auto)" in text and "MLP slicing (ScheInfer)" in text and "ring: 1 buffers" in text
+    assert "weight placement (auto)" in text and "MLP slicing (ScheInfer)" in text and "ring: 1 buffer of" in text
     report = plan.to_dict()
     assert [layer["tier"] for layer in report["layers"]] == [str(tier) for tier in plan.tiers]
     assert report["ring"] == {"num_buffers": plan.num_ring_buffers, "buffer_bytes": plan.ring_buffer_bytes}
