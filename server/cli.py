@@ -187,38 +187,28 @@ def profile(args: argparse.Namespace) -> int:
 
 
 def plan(args: argparse.Namespace) -> int:
-    """Where the weights would live, the memory breakdown, the pipeline and the expected tokens/s,
-    from the model's shape and this machine's measured bandwidths; no weight is loaded."""
+    """Each decoder layer's plan (resident, sliced, or streamed whole), the memory breakdown and the
+    expected speed, from the model's shape and this machine's measurements; no weight is loaded."""
     import json
 
     from engine.engine import model_max_len
-    from engine.execution.weight_plan import measure, planner_inputs
+    from engine.execution.weight_plan import plan_model
     from engine.profiling import compute_dtype
     from engine.weights import create_loader
-    from scheduler.placement import describe, describe_slicing, plan_placement
+    from scheduler.placement import describe_model_plan
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
     model_config = create_loader(config.model, config.load_format, seed=config.seed).config  # the shape only
     dtype, reason = compute_dtype(config.dtype, config.torch_device)
-    max_len = model_max_len(config, model_config)
     print(f"tandem plan: {args.model}, {str(dtype).removeprefix('torch.')} ({reason}), "
           f"{'int4 ' if config.quantization == 'int4' else ''}weights, on {args.device}")
-    report = {"model": args.model, "dtype": str(dtype).removeprefix("torch.")}
-    batch = config.max_num_seqs  # what `auto` solves for, as the engine does
-    if not config.weights.slicing_solved:  # the slicing planner owns the budget: no layer streams whole
-        placement = plan_placement(planner_inputs(config, model_config, dtype, max_len,
-                                                  measure(config, model_config, dtype)))
-        print(describe(placement, config.weights.offload_dir))
-        report["placement"] = placement.to_dict()
-        batch = placement.estimate.batch
-    if config.weights.mlp_slicing != "off":
-        from engine.execution.weight_plan import plan_mlp_slicing
-
-        sliced, costs = plan_mlp_slicing(config, model_config, dtype, max_len, batch)
-        print(describe_slicing(sliced))
-        report.update(slicing=sliced.to_dict(), slicing_costs=costs.to_dict())
+    model_plan, costs = plan_model(config, model_config, dtype, model_max_len(config, model_config))
+    print(describe_model_plan(model_plan, config.weights.offload_dir))
     if args.json:
+        report = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), **model_plan.to_dict()}
+        if costs is not None:
+            report["slicing_costs"] = costs.to_dict()
         print(json.dumps(report, indent=1))
     return 0
 

@@ -29,9 +29,12 @@ from engine.weights.layer_files import ConversionKey
 from scheduler.placement import (
     ComputeCosts,
     MemoryBudgets,
+    ModelPlan,
+    PlacementRequest,
     PlannerInputs,
     SlicingCosts,
     SlicingPlan,
+    SlicingRequest,
     TransferRates,
     WeightFormat,
     WeightPlacement,
@@ -40,7 +43,8 @@ from scheduler.placement import (
     plan_placement,
     plan_slicing,
 )
-from scheduler.placement.memory import activation_peak_bytes
+from scheduler.placement import plan_model as plan_layers
+from scheduler.placement.model_plan import MOE_STREAMING_REFUSAL
 
 logger = logging.getLogger(__name__)
 
@@ -115,20 +119,15 @@ def workload(config: EngineConfig, max_model_len: int) -> Workload:
                     layers_in_use=2 if config.offloading else 1)
 
 
-def activation_reserve_bytes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
-                             max_model_len: int) -> int:
-    """The planner's peak activations: what a KV pool sized from --memory-gib leaves free."""
-    work = workload(config, max_model_len)
-    return activation_peak_bytes(model_config.shape, weight_format(config, dtype), work.max_num_batched_tokens,
-                                 work.max_num_seqs)
+def _refuse_moe_streaming(model_config: ModelConfig) -> None:
+    if model_config.is_moe:  # the probes and the layer images hold dense Llama layers
+        raise ConfigError(f"{model_config.architecture}: {MOE_STREAMING_REFUSAL}")
 
 
 def measure(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> Measurements:
     """Copy and disk rates and compute times on this machine, as the engine will run them (each
     measured once per process: every engine of a process runs on the same hardware)."""
-    if model_config.is_moe:  # the probes and the layer images hold dense Llama layers
-        raise ConfigError(f"{model_config.architecture}: whole-layer weight streaming does not take mixture-of-experts "
-                          "layers; to fit a --weights-gpu-gib budget, place its experts with --mlp-slicing auto")
+    _refuse_moe_streaming(model_config)
     weights = config.weights
     cores = CoreAssignment.for_device(config.device, config.offload.accelerator_threads,
                                       config.offload.cpu_attention_threads)
@@ -197,9 +196,37 @@ def planner_inputs(config: EngineConfig, model_config: ModelConfig, dtype: torch
                          mode=weights.placement, pipeline=weights.pipeline)
 
 
+def plan_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+               max_model_len: int) -> tuple[ModelPlan, SlicingCosts | None]:
+    """Each decoder layer's tier and MLP slice rates under this config (scheduler.placement's
+    joint planner), with the slicing models they were solved with (None without slicing). Measures
+    only what the plan needs: the slicing models (cached) where --mlp-slicing is on; the link,
+    disk and compute only where whole layers may stream. PlacementError (a ValueError) when
+    nothing fits; ConfigError for whole-layer streaming of a mixture-of-experts model."""
+    weights = config.weights
+    num_layers = model_config.num_layers
+    sliced = weights.slicing_solved or weights.slice_rates(num_layers) is not None
+    if weights.streaming_requested and not sliced:
+        _refuse_moe_streaming(model_config)
+    placement = None
+    if weights.streaming_requested:
+        def measured() -> tuple[TransferRates, ComputeCosts]:
+            measurements = measure(config, model_config, dtype)
+            return measurements.rates, measurements.costs
+        placement = PlacementRequest(budgets(config, model_config, dtype), workload(config, max_model_len), measured,
+                                     mode=weights.placement, pipeline=weights.pipeline)
+    slicing = costs = None
+    if sliced:
+        costs = slicing_costs(config, model_config, dtype)
+        prefill_tokens = workload(config, max_model_len).max_num_batched_tokens if weights.prefill_moving else None
+        slicing = SlicingRequest(costs, config.max_num_seqs, weights.slice_rates(num_layers), prefill_tokens)
+    return plan_layers(model_config.shape, weight_format(config, dtype), placement, slicing), costs
+
+
 def plan_weights(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
                  max_model_len: int) -> WeightPlacement:
-    """Measure, then plan; PlacementError (a ValueError) when nothing fits."""
+    """Measure, then plan whole-layer streaming alone; PlacementError (a ValueError) when nothing
+    fits. Superseded by plan_model; kept while engine.py calls it."""
     measured = measure(config, model_config, dtype)
     return plan_placement(planner_inputs(config, model_config, dtype, max_model_len, measured))
 
@@ -234,7 +261,8 @@ def plan_mlp_slicing(config: EngineConfig, model_config: ModelConfig, dtype: tor
                      num_tokens: int) -> tuple[SlicingPlan, SlicingCosts]:
     """Per-layer slicing rates for decode batches of `num_tokens` within --weights-gpu-gib (solved
     for --mlp-slicing auto, else its fixed rates), with the tokens a prefill of the batch's token
-    bound moves to CG' (unless --mlp-prefill-moving off)."""
+    bound moves to CG' (unless --mlp-prefill-moving off). Superseded by plan_model; kept while
+    engine.py calls it."""
     rates = config.weights.slice_rates(model_config.num_layers)
     fixed_rates = None if rates is None else rates[0]
     costs = slicing_costs(config, model_config, dtype)

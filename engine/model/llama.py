@@ -25,6 +25,7 @@ from engine.model.registry import register_model
 from engine.quant import LinearMethod, LinearWeight, create_linear_method
 from engine.quant.int4 import fuse
 from engine.weights import WeightLoader
+from scheduler.placement.layer_plan import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class LlamaModel:
 
     # Where embeddings, norms and the LM head live; decoder layers' linear weights say their own
     # tier (LinearWeight.tier: streamed ones live in host memory or on disk).
-    RESIDENT_TIER = "accelerator"
+    RESIDENT_TIER = Tier.ACCELERATOR
 
     def accelerator_weight_bytes(self) -> int:
         """Bytes of the weights (and weight buffers) on the accelerator: what its KV pool cannot use."""

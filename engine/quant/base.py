@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from engine.registry import Registry
+from scheduler.placement.layer_plan import Tier
 
 
 class LinearWeight(ABC):
@@ -39,9 +40,9 @@ class LinearWeight(ABC):
         """The weights of one format each that this one is made of, for reports: itself."""
         return (self,)
 
-    # Where the weight is stored: "accelerator" (resident), or "host" / "disk" for a weight
-    # streamed in before use (engine/execution/ring.py).
-    tier: str = "accelerator"
+    # Where the weight is stored: resident on the accelerator, or in host memory / on disk for a
+    # weight streamed in before use (engine/execution/ring.py).
+    tier: Tier = Tier.ACCELERATOR
 
     def placed_parts(self) -> tuple[tuple["LinearWeight", str], ...]:
         """Each part with the tier it is stored in, for reports: here all in the weight's tier (a

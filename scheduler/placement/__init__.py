@@ -2,6 +2,7 @@
 and which pipeline streams them (PIPO sec. 3.5); and ScheInfer's slicing of each MLP into parts
 computed on the CPU, streamed, and resident (slicing*.py). Plain Python, no torch: `tandem plan`
 and the engine ask the same planner."""
+from scheduler.placement.layer_plan import LayerPlan, ModelPlan, SliceKind, Tier, ring_size
 from scheduler.placement.memory import (
     GIB_BYTES,
     IMAGE_ALIGN_BYTES,
@@ -36,12 +37,19 @@ from scheduler.placement.planner import (
     describe,
     plan_placement,
 )
+from scheduler.placement.model_plan import (
+    PlacementRequest,
+    SlicingRequest,
+    describe_model_plan,
+    plan_model,
+)
 
 __all__ = ["ComputeCosts", "ForwardTimeline", "GIB_BYTES", "GemmCost", "GemmWork", "IMAGE_ALIGN_BYTES", "IMAGE_TENSOR_ALIGN_BYTES",
-           "LinearCost", "MemoryBreakdown", "MemoryBudgets", "MlpWork", "PIPELINE_CHOICES", "PIPELINE_MEMORY",
-           "PIPELINE_PERFORMANCE", "PLACEMENT_MODES", "PlacementError", "PlannerInputs", "SliceRates",
-           "SlicingCosts", "SlicingPlan", "TIER_ACCELERATOR", "TIER_DISK", "TIER_HOST", "ThroughputEstimate",
-           "TransferRates", "WeightFormat", "WeightPlacement", "Workload", "assign_gg", "dense_mlp_work", "describe",
+           "LayerPlan", "LinearCost", "MemoryBreakdown", "MemoryBudgets", "MlpWork", "ModelPlan", "PIPELINE_CHOICES",
+           "PIPELINE_MEMORY", "PIPELINE_PERFORMANCE", "PLACEMENT_MODES", "PlacementError", "PlacementRequest",
+           "PlannerInputs", "SliceKind", "SliceRates", "SlicingCosts", "SlicingPlan", "SlicingRequest",
+           "TIER_ACCELERATOR", "TIER_DISK", "TIER_HOST", "ThroughputEstimate", "Tier", "TransferRates", "WeightFormat",
+           "WeightPlacement", "Workload", "assign_gg", "dense_mlp_work", "describe", "describe_model_plan",
            "describe_slicing", "fit_gemm_cost", "fit_linear_cost", "image_layout", "layer_choices", "layer_image_bytes",
-           "layer_time_s", "moe_mlp_work", "parse_mlp_slicing", "plan_placement", "plan_slicing",
-           "simulate_forward", "solve_cc", "solve_moved_tokens"]
+           "layer_time_s", "moe_mlp_work", "parse_mlp_slicing", "plan_model", "plan_placement", "plan_slicing",
+           "ring_size", "simulate_forward", "solve_cc", "solve_moved_tokens"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Sequence
 
-from scheduler.placement.slicing import SliceRates
+from scheduler.placement.slicing import NUM_CG_BUFFERS, SliceRates
 
 if TYPE_CHECKING:
     from scheduler.placement.planner import WeightPlacement
@@ -38,6 +38,17 @@ class SliceKind(str, Enum):
         return self.value
 
 
+def ring_size(num_layer_buffers: int, layer_bytes: int, largest_cg_bytes: int) -> tuple[int, int]:
+    """The one ring of accelerator buffers that layers streamed whole and CG parts pass through, as
+    (buffers, bytes of each): the whole-layer pipeline's `num_layer_buffers`, at least
+    NUM_CG_BUFFERS where a CG part streams, each holding the largest thing that passes (a layer
+    image, else the largest CG part); (0, 0) where nothing streams."""
+    num_buffers = max(num_layer_buffers, NUM_CG_BUFFERS if largest_cg_bytes else 0)
+    if not num_buffers:
+        return 0, 0
+    return num_buffers, max(layer_bytes if num_layer_buffers else 0, largest_cg_bytes)
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """One decoder layer: `tier` holds its weights (attention always; the MLP too unless sliced);
@@ -64,12 +75,21 @@ class LayerPlan:
 @dataclass(frozen=True)
 class ModelPlan:
     """Every decoder layer's plan, with the planners' decisions behind it: `placement` (whole-layer
-    streaming: pipeline, ring, memory, estimate; None when every layer is resident by default) and
-    `slicing` (rates and predicted MLP times; None without slicing)."""
+    streaming: pipeline, ring, memory, estimate; None where the placement planner did not run)
+    and `slicing` (the sliced layers' rates and predicted MLP times; None without slicing).
+
+    Layers streamed whole and CG parts pass through one ring of `num_ring_buffers` accelerator
+    buffers of `ring_buffer_bytes` each (`ring_size`); `accelerator_weight_bytes` counts it once
+    beside the globals, the resident layers or their attention and GG parts, and CG''s buffer
+    (None where unknown), within `budget_bytes` (--weights-gpu-gib; None: no bound)."""
 
     layers: tuple[LayerPlan, ...]
     placement: WeightPlacement | None = None
     slicing: SlicingPlan | None = None
+    num_ring_buffers: int = 0
+    ring_buffer_bytes: int = 0
+    accelerator_weight_bytes: int | None = None
+    budget_bytes: int | None = None
 
     @classmethod
     def compose(cls, num_layers: int, placement: WeightPlacement | None = None,
@@ -109,10 +129,18 @@ class ModelPlan:
     def all_resident(self) -> bool:
         return not self.streamed_layers and not self.sliced_layers
 
+    @property
+    def ring_bytes(self) -> int:
+        return self.num_ring_buffers * self.ring_buffer_bytes
+
     def to_dict(self) -> dict[str, Any]:
         report: dict[str, Any] = {"layers": [{"tier": str(layer.tier), "rates": None if layer.rates is None else
                                               [layer.rates.cc, layer.rates.cg, layer.rates.gg]}
-                                             for layer in self.layers]}
+                                             for layer in self.layers],
+                                  "ring": {"num_buffers": self.num_ring_buffers,
+                                           "buffer_bytes": self.ring_buffer_bytes},
+                                  "accelerator_weight_bytes": self.accelerator_weight_bytes,
+                                  "budget_bytes": self.budget_bytes}
         if self.placement is not None:
             report["placement"] = self.placement.to_dict()
         if self.slicing is not None:

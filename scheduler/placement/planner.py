@@ -21,7 +21,7 @@ to change.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from scheduler.cost_model import Curve, ModelShape
 from scheduler.placement.memory import (
@@ -33,11 +33,13 @@ from scheduler.placement.memory import (
     layer_image_bytes,
     resident_global_bytes,
 )
+from scheduler.placement.layer_plan import Tier
 from scheduler.placement.pipeline import ForwardTimeline, simulate_forward
 
-TIER_ACCELERATOR = "accelerator"
-TIER_HOST = "host"
-TIER_DISK = "disk"
+# The tiers' older names, kept as aliases of the enum's members (each string is defined once, in Tier).
+TIER_ACCELERATOR = Tier.ACCELERATOR
+TIER_HOST = Tier.HOST
+TIER_DISK = Tier.DISK
 PLACEMENT_MODES = ("auto", "gpu", "cpu", "disk")  # auto: chosen; else every layer in that tier
 PIPELINE_PERFORMANCE = "performance"
 PIPELINE_MEMORY = "memory"
@@ -78,13 +80,13 @@ class TransferRates:
     # testbed, each slows the other); None: as fast as alone
     link_bytes_per_s_under_compute: float | None = None
 
-    def load_s(self, tier: str, nbytes: int, under_compute: bool = False) -> float:
+    def load_s(self, tier: Tier, nbytes: int, under_compute: bool = False) -> float:
         """One layer's load: host layers copy at the link's rate; disk layers are read and copied
         block by block, so the slower stage sets the pace, plus one block of the other."""
         link = self.link_bytes_per_s_under_compute if under_compute and self.link_bytes_per_s_under_compute \
             else self.link_bytes_per_s
         link_s = nbytes / link
-        if tier == TIER_HOST:
+        if tier == Tier.HOST:
             return link_s
         if not self.disk_bytes_per_s:
             raise PlacementError("the disk tier needs a measured disk read rate")
@@ -155,25 +157,26 @@ class WeightPlacement:
     """The planner's decision: each layer's tier, the pipeline, and what it costs and earns."""
 
     mode: str
-    tiers: tuple[str, ...]  # per decoder layer
+    tiers: tuple[Tier, ...]  # per decoder layer
     pipeline: str | None  # None when nothing streams
     num_buffers: int  # accelerator buffers streamed layers pass through
     layer_bytes: int  # one layer image (the planner's estimate; the engine's own are exact)
     memory: MemoryBreakdown
     estimate: ThroughputEstimate
-    load_s: dict[str, float] = field(default_factory=dict)  # one layer's load, by tier
+    load_s: dict[Tier, float] = field(default_factory=dict)  # one layer's load, by tier
 
     @property
     def streamed_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, tier in enumerate(self.tiers) if tier != TIER_ACCELERATOR)
+        return tuple(i for i, tier in enumerate(self.tiers) if tier != Tier.ACCELERATOR)
 
-    def num_layers_in(self, tier: str) -> int:
+    def num_layers_in(self, tier: Tier) -> int:
         return sum(t == tier for t in self.tiers)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "tiers": list(self.tiers), "pipeline": self.pipeline,
+        return {"mode": self.mode, "tiers": [str(tier) for tier in self.tiers], "pipeline": self.pipeline,
                 "num_buffers": self.num_buffers, "layer_bytes": self.layer_bytes,
-                "memory": self.memory.to_dict(), "estimate": self.estimate.to_dict(), "load_s": self.load_s}
+                "memory": self.memory.to_dict(), "estimate": self.estimate.to_dict(),
+                "load_s": {str(tier): seconds for tier, seconds in self.load_s.items()}}
 
 
 # ---- choosing -------------------------------------------------------------------------------
@@ -189,7 +192,7 @@ def plan_placement(inputs: PlannerInputs) -> WeightPlacement:
             candidate = _candidate(inputs, num_resident, pipeline)
             if isinstance(candidate, str):
                 reasons.append(candidate)
-            elif best is None or _better(candidate, best):
+            elif best is None or is_better(candidate, best):
                 best = candidate
     if best is None:
         # the last reason is the least demanding candidate's (fewest resident layers, least memory)
@@ -197,7 +200,7 @@ def plan_placement(inputs: PlannerInputs) -> WeightPlacement:
     return best
 
 
-def _better(a: WeightPlacement, b: WeightPlacement) -> bool:
+def is_better(a: WeightPlacement, b: WeightPlacement) -> bool:
     """Whether `a` beats `b`: streaming more layers must earn MIN_STREAMING_GAIN more throughput
     (loads cost link bandwidth and host cores the estimate does not charge), else the faster wins,
     then the smaller."""
@@ -221,15 +224,19 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB_BYTES:.2f} GiB"
 
 
+def num_layer_buffers(workload: Workload, num_streamed: int, pipeline: str | None) -> int:
+    """The accelerator buffers `num_streamed` whole layers stream through: one per layer a forward
+    holds at once, and one more preloading under the performance pipeline."""
+    if not num_streamed:
+        return 0
+    return min(num_streamed, workload.layers_in_use + (pipeline == PIPELINE_PERFORMANCE))
+
+
 def _candidate(inputs: PlannerInputs, num_resident: int, pipeline: str | None) -> WeightPlacement | str:
     """The placement with `num_resident` resident layers, or why it does not fit."""
-    shape, fmt, work, budgets = inputs.shape, inputs.fmt, inputs.workload, inputs.budgets
-    num_layers = shape.num_layers
-    num_streamed = num_layers - num_resident
+    shape, fmt, budgets = inputs.shape, inputs.fmt, inputs.budgets
+    num_buffers = num_layer_buffers(inputs.workload, shape.num_layers - num_resident, pipeline)
     layer_bytes = layer_image_bytes(shape, fmt)
-    num_buffers = 0
-    if num_streamed:
-        num_buffers = min(num_streamed, work.layers_in_use + (pipeline == PIPELINE_PERFORMANCE))
     global_bytes = resident_global_bytes(shape, fmt.dtype_bytes)
     weight_bytes = global_bytes + (num_resident + num_buffers) * layer_bytes
     if budgets.accelerator_weight_bytes is not None and weight_bytes > budgets.accelerator_weight_bytes:
@@ -237,24 +244,36 @@ def _candidate(inputs: PlannerInputs, num_resident: int, pipeline: str | None) -
                 f"{_gib(global_bytes)}, {num_resident} resident layers and {num_buffers} layer buffers of "
                 f"{_gib(layer_bytes)}) but --weights-gpu-gib gives {_gib(budgets.accelerator_weight_bytes)}; "
                 f"give more{_int4_hint(fmt)}")
-    activation_bytes = activation_peak_bytes(shape, fmt, work.max_num_batched_tokens, work.max_num_seqs)
-    kv = _kv_cache_bytes(inputs, weight_bytes + activation_bytes)
-    if isinstance(kv, str):
-        return kv
-    tiers = _tiers(inputs, num_resident, layer_bytes)
+    tiers = layer_tiers(inputs, num_resident)
     if isinstance(tiers, str):
         return tiers
-    num_host, num_disk = tiers.count(TIER_HOST), tiers.count(TIER_DISK)
+    return placement_of(inputs, tiers, pipeline, num_buffers, num_resident * layer_bytes, num_buffers * layer_bytes)
+
+
+def placement_of(inputs: PlannerInputs, tiers: Sequence[Tier], pipeline: str | None, num_buffers: int,
+                 resident_layer_bytes: int, buffer_bytes: int) -> WeightPlacement | str:
+    """The placement of these tiers with its memory and estimate, its resident layers taking
+    `resident_layer_bytes` and its buffers `buffer_bytes` of accelerator memory (whole layers, or
+    as the joint planner slices them); or why the KV pool or the estimate does not work out."""
+    shape, fmt, work, budgets = inputs.shape, inputs.fmt, inputs.workload, inputs.budgets
+    layer_bytes = layer_image_bytes(shape, fmt)
+    global_bytes = resident_global_bytes(shape, fmt.dtype_bytes)
+    activation_bytes = activation_peak_bytes(shape, fmt, work.max_num_batched_tokens, work.max_num_seqs)
+    kv = _kv_cache_bytes(inputs, global_bytes + resident_layer_bytes + buffer_bytes + activation_bytes)
+    if isinstance(kv, str):
+        return kv
+    num_host, num_disk = tiers.count(Tier.HOST), tiers.count(Tier.DISK)
     memory = MemoryBreakdown(
-        global_bytes=global_bytes, resident_layer_bytes=num_resident * layer_bytes,
-        buffer_bytes=num_buffers * layer_bytes, kv_cache_bytes=kv, activation_bytes=activation_bytes,
+        global_bytes=global_bytes, resident_layer_bytes=resident_layer_bytes,
+        buffer_bytes=buffer_bytes, kv_cache_bytes=kv, activation_bytes=activation_bytes,
         host_layer_bytes=num_host * layer_bytes, staging_bytes=NUM_STAGING_BUFFERS * layer_bytes if num_disk else 0,
         host_kv_cache_bytes=budgets.host_kv_cache_bytes, disk_layer_bytes=num_disk * layer_bytes)
-    estimate = _estimate(inputs, tiers, num_buffers, kv, layer_bytes)
+    estimate = _estimate(inputs, list(tiers), num_buffers, kv, layer_bytes)
     if isinstance(estimate, str):
         return estimate
     estimate, load_s = estimate
-    return WeightPlacement(inputs.mode, tuple(tiers), pipeline if num_streamed else None, num_buffers, layer_bytes,
+    streams = num_host + num_disk > 0
+    return WeightPlacement(inputs.mode, tuple(tiers), pipeline if streams else None, num_buffers, layer_bytes,
                            memory, estimate, load_s)
 
 
@@ -286,10 +305,11 @@ def _kv_cache_bytes(inputs: PlannerInputs, other_bytes: int) -> int | str:
     return kv
 
 
-def _tiers(inputs: PlannerInputs, num_resident: int, layer_bytes: int) -> list[str] | str:
+def layer_tiers(inputs: PlannerInputs, num_resident: int) -> list[Tier] | str:
     """Resident layers spread among streamed ones; streamed layers in host memory while the host
-    budget lasts, the rest (spread among them) on disk."""
+    budget lasts, the rest (spread among them) on disk; or why they do not fit there."""
     budgets, num_layers = inputs.budgets, inputs.shape.num_layers
+    layer_bytes = layer_image_bytes(inputs.shape, inputs.fmt)
     num_streamed = num_layers - num_resident
     num_host = 0 if inputs.mode == "disk" else _num_host_layers(budgets.host_weight_bytes, num_streamed, layer_bytes)
     num_disk = num_streamed - num_host
@@ -305,7 +325,7 @@ def _tiers(inputs: PlannerInputs, num_resident: int, layer_bytes: int) -> list[s
         return (f"{num_disk} layers need {_gib(num_disk * layer_bytes)} in --offload-dir, which has "
                 f"{_gib(budgets.disk_bytes)} free")
     streamed_on_disk = iter(spread(num_disk, num_streamed))
-    return [TIER_ACCELERATOR if resident else (TIER_DISK if next(streamed_on_disk) else TIER_HOST)
+    return [Tier.ACCELERATOR if resident else (Tier.DISK if next(streamed_on_disk) else Tier.HOST)
             for resident in spread(num_resident, num_layers)]
 
 
@@ -317,8 +337,8 @@ def _num_host_layers(host_weight_bytes: int | None, num_streamed: int, layer_byt
     return max(0, min(num_streamed, (host_weight_bytes - NUM_STAGING_BUFFERS * layer_bytes) // layer_bytes))
 
 
-def _estimate(inputs: PlannerInputs, tiers: list[str], num_buffers: int, kv_bytes: int,
-              layer_bytes: int) -> tuple[ThroughputEstimate, dict[str, float]] | str:
+def _estimate(inputs: PlannerInputs, tiers: list[Tier], num_buffers: int, kv_bytes: int,
+              layer_bytes: int) -> tuple[ThroughputEstimate, dict[Tier, float]] | str:
     """Decode throughput: as many sequences of `context_len` tokens as the KV pool and
     max_num_seqs allow, one token each per forward; and one layer's load per tier.
 
@@ -332,9 +352,9 @@ def _estimate(inputs: PlannerInputs, tiers: list[str], num_buffers: int, kv_byte
     if batch < 1:
         return f"the KV pool ({_gib(kv_bytes)}) holds no {work.context_len}-token sequence"
     attention_s = costs.attention_s_per_context_token * batch * work.context_len
-    streamed_tiers = [tier for tier in (TIER_HOST, TIER_DISK) if tier in tiers]
+    streamed_tiers = [tier for tier in (Tier.HOST, Tier.DISK) if tier in tiers]
 
-    def replay(compute_share: float, load_share: float) -> tuple[ForwardTimeline, dict[str, float]]:
+    def replay(compute_share: float, load_share: float) -> tuple[ForwardTimeline, dict[Tier, float]]:
         alone = costs.linear(batch)
         busy = costs.linear_under_transfer(batch) if costs.linear_under_transfer else alone
         layer_s = alone + (busy - alone) * compute_share + attention_s
@@ -355,8 +375,8 @@ def describe(placement: WeightPlacement, offload_dir: str | None = None) -> str:
     """The memory breakdown, the pipeline and the expected speed, as `tandem plan` prints them."""
     m, est, t = placement.memory, placement.estimate, placement.estimate.timeline
     num_layers = len(placement.tiers)
-    num_host, num_disk = placement.num_layers_in(TIER_HOST), placement.num_layers_in(TIER_DISK)
-    resident = placement.num_layers_in(TIER_ACCELERATOR)
+    num_host, num_disk = placement.num_layers_in(Tier.HOST), placement.num_layers_in(Tier.DISK)
+    resident = placement.num_layers_in(Tier.ACCELERATOR)
     if placement.pipeline is None:
         streaming = "nothing streams"
     else:
