@@ -21,7 +21,7 @@ from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.execution import CoreAssignment, ModelRunner
 from engine.execution.layer_store import create_layer_store
 from engine.execution.stats import WeightStats
-from engine.execution.weight_plan import conversion_key, plan_mlp_slicing, plan_weights, slicing_costs, weight_format
+from engine.execution.weight_plan import conversion_key, plan_model, slicing_costs, weight_format
 from engine.kv import KVCache
 from engine.model import ConfigError, ModelConfig
 from engine.outputs import RequestMetrics, RequestOutput
@@ -33,8 +33,8 @@ from engine.weights.layer_files import LayerFiles
 from scheduler.cost_model import CostModel, TableCostModel
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.neo import NeoConfig, NeoScheduler
-from scheduler.placement import SlicingCosts, SlicingPlan, WeightPlacement, describe, describe_slicing
-from scheduler.placement.layer_plan import ModelPlan, Tier
+from scheduler.placement import SlicingCosts, SlicingPlan, WeightPlacement, describe_model_plan
+from scheduler.placement.layer_plan import Tier
 from scheduler.placement.slicing import SliceRates
 from scheduler.placement.cost import SlicedMlpCostModel, StreamingCostModel
 from scheduler.placement.moved_tokens import MovedTokens, SolvedMovedTokens
@@ -90,18 +90,12 @@ class LLMEngine:
         # resolved here, once: `auto` runs the dtype probe, and everything after uses this value
         self.dtype, reason = compute_dtype(config.dtype, config.torch_device)
         logger.info("compute dtype: %s (%s)", str(self.dtype).removeprefix("torch."), reason)
-        self.placement: WeightPlacement | None = None  # where decoder layers live, when planned
-        self.slicing: SlicingPlan | None = None  # each layer's MLP slice rates, when solved (--mlp-slicing auto)
-        self.slicing_costs: SlicingCosts | None = None  # the models they were solved with
-        if config.weights.slicing_solved:  # the slicing planner owns the weight budget: every layer sliced
-            self.slicing, self.slicing_costs = plan_mlp_slicing(config, self.model_config, self.dtype,
-                                                                self._model_max_len(), config.max_num_seqs)
-            logger.info("%s", describe_slicing(self.slicing))
-        elif config.weights.streaming_requested:
-            self.placement = plan_weights(config, self.model_config, self.dtype, self._model_max_len())
-            logger.info("%s", describe(self.placement, config.weights.offload_dir))
-        rates = self.slicing.rates if self.slicing is not None else config.weights.slice_rates(self.model_config.num_layers)
-        self.plan = ModelPlan.compose(self.model_config.num_layers, self.placement, rates, self.slicing)
+        # each decoder layer's tier and MLP slice rates, with the slicing models they were solved with
+        self.plan, self.slicing_costs = plan_model(config, self.model_config, self.dtype, self._model_max_len())
+        self.placement: WeightPlacement | None = self.plan.placement  # the whole-layer streaming part
+        self.slicing: SlicingPlan | None = self.plan.slicing  # the solved slicing part
+        if self.placement is not None or self.slicing is not None:
+            logger.info("%s", describe_model_plan(self.plan, config.weights.offload_dir))
         self.weight_stats = WeightStats()  # what the layer store's parts did, read around each step
         cache = config.cache
         block_bytes = KVCache.bytes_per_block(self.model_config, cache.block_size, self.dtype)

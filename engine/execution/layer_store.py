@@ -42,8 +42,11 @@ logger = logging.getLogger(__name__)
 
 
 def ring_buffers(plan: ModelPlan) -> int:
-    """The ring's buffers: as many as the placement's pipeline holds for whole layers, and
-    NUM_CG_BUFFERS where MLPs are sliced (the larger)."""
+    """The ring's buffers: as the planner sized the ring; for a plan composed without it, as many
+    as the placement's pipeline holds for whole layers, and NUM_CG_BUFFERS where MLPs are sliced
+    (the larger)."""
+    if plan.num_ring_buffers:
+        return plan.num_ring_buffers
     num_buffers = plan.placement.num_buffers if plan.placement is not None else 0
     return max(num_buffers, NUM_CG_BUFFERS) if plan.rates is not None else num_buffers
 
@@ -160,7 +163,7 @@ class PlannedLayers(LayerStore):
         if self.budget_bytes is None:
             return True
         placement = self.plan.placement
-        reserved = self.ring.num_buffers * (placement.layer_bytes if placement is not None else 0)
+        reserved = self.plan.ring_bytes or self.ring.num_buffers * (placement.layer_bytes if placement else 0)
         return self.used_bytes + nbytes + reserved <= self.budget_bytes
 
     # ---- serving ------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 
@@ -83,8 +84,6 @@ def _available_host_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -104,7 +103,10 @@ def budgets(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
     host = weights.host_gib
     host_bytes = (int(host * GIB_BYTES) if host is not None
                   else max(0, int(HOST_MEMORY_FRACTION * _available_host_bytes()) - host_kv))
-    disk_bytes = shutil.disk_usage(weights.offload_dir).free if weights.offload_dir else None
+    disk_bytes = None
+    if weights.offload_dir:
+        os.makedirs(weights.offload_dir, exist_ok=True)  # serve writes its layer files there
+        disk_bytes = shutil.disk_usage(weights.offload_dir).free
     return MemoryBudgets(
         accelerator_weight_bytes=None if weights.accelerator_gib is None else int(weights.accelerator_gib * GIB_BYTES),
         accelerator_bytes=accelerator_bytes, kv_cache_bytes=kv_bytes, host_weight_bytes=host_bytes,
@@ -205,7 +207,10 @@ def plan_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dty
     nothing fits; ConfigError for whole-layer streaming of a mixture-of-experts model."""
     weights = config.weights
     num_layers = model_config.num_layers
-    sliced = weights.slicing_solved or weights.slice_rates(num_layers) is not None
+    fixed_rates = weights.slice_rates(num_layers)
+    if fixed_rates is not None and not weights.streaming_requested:  # nothing to solve or fit: no measuring
+        return ModelPlan.compose(num_layers, rates=fixed_rates), None
+    sliced = weights.slicing_solved or fixed_rates is not None
     if weights.streaming_requested and not sliced:
         _refuse_moe_streaming(model_config)
     placement = None
@@ -221,14 +226,6 @@ def plan_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dty
         prefill_tokens = workload(config, max_model_len).max_num_batched_tokens if weights.prefill_moving else None
         slicing = SlicingRequest(costs, config.max_num_seqs, weights.slice_rates(num_layers), prefill_tokens)
     return plan_layers(model_config.shape, weight_format(config, dtype), placement, slicing), costs
-
-
-def plan_weights(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
-                 max_model_len: int) -> WeightPlacement:
-    """Measure, then plan whole-layer streaming alone; PlacementError (a ValueError) when nothing
-    fits. Superseded by plan_model; kept while engine.py calls it."""
-    measured = measure(config, model_config, dtype)
-    return plan_placement(planner_inputs(config, model_config, dtype, max_model_len, measured))
 
 
 def slicing_costs(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> SlicingCosts:
@@ -255,19 +252,3 @@ def slicing_costs(config: EngineConfig, model_config: ModelConfig, dtype: torch.
     if offload.force_profile:
         profile_path(key, offload.profile_cache_dir, kind).unlink(missing_ok=True)
     return load_or_measure(key, kind, build, SlicingCosts.to_dict, SlicingCosts.from_dict, offload.profile_cache_dir)
-
-
-def plan_mlp_slicing(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int,
-                     num_tokens: int) -> tuple[SlicingPlan, SlicingCosts]:
-    """Per-layer slicing rates for decode batches of `num_tokens` within --weights-gpu-gib (solved
-    for --mlp-slicing auto, else its fixed rates), with the tokens a prefill of the batch's token
-    bound moves to CG' (unless --mlp-prefill-moving off). Superseded by plan_model; kept while
-    engine.py calls it."""
-    rates = config.weights.slice_rates(model_config.num_layers)
-    fixed_rates = None if rates is None else rates[0]
-    costs = slicing_costs(config, model_config, dtype)
-    prefill_tokens = workload(config, max_model_len).max_num_batched_tokens if config.weights.prefill_moving else None
-    plan = plan_slicing(model_config.shape, weight_format(config, dtype), costs,
-                        budgets(config, model_config, dtype).accelerator_weight_bytes, num_tokens,
-                        fixed_rates=fixed_rates, prefill_tokens=prefill_tokens)
-    return plan, costs

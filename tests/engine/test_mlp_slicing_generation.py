@@ -142,3 +142,23 @@ def test_solved_rates_within_the_budget_equal_resident(references, tmp_path, dev
         for index in sliced:
             assert tuple(store.mlps[index].counts.values()) == plan.rates[index].counts(num_units, DENSE_SLICE_UNITS)
     assert outputs == references(EMBEDDED, "off")
+
+
+@pytest.mark.parametrize("device", ["cpu", on_testbed("testbed")])
+def test_solved_slicing_beside_layers_streamed_whole_equals_resident(references, tmp_path, device):
+    """--mlp-slicing auto with a weight budget too small for every layer's attention weights: one
+    planner call streams some layers whole and slices the rest, within the budget; tokens unchanged."""
+    budget_gib = 0.2  # the embedded model in float32: 0.21 GiB of attention weights, embeddings and head
+    with LLM(**EMBEDDED, device=device, offload="off", mlp_slicing="auto", weights_gpu_gib=budget_gib,
+             weights_cpu_gib=0.1, profile_cache_dir=str(tmp_path / "profiles")) as llm:
+        outputs, _ = generate(llm, *workload(EMBEDDED, "off"))
+        plan = llm.engine.plan
+        assert plan.streamed_layers and plan.sliced_layers
+        assert plan.accelerator_weight_bytes <= budget_gib * 2**30
+        store = llm.engine.runner.model.layer_store
+        assert set(store.mlps) == set(plan.sliced_layers) and set(store.ring.items) >= set(plan.streamed_layers)
+        stats = llm.engine.weight_stats
+        assert stats.bytes_by_tier[TIER_HOST] > 0 and stats.cc_s > 0
+        assert llm.engine.runner.model.accelerator_weight_bytes() <= budget_gib * 2**30
+    assert outputs == references(EMBEDDED, "off")
+

@@ -64,9 +64,10 @@ def build_model(checkpoint, dtype=torch.float32):
                       decode_backend=create_decode_backend("auto", "cpu"))
 
 
-def run_profile(model, accelerator, dtype=torch.float32, grid=None):
+def run_profile(model, accelerator, dtype=torch.float32, grid=None, weight_stats=None):
     return profile_costs(model, accelerator, model.decode_backend, create_decode_backend("auto", "cpu"),
-                         block_size=BLOCK_SIZE, dtype=dtype, grid=grid or ProfileGrid.quick(), progress=False)
+                         block_size=BLOCK_SIZE, dtype=dtype, grid=grid or ProfileGrid.quick(), progress=False,
+                         weight_stats=weight_stats)
 
 
 @pytest.fixture(scope="module")
@@ -361,7 +362,7 @@ def test_linear_table_of_a_streamed_model_is_its_compute_alone(checkpoint, tmp_p
     model = LlamaModel(loader.config, loader, torch.float32, "cpu", max_model_len=128,
                        decode_backend=create_decode_backend("auto", "cpu"), layer_store=store)
     try:
-        tables = run_profile(model, InlineQueue("cpu"))
+        tables = run_profile(model, InlineQueue("cpu"), weight_stats=store.stats)
         check_tables(tables, ProfileGrid.quick(), TINY["num_hidden_layers"])
         # compute alone, not the 30 ms loads (at one token: the C++ GEMV, about a millisecond; the
         # larger points go through torch's thread pool, whose time swings with the host's load)
