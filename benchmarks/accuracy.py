@@ -9,8 +9,8 @@ with the reference at that position). Both engines compute in fp32.
     python benchmarks/accuracy.py                       # embedded GGUF: int4 kept packed vs dequantized fp32
     python benchmarks/accuracy.py --model qwen2-0.5b    # a dummy preset: RTN int4 vs its dense weights
 
-Prints a table and writes benchmarks/results/accuracy.json and .md; `update_readme.py` puts the
-table in the README. Windows no longer than engine.quant.int4.MAX_KERNEL_ROWS send every matmul
+Prints a table and writes benchmarks/results/accuracy.json and .md; `update_benchmarks_doc.py` puts the
+table in docs/benchmarks.md. Windows no longer than engine.quant.int4.MAX_KERNEL_ROWS send every matmul
 through the CPU's packed kernel (int16 activations); longer ones prefill through the dequantized GEMM.
 """
 from __future__ import annotations

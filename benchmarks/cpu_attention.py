@@ -161,7 +161,7 @@ class ReadBandwidth:
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """An attention shape; `name` is its results files' stem and README block."""
+    """An attention shape; `name` is its results files' stem and docs/benchmarks.md block."""
 
     name: str
     model: str
@@ -335,7 +335,7 @@ def bench_shape(shape: Shape, batches: list[int], contexts: list[int], num_threa
         "kernel_threads": num_threads,
         "rows": rows,
     }, indent=2) + "\n")
-    results.with_suffix(".md").write_text("\n".join(lines) + "\n")  # the README's table
+    results.with_suffix(".md").write_text("\n".join(lines) + "\n")  # docs/benchmarks.md's table
     print(f"\nwrote {results.relative_to(Path.cwd()) if results.is_relative_to(Path.cwd()) else results}\n")
 
 

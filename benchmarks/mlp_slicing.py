@@ -21,7 +21,7 @@ slicing model's prediction for that layer at those rates: the planner's own numb
 
     nice -n 10 .venv/bin/python benchmarks/mlp_slicing.py [--reps 2] [--models llama-3.2-1b,qwen3-moe-1b-a400m]
 
-Writes benchmarks/results/mlp_slicing.json and .md (the README's block).
+Writes benchmarks/results/mlp_slicing.json and .md (its block in docs/benchmarks.md).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Repetitions alternate the order (A B, B A); the table gives medians and the rati
 
     python benchmarks/neo_gpu.py [--model llama-3.1-8b] [--num-gpu-blocks 196] [--reps 2]
 
-Needs a CUDA device; writes benchmarks/results/neo_gpu.json and .md (the README's
+Needs a CUDA device; writes benchmarks/results/neo_gpu.json and .md (docs/benchmarks.md's
 `<!-- bench:neo_gpu -->` block).
 """
 from __future__ import annotations

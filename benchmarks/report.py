@@ -1,5 +1,5 @@
 """Where a benchmark's results go: its JSON and, beside it, the markdown table that
-benchmarks/update_readme.py puts in the README."""
+benchmarks/update_benchmarks_doc.py puts in docs/benchmarks.md."""
 from __future__ import annotations
 
 import json

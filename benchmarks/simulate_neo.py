@@ -7,7 +7,7 @@ the roofline cost model of the machine's datasheet profile (configs/hardware/), 
 KV pool and once without it (GPU-only), and prints the ratio beside Neo's published peak gains.
 
     .venv/bin/python benchmarks/simulate_neo.py [--quick]
-Prints a markdown table and writes benchmarks/results/simulate_neo.json and .md (the README's
+Prints a markdown table and writes benchmarks/results/simulate_neo.json and .md (docs/benchmarks.md's
 `<!-- bench:simulate_neo -->` block).
 """
 from __future__ import annotations
@@ -280,7 +280,7 @@ def main() -> None:
         "t4_small_pool": small_pool,
         "rows": rows,
     }, indent=2) + "\n")
-    RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n")  # the README's block
+    RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n")  # docs/benchmarks.md's block
     print(f"\nwrote {RESULTS} and .md in {time.perf_counter() - start:.0f} s")
 
 

@@ -14,7 +14,7 @@ medians over the rounds.
     python benchmarks/triton_w4a16.py [--quick] [--rounds 3]
 
 Needs a CUDA device: without one it says so and exits 0. Writes
-benchmarks/results/triton_w4a16.json and .md (the README's `<!-- bench:triton_w4a16 -->` block).
+benchmarks/results/triton_w4a16.json and .md (docs/benchmarks.md's `<!-- bench:triton_w4a16 -->` block).
 """
 from __future__ import annotations
 

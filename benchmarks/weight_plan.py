@@ -15,7 +15,7 @@ Configurations alternate order each repetition; medians.
 
     nice -n 10 .venv/bin/python benchmarks/weight_plan.py [--reps 2] [--offload-dir DIR]
 
-Writes benchmarks/results/weight_plan.json and .md (the README's block).
+Writes benchmarks/results/weight_plan.json and .md (its block in docs/benchmarks.md).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ O_DIRECT rate on a file of the same disk (best of several queue depths), interle
 
     nice -n 10 .venv/bin/python benchmarks/weight_streaming.py [--reps 3] [--offload-dir DIR]
 
-Writes benchmarks/results/weight_streaming.json and .md (the README's block).
+Writes benchmarks/results/weight_streaming.json and .md (its block in docs/benchmarks.md).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Paged decode attention: one new query token per sequence over its paged K/V.
 
 Backends plug in behind `DecodeAttentionBackend` and a name registry: `torch` is the plain
-reference, `cpu` the C++ SIMD kernel of kernels/cpu (GPU kernels join here).
+reference, `cpu` the C++ SIMD kernel of kernels/cpu, `triton` kernels/triton's for KV on CUDA.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 
 from engine.registry import Registry
+
+
 class DecodeAttentionBackend(ABC):
     """Attention of one new query token per sequence over its paged K/V."""
 
@@ -72,10 +74,9 @@ class CpuPagedDecode(DecodeAttentionBackend):
     """The C++ SIMD kernel of kernels/cpu: GQA-shared K/V reads, flash-decoding split over threads."""
 
     name = "cpu"
-    # Inside the sequential forward, torch's own thread pool holds every core between ops and its
-    # idle threads keep polling; a second pool fighting it made whole decode steps 1.6-2.4x slower
-    # than running the kernel on the calling thread alone (SmolLM2, batch 8 fp32 and batch 32 bf16,
-    # 2-core VM). More threads pay off only where the kernel has cores of its own (Neo's pipeline).
+    # Inside the sequential forward torch's thread pool holds every core between ops, and a second
+    # pool fighting it slows whole decode steps (docs/benchmarks.md, "Measurements behind code
+    # choices"); more threads pay off only where the kernel has cores of its own (Neo's pipeline).
     IN_ENGINE_THREADS = 1
 
     def __init__(self, num_threads: int | None = IN_ENGINE_THREADS) -> None:

@@ -8,7 +8,7 @@ loads and computes are ordered around a buffer (PIPO sec. 3.3, host -> accelerat
 - `CudaCopyEngine`: pinned host buffers, a copy stream, events. A load waits (on the copy stream)
   for the event its buffer's last compute recorded when released; the compute stream waits for
   the event the load recorded; a disk staging buffer is reused only once its copies are done.
-  Untested here: no GPU was lent to this work (see docs/architecture.md).
+  Not yet run on a GPU (docs/architecture.md, "Not built yet").
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The decoder layers of a decode-sized batch in one C++ call (kernels/cpu/decoder.h).
 
-Op by op, a decode step on the embedded model makes about 20 Python calls per layer (norms,
-matmuls, RoPE, splits, attention wrappers, residuals, SiLU): at batch 1 they cost more than the
-attention and the small ops themselves. `NativeDecoder` hands the C++ decoder pointers to every
-layer's weights once, at load, and then runs a layer's `pre_proj` or `post_proj` in one call each,
-or every layer of a pure decode batch in one call. It strings together the very kernels the fused
-op-by-op path calls, with the same roundings, so the two agree (tests/engine/model/test_native.py).
+Op by op, a decode step makes about 20 Python calls per layer, which at batch 1 cost more than
+the attention and the small ops themselves. `NativeDecoder` hands the C++ decoder pointers to
+every layer's weights once, at load, and then runs a layer's `pre_proj` or `post_proj` in one
+call each, or every layer of a pure decode batch in one call. It strings together the very
+kernels the fused op-by-op path calls, with the same roundings, so the two agree
+(tests/engine/model/test_native.py).
 
 It applies where every piece has its kernel: a dense Llama-family layer (no mixture of experts,
 no per-head Q/K norms); CPU tensors; each matmul an INT4 weight on the CPU
@@ -29,10 +29,9 @@ from kernels.cpu import int4 as int4_kernels
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # tandem::DType
 _WIDTH_MULTIPLE = 16  # the elementwise kernels' vector width
 _HEAD_DIM_MULTIPLE = 32  # RoPE's: each half a multiple of the width
-# Sequences each attention thread gets at least. Each sequence stays on one thread (the bits of a
-# one-thread call, whatever the count); on the 2-core VM (SmolLM2's heads, ~300-token contexts,
-# bf16 KV) 2 threads took the same time as 1 at 2 sequences, 0.74x at 4, 0.54x at 8, 0.57x at 32.
-# No torch op runs between the decoder's calls, so no torch pool spins against these threads.
+# Sequences each attention thread gets at least. Each sequence stays on one thread (a one-thread
+# call's bits whatever the count), and a second thread gains nothing below two sequences each
+# (docs/benchmarks.md, "Measurements behind code choices").
 MIN_SEQUENCES_PER_ATTENTION_THREAD = 2
 
 

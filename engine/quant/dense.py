@@ -1,7 +1,6 @@
 """Dense weights (fp32, bf16 or fp16) applied with torch's own GEMM, or, for the few rows of a
-decode step on the CPU, kernels/cpu's GEMV: torch's bf16 GEMV read the embedded model's 56 MB LM
-head at about 13 GB/s on the 2-core VM, the C++ one at 37 (1.5 against 5.7 ms at 1 row, 2.3
-against 4.5 at 4), and it ran 1.1-2x faster on the model's layer shapes too."""
+decode step on the CPU, with kernels/cpu's GEMV, which reads a weight up to about three times as
+fast as torch's bf16 GEMV (docs/benchmarks.md, "Measurements behind code choices")."""
 from __future__ import annotations
 
 import torch
@@ -28,9 +27,8 @@ class DenseWeight(LinearWeight):
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] and _gemv_applies(x, self.weight):
-            # memory-bound like the int4 matmul: its calibrated thread count, but no more than the
-            # calling thread's torch threads (the testbed's accelerator thread keeps to its own
-            # cores; a GEMV spread over the CPU side's cores ran 1.5-2x slower beside a transfer)
+            # memory-bound like the int4 matmul: its calibrated thread count, capped at the calling
+            # thread's torch threads so the testbed's accelerator thread keeps to its own cores
             num_threads = min(int4_kernels.default_num_threads(), torch.get_num_threads())
             y = cpu_kernels.dense_linear(x, self.weight, num_threads).to(x.dtype)
             return y if self.bias is None else y + self.bias

@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None, prog: str | None = None, default_output:
     print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=1))
-    # the table the README shows (benchmarks/update_readme.py splices it in)
+    # the table docs/benchmarks.md shows (benchmarks/update_benchmarks_doc.py puts it there)
     args.output.with_suffix(".md").write_text(f"{results.get('title', '')}\n\n{table}\n")
     print(f"\nwrote {args.output}", file=sys.stderr)
     if not args.no_plot:

@@ -1,4 +1,4 @@
-"""benchmarks/neo_gpu.py without a GPU: its workload and its table (the README's neo_gpu block)."""
+"""benchmarks/neo_gpu.py without a GPU: its workload and its table (docs/benchmarks.md's neo_gpu block)."""
 import json
 
 import pytest
