@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Iterable
 
 from scheduler.block_pool import BlockPool, blocks_for
@@ -85,12 +86,17 @@ class Swap:
     dst_blocks: tuple[int, ...]
 
 
-class PlanMode:
+class PlanMode(str, Enum):
+    """How the runner executes an iteration; the value is the `mode` label of the metrics."""
+
     GPU_ONLY = "gpu_only"  # one batch, attention on the accelerator (layer by layer)
     PIPELINED = "pipelined"  # Neo's asymmetric two-batch forward with CPU decoding attention
 
+    def __str__(self) -> str:
+        return self.value
 
-PLAN_MODES = (PlanMode.GPU_ONLY, PlanMode.PIPELINED)  # every mode, for whoever counts by mode
+
+PLAN_MODES = tuple(PlanMode)  # every mode, for whoever counts by mode
 
 
 @dataclass
@@ -110,7 +116,7 @@ class IterationPlan:
     cpu_decodes1: list[ScheduledSeq] = field(default_factory=list)
     swap_out: list[Swap] = field(default_factory=list)  # GPU pool -> CPU pool
     swap_in: list[Swap] = field(default_factory=list)  # CPU pool -> GPU pool
-    mode: str = PlanMode.GPU_ONLY
+    mode: PlanMode = PlanMode.GPU_ONLY
     estimated_time: float | None = None  # seconds, from the cost model when there is one
     # CPU-sequences placed although a pipelining inequality breaks: they had waited too long, or
     # nothing else could run (Neo scheduler's bounded wait); their entries stay in the batches.

@@ -8,7 +8,7 @@ import pytest
 from scheduler.block_pool import BlockPool, blocks_for
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError
+from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig, SchedulerConfigError
 
 EOS = 2
 
@@ -186,3 +186,9 @@ def test_random_mix_never_loses_requests_or_blocks(seed):
     assert all(r.finished for r in seqs)
     assert sched.block_pool.num_free_blocks == sched.config.num_blocks
     assert all(not r.block_ids for r in seqs)
+
+
+def test_plan_modes_are_an_enum_whose_values_are_the_metric_labels():
+    assert [mode.value for mode in PlanMode] == ["gpu_only", "pipelined"]
+    assert IterationPlan().mode is PlanMode.GPU_ONLY and PlanMode("pipelined") is PlanMode.PIPELINED
+    assert str(PlanMode.PIPELINED) == f"{PlanMode.PIPELINED}" == "pipelined" == PlanMode.PIPELINED
