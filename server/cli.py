@@ -10,7 +10,7 @@ import sys
 from typing import Mapping
 
 import kernels  # noqa: F401  (before torch loads: caps its OpenMP spinning, kernels/__init__.py)
-from server.flag_sources import CONFIG_ENV, FlagSourceError, RepeatableFlag, layered_defaults
+from server.flag_sources import CONFIG_ENV, FlagSourceError, RepeatableFlag, add_deprecated_flag, layered_defaults
 
 API_KEY_ENV = "TANDEM_API_KEY"  # one key, or several separated by commas
 
@@ -98,20 +98,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--num-cpu-blocks", type=int, default=None,
                        help="host KV pool blocks (default: --cpu-kv-cache-gib)")
     cache.add_argument("--cpu-kv-cache-gib", type=float, default=4.0, help="host KV pool size")
-    offload = parser.add_argument_group("device and CPU offloading")
-    offload.add_argument("--device", default="cpu",
+    devices = parser.add_argument_group("device and CPU offloading")
+    devices.add_argument("--device", default="cpu",
                          help="the accelerator: cpu (the CPU plays both roles), testbed (an accelerator thread on its "
                               "own cores beside the CPU attention: Neo's overlap on a CPU-only host), cuda[:N]")
-    offload.add_argument("--offload", default="auto", choices=["auto", "on", "off"],
-                         help="CPU offloading of decoding attention and KV (Neo); auto: on for testbed and cuda, "
-                              "chosen per iteration by the cost model; off: GPU-only")
-    offload.add_argument("--accelerator-threads", type=int, default=None,
-                         help="testbed: cores playing the accelerator (default: half)")
-    offload.add_argument("--cpu-attention-threads", type=int, default=None,
+    cpu_attention = devices.add_argument(
+        "--cpu-attention", default="auto", choices=["auto", "on", "off"],
+        help="Neo: some sequences' KV in a host pool and their decoding attention on the CPU; auto: on for testbed "
+             "and cuda, chosen per iteration by the cost model; off: GPU-only")
+    add_deprecated_flag(devices, "--offload", cpu_attention)
+    gpu_threads = devices.add_argument("--gpu-threads", type=int, default=None,
+                                       help="testbed: cores playing the GPU (default: half)")
+    add_deprecated_flag(devices, "--accelerator-threads", gpu_threads)
+    devices.add_argument("--cpu-attention-threads", type=int, default=None,
                          help="threads of the CPU decoding attention (default: the testbed's other cores, else 1)")
-    offload.add_argument("--cost-tables", default=None,
+    devices.add_argument("--cost-tables", default=None,
                          help="a JSON file of cost tables instead of this machine's profile")
-    offload.add_argument("--profile-cache-dir", default=None,
+    devices.add_argument("--profile-cache-dir", default=None,
                          help="where profiles are cached (default: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles)")
     logs = parser.add_argument_group("logging")
     logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -156,9 +159,9 @@ def engine_config(args: argparse.Namespace, **overrides):
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_memory_gib=args.kv_cache_gib, memory_gib=args.memory_gib,
-        device=args.device, offload=args.offload,
+        device=args.device, offload=args.cpu_attention,
         num_cpu_blocks=args.num_cpu_blocks, cpu_kv_cache_memory_gib=args.cpu_kv_cache_gib,
-        accelerator_threads=args.accelerator_threads, cpu_attention_threads=args.cpu_attention_threads,
+        accelerator_threads=args.gpu_threads, cpu_attention_threads=args.cpu_attention_threads,
         cost_tables=args.cost_tables, profile_cache_dir=args.profile_cache_dir, show_progress=True,
         weight_placement=args.weight_placement, weights_gpu_gib=args.weights_gpu_gib,
         weights_cpu_gib=args.weights_cpu_gib, offload_dir=args.offload_dir, weight_pipeline=args.weight_pipeline,
@@ -173,9 +176,9 @@ def profile(args: argparse.Namespace) -> int:
     from engine.engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    offload = "on" if args.offload == "auto" else args.offload
+    offload = "on" if args.cpu_attention == "auto" else args.cpu_attention
     if offload == "off":
-        print("tandem profile: the cost tables serve the offloading scheduler; drop --offload off", file=sys.stderr)
+        print("tandem profile: the cost tables serve the Neo scheduler; drop --cpu-attention off", file=sys.stderr)
         return 2
     engine = LLMEngine(engine_config(args, offload=offload, cost_tables=None, force_profile=args.force))
     try:

@@ -7,14 +7,16 @@ its flag as on the command line). An environment variable is TANDEM_ and the fla
 name in capitals with underscores (TANDEM_MAX_NUM_SEQS). Each value is checked by its flag's own
 type and choices and becomes the parser's default, so the sources stack: the command line over
 the environment over the file over the built-in defaults. A key or variable that names no flag is
-refused with its name and the closest flag's.
+refused with its name and the closest flag's. A flag's former name (`add_deprecated_flag`) still
+works everywhere, hidden from --help, and logs a warning naming the flag that replaced it.
 """
 from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import yaml
 
@@ -26,6 +28,7 @@ OTHER_VARIABLES = frozenset({"TANDEM_API_KEY", "TANDEM_CACHE_DIR", CONFIG_ENV})
 NOT_SETTABLE = frozenset({"help", "config"})  # flag dests no file or variable sets
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+log = logging.getLogger(__name__)
 
 
 class FlagSourceError(ValueError):
@@ -40,6 +43,34 @@ class RepeatableFlag(argparse.Action):
         current = getattr(namespace, self.dest, None)
         kept = [] if current is None or current is self.default else list(current)
         setattr(namespace, self.dest, [*kept, values])
+
+
+class DeprecatedFlag(argparse.Action):
+    """A flag's former name, hidden from --help: it sets the same value as the flag that replaced
+    it and logs a warning naming that flag (from a file or a variable: `_warn_if_deprecated`)."""
+
+    def __init__(self, option_strings, dest, replaced_by: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.replaced_by = replaced_by
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        log.warning("%s is deprecated: use %s", option_string, self.replaced_by)
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_flag(group, old_name: str, flag: argparse.Action) -> None:
+    """Keep `old_name` working as a deprecated name of `flag` (what add_argument returned) on the
+    command line, as a file key and as a TANDEM_ variable."""
+    group.add_argument(old_name, action=DeprecatedFlag, replaced_by=flag.option_strings[0], dest=flag.dest,
+                       type=flag.type, choices=flag.choices, metavar=flag.metavar, default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
+
+
+def _warn_if_deprecated(action: argparse.Action, name: str, spelling: Callable[[str], str]) -> None:
+    """For a DeprecatedFlag's file key or variable `name`: the warning, with its replacement as
+    `spelling` writes the replacing flag (--cpu-attention -> 'cpu-attention', TANDEM_CPU_ATTENTION)."""
+    if isinstance(action, DeprecatedFlag):
+        log.warning("%s is deprecated: use %s", name, spelling(action.replaced_by))
 
 
 def layered_defaults(parser: argparse.ArgumentParser, argv: list[str], environ: Mapping[str, str]) -> dict[str, Any]:
@@ -89,6 +120,7 @@ def file_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         if action.dest in key_of_dest:
             raise FlagSourceError(f"{path}: {key_of_dest[action.dest]!r} and {key!r} set the same flag")
         key_of_dest[action.dest] = key
+        _warn_if_deprecated(action, f"{path}: key {key!r}", lambda flag: repr(flag.lstrip("-")))
         if value is not None:
             defaults[action.dest] = _file_value(action, negated, value, f"{path}: {key}")
     return defaults
@@ -103,16 +135,25 @@ def environment_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, 
     if unknown:
         raise FlagSourceError(f"unknown environment variable {unknown[0]}: no flag "
                               f"--{_flag_name(unknown[0])}{_closest(unknown[0], names)}")
-    defaults = {}
+    defaults: dict[str, Any] = {}
+    name_of_dest: dict[str, str] = {}
     for name, action in names.items():
         if name in environ:
+            if action.dest in name_of_dest:
+                raise FlagSourceError(f"{name_of_dest[action.dest]} and {name} set the same flag")
+            name_of_dest[action.dest] = name
+            _warn_if_deprecated(action, name, lambda flag: ENV_PREFIX + _dest_words(flag))
             defaults[action.dest] = _text_value(action, environ[name], name)
     return defaults
 
 
 def env_name(action: argparse.Action) -> str:
     """TANDEM_ and the flag's first long name: --max-num-seqs -> TANDEM_MAX_NUM_SEQS."""
-    return ENV_PREFIX + action.option_strings[0].lstrip("-").upper().replace("-", "_")
+    return ENV_PREFIX + _dest_words(action.option_strings[0])
+
+
+def _dest_words(option: str) -> str:
+    return option.lstrip("-").upper().replace("-", "_")
 
 
 def settable_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.Action, bool]]:
@@ -149,7 +190,7 @@ def _file_value(action: argparse.Action, negated: bool, value: Any, where: str) 
 def _scalar_text(action: argparse.Action, value: Any, where: str) -> str:
     """A YAML scalar as the text the command line would carry."""
     if isinstance(value, bool):
-        # YAML 1.1 reads on/off/yes/no as booleans: `offload: off` means the choice "off"
+        # YAML 1.1 reads on/off/yes/no as booleans: `cpu-attention: off` means the choice "off"
         if action.choices is not None and {"on", "off"} <= set(action.choices):
             return "on" if value else "off"
         raise FlagSourceError(f"{where}: expected {_expected(action)}, got {str(value).lower()} "

@@ -4,13 +4,14 @@ environment, which wins over the file; a key that names no flag is refused with 
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 
 import pytest
 import yaml
 
 from server.cli import build_parsers, engine_config, main, parse_command_line
-from server.flag_sources import FlagSourceError, env_name, file_defaults, settable_flags
+from server.flag_sources import DeprecatedFlag, FlagSourceError, env_name, file_defaults, settable_flags
 
 # One value per flag, each unlike its default, so a file that set nothing could not pass.
 EVERY_FLAG = {
@@ -22,13 +23,15 @@ EVERY_FLAG = {
     "max-model-len": 512, "max-num-seqs": 5, "max-num-batched-tokens": 1024,
     "block-size": 32, "num-gpu-blocks": 40, "kv-cache-gib": 0.5, "memory-gib": 6.0, "num-cpu-blocks": 300,
     "cpu-kv-cache-gib": 2.0,
-    "device": "cuda:1", "offload": "on", "accelerator-threads": 3, "cpu-attention-threads": 5,
+    "device": "cuda:1", "cpu-attention": "on", "gpu-threads": 3, "cpu-attention-threads": 5,
     "cost-tables": "/tmp/costs.json", "profile-cache-dir": "/tmp/profiles",
     "log-level": "warning",
     "weight-placement": "cpu", "weights-gpu-gib": 0.5, "weights-cpu-gib": 2.0, "offload-dir": "/tmp/offload",
     "weight-pipeline": "memory", "weight-io-threads": 2, "expected-context-len": 300, "mlp-slicing": "0.25,0.5",
     "mlp-prefill-moving": "off",
 }
+# Former flag names -> (the flag now, a value unlike its default); each still works and warns (deprecated)
+DEPRECATED_FLAGS = {"offload": ("cpu-attention", "off"), "accelerator-threads": ("gpu-threads", 2)}
 # EngineConfig takes one of kv_cache_memory_gib and memory_gib
 ENGINE_FLAGS = {name: value for name, value in EVERY_FLAG.items() if name != "kv-cache-gib"}
 
@@ -60,8 +63,9 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def test_the_table_names_every_flag_once():
-    flag_names = {action.option_strings[0][2:] for action, _ in settable_flags(serve_parser()).values()}
-    assert set(EVERY_FLAG) == flag_names
+    actions = [action for action, _ in settable_flags(serve_parser()).values()]
+    assert set(EVERY_FLAG) == {a.option_strings[0][2:] for a in actions if not isinstance(a, DeprecatedFlag)}
+    assert set(DEPRECATED_FLAGS) == {a.option_strings[0][2:] for a in actions if isinstance(a, DeprecatedFlag)}
 
 
 def test_every_flag_from_a_file_equals_the_flags(tmp_path):
@@ -126,9 +130,9 @@ def test_a_file_value_that_cannot_set_a_flag_is_refused_naming_it(tmp_path, caps
 
 def test_yaml_on_and_off_mean_the_words_for_on_off_choices(tmp_path):
     path = tmp_path / "serve.yaml"
-    path.write_text("offload: off\nmlp-prefill-moving: off\n")  # YAML 1.1 reads a bare off as false
+    path.write_text("cpu-attention: off\nmlp-prefill-moving: off\n")  # YAML 1.1 reads a bare off as false
     args = parse("--config", str(path))
-    assert (args.offload, args.mlp_prefill_moving) == ("off", "off")
+    assert (args.cpu_attention, args.mlp_prefill_moving) == ("off", "off")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -173,7 +177,7 @@ def test_help_groups_every_flag_by_concern(capsys):
             current.append(line.split()[0].rstrip(","))
     assert sections["options"] == ["-h"]
     assert {"config", "server", "model", "batching", "KV cache", "device and CPU offloading", "logging"} <= set(sections)
-    assert "--kv-cache-gib" in sections["KV cache"] and "--offload" in sections["device and CPU offloading"]
+    assert "--kv-cache-gib" in sections["KV cache"] and "--cpu-attention" in sections["device and CPU offloading"]
     assert sum(len(flags) for flags in sections.values()) == len(EVERY_FLAG) + 2  # and --help, --config
 
 
@@ -186,3 +190,34 @@ def test_a_switch_and_its_negation_from_a_file(tmp_path):
     assert file_defaults(parser, write_config(tmp_path, {"no-fast-path": False})) == {"fast_path": True}
     with pytest.raises(FlagSourceError, match="fast-path: expected true or false"):
         file_defaults(parser, write_config(tmp_path, {"fast-path": "sometimes"}))
+
+
+@pytest.mark.parametrize("source", ["command line", "file", "environment"])
+@pytest.mark.parametrize("old_name", list(DEPRECATED_FLAGS))
+def test_a_former_flag_name_still_sets_its_flag_and_warns(tmp_path, caplog, source, old_name):
+    new_name, value = DEPRECATED_FLAGS[old_name]
+    caplog.set_level(logging.WARNING, logger="server.flag_sources")
+    if source == "command line":
+        args = parse(*as_flags({old_name: value}))
+    elif source == "file":
+        args = parse("--config", write_config(tmp_path, {old_name: value}))
+    else:
+        args = parse(environ={"TANDEM_" + old_name.upper().replace("-", "_"): str(value)})
+    assert {**vars(args), "config": None} == vars(parse(*as_flags({new_name: value})))
+    new_spelling = {"command line": f"--{new_name}", "file": f"'{new_name}'",
+                    "environment": "TANDEM_" + new_name.upper().replace("-", "_")}[source]
+    assert f"is deprecated: use {new_spelling}" in caplog.text
+
+
+@pytest.mark.parametrize("old_name", list(DEPRECATED_FLAGS))
+def test_a_former_flag_name_is_hidden_and_cannot_set_its_flag_twice(tmp_path, capsys, old_name):
+    new_name, value = DEPRECATED_FLAGS[old_name]
+    assert main(["serve", "--config", write_config(tmp_path, {old_name: value, new_name: value})]) == 2
+    assert "set the same flag" in capsys.readouterr().err
+    with pytest.raises(FlagSourceError, match="set the same flag"):
+        parse(environ={env: str(value) for env in ("TANDEM_" + name.upper().replace("-", "_")
+                                                  for name in (old_name, new_name))})
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    assert f"--{new_name}" in help_text and f"--{old_name} " not in help_text
