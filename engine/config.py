@@ -8,6 +8,7 @@ are routed to them. Derived values are properties that do no I/O: the compute dt
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass, field, fields
@@ -32,6 +33,10 @@ GIB_BYTES = 2**30
 # Field metadata key: the flat keyword of a section's field, where it differs from the field's name.
 FLAT_NAME = "flat_name"
 CPU_OPS = ("layers", "fused", "torch")  # EngineConfig.cpu_ops, fastest first
+# Former flat keywords -> the fields' flat names now (issue 30's one vocabulary): from_flat takes the
+# deprecated spelling with a warning wherever it no longer names a field itself.
+DEPRECATED_FLAT_NAMES = {"offload": "cpu_attention", "accelerator_threads": "gpu_threads"}
+log = logging.getLogger(__name__)
 
 
 def _require_int(config: object, name: str, minimum: int, none_means: str | None = None) -> None:
@@ -303,6 +308,7 @@ class EngineConfig:
         """Route flat keywords to their sections (`block_size` to `cache`, `offload` to
         `offload.mode`, `swap_cooldown_iterations` to `neo`, ...); an unknown keyword raises
         TypeError listing the known ones."""
+        kwargs = _renamed_flat_names(kwargs)
         unknown = sorted(set(kwargs) - set(FLAT_NAMES))
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(FLAT_NAMES)}")
@@ -328,3 +334,15 @@ def _flat_names() -> dict[str, tuple[str | None, str]]:
 
 
 FLAT_NAMES = _flat_names()
+
+
+def _renamed_flat_names(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with each deprecated flat keyword under its name now, warning once per keyword."""
+    renamed = dict(kwargs)
+    for old, new in DEPRECATED_FLAT_NAMES.items():
+        if old in renamed and old not in FLAT_NAMES:
+            if new in renamed:
+                raise TypeError(f"give {new} or its deprecated name {old}, not both")
+            log.warning("engine argument %s is deprecated: use %s", old, new)
+            renamed[new] = renamed.pop(old)
+    return renamed

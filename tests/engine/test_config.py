@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import ACTIVATION_RESERVE_GIB, FLAT_NAMES, CacheConfig, EngineConfig, OffloadConfig, WeightsConfig
+from engine.config import (ACTIVATION_RESERVE_GIB, DEPRECATED_FLAT_NAMES, FLAT_NAMES, CacheConfig, EngineConfig,
+                           OffloadConfig, WeightsConfig)
 from engine.engine import LLMEngine
 from engine.model import ConfigError
 from engine.profiling import dtype_probe
@@ -83,6 +84,15 @@ def test_every_field_has_its_own_flat_name():
     num_top_level = len(fields(EngineConfig)) - len(sections)
     assert len(FLAT_NAMES) == num_top_level + sum(len(fields(s)) for s in sections)
     assert FLAT_NAMES["offload"] == ("offload", "mode")
+
+
+def test_deprecated_flat_names_still_reach_their_fields(caplog):
+    old_names = {"offload": "off", "accelerator_threads": 2}  # deprecated spellings, LLM(offload="off") and such
+    config = EngineConfig.from_flat(**old_names)
+    assert (config.offload.mode, config.offload.accelerator_threads) == ("off", 2)
+    for old in old_names:
+        assert (f"{old} is deprecated: use {DEPRECATED_FLAT_NAMES[old]}" in caplog.text) == (old not in FLAT_NAMES)
+    assert set(DEPRECATED_FLAT_NAMES) == set(old_names) and not set(DEPRECATED_FLAT_NAMES.values()) & set(old_names)
 
 
 def test_unknown_flat_names_are_refused_listing_the_known_ones():
