@@ -100,15 +100,15 @@ def test_convert_writes_one_aligned_file_per_layer(tmp_path, capsys):
 
     model = tmp_path / "tiny.gguf"
     write_tiny_gguf(model, qtype=QType.Q4_0)
-    offload = tmp_path / "offload"
-    flags = ["convert", "--model", str(model), "--offload-dir", str(offload), "--dtype", "float32",
+    offload_dir = tmp_path / "offload"
+    flags = ["convert", "--model", str(model), "--offload-dir", str(offload_dir), "--dtype", "float32",
              "--quantization", "int4", "--log-level", "warning"]
     assert main(flags) == 0
     assert "2 layer files written, 0 already there" in capsys.readouterr().err
-    manifest = json.loads((offload / "manifest.json").read_text())
+    manifest = json.loads((offload_dir / "manifest.json").read_text())
     assert manifest["key"]["quantization"] == "int4" and set(manifest["layers"]) == {"0", "1"}
     for entry in manifest["layers"].values():
-        assert (offload / entry["file"]).stat().st_size == entry["image"]["nbytes"]
+        assert (offload_dir / entry["file"]).stat().st_size == entry["image"]["nbytes"]
         assert entry["image"]["nbytes"] % 4096 == 0
     assert main(flags) == 0
     assert "0 layer files written, 2 already there" in capsys.readouterr().err
