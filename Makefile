@@ -108,10 +108,10 @@ NEO_LOAD := --input-len 240 --length-spread 0.1 --output-len 320 --output-spread
 	--reps 2 --warmup 1 --no-progress
 bench-neo: install
 	$(PY) -m server.cli profile --device testbed --force --log-level warning > /dev/null
-	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --num-gpu-blocks 196 --offload off' \
+	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --num-gpu-blocks 196 --cpu-attention off' \
 		--system 'tandem=$(NEO_SERVE) --num-gpu-blocks 196' --rate 0.4 inf $(NEO_LOAD) \
 		--slo per_token_latency=0.2 --output benchmarks/results/neo_testbed.json
-	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --kv-cache-gib 4 --offload off' \
+	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --kv-cache-gib 4 --cpu-attention off' \
 		--system 'tandem=$(NEO_SERVE) --kv-cache-gib 4' \
 		--all-at-once $(NEO_LOAD) --no-plot --output benchmarks/results/neo_testbed_uncapped.json
 	$(PY) benchmarks/update_benchmarks_doc.py

@@ -6,7 +6,7 @@ embeddings (and a MoE layer's router) and a quarter of the MLPs (a quarter of ea
 experts), plus one MLP's bytes for the streamed parts' buffers. Configurations:
   solved       --mlp-slicing auto within that budget (rates from this machine's slicing profile;
                a prefill moves the tokens the solver gives it to CG')
-  CPU share s  the three quarters of each MLP off the accelerator split s on the CPU (CC) and
+  CPU share s  the three quarters of each MLP off the GPU split s on the CPU (CC) and
                1 - s streamed (CG), GG a quarter: s = 0 is all streamed (PIPO-like), s = 1 all
                computed by the CPU (llama.cpp-like), 0.25/0.5/0.75 the paper's fixed-rate
                ablation. These run without a budget: their stream buffers take what they need,
@@ -41,7 +41,7 @@ DEFAULT_MODELS = ("llama-3.2-1b", "qwen3-moe-1b-a400m")
 DECODE_STEPS = 16
 PROMPT_TOKENS = 32
 PREFILL_TOKENS = 128
-RESIDENT_MLP_SHARE = 0.25  # of every MLP, what the budget keeps on the accelerator
+RESIDENT_MLP_SHARE = 0.25  # of every MLP, what the budget keeps on the GPU
 CPU_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)  # of the rest, computed on the CPU in the fixed configurations
 SOLVED = "solved (auto)"
 
@@ -65,17 +65,17 @@ def budget_gib(model: str, dtype_name: str) -> float:
 
 
 def configurations(model: str, dtype_name: str) -> dict[str, dict]:
-    off_accelerator = 1.0 - RESIDENT_MLP_SHARE
+    off_gpu = 1.0 - RESIDENT_MLP_SHARE
     configs = {SOLVED: dict(mlp_slicing="auto", weights_gpu_gib=budget_gib(model, dtype_name))}
     for share in CPU_SHARES:
-        cc = share * off_accelerator
-        configs[f"CPU share {share:g}"] = dict(mlp_slicing=f"{cc:g},{off_accelerator - cc:g}")
+        cc = share * off_gpu
+        configs[f"CPU share {share:g}"] = dict(mlp_slicing=f"{cc:g},{off_gpu - cc:g}")
     configs["resident"] = {}
     return {name: {**common(model, dtype_name), **flags} for name, flags in configs.items()}
 
 
 def common(model: str, dtype_name: str) -> dict:
-    return dict(model=model, load_format="dummy", dtype=dtype_name, device="testbed", offload="off",
+    return dict(model=model, load_format="dummy", dtype=dtype_name, device="testbed", cpu_attention="off",
                 max_num_seqs=1, max_model_len=PREFILL_TOKENS + DECODE_STEPS + 8, kv_cache_memory_gib=0.25)
 
 

@@ -1,9 +1,9 @@
 """Neo on a real CUDA GPU: offloading vs GPU-only, offline, side by side in one process.
 
 A preset model with seeded random weights (`--load-format dummy`: no weights to download) runs
-the same all-at-once workload through two engines built once each: GPU-only (`offload=off`)
+the same all-at-once workload through two engines built once each: GPU-only (`cpu_attention=off`)
 and tandem (host KV pool, Neo's scheduler on cost tables profiled on this machine). The
-accelerator pool is capped (`--num-gpu-blocks`) to emulate a GPU short of memory, then lifted
+GPU pool is capped (`--num-gpu-blocks`) to emulate a GPU short of memory, then lifted
 (`--uncapped-gib`): with room for everything there is nothing to gain and nothing may be lost.
 Repetitions alternate the order (A B, B A); the table gives medians and the ratios.
 
@@ -65,7 +65,7 @@ def run_once(llm: LLM, workload) -> dict:
 
 
 def compare(args, engine_options: dict, workload, label: str) -> dict:
-    engines = {name: LLM(offload="off" if name == "gpu-only" else "on", **engine_options) for name in SYSTEMS}
+    engines = {name: LLM(cpu_attention="off" if name == "gpu-only" else "on", **engine_options) for name in SYSTEMS}
     try:
         for llm in engines.values():  # warm-up: kernels compiled, allocator primed
             run_once(llm, workload[: max(1, len(workload) // 8)])
@@ -92,7 +92,7 @@ def to_markdown(result: dict) -> str:
              f"requests at once, in {setup['input_len']} (+-{setup['input_spread']:.0%}) / out "
              f"{setup['output_len']} (+-{setup['output_spread']:.0%}) tokens, host {setup['host']}, "
              f"{setup['reps']} repetitions (A B, B A)", "",
-             "| accelerator pool | system | out tok/s (median) | p50 per-token ms (median) | CPU-bound prefills | "
+             "| GPU pool | system | out tok/s (median) | p50 per-token ms (median) | CPU-bound prefills | "
              "swaps out/in | tandem / GPU-only throughput | p50 per-token latency |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for case in result["cases"]:
@@ -115,8 +115,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--num-gpu-blocks", type=int, default=196,
-                        help="the capped accelerator pool, in 16-token blocks (196: four 784-token requests)")
-    parser.add_argument("--uncapped-gib", type=float, default=8.0, help="the accelerator pool with the cap lifted")
+                        help="the capped GPU pool, in 16-token blocks (196: four 784-token requests)")
+    parser.add_argument("--uncapped-gib", type=float, default=8.0, help="the GPU pool with the cap lifted")
     parser.add_argument("--cpu-kv-gib", type=float, default=16.0)
     parser.add_argument("--num-requests", type=int, default=24)
     parser.add_argument("--input-len", type=int, default=240)

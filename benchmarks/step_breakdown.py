@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine = LLMEngine(EngineConfig.from_flat(quantization=quantization, max_num_seqs=max(args.batches),
                                                           **knobs))
                 try:
-                    weight_bytes = engine.runner.model.accelerator_weight_bytes()
+                    weight_bytes = engine.runner.model.gpu_weight_bytes()
                     for batch in args.batches:
                         row = measure(engine, batch)
                         row["roofline"] = weight_bytes / bandwidth

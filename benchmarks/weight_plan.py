@@ -8,7 +8,7 @@ the batch the plan's estimate is for (its batch of sequences at its context leng
 tokens short of it, then decode steps). Measured:
   memory    the process's peak resident memory while serving (VmHWM, reset once the weights are
             loaded) less its resident memory before the engine was built: on the testbed the
-            accelerator's memory is host memory too, so this is the plan's accelerator total
+            GPU's memory is host memory too, so this is the plan's GPU total
             (weights, buffers, KV pool, activations) plus its host total (streamed layers, staging)
   tokens/s  the batch over the median decode step
 Configurations alternate order each repetition; medians.
@@ -44,7 +44,7 @@ def configurations(offload_dir: Path) -> dict[str, dict]:
 
 
 def common(args) -> dict:
-    return dict(model=args.model, load_format="dummy", dtype=args.dtype, device="testbed", offload="off",
+    return dict(model=args.model, load_format="dummy", dtype=args.dtype, device="testbed", cpu_attention="off",
                 max_model_len=args.context_len + DECODE_STEPS, max_num_seqs=args.max_num_seqs,
                 kv_cache_memory_gib=args.kv_cache_gib, expected_context_len=args.context_len)
 
@@ -112,8 +112,8 @@ def measure_one(flags: dict) -> dict:
     return {"tiers": "".join(t[0].upper() for t in placement.tiers), "pipeline": placement.pipeline,
             "batch": batch, "context_len": estimate.context_len,
             "predicted_tokens_per_s": estimate.tokens_per_s, "measured_tokens_per_s": batch / statistics.median(steps),
-            "predicted_bytes": memory.accelerator_bytes + memory.host_bytes, "measured_bytes": peak - before,
-            "predicted_accelerator_bytes": memory.accelerator_bytes, "predicted_host_bytes": memory.host_bytes,
+            "predicted_bytes": memory.gpu_bytes + memory.host_bytes, "measured_bytes": peak - before,
+            "predicted_gpu_bytes": memory.gpu_bytes, "predicted_host_bytes": memory.host_bytes,
             "num_decode_steps": len(steps)}
 
 
@@ -136,7 +136,7 @@ def run_in_subprocess(flags: dict) -> dict:
 def to_markdown(result: dict) -> str:
     lines = [f"{result['cpu']}, host-only testbed, {result['model']} random weights in {result['dtype']}, decode of "
              f"the plan's batch at {result['context_len']}-token contexts; memory = peak RSS while serving less RSS "
-             f"before the engine (the testbed's accelerator memory is host memory); medians of {result['reps']} "
+             f"before the engine (the testbed's GPU memory is host memory); medians of {result['reps']} "
              f"interleaved runs, each in a fresh process.", "",
              "| configuration | layers (A/H/D) | pipeline | batch | predicted GiB | measured GiB | memory error | "
              "predicted tokens/s | measured tokens/s | tokens/s error |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -1,13 +1,13 @@
 """PIPO's weight-streaming pipeline on the host-only testbed, side by side in one run.
 
 A random-weight preset (default llama-3.2-1b in bf16: 16 layers of 116 MiB, embeddings 0.49 GiB)
-with a weight budget that keeps every decoder layer off the accelerator (`--weights-gpu-gib 1`:
+with a weight budget that keeps every decoder layer off the GPU (`--weights-gpu-gib 1`:
 embeddings, head, norms and the layer buffers only). One forward is the prefill of a P-token
 prompt; P is chosen per tier where compute ~ transfer (the resident model's forward time closest
 to the tier's transfer time, both measured here first). Engines, built once each, alternate
 order each repetition (A B C D, D C B A):
 
-  resident       every layer on the accelerator: the forward's compute alone ("total compute")
+  resident       every layer on the GPU: the forward's compute alone ("total compute")
   transfer only  the streamed engine's loads back to back with no compute ("total transfer")
   pipelined      PIPO's performance-optimised pipeline: the next layer loads while one computes
   serial         one buffer, each layer copied then computed (--cpu-offload-gb-style offload)
@@ -59,7 +59,7 @@ FIO_REFERENCE_BYTES = 1 << 30
 
 def engine_config(args, **weights) -> EngineConfig:
     return EngineConfig.from_flat(model=args.model, load_format="dummy", dtype=args.dtype, device="testbed",
-                                  offload="off", max_model_len=1024, kv_cache_memory_gib=0.25, **weights)
+                                  cpu_attention="off", max_model_len=1024, kv_cache_memory_gib=0.25, **weights)
 
 
 def streamed(args, tier: str, pipeline: str) -> dict:
@@ -86,7 +86,7 @@ def forward_s(engine: LLMEngine, num_tokens: int, num_forwards: int) -> tuple[fl
 
 def transfer_only_s(engine: LLMEngine, num_cycles: int = 3) -> float:
     """Seconds the transfer thread spends loading every streamed layer once, with no compute:
-    acquire and release each layer in order on the accelerator's thread, cycles back to back."""
+    acquire and release each layer in order on the GPU's thread, cycles back to back."""
     model, store = engine.runner.model, engine.runner.model.layer_store
 
     def cycles():
@@ -96,14 +96,14 @@ def transfer_only_s(engine: LLMEngine, num_cycles: int = 3) -> float:
                 store.release(layer)
     cycles()  # warm-up: the loads in flight when it starts belong to no cycle
     before = engine.weight_stats.snapshot()
-    engine.runner.accelerator.submit(cycles).result()
+    engine.runner.gpu.submit(cycles).result()
     after = engine.weight_stats
     return (after.transfer_s - before.transfer_s) / (after.num_loads - before.num_loads) * len(store.ring.items)
 
 
 def compute_beside_transfers_s(resident: LLMEngine, streaming: LLMEngine, num_tokens: int, num_forwards: int) -> float:
     """The resident forward while `streaming`'s transfer thread loads layers back to back (its
-    accelerator thread only acquires and releases, asleep between loads): what the VM's shared
+    GPU thread only acquires and releases, asleep between loads): what the VM's shared
     cores and memory bus leave the compute while transfers run, without the pipeline's ordering."""
     model, store = streaming.runner.model, streaming.runner.model.layer_store
     stop = threading.Event()
@@ -113,7 +113,7 @@ def compute_beside_transfers_s(resident: LLMEngine, streaming: LLMEngine, num_to
             for layer in range(model.config.num_layers):
                 store.acquire(layer)
                 store.release(layer)
-    done = streaming.runner.accelerator.submit(cycles)
+    done = streaming.runner.gpu.submit(cycles)
     try:
         return forward_s(resident, num_tokens, num_forwards)[0]
     finally:
@@ -239,7 +239,7 @@ def measure_tier(args, tier: str, resident: LLMEngine, compute_by_len: dict[int,
 
 
 def to_markdown(result: dict) -> str:
-    lines = [f"{result['cpu']}, host-only testbed (accelerator thread on one core, transfers on the other), "
+    lines = [f"{result['cpu']}, host-only testbed (GPU thread on one core, transfers on the other), "
              f"{result['model']} random weights in {result['dtype']}, every decoder layer streamed "
              f"(--weights-gpu-gib {result['weights_gpu_gib']}). One forward = the prefill of a P-token prompt, P "
              f"where compute ~ transfer; seconds per forward, medians of {result['forwards']} forwards and "
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     args.prompt_len = {"host": args.prompt_len_host, "disk": args.prompt_len_disk}
-    # resident layers live in accelerator buffers of their own under a placement, as streamed layers'
+    # resident layers live in GPU buffers of their own under a placement, as streamed layers'
     # buffers do (same pages, same kernels): the compute the streamed forwards are compared with
     resident = LLMEngine(engine_config(args, weight_placement="gpu"))
     compute_by_len: dict[int, float] = {}

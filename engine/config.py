@@ -1,6 +1,6 @@
 """The engine's configuration: small frozen configs, each validated once, when it is built.
 
-`EngineConfig` composes `CacheConfig`, `OffloadConfig`, the Neo scheduler's `NeoKnobs` and
+`EngineConfig` composes `CacheConfig`, `CpuAttentionConfig`, the Neo scheduler's `NeoKnobs` and
 `WeightsConfig` (where weights live);
 `EngineConfig.from_flat(**kwargs)` is the one place flat keywords (`LLM(...)`, the CLI's flags)
 are routed to them. Derived values are properties that do no I/O: the compute dtype that
@@ -22,11 +22,11 @@ from scheduler.placement.slicing_plan import SLICING_AUTO, parse_mlp_slicing
 # Compute dtype names a user may give -> torch's names for them (the short ones are aliases).
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}
-OFFLOAD_MODES = ("auto", "on", "off")
+CPU_ATTENTION_MODES = ("auto", "on", "off")
 # --quantization -> the linear method (engine/quant) every decoder-layer matmul uses
 QUANTIZATION_METHODS = {"none": "dense", "int4": "int4"}
 PROFILE_GRIDS = ("default", "quick")  # quick: a coarse profile, for tests
-# cpu: the CPU plays both roles; testbed: an accelerator thread on its own cores beside the CPU
+# cpu: the CPU plays both roles; testbed: a GPU thread on its own cores beside the CPU
 # attention (Neo's overlap on a CPU-only host); cuda[:N]: a GPU
 _DEVICE_PATTERN = re.compile(r"cpu|testbed|cuda(:\d+)?")
 GIB_BYTES = 2**30
@@ -83,15 +83,15 @@ ACTIVATION_RESERVE_GIB = 0.25
 class CacheConfig:
     """The paged KV cache: the block size and the sizes of its two pools, in blocks or in memory.
 
-    The accelerator pool is, first that is set: `num_blocks`; `kv_cache_memory_gib`; what
+    The GPU pool is, first that is set: `num_blocks`; `kv_cache_memory_gib`; what
     `memory_gib` (weights and pool together) leaves once the weights are loaded, less
     ACTIVATION_RESERVE_GIB; DEFAULT_KV_CACHE_MEMORY_GIB. (On CUDA the engine budgets 90% of the
     device's memory when none is set.)"""
 
     block_size: int = 16  # tokens per block
-    num_blocks: int | None = None  # the accelerator pool; None: sized by memory
+    num_blocks: int | None = None  # the GPU pool; None: sized by memory
     kv_cache_memory_gib: float | None = None
-    memory_gib: float | None = None  # the accelerator memory for weights and the KV pool together
+    memory_gib: float | None = None  # the GPU memory for weights and the KV pool together
     num_cpu_blocks: int | None = None  # the host pool, when offloading; None: from cpu_kv_cache_memory_gib
     cpu_kv_cache_memory_gib: float = 4.0
 
@@ -99,7 +99,7 @@ class CacheConfig:
         _require_int(self, "block_size", 1)
         _require_int(self, "num_blocks", 1, none_means="size the pool by memory")
         _require_int(self, "num_cpu_blocks", 1,
-                     none_means="size the pool by cpu_kv_cache_memory_gib; offload='off' drops the pool")
+                     none_means="size the pool by cpu_kv_cache_memory_gib; cpu_attention='off' drops the pool")
         for name in ("kv_cache_memory_gib", "memory_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
@@ -113,7 +113,7 @@ class CacheConfig:
         return self.num_blocks is None and self.kv_cache_memory_gib is None and self.memory_gib is not None
 
     def num_gpu_blocks_for(self, block_bytes: int) -> int:
-        """The accelerator pool's blocks of `block_bytes` each, when it does not depend on the
+        """The GPU pool's blocks of `block_bytes` each, when it does not depend on the
         weights (not sized_by_memory_budget): `num_blocks`, else what `kv_cache_memory_gib` holds."""
         if self.num_blocks is not None:
             return self.num_blocks
@@ -142,14 +142,14 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
-class OffloadConfig:
+class CpuAttentionConfig:
     """Neo's CPU offloading: whether there is a host KV pool, the cores each side gets, and where
     the cost tables the scheduler plans with come from."""
 
-    # auto: a host KV pool whenever the accelerator is not the host CPU itself (cuda, testbed);
+    # auto: a host KV pool whenever the GPU is not the host CPU itself (cuda, testbed);
     # on: also with device cpu (everything serial: how tests check identical tokens); off: GPU-only.
-    mode: str = field(default="auto", metadata={FLAT_NAME: "offload"})
-    accelerator_threads: int | None = None  # testbed: cores that play the accelerator (default half)
+    mode: str = field(default="auto", metadata={FLAT_NAME: "cpu_attention"})
+    gpu_threads: int | None = None  # testbed: cores that play the GPU (default half)
     cpu_attention_threads: int | None = None  # threads of the CPU decoding attention (default: the rest)
     cost_tables: str | None = None  # a JSON file of cost tables; None: profile once, cached
     profile_cache_dir: str | None = None  # None: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles
@@ -157,10 +157,10 @@ class OffloadConfig:
     force_profile: bool = False  # measure again even if a cached profile exists
 
     def __post_init__(self) -> None:
-        if self.mode not in OFFLOAD_MODES:
-            raise ConfigError(f"offload must be auto, on or off, got {self.mode!r}")
-        _require_int(self, "accelerator_threads", 1, none_means="half the testbed's cores")
-        _require_int(self, "cpu_attention_threads", 1, none_means="the cores the accelerator leaves")
+        if self.mode not in CPU_ATTENTION_MODES:
+            raise ConfigError(f"cpu_attention must be auto, on or off, got {self.mode!r}")
+        _require_int(self, "gpu_threads", 1, none_means="half the testbed's cores")
+        _require_int(self, "cpu_attention_threads", 1, none_means="the cores the GPU leaves")
         _require_choice(self, "profile_grid", PROFILE_GRIDS)
 
 
@@ -171,13 +171,13 @@ ON_OFF = ("on", "off")
 
 @dataclass(frozen=True)
 class WeightsConfig:
-    """Where decoder layers' weights live (PIPO): resident on the accelerator, or streamed into it
+    """Where decoder layers' weights live (PIPO): resident on the GPU, or streamed into it
     from host memory or from per-layer files in `offload_dir`. The planner (scheduler/placement)
     decides per layer from these budgets and measured bandwidths; with placement `auto` and no
-    `accelerator_gib` every layer stays resident, as without this section."""
+    `gpu_gib` every layer stays resident, as without this section."""
 
     placement: str = field(default="auto", metadata={FLAT_NAME: "weight_placement"})  # auto | gpu | cpu | disk
-    accelerator_gib: float | None = field(default=None, metadata={FLAT_NAME: "weights_gpu_gib"})
+    gpu_gib: float | None = field(default=None, metadata={FLAT_NAME: "weights_gpu_gib"})
     host_gib: float | None = field(default=None, metadata={FLAT_NAME: "weights_cpu_gib"})  # None: what the host has
     offload_dir: str | None = None  # where disk-placed layers' files live (`tandem convert` writes them)
     pipeline: str = field(default="auto", metadata={FLAT_NAME: "weight_pipeline"})  # auto | performance | memory
@@ -185,19 +185,19 @@ class WeightsConfig:
     # the decode the planner's throughput estimate is for: tokens a sequence holds; None: max_model_len
     expected_context_len: int | None = None
     # ScheInfer's MLP slicing (engine/execution/sliced_mlp.py): "off"; "auto", solved at start
-    # within accelerator_gib for decode batches of max_num_seqs; "CC,CG", the fractions of every
-    # layer's MLP units computed on the CPU and streamed to the accelerator (the rest stays
+    # within gpu_gib for decode batches of max_num_seqs; "CC,CG", the fractions of every
+    # layer's MLP units computed on the CPU and streamed to the GPU (the rest stays
     # resident), e.g. "0.25,0.5"; or one SliceRates per layer
     mlp_slicing: str | tuple[SliceRates, ...] = "off"
     # ScheInfer's prefill token assignment (sec. IV-B) under MLP slicing: "on", each forward moves
-    # the tokens the slicing models say to CG' (CC's weights copied to the accelerator); "off",
+    # the tokens the slicing models say to CG' (CC's weights copied to the GPU); "off",
     # the CPU computes CC for every token (for ablations)
     mlp_prefill_moving: str = "on"
 
     def __post_init__(self) -> None:
         _require_choice(self, "placement", WEIGHT_PLACEMENTS)
         _require_choice(self, "pipeline", WEIGHT_PIPELINES)
-        for name in ("accelerator_gib", "host_gib"):
+        for name in ("gpu_gib", "host_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
         _require_int(self, "num_io_threads", 1)
@@ -239,7 +239,7 @@ class WeightsConfig:
     @property
     def streaming_requested(self) -> bool:
         """Whether the planner places layers: a placement other than auto, or a weight budget."""
-        return self.placement != "auto" or self.accelerator_gib is not None
+        return self.placement != "auto" or self.gpu_gib is not None
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,7 @@ class EngineConfig:
     cpu_ops: str = "layers"
     show_progress: bool = False  # progress bars while the weights load and the costs are profiled
     cache: CacheConfig = field(default_factory=CacheConfig)
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    cpu_attention: CpuAttentionConfig = field(default_factory=CpuAttentionConfig)
     neo: NeoKnobs = field(default_factory=NeoKnobs)  # scheduler/neo.py says why each default
     weights: WeightsConfig = field(default_factory=WeightsConfig)
 
@@ -282,7 +282,7 @@ class EngineConfig:
         _require_choice(self, "quantization", tuple(QUANTIZATION_METHODS))
         _require_choice(self, "cpu_ops", CPU_OPS)
         if self.quantization == "int4" and self.device == "testbed":
-            raise ConfigError("quantization int4 runs on device cpu or cuda, not on the testbed: its accelerator "
+            raise ConfigError("quantization int4 runs on device cpu or cuda, not on the testbed: its GPU "
                               "thread would share the CPU kernels' thread pool with the CPU attention; use "
                               "--quantization none there")
         for section, config_type in _SECTIONS.items():  # a flat value here would fail much later
@@ -293,20 +293,20 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> str:
-        """Where the model's tensors live: the testbed's accelerator is a thread on the host."""
+        """Where the model's tensors live: the testbed's GPU is a thread on the host."""
         return "cpu" if self.device == "testbed" else self.device
 
     @property
-    def offloading(self) -> bool:
+    def cpu_attention_enabled(self) -> bool:
         """Whether the engine keeps a host KV pool and plans with the Neo scheduler."""
-        if self.offload.mode == "auto":
+        if self.cpu_attention.mode == "auto":
             return self.device == "testbed" or self.device.startswith("cuda")
-        return self.offload.mode == "on"
+        return self.cpu_attention.mode == "on"
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> "EngineConfig":
-        """Route flat keywords to their sections (`block_size` to `cache`, `offload` to
-        `offload.mode`, `swap_cooldown_iterations` to `neo`, ...); an unknown keyword raises
+        """Route flat keywords to their sections (`block_size` to `cache`, `cpu_attention` to
+        `cpu_attention.mode`, `swap_cooldown_iterations` to `neo`, ...); an unknown keyword raises
         TypeError listing the known ones."""
         kwargs = _renamed_flat_names(kwargs)
         unknown = sorted(set(kwargs) - set(FLAT_NAMES))
@@ -320,7 +320,7 @@ class EngineConfig:
         return cls(**values[None], **sections)
 
 
-_SECTIONS = {"cache": CacheConfig, "offload": OffloadConfig, "neo": NeoKnobs, "weights": WeightsConfig}
+_SECTIONS = {"cache": CacheConfig, "cpu_attention": CpuAttentionConfig, "neo": NeoKnobs, "weights": WeightsConfig}
 
 
 def _flat_names() -> dict[str, tuple[str | None, str]]:

@@ -34,11 +34,11 @@ from scheduler.cost_model import CostModel, TableCostModel
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.neo import NeoConfig, NeoScheduler
 from scheduler.placement import SlicingCosts, SlicingPlan, WeightPlacement, describe_model_plan
-from scheduler.placement.layer_plan import Tier
-from scheduler.placement.slicing import SliceRates
 from scheduler.placement.cost import SlicedMlpCostModel, StreamingCostModel
 from scheduler.placement.moved_tokens import MovedTokens, SolvedMovedTokens
+from scheduler.placement.slicing import SliceRates
 from scheduler.placement.slicing_plan import layer_works
+from scheduler.placement.tiers import Tier
 from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class IterationStats:
     num_preemptions: int = 0
     num_running: int = 0
     num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # the accelerator pool
+    kv_cache_usage: float = 0.0  # the GPU pool
     # ---- offloading (Neo) --------------------------------------------------------------------
     mode: str = PlanMode.GPU_ONLY
     num_cpu_running: int = 0  # CPU-requests (their KV in the host pool)
@@ -71,14 +71,14 @@ class IterationStats:
     forward_time: float = 0.0  # seconds, swaps included
     estimated_time: float | None = None  # the cost model's prediction of forward_time
     cpu_attention_time: float = 0.0  # in the CPU decoding attention kernel
-    cpu_wait_time: float = 0.0  # the CPU side waiting on the accelerator (pipeline bubbles)
+    cpu_wait_time: float = 0.0  # the CPU side waiting on the GPU (pipeline bubbles)
     # ---- weight streaming (PIPO) -------------------------------------------------------------
     weight_transfer_time: float = 0.0  # loading streamed layers (overlapping the forward)
-    weight_stall_time: float = 0.0  # the accelerator waiting for a streamed layer's weights
+    weight_stall_time: float = 0.0  # the GPU waiting for a streamed layer's weights
     weight_bytes_streamed: dict[str, int] = field(default_factory=dict)  # by tier (host, disk)
     # ---- MLP slicing (ScheInfer): the CG parts' bytes are in weight_bytes_streamed["host"] ------
     mlp_cpu_time: float = 0.0  # the CPU computing its MLP parts (CC)
-    num_mlp_moved_tokens: int = 0  # tokens whose CC units CG' computed on the accelerator, summed over layers
+    num_mlp_moved_tokens: int = 0  # tokens whose CC units CG' computed on the GPU, summed over layers
 
 
 class LLMEngine:
@@ -99,9 +99,9 @@ class LLMEngine:
         self.weight_stats = WeightStats()  # what the layer store's parts did, read around each step
         cache = config.cache
         block_bytes = KVCache.bytes_per_block(self.model_config, cache.block_size, self.dtype)
-        num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.offloading else 0
-        offload = config.offload
-        cores = CoreAssignment.for_device(config.device, offload.accelerator_threads, offload.cpu_attention_threads)
+        num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.cpu_attention_enabled else 0
+        cpu_attention = config.cpu_attention
+        cores = CoreAssignment.for_device(config.device, cpu_attention.gpu_threads, cpu_attention.cpu_attention_threads)
         self.runner = ModelRunner(
             self.model_config, loader, dtype=self.dtype, device=config.device,
             num_blocks=self._kv_pool_size(block_bytes), num_cpu_blocks=num_cpu_blocks, cores=cores,
@@ -142,11 +142,11 @@ class LLMEngine:
         if plan.num_layers_in(Tier.DISK):
             key = conversion_key(config, loader.source, self.dtype)
             files = LayerFiles(weights.offload_dir, key, self.model_config.num_layers)
-        budget = None if weights.accelerator_gib is None else int(weights.accelerator_gib * GIB_BYTES)
+        budget = None if weights.gpu_gib is None else int(weights.gpu_gib * GIB_BYTES)
         global_bytes = plan.placement.memory.global_bytes if plan.placement is not None else 0
         moved_tokens = self._moved_tokens(plan.rates) if plan.rates is not None else None
         return functools.partial(create_layer_store, plan, files=files, num_io_threads=weights.num_io_threads,
-                                 accelerator_weight_budget_bytes=budget, global_weight_bytes=global_bytes,
+                                 gpu_weight_budget_bytes=budget, global_weight_bytes=global_bytes,
                                  moved_tokens=moved_tokens, stats=self.weight_stats)
 
     def _moved_tokens(self, rates: tuple[SliceRates, ...]) -> MovedTokens | None:
@@ -187,37 +187,37 @@ class LLMEngine:
         return SlicedMlpCostModel(model, lambda num_tokens: layer_works(shape, fmt, num_tokens), costs, rates)
 
     def _load_table_cost_model(self, loader, dtype: torch.dtype) -> CostModel:
-        config, offload = self.config, self.config.offload
-        if offload.cost_tables:
-            return TableCostModel.load(offload.cost_tables)
+        config, cpu_attention = self.config, self.config.cpu_attention
+        if cpu_attention.cost_tables:
+            return TableCostModel.load(cpu_attention.cost_tables)
         from engine.profiling import ProfileGrid, ProfileKey, load_or_profile, profile_costs, profile_path
 
         runner = self.runner
         block_size = config.cache.block_size
         key = ProfileKey.create(model=config.model, load_format=config.load_format, dtype=dtype,
-                                device=config.device, accelerator_threads=runner.cores.accelerator_threads,
+                                device=config.device, gpu_threads=runner.cores.gpu_threads,
                                 cpu_attention_threads=runner.cores.cpu_attention_threads,
                                 block_size=block_size, linear_weights=self._linear_weights_key())
-        grid = ProfileGrid.quick() if offload.profile_grid == "quick" else ProfileGrid()
+        grid = ProfileGrid.quick() if cpu_attention.profile_grid == "quick" else ProfileGrid()
 
         def build() -> TableCostModel:
             logger.info("profiling this machine's costs for the offloading scheduler (once per model/dtype/device)")
             with runner.cores.on_cpu_cores():
-                return profile_costs(runner.model, runner.accelerator, runner.model.decode_backend, runner.cpu_decode,
+                return profile_costs(runner.model, runner.gpu, runner.model.decode_backend, runner.cpu_decode,
                                      block_size=block_size, dtype=dtype, grid=grid,
                                      progress=config.show_progress, weight_stats=self.weight_stats)
 
-        self.profile_path = profile_path(key, offload.profile_cache_dir)
-        if offload.force_profile and self.profile_path.exists():
+        self.profile_path = profile_path(key, cpu_attention.profile_cache_dir)
+        if cpu_attention.force_profile and self.profile_path.exists():
             self.profile_path.unlink()
-        return load_or_profile(key, build, offload.profile_cache_dir)
+        return load_or_profile(key, build, cpu_attention.profile_cache_dir)
 
     def close(self) -> None:
-        """Stop the runner's threads (the testbed's accelerator thread)."""
+        """Stop the runner's threads (the testbed's GPU thread)."""
         self.runner.close()
 
     def _kv_pool_size(self, block_bytes: int) -> int | Callable[[int], int]:
-        """The accelerator pool's blocks, or, under a memory budget, how to size it from the bytes
+        """The GPU pool's blocks, or, under a memory budget, how to size it from the bytes
         of the loaded weights (ModelRunner calls it once they are loaded)."""
         cache = self.config.cache
         memory_gib = cache.memory_gib if cache.sized_by_memory_budget else None
@@ -354,7 +354,7 @@ def model_max_len(config: EngineConfig, model_config: ModelConfig) -> int:
 
 
 def _describe_bytes(bytes_by_format_tier: dict[tuple[str, str], int]) -> str:
-    """"0.50 GiB (float32 on the accelerator 0.50 GiB)": the total, then each part."""
+    """"0.50 GiB (float32 on the GPU 0.50 GiB)": the total, then each part."""
     parts = ", ".join(f"{fmt} on the {tier} {nbytes / 2**30:.2f} GiB"
                       for (fmt, tier), nbytes in sorted(bytes_by_format_tier.items()))
     return f"{sum(bytes_by_format_tier.values()) / 2**30:.2f} GiB ({parts})"

@@ -13,7 +13,7 @@ Prompt = str | list[int]
 
 class LLM:
     """Batch generation over the engine. Keyword arguments are EngineConfig's flat names
-    (`EngineConfig.from_flat`: `block_size`, `offload`, `swap_cooldown_iterations`, ...).
+    (`EngineConfig.from_flat`: `block_size`, `cpu_attention`, `swap_cooldown_iterations`, ...).
 
     LLM(model="smollm2-135m")                      # the embedded default (real weights)
     LLM(model="/path/model.gguf") / LLM(model="/path/hf_dir")
@@ -24,7 +24,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_flat(model=model, **kwargs))
 
     def close(self) -> None:
-        """Stop the engine's threads (the testbed's accelerator thread); the LLM is unusable after."""
+        """Stop the engine's threads (the testbed's GPU thread); the LLM is unusable after."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":

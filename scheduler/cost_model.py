@@ -30,24 +30,24 @@ class CostModel(ABC):
         """One layer's token-wise work (norms, QKV, RoPE, O-proj, MLP) for `num_tokens` tokens."""
 
     def linear_again(self, num_tokens: int) -> float:
-        """A second pass over a layer whose weights are already on the accelerator (Neo's batch-1
+        """A second pass over a layer whose weights are already on the GPU (Neo's batch-1
         right after batch-0): the same as `linear` unless weights stream in (the streamed layer's
         transfer is paid by the first pass)."""
         return self.linear(num_tokens)
 
     def cpu_linear(self, num_tokens: int) -> float:
         """The part of `linear(num_tokens)` the host CPU computes itself (ScheInfer's CC slices of
-        the MLP) while the accelerator computes the rest: the stage lasts `linear`, and the CPU is
+        the MLP) while the GPU computes the rest: the stage lasts `linear`, and the CPU is
         busy for this long of it, on the same time line as its decode attention. None by default."""
         return 0.0
 
     @abstractmethod
     def prefill_attention(self, seq_lens: Sequence[int]) -> float:
-        """One layer's causal attention over these prefill sequences, on the accelerator."""
+        """One layer's causal attention over these prefill sequences, on the GPU."""
 
     @abstractmethod
     def gpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
-        """One layer's decode attention on the accelerator; `context_tokens` summed over sequences."""
+        """One layer's decode attention on the GPU; `context_tokens` summed over sequences."""
 
     @abstractmethod
     def cpu_decode_attention(self, num_seqs: int, context_tokens: int) -> float:
@@ -63,7 +63,7 @@ class CostModel(ABC):
 
     def handoff(self) -> float:
         """What a CPU attention stage adds to its layer beyond the attention itself: its Q/K/V
-        reaching the CPU and its output reaching the accelerator's next stage (on the testbed two
+        reaching the CPU and its output reaching the GPU's next stage (on the testbed two
         thread wake-ups, on CUDA two event waits and small copies). Paid once per non-empty CPU
         stage per layer. 0 unless measured."""
         return 0.0

@@ -1,6 +1,6 @@
 """Neo's load-aware scheduler (Neo 3.2): two KV tiers, three queues, two asymmetric sub-batches.
 
-Queues: `waiting` (prefill waitqueue), `running` (GPU-sequences: KV in the accelerator pool,
+Queues: `waiting` (prefill waitqueue), `running` (GPU-sequences: KV in the GPU pool,
 `block_pool`) and `cpu_running` (CPU-sequences: KV in the host pool, `cpu_pool`, decoding
 attention on the CPU). A prefilled sequence lives wholly in the pool its `tier` names.
 
@@ -81,7 +81,7 @@ class NeoKnobs:
     # is a couple of seconds at worst on a fast GPU, and rarely reached.
     max_cpu_wait_iterations: int = 64
     # At most this many overdue CPU-sequences are placed past the inequalities per iteration (the
-    # longest waiting first). Forcing every overdue sequence at once stalls the accelerator behind
+    # longest waiting first). Forcing every overdue sequence at once stalls the GPU behind
     # the CPU for a whole iteration each time a crowd of them comes due together (the simulator
     # showed 0.65x GPU-only with 185 CPU-sequences); one per iteration keeps every sequence moving
     # (its wait is bounded by max_cpu_wait_iterations + the number overdue before it) at the cost
@@ -93,7 +93,7 @@ class NeoKnobs:
     # Backpressure on the CPU runqueue: a prefill goes into the host pool only while the
     # CPU-sequences, served at the rate CPU decodes were recently placed, would each wait at most
     # this share of `max_cpu_wait_iterations` between their decodes. Past that the pipeline
-    # already holds more CPU work than the accelerator's linear work hides, and a sequence admitted
+    # already holds more CPU work than the GPU's linear work hides, and a sequence admitted
     # on top only lengthens every wait until crowds come due and are forced (the simulated 2xH100
     # fell to 0.97x GPU-only with a runqueue of 241 served 4 per iteration). A quarter keeps
     # every simulated setup within 1% of its best; an eighth starves the runqueue's start-up.
@@ -137,7 +137,7 @@ def _require_ints(config: NeoKnobs, minimums: Iterable[tuple[str, int]]) -> None
 
 def cpu_stage_time(cost: CostModel, num_seqs: int, context_tokens: int) -> float:
     """A CPU attention stage of one layer as the pipeline sees it (T_ca): the attention plus its
-    hand-offs to and from the accelerator; nothing when the stage is empty."""
+    hand-offs to and from the GPU; nothing when the stage is empty."""
     if num_seqs == 0:
         return 0.0
     return cost.cpu_decode_attention(num_seqs, context_tokens) + cost.handoff()
@@ -151,67 +151,71 @@ class _TwoBatches:
     prefill_lens: list[int]  # parallel to plan.prefills
     num_gpu_decodes: int
     gpu_context_tokens: int
-    num_cpu_decodes0: int = 0
-    cpu_context_tokens0: int = 0
-    num_cpu_decodes1: int = 0
-    cpu_context_tokens1: int = 0
+    num_batch0_cpu_decodes: int = 0
+    batch0_cpu_context_tokens: int = 0
+    num_batch1_cpu_decodes: int = 0
+    batch1_cpu_context_tokens: int = 0
 
     @property
-    def num_tokens0(self) -> int:
-        return sum(self.prefill_lens) + self.num_gpu_decodes + self.num_cpu_decodes0
+    def num_batch0_tokens(self) -> int:
+        return sum(self.prefill_lens) + self.num_gpu_decodes + self.num_batch0_cpu_decodes
 
-    def linear0(self) -> float:  # T_l0
-        return self.cost.linear(self.num_tokens0)
+    def batch0_linear_time(self) -> float:  # T_l0
+        return self.cost.linear(self.num_batch0_tokens)
 
-    def linear1(self) -> float:  # T_l1: batch-1 holds one token per CPU decode, on weights batch-0 brought
-        return self.cost.linear_again(self.num_cpu_decodes1)
+    def batch1_linear_time(self) -> float:  # T_l1: batch-1 holds one token per CPU decode, on weights batch-0 brought
+        return self.cost.linear_again(self.num_batch1_cpu_decodes)
 
-    def cpu_linear0(self) -> float:  # T_cl0: the CPU's share of batch-0's linear stage, beside T_ca1
-        return self.cost.cpu_linear(self.num_tokens0)
+    def batch0_cpu_linear_time(self) -> float:  # T_cl0: the CPU's share of batch-0's linear stage, beside T_ca1
+        return self.cost.cpu_linear(self.num_batch0_tokens)
 
-    def cpu_linear1(self) -> float:  # T_cl1: the CPU's share of batch-1's, beside T_ca0
-        return self.cost.cpu_linear(self.num_cpu_decodes1)
+    def batch1_cpu_linear_time(self) -> float:  # T_cl1: the CPU's share of batch-1's, beside T_ca0
+        return self.cost.cpu_linear(self.num_batch1_cpu_decodes)
 
-    def gpu_attention0(self) -> float:  # T_ga0: every prefill's attention runs on the accelerator
+    def batch0_gpu_attention_time(self) -> float:  # T_ga0: every prefill's attention runs on the GPU
         return (self.cost.prefill_attention(self.prefill_lens)
                 + self.cost.gpu_decode_attention(self.num_gpu_decodes, self.gpu_context_tokens))
 
-    def cpu_attention0(self, num_more: int = 0, more_tokens: int = 0) -> float:  # T_ca0
-        return cpu_stage_time(self.cost, self.num_cpu_decodes0 + num_more, self.cpu_context_tokens0 + more_tokens)
+    def batch0_cpu_attention_time(self, num_more: int = 0, more_tokens: int = 0) -> float:  # T_ca0
+        return cpu_stage_time(self.cost, self.num_batch0_cpu_decodes + num_more,
+                              self.batch0_cpu_context_tokens + more_tokens)
 
-    def cpu_attention1(self, num_more: int = 0, more_tokens: int = 0) -> float:  # T_ca1
-        return cpu_stage_time(self.cost, self.num_cpu_decodes1 + num_more, self.cpu_context_tokens1 + more_tokens)
+    def batch1_cpu_attention_time(self, num_more: int = 0, more_tokens: int = 0) -> float:  # T_ca1
+        return cpu_stage_time(self.cost, self.num_batch1_cpu_decodes + num_more,
+                              self.batch1_cpu_context_tokens + more_tokens)
 
     def fits_batch1(self, context_tokens: int) -> bool:
         """T_cl0 + T_ca1 <= T_l0 with one more decode in batch-1 (which only lengthens T_l1, the other
         inequality's right side, and T_cl1 by a token's CPU slice). Batch-1 needs a batch-0 to hide under."""
-        return (self.num_tokens0 > 0
-                and self.cpu_linear0() + self.cpu_attention1(1, context_tokens) <= self.linear0())
+        return (self.num_batch0_tokens > 0
+                and self.batch0_cpu_linear_time() + self.batch1_cpu_attention_time(1, context_tokens)
+                <= self.batch0_linear_time())
 
     def fits_batch0(self, context_tokens: int) -> bool:
         """T_cl1 + T_ca0 <= T_l1 + T_ga0 with one more decode in batch-0 (which lengthens T_l0 and
-        T_cl0 by as much as the accelerator's and the CPU's slices of one token take)."""
-        return self.cpu_linear1() + self.cpu_attention0(1, context_tokens) <= self.linear1() + self.gpu_attention0()
+        T_cl0 by as much as the GPU's and the CPU's slices of one token take)."""
+        return self.batch1_cpu_linear_time() + self.batch0_cpu_attention_time(1, context_tokens) <= self.batch1_linear_time() + self.batch0_gpu_attention_time()
 
     def add(self, batch: int, context_tokens: int) -> None:
         if batch == 0:
-            self.num_cpu_decodes0 += 1
-            self.cpu_context_tokens0 += context_tokens
+            self.num_batch0_cpu_decodes += 1
+            self.batch0_cpu_context_tokens += context_tokens
         else:
-            self.num_cpu_decodes1 += 1
-            self.cpu_context_tokens1 += context_tokens
+            self.num_batch1_cpu_decodes += 1
+            self.batch1_cpu_context_tokens += context_tokens
 
     def layer_time(self) -> float:
         """One layer of the pipelined plan: max(T_l0, T_cl0 + T_ca1) + max(T_l1 + T_ga0, T_cl1 + T_ca0).
         The CPU computes its share of each linear stage (T_cl, zero unless MLPs are sliced) in the
         same window as the other sub-batch's attention."""
-        return (max(self.linear0(), self.cpu_linear0() + self.cpu_attention1())
-                + max(self.linear1() + self.gpu_attention0(), self.cpu_linear1() + self.cpu_attention0()))
+        return (max(self.batch0_linear_time(), self.batch0_cpu_linear_time() + self.batch1_cpu_attention_time())
+                + max(self.batch1_linear_time() + self.batch0_gpu_attention_time(),
+                      self.batch1_cpu_linear_time() + self.batch0_cpu_attention_time()))
 
     def cheaper_batch_for(self, context_tokens: int) -> int:
         """The sub-batch whose layer time grows less with one more CPU decode. An empty batch-1
         costs a whole extra pass over the weights (its T_l1), so an overdue sequence usually goes
-        into batch-0, where only the part of its attention the accelerator cannot hide counts."""
+        into batch-0, where only the part of its attention the GPU cannot hide counts."""
         growth = []
         for batch in (0, 1):
             self.add(batch, context_tokens)
@@ -221,16 +225,17 @@ class _TwoBatches:
 
     def remove(self, batch: int, context_tokens: int) -> None:
         if batch == 0:
-            self.num_cpu_decodes0 -= 1
-            self.cpu_context_tokens0 -= context_tokens
+            self.num_batch0_cpu_decodes -= 1
+            self.batch0_cpu_context_tokens -= context_tokens
         else:
-            self.num_cpu_decodes1 -= 1
-            self.cpu_context_tokens1 -= context_tokens
+            self.num_batch1_cpu_decodes -= 1
+            self.batch1_cpu_context_tokens -= context_tokens
 
     def balanced(self) -> bool:
-        """Both of Neo's inequalities: the CPU never works while the accelerator idles."""
-        return (self.cpu_linear0() + self.cpu_attention1() <= self.linear0()
-                and self.cpu_linear1() + self.cpu_attention0() <= self.linear1() + self.gpu_attention0())
+        """Both of Neo's inequalities: the CPU never works while the GPU idles."""
+        return (self.batch0_cpu_linear_time() + self.batch1_cpu_attention_time() <= self.batch0_linear_time()
+                and self.batch1_cpu_linear_time() + self.batch0_cpu_attention_time() <= self.batch1_linear_time()
+                + self.batch0_gpu_attention_time())
 
 
 def _rate(num_seqs: int, seconds: float) -> float:
@@ -324,7 +329,7 @@ class NeoScheduler(Scheduler):
             seq.cpu_wait_iterations = 0 if id(seq) in scheduled else seq.cpu_wait_iterations + 1
         if self._decoding_cpu_requests(plan):
             smoothing = 1 / self.neo.max_cpu_wait_iterations
-            num_placed = len(plan.cpu_decodes) + len(plan.cpu_decodes1)
+            num_placed = len(plan.batch0_cpu_decodes) + len(plan.batch1_cpu_decodes)
             self._service_average += smoothing * (num_placed - self._service_average)
             self._service_weight += smoothing * (1 - self._service_weight)
         self.num_cpu_prefills += sum(1 for scheduled in plan.prefills if scheduled.sequence.tier is Tier.CPU)
@@ -358,7 +363,7 @@ class NeoScheduler(Scheduler):
             seq.block_ids.extend(self.cpu_pool.allocate(needed))
 
     def _schedule_gpu_decodes(self, plan: IterationPlan) -> bool:
-        """Step 2, accelerator side: every GPU-sequence decodes in batch-0. While the GPU pool cannot
+        """Step 2, GPU side: every GPU-sequence decodes in batch-0. While the GPU pool cannot
         hold their new KV, the newest GPU-sequence outside its cooldown (else the newest) moves to
         the host pool, or, when the host pool cannot hold it either, the newest is preempted. The
         sequences that go are the fewest from the newest end, as the GPU-only scheduler preempts
@@ -512,16 +517,16 @@ class NeoScheduler(Scheduler):
         for seq in candidates:
             context_tokens = seq.num_tokens  # its KV with the token decoded now
             scheduled = ScheduledSeq(seq, seq.num_computed_tokens, 1)
-            room0 = batches.num_tokens0 < self.config.max_num_batched_tokens
+            batch0_has_room = batches.num_batch0_tokens < self.config.max_num_batched_tokens
             if use_batch1 and batches.fits_batch1(context_tokens):
                 batch = 1
-            elif room0 and batches.fits_batch0(context_tokens):
+            elif batch0_has_room and batches.fits_batch0(context_tokens):
                 batch = 0
             elif gpu_idle or (seq.cpu_wait_iterations >= self.neo.max_cpu_wait_iterations
                               and len(plan.forced) < self.neo.max_forced_cpu_decodes):
                 if use_batch1:
-                    batch = batches.cheaper_batch_for(context_tokens) if room0 else 1
-                elif room0:
+                    batch = batches.cheaper_batch_for(context_tokens) if batch0_has_room else 1
+                elif batch0_has_room:
                     batch = 0
                 else:
                     continue
@@ -529,19 +534,19 @@ class NeoScheduler(Scheduler):
             else:
                 continue
             batches.add(batch, context_tokens)
-            (plan.cpu_decodes1 if batch else plan.cpu_decodes).append(scheduled)
+            (plan.batch1_cpu_decodes if batch else plan.batch0_cpu_decodes).append(scheduled)
         return batches
 
     def _drop_cpu_prefills(self, plan: IterationPlan, batches: _TwoBatches) -> None:
         """Step 5: drop CPU-bound prefills from batch-0, newest first, while both inequalities
-        still hold without them: they only lengthen the accelerator's side of the pipeline.
+        still hold without them: they only lengthen the GPU's side of the pipeline.
 
         Deviation from the paper: a prefill is kept while the CPU runqueue holds too little decode
         work to fill the pipeline (T_ca of all CPU-sequences < T_l0 of the plan), since dropping
         it would keep the CPU from ever getting work; and nothing is dropped when no CPU decode
         was placed, as there is then no pipeline to balance. Dropped prefills go back to the
         front of the waitqueue in their order, their host blocks freed."""
-        if not (plan.cpu_decodes or plan.cpu_decodes1):
+        if not (plan.batch0_cpu_decodes or plan.batch1_cpu_decodes):
             return
         decoding = self._decoding_cpu_requests(plan)
         cpu_work = self.cost_model.cpu_decode_attention(len(decoding), sum(r.num_tokens for r in decoding))
@@ -550,7 +555,7 @@ class NeoScheduler(Scheduler):
             seq = plan.prefills[index].sequence
             if seq.tier is not Tier.CPU:
                 continue
-            if cpu_work < batches.linear0():
+            if cpu_work < batches.batch0_linear_time():
                 break
             length = batches.prefill_lens.pop(index)
             if not batches.balanced():
@@ -572,44 +577,44 @@ class NeoScheduler(Scheduler):
         Forced CPU decodes rule the GPU-only plan out; a GPU-only plan runs no CPU work at all.
 
         The one-batch plan is step 4 again with batch-1 kept empty: CPU decodes ride in batch-0
-        while their attention hides under the accelerator's attention (T_ca0 <= T_ga0, the first
+        while their attention hides under the GPU's attention (T_ca0 <= T_ga0, the first
         inequality with T_l1 = 0). Not in the paper, whose step 4 opens batch-1 for the first CPU
-        decode: on an accelerator whose linear work is weight-bound at small batches, batch-1's
+        decode: on a GPU whose linear work is weight-bound at small batches, batch-1's
         second pass over the weights costs more than a few CPU decodes earn, and the GPU-only
         plan then leaves those decodes waiting although batch-0 could carry them for free."""
         cost = self.cost_model
         swap_time = cost.swap(sum(len(s.src_blocks) for s in (*plan.swap_out, *plan.swap_in)))
         num_gpu_seqs = len(plan.prefills) + len(plan.decodes)
-        gpu_only_time = (cost.num_layers * (cost.linear(batches.num_tokens0 - batches.num_cpu_decodes0)
-                                            + batches.gpu_attention0())
+        gpu_only_time = (cost.num_layers * (cost.linear(batches.num_batch0_tokens - batches.num_batch0_cpu_decodes)
+                                            + batches.batch0_gpu_attention_time())
                          + cost.head(num_gpu_seqs) + swap_time)
 
         def pipelined_time(candidate: IterationPlan, placed: _TwoBatches) -> float:
-            num_seqs = num_gpu_seqs + len(candidate.cpu_decodes) + len(candidate.cpu_decodes1)
+            num_seqs = num_gpu_seqs + len(candidate.batch0_cpu_decodes) + len(candidate.batch1_cpu_decodes)
             return cost.num_layers * placed.layer_time() + cost.head(num_seqs) + swap_time
 
         one = IterationPlan(prefills=plan.prefills, decodes=plan.decodes)
-        one_batches = self._place_cpu_decodes(one, use_batch1=False) if plan.cpu_decodes1 else None
+        one_batches = self._place_cpu_decodes(one, use_batch1=False) if plan.batch1_cpu_decodes else None
         two_time = pipelined_time(plan, batches)
         self.last_gpu_only_throughput = _rate(num_gpu_seqs, gpu_only_time)
         self.last_pipelined_throughput = _rate(len(plan.scheduled), two_time)
         self.last_one_batch_throughput = 0.0
         # the one-batch plan may replace the two-batch plan only if it runs its overdue sequences too
-        one_places_overdue = {id(s.sequence) for s in one.cpu_decodes} >= {id(r) for r in plan.forced}
-        if one_batches is not None and one.cpu_decodes and one_places_overdue:
+        one_places_overdue = {id(s.sequence) for s in one.batch0_cpu_decodes} >= {id(r) for r in plan.forced}
+        if one_batches is not None and one.batch0_cpu_decodes and one_places_overdue:
             one_time = pipelined_time(one, one_batches)
             self.last_one_batch_throughput = _rate(len(one.scheduled), one_time)
             if self.last_one_batch_throughput > self.last_pipelined_throughput:
-                plan.cpu_decodes, plan.cpu_decodes1, plan.forced = one.cpu_decodes, [], one.forced
+                plan.batch0_cpu_decodes, plan.batch1_cpu_decodes, plan.forced = one.batch0_cpu_decodes, [], one.forced
                 two_time = one_time
         pipelined_throughput = max(self.last_pipelined_throughput, self.last_one_batch_throughput)
         overdue = bool(plan.forced)  # a forced (overdue) sequence runs: no GPU-only plan
-        num_cpu_seqs = len(plan.cpu_decodes) + len(plan.cpu_decodes1)
+        num_cpu_seqs = len(plan.batch0_cpu_decodes) + len(plan.batch1_cpu_decodes)
         if num_cpu_seqs and (overdue or pipelined_throughput > self.last_gpu_only_throughput):
             plan.mode = PlanMode.PIPELINED
             plan.estimated_time = two_time
         else:
             plan.mode = PlanMode.GPU_ONLY
             plan.estimated_time = gpu_only_time
-            plan.cpu_decodes.clear()
-            plan.cpu_decodes1.clear()
+            plan.batch0_cpu_decodes.clear()
+            plan.batch1_cpu_decodes.clear()

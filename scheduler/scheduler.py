@@ -89,7 +89,7 @@ class Swap:
 class PlanMode(str, Enum):
     """How the runner executes an iteration; the value is the `mode` label of the metrics."""
 
-    GPU_ONLY = "gpu_only"  # one batch, attention on the accelerator (layer by layer)
+    GPU_ONLY = "gpu_only"  # one batch, attention on the GPU (layer by layer)
     PIPELINED = "pipelined"  # Neo's asymmetric two-batch forward with CPU decoding attention
 
     def __str__(self) -> str:
@@ -103,8 +103,8 @@ PLAN_MODES = tuple(PlanMode)  # every mode, for whoever counts by mode
 class IterationPlan:
     """What the runner executes this iteration.
 
-    Batch-0 packs `prefills`, `decodes` (GPU-sequences) and `cpu_decodes` (CPU-sequences) in that
-    order; batch-1 (`cpu_decodes1`) holds CPU-sequences only. A prefill's KV goes to the pool of
+    Batch-0 packs `prefills`, `decodes` (GPU-sequences) and `batch0_cpu_decodes` (CPU-sequences) in that
+    order; batch-1 (`batch1_cpu_decodes`) holds CPU-sequences only. A prefill's KV goes to the pool of
     its sequence's `tier` (CPU: copied out layer by layer). Sampled tokens come back in
     `scheduled` order.
     """
@@ -112,8 +112,8 @@ class IterationPlan:
     prefills: list[ScheduledSeq] = field(default_factory=list)
     decodes: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    cpu_decodes: list[ScheduledSeq] = field(default_factory=list)
-    cpu_decodes1: list[ScheduledSeq] = field(default_factory=list)
+    batch0_cpu_decodes: list[ScheduledSeq] = field(default_factory=list)
+    batch1_cpu_decodes: list[ScheduledSeq] = field(default_factory=list)
     swap_out: list[Swap] = field(default_factory=list)  # GPU pool -> CPU pool
     swap_in: list[Swap] = field(default_factory=list)  # CPU pool -> GPU pool
     mode: PlanMode = PlanMode.GPU_ONLY
@@ -124,20 +124,20 @@ class IterationPlan:
 
     @property
     def batch0(self) -> list[ScheduledSeq]:
-        return self.prefills + self.decodes + self.cpu_decodes
+        return self.prefills + self.decodes + self.batch0_cpu_decodes
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
-        return self.batch0 + self.cpu_decodes1
+        return self.batch0 + self.batch1_cpu_decodes
 
     @property
     def num_batched_tokens(self) -> int:
         return (sum(s.num_new_tokens for s in self.prefills) + len(self.decodes)
-                + len(self.cpu_decodes) + len(self.cpu_decodes1))
+                + len(self.batch0_cpu_decodes) + len(self.batch1_cpu_decodes))
 
     @property
     def is_empty(self) -> bool:
-        return not (self.prefills or self.decodes or self.cpu_decodes or self.cpu_decodes1)
+        return not (self.prefills or self.decodes or self.batch0_cpu_decodes or self.batch1_cpu_decodes)
 
 
 class Scheduler:

@@ -16,7 +16,7 @@ from scheduler.sampling_params import SamplingParams
 class Tier(enum.Enum):
     """Which KV pool holds a prefilled sequence's blocks (Neo 3.1): it lives wholly in one."""
 
-    GPU = "gpu"  # the accelerator pool
+    GPU = "gpu"  # the GPU pool
     CPU = "cpu"  # the host pool; its decoding attention runs on the CPU
 
 

@@ -109,19 +109,23 @@ def iteration_time(plan: IterationPlan, cost: CostModel) -> float:
     """Seconds the runner takes for `plan` under `cost` (Neo 3.2's formulas, module docstring)."""
     prefill_lens = [s.num_new_tokens for s in plan.prefills]
     num_prefill_tokens = sum(prefill_lens)
-    gpu_attention0 = (cost.prefill_attention(prefill_lens)
+    batch0_gpu_attention_time = (cost.prefill_attention(prefill_lens)
                       + cost.gpu_decode_attention(len(plan.decodes), _context_tokens(plan.decodes)))
     swap_time = cost.swap(sum(len(s.src_blocks) for s in (*plan.swap_out, *plan.swap_in)))
     num_gpu_seqs = len(plan.prefills) + len(plan.decodes)
     if plan.mode == PlanMode.GPU_ONLY:
-        layer = cost.linear(num_prefill_tokens + len(plan.decodes)) + gpu_attention0
+        layer = cost.linear(num_prefill_tokens + len(plan.decodes)) + batch0_gpu_attention_time
         return cost.num_layers * layer + cost.head(num_gpu_seqs) + swap_time
-    linear0 = cost.linear(num_prefill_tokens + len(plan.decodes) + len(plan.cpu_decodes))
-    linear1 = cost.linear_again(len(plan.cpu_decodes1))
-    cpu_attention0 = cpu_stage_time(cost, len(plan.cpu_decodes), _context_tokens(plan.cpu_decodes))
-    cpu_attention1 = cpu_stage_time(cost, len(plan.cpu_decodes1), _context_tokens(plan.cpu_decodes1))
-    layer = max(linear0, cpu_attention1) + max(linear1 + gpu_attention0, cpu_attention0)
-    return (cost.num_layers * layer + cost.head(num_gpu_seqs + len(plan.cpu_decodes) + len(plan.cpu_decodes1))
+    batch0_linear_time = cost.linear(num_prefill_tokens + len(plan.decodes) + len(plan.batch0_cpu_decodes))
+    batch1_linear_time = cost.linear_again(len(plan.batch1_cpu_decodes))
+    batch0_cpu_attention_time = cpu_stage_time(cost, len(plan.batch0_cpu_decodes),
+                                               _context_tokens(plan.batch0_cpu_decodes))
+    batch1_cpu_attention_time = cpu_stage_time(cost, len(plan.batch1_cpu_decodes),
+                                               _context_tokens(plan.batch1_cpu_decodes))
+    layer = max(batch0_linear_time, batch1_cpu_attention_time) + max(batch1_linear_time + batch0_gpu_attention_time,
+                                                                     batch0_cpu_attention_time)
+    return (cost.num_layers * layer
+            + cost.head(num_gpu_seqs + len(plan.batch0_cpu_decodes) + len(plan.batch1_cpu_decodes))
             + swap_time)
 
 
@@ -156,7 +160,7 @@ class SimulationResult:
     num_forced: int  # CPU decodes placed past an inequality (bounded wait, or nothing else to run)
     mean_gpu_batch: float  # prefills + GPU decodes per iteration
     mean_cpu_batch: float  # CPU decodes per iteration
-    peak_gpu_requests: int  # most GPU-sequences at once (KV in the accelerator pool)
+    peak_gpu_requests: int  # most GPU-sequences at once (KV in the GPU pool)
     peak_cpu_requests: int  # most CPU-sequences at once (KV in the host pool)
     num_estimate_mismatches: int  # iterations where the scheduler's estimate differs from ours
 
@@ -238,7 +242,7 @@ def simulate(scheduler: NeoScheduler, workload: Workload, cost: CostModel | None
         by_mode[plan.mode] = by_mode.get(plan.mode, 0) + 1
         num_forced += len(plan.forced)
         num_gpu_seqs += len(plan.prefills) + len(plan.decodes)
-        num_cpu_seqs += len(plan.cpu_decodes) + len(plan.cpu_decodes1)
+        num_cpu_seqs += len(plan.batch0_cpu_decodes) + len(plan.batch1_cpu_decodes)
         peak_gpu_requests = max(peak_gpu_requests, scheduler.num_gpu_running)
         peak_cpu_requests = max(peak_cpu_requests, scheduler.num_cpu_running)
         for seq in scheduler.update(plan, [SAMPLED_TOKEN] * len(plan.scheduled)):
@@ -279,12 +283,12 @@ class SystemSetup:
     max_num_seqs: int
 
 
-def build_scheduler(shape: ModelShape, hardware: HardwareProfile, workload: Workload, *, offload: bool,
+def build_scheduler(shape: ModelShape, hardware: HardwareProfile, workload: Workload, *, cpu_attention: bool,
                     dtype_bytes: int = 2, block_size: int = 16, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                     num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
                     neo: NeoKnobs | None = None) -> tuple[NeoScheduler, SystemSetup]:
     """A NeoScheduler over a `RooflineCostModel` with pools sized by `size_pools` (or the given
-    block counts), long enough for the workload's longest request; `offload=False` empties the
+    block counts), long enough for the workload's longest request; `cpu_attention=False` empties the
     host pool for the GPU-only baseline. `neo` sets the scheduler's knobs (a `NeoConfig`'s
     `num_cpu_blocks` is replaced by the host pool's size)."""
     max_model_len = workload.max_input_len + workload.max_output_len
@@ -292,7 +296,7 @@ def build_scheduler(shape: ModelShape, hardware: HardwareProfile, workload: Work
     pools = size_pools(shape, hardware, dtype_bytes=dtype_bytes, block_size=block_size,
                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     num_gpu = pools.num_gpu_blocks if num_gpu_blocks is None else num_gpu_blocks
-    num_cpu = (pools.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks) if offload else 0
+    num_cpu = (pools.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks) if cpu_attention else 0
     config = SchedulerConfig(num_blocks=num_gpu, block_size=block_size, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     neo = NeoConfig.from_knobs(neo or NeoKnobs(), num_cpu)
@@ -316,6 +320,6 @@ class Comparison:
 
 def compare(shape: ModelShape, hardware: HardwareProfile, workload: Workload, **options) -> Comparison:
     """Simulate `workload` with and without offloading; `options` go to `build_scheduler`."""
-    tandem, setup = build_scheduler(shape, hardware, workload, offload=True, **options)
-    gpu_only, _ = build_scheduler(shape, hardware, workload, offload=False, **options)
+    tandem, setup = build_scheduler(shape, hardware, workload, cpu_attention=True, **options)
+    gpu_only, _ = build_scheduler(shape, hardware, workload, cpu_attention=False, **options)
     return Comparison(simulate(tandem, workload), simulate(gpu_only, workload), setup)

@@ -90,17 +90,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     cache.add_argument("--num-gpu-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
-                       help="accelerator KV pool blocks (default: from --kv-cache-gib); caps it to emulate a small GPU")
+                       help="GPU KV pool blocks (default: from --kv-cache-gib); caps it to emulate a small GPU")
     cache.add_argument("--kv-cache-gib", type=float, default=None,
-                       help="accelerator KV pool size (default: from --memory-gib, else 1; on cuda 90%% of the device)")
+                       help="GPU KV pool size (default: from --memory-gib, else 1; on cuda 90%% of the device)")
     cache.add_argument("--memory-gib", type=float, default=None,
-                       help="accelerator memory for weights and KV pool together: the pool gets what the weights leave")
+                       help="GPU memory for weights and KV pool together: the pool gets what the weights leave")
     cache.add_argument("--num-cpu-blocks", type=int, default=None,
                        help="host KV pool blocks (default: --cpu-kv-cache-gib)")
     cache.add_argument("--cpu-kv-cache-gib", type=float, default=4.0, help="host KV pool size")
     devices = parser.add_argument_group("device and CPU offloading")
     devices.add_argument("--device", default="cpu",
-                         help="the accelerator: cpu (the CPU plays both roles), testbed (an accelerator thread on its "
+                         help="the GPU: cpu (the CPU plays both roles), testbed (a GPU thread on its "
                               "own cores beside the CPU attention: Neo's overlap on a CPU-only host), cuda[:N]")
     cpu_attention = devices.add_argument(
         "--cpu-attention", default="auto", choices=["auto", "on", "off"],
@@ -124,7 +124,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                          help="auto: chosen per layer from the budgets and measured bandwidths; gpu: all resident; "
                               "cpu: all streamed from host memory; disk: all streamed from --offload-dir")
     weights.add_argument("--weights-gpu-gib", type=float, default=None,
-                         help="accelerator memory for weights (embeddings, head, norms, resident layers and the "
+                         help="GPU memory for weights (embeddings, head, norms, resident layers and the "
                               "buffers streamed layers pass through); layers beyond it stream")
     weights.add_argument("--weights-cpu-gib", type=float, default=None,
                          help="host memory for streamed layers (default: 80%% of what the host has available); "
@@ -141,11 +141,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     weights.add_argument("--mlp-slicing", default="off", metavar="off|auto|CC,CG",
                          help="ScheInfer's MLP slicing: off; auto (rates solved within --weights-gpu-gib for decode "
                               "batches of --max-num-seqs); or CC,CG: the fractions of each layer's MLP (of a MoE "
-                              "layer's experts, whole) computed on the CPU and streamed to the accelerator (the rest "
+                              "layer's experts, whole) computed on the CPU and streamed to the GPU (the rest "
                               "resident), e.g. 0.25,0.5")
     weights.add_argument("--mlp-prefill-moving", default="on", choices=["on", "off"],
                          help="under --mlp-slicing, ScheInfer's prefill token assignment: each forward moves the "
-                              "tokens the slicing models say to the accelerator with CC's weights copied over (CG'); "
+                              "tokens the slicing models say to the GPU with CC's weights copied over (CG'); "
                               "off: the CPU computes its slices for every token")
 
 
@@ -159,9 +159,9 @@ def engine_config(args: argparse.Namespace, **overrides):
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_memory_gib=args.kv_cache_gib, memory_gib=args.memory_gib,
-        device=args.device, offload=args.cpu_attention,
+        device=args.device, cpu_attention=args.cpu_attention,
         num_cpu_blocks=args.num_cpu_blocks, cpu_kv_cache_memory_gib=args.cpu_kv_cache_gib,
-        accelerator_threads=args.gpu_threads, cpu_attention_threads=args.cpu_attention_threads,
+        gpu_threads=args.gpu_threads, cpu_attention_threads=args.cpu_attention_threads,
         cost_tables=args.cost_tables, profile_cache_dir=args.profile_cache_dir, show_progress=True,
         weight_placement=args.weight_placement, weights_gpu_gib=args.weights_gpu_gib,
         weights_cpu_gib=args.weights_cpu_gib, offload_dir=args.offload_dir, weight_pipeline=args.weight_pipeline,
@@ -176,11 +176,11 @@ def profile(args: argparse.Namespace) -> int:
     from engine.engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    offload = "on" if args.cpu_attention == "auto" else args.cpu_attention
-    if offload == "off":
+    cpu_attention = "on" if args.cpu_attention == "auto" else args.cpu_attention
+    if cpu_attention == "off":
         print("tandem profile: the cost tables serve the Neo scheduler; drop --cpu-attention off", file=sys.stderr)
         return 2
-    engine = LLMEngine(engine_config(args, offload=offload, cost_tables=None, force_profile=args.force))
+    engine = LLMEngine(engine_config(args, cpu_attention=cpu_attention, cost_tables=None, force_profile=args.force))
     try:
         print(f"tandem: cost tables for {args.model} on {args.device}: {engine.profile_path}", file=sys.stderr)
         print(json.dumps(engine.cost_model.to_dict(), indent=1))

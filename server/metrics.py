@@ -14,7 +14,7 @@ from scheduler.sequence import SequenceStatus, Tier
 STREAMED_TIERS = (TIER_HOST, TIER_DISK)  # where streamed layers come from
 KV_TIERS = tuple(tier.value for tier in Tier)  # where a request's KV lives
 FINISH_REASONS = tuple(status.value for status in SequenceStatus if status.finished)
-SWAP_OUT, SWAP_IN = "out", "in"  # to the host pool, back to the accelerator's
+SWAP_OUT, SWAP_IN = "out", "in"  # to the host pool, back to the GPU's
 SWAP_DIRECTIONS = (SWAP_OUT, SWAP_IN)
 
 disable_created_metrics()  # the *_created series only clutter dashboards (vLLM turns them off too)
@@ -60,12 +60,12 @@ class Metrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine iteration.",
                                           _TOKEN_BUCKETS)
         self._weight_bytes = Gauge("tandem:weight_bytes", "Bytes of the model's weights by storage format and "
-                                   "where they live (accelerator: resident, and the buffers streamed layers pass "
+                                   "where they live (gpu: resident, and the buffers streamed layers pass "
                                    "through; host, disk: streamed layers).", ["model_name", "format", "tier"],
                                    registry=r)
         # ---- offloading (Neo): per tier, per mode, swaps, CPU attention, cost-model error ----------
         self._tier_running = Gauge("tandem:num_requests_running_by_tier",
-                                   "Running requests by where their KV lives (gpu: accelerator pool, cpu: host pool).",
+                                   "Running requests by where their KV lives (gpu: GPU pool, cpu: host pool).",
                                    ["model_name", "tier"], registry=r)
         self._tier_usage = Gauge("tandem:kv_cache_usage_perc_by_tier", "Fraction of each KV pool in use (0-1).",
                                  ["model_name", "tier"], registry=r)
@@ -81,7 +81,7 @@ class Metrics:
             "cpu_admission_limit", "CPU-requests beyond which prefills wait instead of entering the host pool.")
         self.cpu_attention_seconds = counter("cpu_attention_seconds", "Time in the CPU decoding attention kernel.")
         self.pipeline_cpu_wait_seconds = counter(
-            "pipeline_cpu_wait_seconds", "Pipelined iterations: time the CPU side waited on the accelerator (bubbles).")
+            "pipeline_cpu_wait_seconds", "Pipelined iterations: time the CPU side waited on the GPU (bubbles).")
         self.forward_seconds = histogram("iteration_forward_seconds", "Measured forward time per iteration.",
                                          _LATENCY_BUCKETS)
         self.cost_model_error = histogram(
@@ -89,12 +89,12 @@ class Metrics:
             _ERROR_BUCKETS)
         # ---- weight streaming (PIPO): bytes per tier, transfer against compute, stalls -------------
         self._weight_streamed_bytes = Counter(
-            "tandem:weight_streamed_bytes", "Bytes of streamed layers loaded into the accelerator's buffers, by the "
+            "tandem:weight_streamed_bytes", "Bytes of streamed layers loaded into the GPU's buffers, by the "
             "tier they came from (host, disk).", ["model_name", "tier"], registry=r)
         self.weight_transfer_seconds = counter(
             "weight_transfer_seconds", "Time spent loading streamed layers (overlaps compute in the pipeline).")
         self.weight_stall_seconds = counter(
-            "weight_stall_seconds", "Time the accelerator waited for a streamed layer's weights (pipeline stalls).")
+            "weight_stall_seconds", "Time the GPU waited for a streamed layer's weights (pipeline stalls).")
         self.iteration_weight_transfer = histogram(
             "iteration_weight_transfer_seconds", "Per iteration with streamed layers: time loading them.",
             _LATENCY_BUCKETS)
@@ -103,9 +103,9 @@ class Metrics:
             _LATENCY_BUCKETS)
         # ---- MLP slicing (ScheInfer): CG's bytes are weight_streamed_bytes{tier="host"} ----------------
         self.mlp_cpu_seconds = counter(
-            "mlp_cpu_seconds", "Time the CPU computed its slices of the MLPs (CC), beside the accelerator's.")
+            "mlp_cpu_seconds", "Time the CPU computed its slices of the MLPs (CC), beside the GPU's.")
         self.mlp_moved_tokens = counter(
-            "mlp_moved_tokens", "Tokens whose CPU slices of an MLP (CC) the accelerator computed instead, with CC's "
+            "mlp_moved_tokens", "Tokens whose CPU slices of an MLP (CC) the GPU computed instead, with CC's "
             "weights copied over (CG', prefill token assignment), summed over layers.")
         self._last_token_time: dict[str, float] = {}
         self._initialise_labelled_series()

@@ -12,11 +12,11 @@ from scheduler.scheduler import ScheduledSeq
 
 @dataclass
 class BatchInputs:
-    """One sub-batch: accelerator rows (prefills, GPU decodes) then CPU decode rows."""
+    """One sub-batch: GPU rows (prefills, GPU decodes) then CPU decode rows."""
 
-    token_ids: torch.Tensor  # [num_tokens] on the accelerator
+    token_ids: torch.Tensor  # [num_tokens] on the GPU
     positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata  # the accelerator rows
+    meta: AttentionMetadata  # the GPU rows
     cpu: CpuDecodeMetadata | None  # the trailing CPU decode rows
     last_indices: torch.Tensor  # [num_seqs] row of each sequence's last token
     # Prefills that asked for prompt logprobs: the rows whose logits predict their prompt's next
@@ -30,7 +30,7 @@ class BatchInputs:
         return int(self.token_ids.shape[0])
 
     @property
-    def num_accelerator_rows(self) -> int:
+    def num_gpu_rows(self) -> int:
         return self.meta.num_prefill_tokens + self.meta.num_decodes
 
 
@@ -52,15 +52,15 @@ def build_batch(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], c
     return BatchInputs(
         token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        meta=_accelerator_metadata(prefills, gpu_decodes, block_size, device), cpu=cpu_meta,
+        meta=_gpu_metadata(prefills, gpu_decodes, block_size, device), cpu=cpu_meta,
         last_indices=torch.tensor(last_indices, dtype=torch.int64, device=device),
         prompt_rows=torch.tensor(prompt_rows, dtype=torch.int64, device=device), prompt_spans=prompt_spans,
     )
 
 
-def _accelerator_metadata(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], block_size: int,
+def _gpu_metadata(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], block_size: int,
                           device: torch.device) -> AttentionMetadata:
-    """Where each prefill token's K/V goes (accelerator slots, or a host-pool copy-out) and the
+    """Where each prefill token's K/V goes (GPU slots, or a host-pool copy-out) and the
     GPU decodes' block tables."""
     slots, slot_rows, cpu_prefills, prefill_seq_lens = [], [], [], []
     row = 0

@@ -1,27 +1,27 @@
 """The CPU side of a sliced MLP: where the parts the CPU computes (ScheInfer's CC) run, and
-with how many threads. On the testbed the accelerator thread hands such work to the engine
+with how many threads. On the testbed the GPU thread hands such work to the engine
 thread, which runs it while it waits; on CUDA and inline the engine thread runs it after
-launching the accelerator's parts (engine/execution/queues.py, `run_on_host`)."""
+launching the GPU's parts (engine/execution/queues.py, `run_on_host`)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
 
-from engine.execution.queues import AcceleratorQueue, InlineQueue
+from engine.execution.queues import GpuQueue, InlineQueue
 from engine.quant import LinearWeight
 from engine.quant.int4 import CpuInt4Kernels
-from scheduler.placement.layer_plan import Tier
+from scheduler.placement.tiers import Tier
 
 HOST = torch.device("cpu")
 
 
 class CpuSide:
-    """How a sliced MLP reaches the CPU: the accelerator queue the forward runs on (inline until
+    """How a sliced MLP reaches the CPU: the GPU queue the forward runs on (inline until
     the runner hands its own), and the threads CC's kernels use (None: the caller's)."""
 
     def __init__(self, num_threads: int | None) -> None:
-        self.queue: AcceleratorQueue = InlineQueue()
+        self.queue: GpuQueue = InlineQueue()
         self.num_threads = num_threads
 
     def own_threads(self, weight: LinearWeight) -> LinearWeight:

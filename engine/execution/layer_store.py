@@ -7,7 +7,7 @@
   moe_slicing.py), each one layer's MLP with one `apply`;
 - optionally a `MovedPart` (engine/execution/moved_part.py): CG' for a prefill's moved tokens.
 
-Every layer becomes an image built on the host: a resident one is copied into an accelerator
+Every layer becomes an image built on the host: a resident one is copied into a GPU
 buffer of its own (so resident and streamed layers compute from the same kind of memory), a
 streamed one stays in host memory or goes to its file, a sliced one keeps its attention and GG
 resident, CC on the host and CG in the ring. What the parts did goes to one `WeightStats`.
@@ -34,9 +34,10 @@ from engine.weights.convert import build_host_layer
 from engine.weights.direct_io import DirectReader
 from engine.weights.layer_files import LayerFiles
 from engine.weights.layer_image import LayerImage, meta_templates
-from scheduler.placement.layer_plan import LayerPlan, ModelPlan, SliceKind, Tier
+from scheduler.placement.layer_plan import LayerPlan, ModelPlan
 from scheduler.placement.moved_tokens import MovedTokens
-from scheduler.placement.slicing import NUM_CG_BUFFERS, SliceRates
+from scheduler.placement.slicing import NUM_CG_BUFFERS, SliceKind, SliceRates
+from scheduler.placement.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class PlannedLayers(LayerStore):
 
     def __init__(self, plan: ModelPlan, device: torch.device, copy_engine: CopyEngine, ring: BufferRing,
                  cpu: CpuSide, stats: WeightStats, moved: MovedPart | None = None,
-                 accelerator_weight_budget_bytes: int | None = None, global_weight_bytes: int = 0) -> None:
+                 gpu_weight_budget_bytes: int | None = None, global_weight_bytes: int = 0) -> None:
         super().__init__(device)
         self.plan = plan
         self.layers = list(plan.layers)  # a resident layer may fall back to streaming when it does not fit
@@ -67,10 +68,10 @@ class PlannedLayers(LayerStore):
         self.cpu = cpu
         self.stats = stats
         self.moved = moved
-        self.budget_bytes = accelerator_weight_budget_bytes
+        self.budget_bytes = gpu_weight_budget_bytes
         self.used_bytes = global_weight_bytes  # embeddings, LM head, norms: resident always
         self.mlps: dict[int, SlicedMlp] = {}  # the sliced dense MLPs
-        self.moe_layers: dict[int, SlicedSparseMoe] = {}  # the routed layers with experts off the accelerator
+        self.moe_layers: dict[int, SlicedSparseMoe] = {}  # the routed layers with experts off the GPU
 
     @property
     def tiers(self) -> list[Tier]:
@@ -88,7 +89,7 @@ class PlannedLayers(LayerStore):
         if not layer.streamed:
             if self._fits(image.nbytes):
                 return LayerWeights.of_linears(*norms, self.place_resident(image, templates, built.data))
-            logger.info("layer %d: %.1f MiB more than the planner counted leave no room on the accelerator; "
+            logger.info("layer %d: %.1f MiB more than the planner counted leave no room on the GPU; "
                         "streamed from host memory instead", index, image.nbytes / 2**20)
             self.layers[index] = LayerPlan(Tier.HOST)
         return LayerWeights.of_linears(*norms, self.place_streamed(index, self.layers[index].tier, image, templates,
@@ -99,15 +100,15 @@ class PlannedLayers(LayerStore):
         """Attention and GG resident (one image), CC on the host, CG one streamed image."""
         counts = rates.counts(loaded["gate_proj"].shape[0], unit_alignment(linear))
         cut = slice_mlp(loaded, counts)
-        for_accelerator = linear_maker(linear, dtype, HOST, self.device)  # built on the host, copied over
-        resident = attention_linears(loaded, for_accelerator)
-        resident.update({f"gg.{name}": for_accelerator(w) for name, w in cut.get(SliceKind.GG, {}).items()})
+        for_gpu = linear_maker(linear, dtype, HOST, self.device)  # built on the host, copied over
+        resident = attention_linears(loaded, for_gpu)
+        resident.update({f"gg.{name}": for_gpu(w) for name, w in cut.get(SliceKind.GG, {}).items()})
         weights = self.place_resident(*host_image(resident, self.allocate_host))
         slices = {}
         if SliceKind.CC in cut:
             slices[SliceKind.CC] = self._cc_weights(index, cut[SliceKind.CC], linear, dtype)
         if SliceKind.CG in cut:
-            streamed = {name: for_accelerator(w) for name, w in cut[SliceKind.CG].items()}
+            streamed = {name: for_gpu(w) for name, w in cut[SliceKind.CG].items()}
             slices[SliceKind.CG] = self.place_streamed(index, Tier.HOST, *host_image(streamed, self.allocate_host))
         if SliceKind.GG in cut:
             slices[SliceKind.GG] = {name: weights[f"gg.{name}"] for name in MLP_NAMES}
@@ -120,8 +121,8 @@ class PlannedLayers(LayerStore):
         """CC's weights for the CPU, on its threads; with CG' on, their image kept for its copies."""
         on_host = {name: linear_maker(linear, dtype, HOST, HOST)(w) for name, w in cut.items()}
         if self.moved is not None:
-            for_accelerator = linear_maker(linear, dtype, HOST, self.device)
-            on_host = self.moved.host_weights(index, on_host, lambda: {name: for_accelerator(w)
+            for_gpu = linear_maker(linear, dtype, HOST, self.device)
+            on_host = self.moved.host_weights(index, on_host, lambda: {name: for_gpu(w)
                                                                        for name, w in cut.items()})
         return {name: self.cpu.own_threads(w) for name, w in on_host.items()}
 
@@ -149,7 +150,7 @@ class PlannedLayers(LayerStore):
 
     def place_resident(self, image: LayerImage, templates: dict[str, LinearWeight],
                        data: torch.Tensor) -> dict[str, LinearWeight]:
-        """Weights copied from their host image into an accelerator buffer of their own, bound there."""
+        """Weights copied from their host image into a GPU buffer of their own, bound there."""
         self.used_bytes += image.nbytes
         buffer = self.copy_engine.allocate_buffer(image.nbytes)
         self.copy_engine.copy(buffer, data)
@@ -167,8 +168,8 @@ class PlannedLayers(LayerStore):
         return self.used_bytes + nbytes + reserved <= self.budget_bytes
 
     # ---- serving ------------------------------------------------------------------------------
-    def use_accelerator(self, accelerator) -> None:
-        self.cpu.queue = accelerator
+    def use_gpu(self, gpu) -> None:
+        self.cpu.queue = gpu
 
     def start(self) -> None:
         """The ring for the largest streamed item, then CG''s buffer where the weight budget has
@@ -178,7 +179,7 @@ class PlannedLayers(LayerStore):
         self.stats.slices = any(layer.sliced for layer in self.layers)
         total = self.used_bytes + self.ring.planned_bytes()
         if self.budget_bytes is not None and total > self.budget_bytes:
-            raise ConfigError(f"weights on the accelerator take {total / 2**30:.2f} GiB ({self.ring.num_buffers} "
+            raise ConfigError(f"weights on the GPU take {total / 2**30:.2f} GiB ({self.ring.num_buffers} "
                               f"layer buffers included), more than --weights-gpu-gib gives "
                               f"({self.budget_bytes / 2**30:.2f} GiB); give more")
         self.ring.start()
@@ -204,7 +205,7 @@ class PlannedLayers(LayerStore):
             mlp.moved = None
 
     def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
-        totals = {(BUFFER_FORMAT, Tier.ACCELERATOR): self.ring.allocated_bytes}
+        totals = {(BUFFER_FORMAT, Tier.GPU): self.ring.allocated_bytes}
         for key, nbytes in (self.moved.extra_weight_bytes() if self.moved is not None else {}).items():
             totals[key] = totals.get(key, 0) + nbytes
         return {key: nbytes for key, nbytes in totals.items() if nbytes}
@@ -226,11 +227,11 @@ class PlannedLayers(LayerStore):
 
 
 def create_layer_store(plan: ModelPlan, device: torch.device, cores: CoreAssignment, files: LayerFiles | None = None,
-                       num_io_threads: int = 1, accelerator_weight_budget_bytes: int | None = None,
+                       num_io_threads: int = 1, gpu_weight_budget_bytes: int | None = None,
                        global_weight_bytes: int = 0, moved_tokens: MovedTokens | None = None,
                        stats: WeightStats | None = None) -> PlannedLayers:
     """The store for `plan` on `device`: transfer threads on the host-side cores (all of them
-    where the accelerator has none of its own), disk reads `num_io_threads` at a time, CC on the
+    where the GPU has none of its own), disk reads `num_io_threads` at a time, CC on the
     CPU side's threads (the caller's own on device cpu, where one pool serves both sides), CG'
     for the tokens `moved_tokens` names (None: the CPU computes CC for every token)."""
     stats = stats if stats is not None else WeightStats()
@@ -240,14 +241,14 @@ def create_layer_store(plan: ModelPlan, device: torch.device, cores: CoreAssignm
     moved = None
     if moved_tokens is not None and plan.rates is not None:
         moved = MovedPart(moved_tokens, engine, torch.device(device).type == HOST.type, stats)
-    return PlannedLayers(plan, device, engine, ring, cpu, stats, moved, accelerator_weight_budget_bytes,
+    return PlannedLayers(plan, device, engine, ring, cpu, stats, moved, gpu_weight_budget_bytes,
                          global_weight_bytes)
 
 
 def create_transfer(plan: ModelPlan, device: torch.device, cores: CoreAssignment,
                     num_io_threads: int) -> tuple[CopyEngine, DirectReader | None]:
     """The copy engine and (with disk-placed layers) the disk reader a store streams with:
-    transfer threads on the host-side cores (all of them where the accelerator has none of its
+    transfer threads on the host-side cores (all of them where the GPU has none of its
     own), disk reads `num_io_threads` at a time."""
     host_cores = cores.cpu_attention_cores or None
     engine = create_copy_engine(device, len(cores.cpu_attention_cores) or 1, host_cores)

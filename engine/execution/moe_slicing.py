@@ -1,5 +1,5 @@
 """ScheInfer's slicing at expert granularity: a mixture-of-experts layer's routed experts split
-whole between the CPU (CC), host memory streamed to the accelerator (CG) and the accelerator (GG).
+whole between the CPU (CC), host memory streamed to the GPU (CG) and the GPU (GG).
 
 A layer's `SliceRates` give `rates.counts(num_experts)` experts to each part, in expert order:
 experts [0, cc) are CC's (their weights in host memory, computed by the CPU where they are
@@ -10,12 +10,12 @@ every token uses, so it stays where it computes fastest). The layers a MoE confi
 are sliced along their units by engine/execution/sliced_mlp.py as any dense MLP.
 
 Execution (`SlicedSparseMoe.apply`) keeps the resident layer's grouped routing and ScheInfer's
-one hop each way. The accelerator routes and sorts the (token, slot) pairs by expert; CC's
+one hop each way. The GPU routes and sorts the (token, slot) pairs by expert; CC's
 experts come first, so their pairs are a prefix of the sorted ones. Their rows, token indices and
 routing weights hop to the host once, the CPU runs each CC expert once over its rows and sums
 their weighted outputs per token ([num_tokens, hidden]), which hops back once; meanwhile the
-accelerator computes its experts (CG, GG) and the shared expert. The output is CC's sum, then the
-accelerator's pairs added in expert order, then the shared expert: each token's expert outputs
+GPU computes its experts (CG, GG) and the shared expert. The output is CC's sum, then the
+GPU's pairs added in expert order, then the shared expert: each token's expert outputs
 are added in expert order exactly as the resident `SparseMoe` adds them, whichever side finished
 first. A forward whose tokens route nothing to CC's experts makes no hop.
 """
@@ -37,8 +37,8 @@ from engine.model.llama import attention_linears, linear_maker
 from engine.model.moe import ExpertGroups, SharedExpert, SparseMoe, TopKRouter, group_by_expert
 from engine.quant import LinearMethod, LinearWeight, create_linear_method
 from engine.weights.base import ROUTER_KEY, SHARED_EXPERT_GATE_KEY, SHARED_EXPERT_PREFIX, expert_prefix
-from scheduler.placement.layer_plan import SliceKind, Tier
-from scheduler.placement.slicing import SliceRates
+from scheduler.placement.slicing import SliceKind, SliceRates
+from scheduler.placement.tiers import Tier
 
 
 class LayerPlacer(Protocol):
@@ -52,7 +52,7 @@ class LayerPlacer(Protocol):
         """A host buffer for an image copies leave from."""
 
     def place_resident(self, image, templates: dict[str, LinearWeight], data: torch.Tensor) -> dict[str, LinearWeight]:
-        """Weights copied from their host image into accelerator memory of their own."""
+        """Weights copied from their host image into GPU memory of their own."""
 
     def place_streamed(self, index: int, tier: Tier, image, templates: dict[str, LinearWeight],
                        data: torch.Tensor) -> dict[str, LinearWeight]:
@@ -60,7 +60,7 @@ class LayerPlacer(Protocol):
 
 
 class SlicedSparseMoe(SparseMoe):
-    """A SparseMoe whose experts [0, cc) the CPU computes from host memory while the accelerator
+    """A SparseMoe whose experts [0, cc) the CPU computes from host memory while the GPU
     computes the others (CG's from the layer's streamed image, GG's resident)."""
 
     def __init__(self, layer: int, router: TopKRouter, experts: list[SwiGluMlp], shared: SharedExpert | None,
@@ -79,12 +79,12 @@ class SlicedSparseMoe(SparseMoe):
         cc_spans = [span for span in spans if span[0] < self.num_cc]
         num_cc_pairs = sum(groups.counts[:self.num_cc])  # CC's experts come first: their pairs lead
         cc = self._start_cc(rows, groups, num_cc_pairs, cc_spans, x.shape[0], silu_mul)
-        accelerator = [self.experts[expert].apply(rows[pairs], silu_mul) for expert, pairs in spans[len(cc_spans):]]
+        gpu = [self.experts[expert].apply(rows[pairs], silu_mul) for expert, pairs in spans[len(cc_spans):]]
         shared = None if self.shared is None else self.shared.apply(x, silu_mul)
         out = torch.zeros_like(x) if cc is None else cc.result().to(x.device, non_blocking=True)  # [num_tokens, hidden]
-        if accelerator:
+        if gpu:
             weights = groups.weights[num_cc_pairs:, None]
-            out.index_add_(0, groups.token_rows[num_cc_pairs:], (torch.cat(accelerator) * weights).to(x.dtype))
+            out.index_add_(0, groups.token_rows[num_cc_pairs:], (torch.cat(gpu) * weights).to(x.dtype))
         return out if shared is None else out + shared
 
     def _start_cc(self, rows: torch.Tensor, groups: ExpertGroups, num_pairs: int, spans: list[tuple[int, slice]],
@@ -125,7 +125,7 @@ def _mlp(weights: dict[str, LinearWeight], prefix: str) -> SwiGluMlp:
 def place_routed_layer(store: LayerPlacer, index: int, loaded: dict, config: ModelConfig, rates: SliceRates,
                        linear: LinearMethod, dtype: torch.dtype) -> dict:
     """A routed layer's weights in their tiers, its experts split whole at `rates`: the resident
-    ones one image copied to the accelerator, CG's experts one image streamed from host memory,
+    ones one image copied to the GPU, CG's experts one image streamed from host memory,
     CC's on the host. -> qkv, o_proj and the SlicedSparseMoe"""
     moe = config.moe
     counts = rates.counts(moe.num_experts)
@@ -147,23 +147,23 @@ def _routed_linears(loaded: dict, config: ModelConfig, counts: tuple[int, int, i
                     dtype: torch.dtype, store: LayerPlacer) -> dict[SliceKind, dict[str, LinearWeight]]:
     """A routed layer's weight objects by slice: CC the CPU's experts (laid out for it), CG
     the streamed experts, GG the resident weights (attention, router, shared expert and
-    experts), the last two laid out for the accelerator."""
+    experts), the last two laid out for the GPU."""
     moe = config.moe
-    for_accelerator = linear_maker(linear, dtype, HOST, store.device)  # built on the host, copied over
+    for_gpu = linear_maker(linear, dtype, HOST, store.device)  # built on the host, copied over
     for_cpu = linear_maker(linear, dtype, HOST, HOST)
     # the router and the shared expert's gate stay dense, as in the resident layer (engine/model/moe.py)
-    dense_for_accelerator = linear_maker(create_linear_method("dense"), dtype, HOST, store.device)
-    parts = {SliceKind.CC: {}, SliceKind.CG: {}, SliceKind.GG: attention_linears(loaded, for_accelerator)}
-    parts[SliceKind.GG][ROUTER_KEY] = dense_for_accelerator(loaded[ROUTER_KEY])
+    dense_for_gpu = linear_maker(create_linear_method("dense"), dtype, HOST, store.device)
+    parts = {SliceKind.CC: {}, SliceKind.CG: {}, SliceKind.GG: attention_linears(loaded, for_gpu)}
+    parts[SliceKind.GG][ROUTER_KEY] = dense_for_gpu(loaded[ROUTER_KEY])
     if moe.has_shared_expert:
-        parts[SliceKind.GG].update(_mlp_linears(loaded, for_accelerator, SHARED_EXPERT_PREFIX))
+        parts[SliceKind.GG].update(_mlp_linears(loaded, for_gpu, SHARED_EXPERT_PREFIX))
         if moe.shared_expert_gated:
-            parts[SliceKind.GG][SHARED_EXPERT_GATE_KEY] = dense_for_accelerator(loaded[SHARED_EXPERT_GATE_KEY])
+            parts[SliceKind.GG][SHARED_EXPERT_GATE_KEY] = dense_for_gpu(loaded[SHARED_EXPERT_GATE_KEY])
     slice_of_expert = [kind for kind, num_experts in zip(SliceKind, counts) for _ in range(num_experts)]
     for expert, slice_name in enumerate(slice_of_expert):
         if slice_name == SliceKind.CC:
             parts[SliceKind.CC].update({name: HostWeight(store.cpu.own_threads(w))
                                 for name, w in _mlp_linears(loaded, for_cpu, expert_prefix(expert)).items()})
         else:
-            parts[slice_name].update(_mlp_linears(loaded, for_accelerator, expert_prefix(expert)))
+            parts[slice_name].update(_mlp_linears(loaded, for_gpu, expert_prefix(expert)))
     return parts

@@ -1,6 +1,6 @@
 """ScheInfer's prefill token assignment (sec. IV-B, CG'): for the tokens a `MovedTokens` policy
 names (scheduler/placement/moved_tokens.py), a sliced MLP's CC units are computed on the
-accelerator from CC's weights, copied into one accelerator buffer as the MLP starts, instead of
+GPU from CC's weights, copied into one GPU buffer as the MLP starts, instead of
 by the CPU. Decode-sized forwards usually move nothing."""
 from __future__ import annotations
 
@@ -16,28 +16,28 @@ from engine.execution.stats import WeightStats
 from engine.execution.transfer import CopyEngine, pin_to
 from engine.quant import LinearWeight
 from engine.weights.layer_image import LayerImage, meta_templates
-from scheduler.placement.layer_plan import Tier
 from scheduler.placement.moved_tokens import MovedTokens
+from scheduler.placement.tiers import Tier
 
-MOVED_HOST_FORMAT = "CG' host copies"  # weight_bytes' format label for CC in the accelerator's format
+MOVED_HOST_FORMAT = "CG' host copies"  # weight_bytes' format label for CC in the GPU's format
 
 
 class MovedPart:
-    """CG' (ScheInfer sec. IV-B): CC's weights, stored on the host, copied into one accelerator
+    """CG' (ScheInfer sec. IV-B): CC's weights, stored on the host, copied into one GPU
     buffer for the tokens a forward moves off the CPU (`MovedTokens` says how many per layer).
 
-    The host bytes copies leave from: where the accelerator is a host thread (device cpu, the
+    The host bytes copies leave from: where the GPU is a host thread (device cpu, the
     testbed) it computes from the CPU's format, so CC's weights are one host image per layer and
     the CPU part's weights are views into it (shared, no second copy; INT4 kernels are shared
     too, which is safe because the testbed refuses INT4 and device cpu has one thread pool).
     Elsewhere (CUDA: Triton's INT4 layout, pinned memory for asynchronous copies) a second host
-    image in the accelerator's format is kept beside the CPU's weights.
+    image in the GPU's format is kept beside the CPU's weights.
 
     Copies go through the store's copy engine on a transfer thread of their own (a real memcpy on
     the host-side cores on the testbed; queued on the copy stream on CUDA), launched as the MLP
     starts so they overlap GG's and CG's compute; not on the ring's thread, whose next load may
     be waiting for this very layer's release. One buffer is enough: a CG' lives within one
-    SlicedMlp.apply, and the accelerator runs a forward's
+    SlicedMlp.apply, and the GPU runs a forward's
     MLPs (Neo's two sub-batches' too) one after the other, never interleaved, so the next copy
     is launched only once the last CG' was computed (on CUDA, queued: the copy waits for the event
     `done` records, as a ring load waits for its buffer's release)."""
@@ -56,13 +56,13 @@ class MovedPart:
                                           initializer=pin_to(copy_engine.cores))
 
     def host_weights(self, layer: int, cpu_weights: dict[str, LinearWeight],
-                     for_accelerator: Callable[[], dict[str, LinearWeight]]) -> dict[str, LinearWeight]:
+                     for_gpu: Callable[[], dict[str, LinearWeight]]) -> dict[str, LinearWeight]:
         """Keep layer `layer`'s CC image for copies; -> the CPU part's weights (views into that
-        image where the bytes are shared). `for_accelerator()` builds CC in the accelerator's format."""
+        image where the bytes are shared). `for_gpu()` builds CC in the GPU's format."""
         if self.shares_host_bytes:
             image, templates, data = self._host[layer] = host_image(cpu_weights, self.copy_engine.allocate_host)
             return image.bind(templates, data)
-        self._host[layer] = host_image(for_accelerator(), self.copy_engine.allocate_host)
+        self._host[layer] = host_image(for_gpu(), self.copy_engine.allocate_host)
         return cpu_weights
 
     @property
@@ -85,7 +85,7 @@ class MovedPart:
     def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
         """The buffer, and the host images where they are not the CPU's weights, by (format, tier)."""
         host_bytes = 0 if self.shares_host_bytes else sum(image.nbytes for image, _, _ in self._host.values())
-        extra = {(BUFFER_FORMAT, Tier.ACCELERATOR): self.buffer_bytes, (MOVED_HOST_FORMAT, Tier.HOST): host_bytes}
+        extra = {(BUFFER_FORMAT, Tier.GPU): self.buffer_bytes, (MOVED_HOST_FORMAT, Tier.HOST): host_bytes}
         return {key: nbytes for key, nbytes in extra.items() if nbytes}
 
     def count(self, layer: int, num_tokens: int) -> int:

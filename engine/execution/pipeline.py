@@ -1,14 +1,14 @@
 """Neo's asymmetric two-batch forward (fig. 5), written against engine/execution/queues.py.
 
 Batch-0 holds the prefills, the GPU-requests' decodes and a few CPU-requests' decodes; batch-1
-holds CPU-requests' decodes only. Per layer the accelerator runs one batch's linear stages while
+holds CPU-requests' decodes only. Per layer the GPU runs one batch's linear stages while
 the CPU runs the other batch's decoding attention:
 
-    accelerator:  [po0(i-1) pr0(i)] [ga0(i)] [po1(i-1) pr1(i)] [po0(i) pr0(i+1)] [ga0(i+1)] ...
+    GPU:          [po0(i-1) pr0(i)] [ga0(i)] [po1(i-1) pr1(i)] [po0(i) pr0(i+1)] [ga0(i+1)] ...
     CPU:          ...  ca1(i-1)     |   ca0(i)                 |  ca1(i)                  | ca0(i+1)
 
 so an iteration costs L * (max(T_l0, T_ca1) + max(T_l1 + T_ga0, T_ca0)), the time the scheduler
-estimated. The calling (engine) thread conducts: it queues accelerator work in order and computes
+estimated. The calling (engine) thread conducts: it queues GPU work in order and computes
 the CPU attention itself, waiting on a future only for the Q/K/V it needs.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from engine.attention import DecodeAttentionBackend
 from engine.execution.batch import BatchInputs
-from engine.execution.queues import AcceleratorQueue, Future
+from engine.execution.queues import GpuQueue, Future
 from engine.kv import TwoTierKVCache
 from engine.model.llama import LlamaModel
 
@@ -32,7 +32,7 @@ class PipelineTimes:
     """Where the engine thread spent one pipelined forward (seconds)."""
 
     cpu_attention: float = 0.0  # in the CPU decoding attention kernel
-    cpu_waiting: float = 0.0  # waiting for the accelerator (the CPU side of pipeline bubbles)
+    cpu_waiting: float = 0.0  # waiting for the GPU (the CPU side of pipeline bubbles)
 
 
 class _Batch:
@@ -45,25 +45,25 @@ class _Batch:
         self.qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # this layer's, for attention
 
 
-def pipelined_forward(model: LlamaModel, accelerator: AcceleratorQueue, kv_cache: TwoTierKVCache,
+def pipelined_forward(model: LlamaModel, gpu: GpuQueue, kv_cache: TwoTierKVCache,
                       cpu_decode: DecodeAttentionBackend, batch0: BatchInputs, batch1: BatchInputs,
                       times: PipelineTimes | None = None) -> torch.Tensor:
     """-> logits [batch-0 seqs + batch-1 seqs + batch-0's then batch-1's prompt rows, vocab] fp32,
-    on the accelerator."""
+    on the GPU."""
     times = times if times is not None else PipelineTimes()
-    return _PipelinedForward(model, accelerator, kv_cache, cpu_decode, batch0, batch1, times).run()
+    return _PipelinedForward(model, gpu, kv_cache, cpu_decode, batch0, batch1, times).run()
 
 
 class _PipelinedForward:
-    """One pipelined forward, stage by stage. The accelerator stages (`_embed`, `_pre_proj`,
-    `_accelerator_attention`, `_post_proj`, `_head`) run in the queue's order; `_cpu_attention`
+    """One pipelined forward, stage by stage. The GPU stages (`_embed`, `_pre_proj`,
+    `_gpu_attention`, `_post_proj`, `_head`) run in the queue's order; `_cpu_attention`
     runs on the calling thread, `_wait` blocks it on a future."""
 
-    def __init__(self, model: LlamaModel, accelerator: AcceleratorQueue, kv_cache: TwoTierKVCache,
+    def __init__(self, model: LlamaModel, gpu: GpuQueue, kv_cache: TwoTierKVCache,
                  cpu_decode: DecodeAttentionBackend, batch0: BatchInputs, batch1: BatchInputs,
                  times: PipelineTimes) -> None:
         self.model = model
-        self.accelerator = accelerator
+        self.gpu = gpu
         self.kv_cache = kv_cache
         self.cpu_decode = cpu_decode
         self.times = times
@@ -76,54 +76,55 @@ class _PipelinedForward:
         self.layers = model.layer_store
 
     def run(self) -> torch.Tensor:
-        self.accelerator.submit(self._embed)
-        rows0 = self.accelerator.submit(lambda: self._pre_proj(self.b0, 0))
-        self.accelerator.submit(lambda: self._accelerator_attention(self.b0, 0))
-        rows1 = self.accelerator.submit(lambda: self._pre_proj(self.b1, 0)) if self.has_batch1 else None
+        self.gpu.submit(self._embed)
+        batch0_rows = self.gpu.submit(lambda: self._pre_proj(self.b0, 0))
+        self.gpu.submit(lambda: self._gpu_attention(self.b0, 0))
+        batch1_rows = self.gpu.submit(lambda: self._pre_proj(self.b1, 0)) if self.has_batch1 else None
         for layer in range(self.num_layers):
-            rows0, rows1 = self._conduct_layer(layer, rows0, rows1)
-        return self._wait(self.accelerator.submit(self._head))
+            batch0_rows, batch1_rows = self._conduct_layer(layer, batch0_rows, batch1_rows)
+        return self._wait(self.gpu.submit(self._head))
 
-    def _conduct_layer(self, layer: int, rows0: Future, rows1: Future | None) -> tuple[Future, Future | None]:
+    def _conduct_layer(self, layer: int, batch0_rows: Future, batch1_rows: Future | None) -> tuple[Future,
+                                                                                                   Future | None]:
         """Computes `layer`'s CPU attention of each batch as its rows arrive and queues what
-        follows it on the accelerator. Returns the futures of the next layer's CPU rows."""
+        follows it on the GPU. Returns the futures of the next layer's CPU rows."""
         nxt = layer + 1
-        out0 = self._cpu_attention(self.b0, layer, self._wait(rows0))  # ca0(layer), under ga0(layer) + l1
-        rows0 = self.accelerator.submit(lambda: self._finish_batch0_layer(layer, out0))
+        batch0_out = self._cpu_attention(self.b0, layer, self._wait(batch0_rows))  # ca0(layer), under ga0(layer) + l1
+        batch0_rows = self.gpu.submit(lambda: self._finish_batch0_layer(layer, batch0_out))
         if nxt < self.num_layers:
-            self.accelerator.submit(lambda: self._accelerator_attention(self.b0, nxt))
+            self.gpu.submit(lambda: self._gpu_attention(self.b0, nxt))
         if not self.has_batch1:
-            return rows0, rows1
-        out1 = self._cpu_attention(self.b1, layer, self._wait(rows1))  # ca1(layer), under l0
-        rows1 = self.accelerator.submit(lambda: self._finish_batch1_layer(layer, out1))
-        return rows0, rows1
+            return batch0_rows, batch1_rows
+        batch1_out = self._cpu_attention(self.b1, layer, self._wait(batch1_rows))  # ca1(layer), under l0
+        batch1_rows = self.gpu.submit(lambda: self._finish_batch1_layer(layer, batch1_out))
+        return batch0_rows, batch1_rows
 
-    # ---- accelerator stages -----------------------------------------------------------------
+    # ---- GPU stages -----------------------------------------------------------------
     def _embed(self) -> None:
         self.b0.hidden = self.model.pre_layer(self.b0.inputs.token_ids)
         self.b1.hidden = self.model.pre_layer(self.b1.inputs.token_ids)
         self.layers.acquire(0)
 
     def _pre_proj(self, batch: _Batch, layer: int):
-        """pr(layer): QKV + RoPE; the accelerator attention of batch-0 is queued separately so
+        """pr(layer): QKV + RoPE; the GPU attention of batch-0 is queued separately so
         the CPU can start on its rows while it runs. Returns host views of the CPU rows."""
         inputs = batch.inputs
         q, k, v = self.model.pre_proj(layer, batch.hidden, inputs.positions)
         batch.attn_out = torch.empty_like(q)
         batch.qkv = (q, k, v)
-        start = inputs.num_accelerator_rows
+        start = inputs.num_gpu_rows
         # [num_cpu_rows, heads, head_dim] each; non-blocking device->host copies on CUDA
         return tuple(t[start:].to(_HOST, non_blocking=True) for t in (q, k, v))
 
-    def _accelerator_attention(self, batch: _Batch, layer: int) -> None:
-        """ga(layer): the attention of the batch's accelerator rows."""
+    def _gpu_attention(self, batch: _Batch, layer: int) -> None:
+        """ga(layer): the attention of the batch's GPU rows."""
         q, k, v = batch.qkv
-        if batch.inputs.num_accelerator_rows:
+        if batch.inputs.num_gpu_rows:
             self.model.attention(layer, q, k, v, self.kv_cache, batch.inputs.meta, out=batch.attn_out)
 
     def _post_proj(self, batch: _Batch, layer: int, cpu_out: torch.Tensor | None) -> None:
-        """po(layer): the CPU rows' attention joins the accelerator's, then O projection and MLP."""
-        start = batch.inputs.num_accelerator_rows
+        """po(layer): the CPU rows' attention joins the GPU's, then O projection and MLP."""
+        start = batch.inputs.num_gpu_rows
         if cpu_out is not None:
             batch.attn_out[start:] = cpu_out.to(batch.attn_out.device, non_blocking=True)
         batch.hidden = self.model.post_proj(layer, batch.hidden, batch.attn_out.flatten(1))

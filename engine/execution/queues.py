@@ -1,26 +1,26 @@
-"""In-order accelerator work queues: the small stream/event abstraction Neo's pipeline runs on.
+"""In-order GPU work queues: the small stream/event abstraction Neo's pipeline runs on.
 
 The engine thread is the pipeline's conductor and the CPU attention worker at once: it `submit`s
-accelerator work (linear stages, accelerator attention, copies) in order and, while that runs,
+GPU work (linear stages, GPU attention, copies) in order and, while that runs,
 computes decoding attention of CPU-requests itself, waiting on a `Future` only when it needs a
 result. Three implementations:
 
 - `InlineQueue`: work runs at once on the caller. A CPU-only host without the testbed: nothing
   overlaps, but the pipelined forward computes exactly what it computes elsewhere (the tests'
   reference for identical tokens).
-- `WorkerThreadQueue`, the host-only testbed: the "accelerator" is a dedicated thread pinned to
+- `WorkerThreadQueue`, the host-only testbed: the "GPU" is a dedicated thread pinned to
   its own cores with its own torch thread count, executing queued work in order, while the CPU
   attention runs on the remaining cores. The overlap is real and measurable on a 2-core box.
 - `CudaStreamQueue`: work is launched at once on the compute stream (launches are asynchronous);
   copies between the pools go on a side stream ordered by events; `Future.result()` waits on an
   event. Untested on real hardware in CI (no GPU there).
 
-Accelerator work may hand work back to the CPU side (ScheInfer's CPU-computed MLP slice,
+GPU work may hand work back to the CPU side (ScheInfer's CPU-computed MLP slice,
 engine/execution/sliced_mlp.py): `run_on_host` runs it on the engine thread, the one that
 conducts the forward, and `copy_to_host` starts the activations' hop there. On the testbed the
-accelerator thread queues it and the engine thread runs it while it waits on a future; on CUDA and
-inline the engine thread itself runs the accelerator's work (launches), so the host work runs when
-its result is first asked for, after the accelerator's share was launched.
+GPU thread queues it and the engine thread runs it while it waits on a future; on CUDA and
+inline the engine thread itself runs the GPU's work (launches), so the host work runs when
+its result is first asked for, after the GPU's share was launched.
 """
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ class DeferredFuture(Future):
             self._error = exc
 
 
-class AcceleratorQueue(ABC):
-    """Runs submitted callables on the accelerator, in submission order."""
+class GpuQueue(ABC):
+    """Runs submitted callables on the GPU, in submission order."""
 
     device: torch.device
 
@@ -81,15 +81,15 @@ class AcceleratorQueue(ABC):
         return self.submit(fn)
 
     def run_on_host(self, fn: Callable[[], Any]) -> Future:
-        """`fn` on the CPU side (the engine thread), for accelerator work that hands part of its
-        work to the CPU; the accelerator's work waits on the future where it needs the value. Here:
-        run when the result is first asked for (the caller conducts the accelerator, so by then it
+        """`fn` on the CPU side (the engine thread), for GPU work that hands part of its
+        work to the CPU; the GPU's work waits on the future where it needs the value. Here:
+        run when the result is first asked for (the caller conducts the GPU, so by then it
         has launched what overlaps)."""
         return DeferredFuture(fn)
 
     def copy_to_host(self, tensor: torch.Tensor) -> Future:
-        """Start copying an accelerator tensor to host memory (ordered after the work that makes
-        it); the future's value is the host copy. Here the accelerator's memory is the host's."""
+        """Start copying a GPU tensor to host memory (ordered after the work that makes
+        it); the future's value is the host copy. Here the GPU's memory is the host's."""
         future = Future()
         future._value = tensor
         return future
@@ -108,7 +108,7 @@ def _RECOVER() -> None:
     """Marker item: clears a worker queue's error."""
 
 
-class InlineQueue(AcceleratorQueue):
+class InlineQueue(GpuQueue):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
 
@@ -118,16 +118,16 @@ class InlineQueue(AcceleratorQueue):
         return future
 
 
-class WorkerThreadQueue(AcceleratorQueue):
-    """The host-only testbed's accelerator: one thread, its own cores, its own torch threads.
+class WorkerThreadQueue(GpuQueue):
+    """The host-only testbed's GPU: one thread, its own cores, its own torch threads.
 
-    Work the accelerator thread hands to the host (`run_on_host`) is queued for the engine thread,
+    Work the GPU thread hands to the host (`run_on_host`) is queued for the engine thread,
     which runs it while it waits on any of this queue's futures: the engine thread is the CPU side
     (its cores, its thread count), and a forward's engine thread always comes back to wait."""
 
-    def __init__(self, cores: set[int] | None, num_threads: int, name: str = "tandem-accelerator") -> None:
+    def __init__(self, cores: set[int] | None, num_threads: int, name: str = "tandem-gpu") -> None:
         if num_threads < 1:
-            raise ValueError(f"the accelerator thread needs >= 1 torch thread, got {num_threads}")
+            raise ValueError(f"the GPU thread needs >= 1 torch thread, got {num_threads}")
         self.device = torch.device("cpu")
         self.cores = cores
         self.num_threads = num_threads
@@ -135,7 +135,7 @@ class WorkerThreadQueue(AcceleratorQueue):
         # The first error of a forward: later items depend on the failed one, so they are skipped
         # and fail with it instead of computing on half-written tensors. Cleared by `recover`.
         self._error: BaseException | None = None
-        # host work from the accelerator thread, and what wakes a waiter: that work or an item done
+        # host work from the GPU thread, and what wakes a waiter: that work or an item done
         self._host_work: collections.deque = collections.deque()
         self._wakeup = threading.Condition()
         self._started = threading.Event()
@@ -169,7 +169,7 @@ class WorkerThreadQueue(AcceleratorQueue):
 
     def submit(self, fn):
         if not self._thread.is_alive():
-            raise RuntimeError("the accelerator thread has stopped")
+            raise RuntimeError("the GPU thread has stopped")
         done = threading.Event()
         future = Future(lambda: self._wait_serving_host(done))
         self._items.put((fn, future, done))
@@ -186,7 +186,7 @@ class WorkerThreadQueue(AcceleratorQueue):
         return future
 
     def _wait_serving_host(self, done: threading.Event) -> None:
-        """Wait for an item, running the host work the accelerator thread queues meanwhile."""
+        """Wait for an item, running the host work the GPU thread queues meanwhile."""
         if threading.current_thread() is self._thread:  # only ever on work already done
             done.wait()
             return
@@ -200,7 +200,7 @@ class WorkerThreadQueue(AcceleratorQueue):
             try:
                 with torch.inference_mode():
                     future._value = fn()
-            except BaseException as exc:  # the accelerator's work that waits on it fails with it
+            except BaseException as exc:  # the GPU's work that waits on it fails with it
                 future._error = exc
             host_done.set()
 
@@ -213,7 +213,7 @@ class WorkerThreadQueue(AcceleratorQueue):
             self._thread.join()
 
 
-class CudaStreamQueue(AcceleratorQueue):
+class CudaStreamQueue(GpuQueue):
     """Launch at once on the compute stream; copies on a side stream; events order the two."""
 
     def __init__(self, device: torch.device | str = "cuda") -> None:

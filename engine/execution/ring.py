@@ -1,5 +1,5 @@
 """PIPO's weight-streaming pipeline (sec. 3.1-3.3, Alg. 1): weights kept in host memory or on disk
-are loaded into a ring of preallocated accelerator buffers while earlier layers compute. Whole
+are loaded into a ring of preallocated GPU buffers while earlier layers compute. Whole
 streamed layers (PIPO) and sliced MLPs' CG parts (ScheInfer) pass through the same ring.
 
 Each streamed item is one layer image (engine/weights/layer_image.py) of one decoder layer, in a
@@ -31,7 +31,7 @@ from engine.quant import LinearWeight
 from engine.weights.direct_io import DirectReader, OpenFile
 from engine.weights.layer_files import LayerFiles
 from engine.weights.layer_image import LayerImage
-from scheduler.placement.layer_plan import Tier
+from scheduler.placement.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class StreamedWeight(LinearWeight):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         current = self.binding.current
         if current is None:
-            raise RuntimeError(f"layer {self.binding.layer}'s weights are not on the accelerator: a forward must "
+            raise RuntimeError(f"layer {self.binding.layer}'s weights are not on the GPU: a forward must "
                                f"acquire a streamed layer before using it")
         return current[self.name].apply(x)
 
@@ -90,7 +90,7 @@ class StreamedWeight(LinearWeight):
 
 @dataclass
 class _Buffer:
-    """One accelerator buffer of the ring."""
+    """One GPU buffer of the ring."""
 
     data: torch.Tensor  # uint8 [buffer bytes]
     free: threading.Event = field(default_factory=threading.Event)
@@ -159,7 +159,7 @@ class BufferRing:
         return file
 
     def planned_bytes(self) -> int:
-        """What `start` will allocate on the accelerator: its buffers of the largest item."""
+        """What `start` will allocate on the GPU: its buffers of the largest item."""
         if not self.items:
             return 0
         return min(self.num_buffers, len(self.items)) * max(item.image.nbytes for item in self.items.values())
@@ -182,7 +182,7 @@ class BufferRing:
                              for _ in range(NUM_STAGING_BUFFERS)]
         self._restart()
 
-    # ---- the compute side (the accelerator's thread) ---------------------------------------------
+    # ---- the compute side (the GPU's thread) ---------------------------------------------
     def acquire(self, layer: int) -> None:
         if layer not in self.items:
             return

@@ -1,7 +1,7 @@
 """The model runner: owns every tensor (weights, both KV pools) and executes an IterationPlan.
 
 A plan's swaps are copied first (queued before the forward, adjacent blocks merged). A GPU-only
-plan runs the plain layer-by-layer forward on the accelerator; a pipelined plan runs Neo's
+plan runs the plain layer-by-layer forward on the GPU; a pipelined plan runs Neo's
 asymmetric two-batch forward (engine/execution/pipeline.py) with the CPU-requests' decoding attention on
 the calling thread.
 """
@@ -17,7 +17,7 @@ from engine.attention import create_decode_backend
 from engine.execution.batch import build_batch
 from engine.execution.cores import CoreAssignment
 from engine.execution.pipeline import PipelineTimes, pipelined_forward
-from engine.execution.queues import AcceleratorQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
+from engine.execution.queues import GpuQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
 from engine.kv import KVCache, TwoTierKVCache
 from engine.model import ModelConfig
 from engine.model.llama import LayerStore
@@ -57,15 +57,15 @@ class ModelRunner:
                  linear_method: str = "dense", cpu_ops: str = "layers",
                  layer_store: Callable[[torch.device, CoreAssignment], LayerStore] | None = None) -> None:
         """`layer_store`: makes the store of where decoder layers live (weight streaming), given
-        the accelerator's device and the cores; None: every layer resident."""
+        the GPU's device and the cores; None: every layer resident."""
         self.config = config
         self.cores = cores or CoreAssignment.for_device(device)
-        self.accelerator = self._make_accelerator(device)
-        self.device = self.accelerator.device
+        self.gpu = self._make_gpu(device)
+        self.device = self.gpu.device
         self.block_size = block_size
         store = layer_store(self.device, self.cores) if layer_store is not None else None
         if store is not None:
-            store.use_accelerator(self.accelerator)
+            store.use_gpu(self.gpu)
         try:
             self.model = create_model(config, loader, dtype, self.device, max_model_len,
                                       create_decode_backend(decode_backend, str(self.device)),
@@ -74,10 +74,10 @@ class ModelRunner:
         except BaseException:
             if store is not None:
                 store.close()
-            self.accelerator.close()
+            self.gpu.close()
             raise
         if callable(num_blocks):  # sized by what the loaded weights leave of a memory budget
-            num_blocks = num_blocks(self.model.accelerator_weight_bytes())
+            num_blocks = num_blocks(self.model.gpu_weight_bytes())
         cpu_pool = None
         if num_cpu_blocks:
             cpu_pool = KVCache(config, num_cpu_blocks, block_size, dtype, "cpu",
@@ -91,16 +91,16 @@ class ModelRunner:
                 self.cpu_decode.num_threads = self.cores.cpu_attention_threads
         self.sampler = Sampler(config.vocab_size, seed=seed)
 
-    def _make_accelerator(self, device: str) -> AcceleratorQueue:
+    def _make_gpu(self, device: str) -> GpuQueue:
         if self.cores.device == "testbed":
-            return WorkerThreadQueue(set(self.cores.accelerator_cores), self.cores.accelerator_threads)
+            return WorkerThreadQueue(set(self.cores.gpu_cores), self.cores.gpu_threads)
         if self.cores.device == "cuda":
             return CudaStreamQueue(device)
         return InlineQueue(device)
 
     def close(self) -> None:
         self.model.layer_store.close()
-        self.accelerator.close()
+        self.gpu.close()
 
     # ---- execution -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -137,27 +137,27 @@ class ModelRunner:
             try:
                 return self._forward_on_cores(plan)
             except BaseException:
-                self.accelerator.recover()
+                self.gpu.recover()
                 self.model.layer_store.recover()
                 raise
 
     def _forward_on_cores(self, plan: IterationPlan) -> ForwardLogits:
         self._swap(plan)
-        if plan.mode == PlanMode.GPU_ONLY and not (plan.cpu_decodes or plan.cpu_decodes1):
+        if plan.mode == PlanMode.GPU_ONLY and not (plan.batch0_cpu_decodes or plan.batch1_cpu_decodes):
             batch = self._build_batch(plan.prefills, plan.decodes, [])
             output_rows = torch.cat([batch.last_indices, batch.prompt_rows])
-            logits = self.accelerator.submit(lambda: self.model.forward(
+            logits = self.gpu.submit(lambda: self.model.forward(
                 batch.token_ids, batch.positions, self.kv_cache, batch.meta, output_rows)).result()
             return ForwardLogits(logits, batch.prompt_spans, None)
         if self.cpu_decode is None:
             raise RuntimeError("a pipelined plan needs the host KV pool, but offloading is off")
         times = PipelineTimes()
-        batch0 = self._build_batch(plan.prefills, plan.decodes, plan.cpu_decodes)
-        batch1 = self._build_batch([], [], plan.cpu_decodes1)
-        logits = pipelined_forward(self.model, self.accelerator, self.kv_cache, self.cpu_decode,
+        batch0 = self._build_batch(plan.prefills, plan.decodes, plan.batch0_cpu_decodes)
+        batch1 = self._build_batch([], [], plan.batch1_cpu_decodes)
+        logits = pipelined_forward(self.model, self.gpu, self.kv_cache, self.cpu_decode,
                                    batch0, batch1, times)
-        num_seqs0 = len(batch0.last_indices)
-        spans = batch0.prompt_spans + [(num_seqs0 + index, num_rows) for index, num_rows in batch1.prompt_spans]
+        num_batch0_seqs = len(batch0.last_indices)
+        spans = batch0.prompt_spans + [(num_batch0_seqs + index, num_rows) for index, num_rows in batch1.prompt_spans]
         return ForwardLogits(logits, spans, times)
 
     def _build_batch(self, prefills, gpu_decodes, cpu_decodes):
@@ -171,4 +171,4 @@ class ModelRunner:
             raise RuntimeError("a plan must not swap out and swap in in the same iteration")
         kv, to_cpu = self.kv_cache, bool(plan.swap_out)
         moves = plan.swap_out or plan.swap_in
-        self.accelerator.submit_copy(lambda: kv.copy_blocks(moves, to_cpu=to_cpu)).result()
+        self.gpu.submit_copy(lambda: kv.copy_blocks(moves, to_cpu=to_cpu)).result()

@@ -1,6 +1,6 @@
 """ScheInfer's MLP slicing (sec. III-B, III-C): a decoder layer's MLP cut along its intermediate
 units into a part the CPU computes where it is stored (CC), a part stored in host memory and
-streamed to the accelerator to be computed there (CG), and a part resident on the accelerator
+streamed to the GPU to be computed there (CG), and a part resident on the GPU
 (GG). The parts' outputs sum to the MLP's, as under tensor parallelism.
 
 Units [0, cc) are CC's, [cc, cc + cg) CG's and the rest GG's: gate/up rows and the matching down
@@ -9,10 +9,10 @@ columns, cut on quantization-block boundaries where the format groups down's inp
 
 The CPU gets its whole part at once: the normed activations hop to the host once, the CPU side
 computes CC's gate/up, silu(gate) * up and down there, and only CC's output [num_tokens, hidden]
-hops back; meanwhile the accelerator computes CG (from the ring, engine/execution/ring.py) and
+hops back; meanwhile the GPU computes CG (from the ring, engine/execution/ring.py) and
 GG (ScheInfer's fig. 5 timeline). Partial outputs are summed in one order (CG, GG, then CC), so
 results do not depend on which side finished first. With a `MovedPart` (CG'), the first rows a
-forward moves get CC's units on the accelerator instead (engine/execution/moved_part.py).
+forward moves get CC's units on the GPU instead (engine/execution/moved_part.py).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from engine.model.feed_forward import SiluMul
 from engine.model.layers import fused_silu_mul
 from engine.quant import LinearMethod, LinearWeight
 from engine.quant.int4 import DEFAULT_GROUP_SIZE, KeepDense, PackedInt4, fuse
-from scheduler.placement.layer_plan import SliceKind
+from scheduler.placement.slicing import SliceKind
 
 MLP_NAMES = ("gate_up", "down")  # a slice's weights, in image order
 
@@ -93,12 +93,12 @@ class _CcCall:
 
     on_cpu: Future | None = None  # -> [num_tokens - num_moved, hidden] on the host
     moved_x: torch.Tensor | None = None  # [num_moved, hidden], the rows CG' computes
-    moved_copy: CopyFuture | None = None  # CC's weights on their way to the accelerator
+    moved_copy: CopyFuture | None = None  # CC's weights on their way to the GPU
 
 
 class SlicedMlp:
     """One layer's MLP as slices: CC's weights on the host, CG's streamed (StreamedWeights), GG's
-    resident. With `moved`, some of a forward's rows get CC's units from CG' on the accelerator."""
+    resident. With `moved`, some of a forward's rows get CC's units from CG' on the GPU."""
 
     def __init__(self, layer: int, slices: dict[SliceKind, dict[str, LinearWeight]], counts: tuple[int, int, int],
                  cpu: CpuSide, stats: WeightStats, moved: MovedPart | None = None) -> None:
@@ -111,7 +111,7 @@ class SlicedMlp:
 
     def apply(self, x: torch.Tensor, silu_mul: SiluMul) -> torch.Tensor:
         """x [num_tokens, hidden] (normalized) -> [num_tokens, hidden]: CC handed over first, then
-        the accelerator's slices, then CC's output added."""
+        the GPU's slices, then CC's output added."""
         call = self._start_cc(x)
         out = None
         for kind in (SliceKind.CG, SliceKind.GG):
@@ -156,7 +156,7 @@ class SlicedMlp:
         return out  # [num_cpu_tokens, hidden]
 
     def _compute_moved(self, call: _CcCall) -> torch.Tensor:
-        """CG': CC's units for the moved rows, on the accelerator from the copied weights."""
+        """CG': CC's units for the moved rows, on the GPU from the copied weights."""
         weights = self.moved.weights(self.layer, call.moved_copy)
         out = weights["down"].apply(fused_silu_mul(weights["gate_up"].apply(call.moved_x)))
         self.moved.done()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from scheduler.placement.layer_plan import Tier
+from scheduler.placement.tiers import Tier
 
 
 @dataclass
@@ -30,7 +30,7 @@ class WeightStats:
     num_cc_tokens: int = 0  # rows summed over dense layers: CC's units computed by the CPU
     # ---- CG' -----------------------------------------------------------------------------------
     num_moved_tokens: int = 0  # rows summed over dense layers: CC's units computed by CG' instead
-    moved_bytes: int = 0  # CC's weights copied to the accelerator for CG'
+    moved_bytes: int = 0  # CC's weights copied to the GPU for CG'
     moved_thread_ids: set[int] = field(default_factory=set)  # the threads that computed CG'
     moved_copy_thread_ids: set[int] = field(default_factory=set)  # the threads that copied CG''s weights
 

@@ -1,9 +1,9 @@
-"""Copy engines: how bytes get from host memory into the accelerator's layer buffers, and how
-loads and computes are ordered around a buffer (PIPO sec. 3.3, host -> accelerator).
+"""Copy engines: how bytes get from host memory into the GPU's layer buffers, and how
+loads and computes are ordered around a buffer (PIPO sec. 3.3, host -> GPU).
 
-- `HostCopyEngine` (device cpu and the host-only testbed): the accelerator's buffers are host
+- `HostCopyEngine` (device cpu and the host-only testbed): the GPU's buffers are host
   tensors of their own, and a copy is a real memcpy, split into chunks over a few threads (pinned
-  off the accelerator's cores on the testbed, as a GPU's copy engine takes none of its SMs).
+  off the GPU's cores on the testbed, as a GPU's copy engine takes none of its SMs).
   Copies finish before `copy` returns, so the ordering hooks have nothing to do.
 - `CudaCopyEngine`: pinned host buffers, a copy stream, events. A load waits (on the copy stream)
   for the event its buffer's last compute recorded when released; the compute stream waits for
@@ -28,7 +28,7 @@ MIN_CHUNK_BYTES = 4 * 2**20
 
 def pin_to(cores: frozenset[int] | None) -> Callable[[], None]:
     """A thread initializer keeping a transfer thread to `cores` with one torch thread (its copies
-    must not spread over the accelerator's cores)."""
+    must not spread over the GPU's cores)."""
     def initialize() -> None:
         if cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cores)
@@ -37,7 +37,7 @@ def pin_to(cores: frozenset[int] | None) -> Callable[[], None]:
 
 
 class CopyEngine(ABC):
-    """Moves layer bytes host -> accelerator and orders loads against computes per buffer. A
+    """Moves layer bytes host -> GPU and orders loads against computes per buffer. A
     buffer's per-engine state (events on CUDA) lives in the dict `state` the caller keeps for it."""
 
     device: torch.device
@@ -46,7 +46,7 @@ class CopyEngine(ABC):
 
     @abstractmethod
     def allocate_buffer(self, nbytes: int) -> torch.Tensor:
-        """An accelerator-side layer buffer: uint8 [nbytes], allocated once, before serving."""
+        """A GPU-side layer buffer: uint8 [nbytes], allocated once, before serving."""
 
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         """A host buffer copies leave from (a host-tier layer, a disk staging buffer): aligned for
@@ -55,7 +55,7 @@ class CopyEngine(ABC):
 
     @abstractmethod
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst[:] = src (uint8, same length): host -> accelerator, queued or done."""
+        """dst[:] = src (uint8, same length): host -> GPU, queued or done."""
 
     def before_load(self, state: dict[str, Any]) -> None:
         """Before the first copy into a buffer: what used it has finished with it."""
@@ -90,7 +90,7 @@ def create_copy_engine(device: torch.device | str, num_threads: int = 1,
 
 @COPY_ENGINES.register("cpu")
 class HostCopyEngine(CopyEngine):
-    """Accelerator buffers are host tensors apart from the host tier's; copies are memcpy."""
+    """GPU buffers are host tensors apart from the host tier's; copies are memcpy."""
 
     copies_on_host_cores = True
 

@@ -13,7 +13,7 @@ import torch
 
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.execution.cores import CoreAssignment
-from engine.execution.queues import AcceleratorQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
+from engine.execution.queues import GpuQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
 from engine.execution.transfer import create_copy_engine
 from engine.kv import KVCache
 from engine.model import ConfigError, ModelConfig
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 # With no --weights-cpu-gib, host memory for streamed layers is this share of what the host has
 # available, less the host KV pool.
 HOST_MEMORY_FRACTION = 0.8
-# The accelerator's memory when its weights are budgeted but its KV pool is sized from what is
+# The GPU's memory when its weights are budgeted but its KV pool is sized from what is
 # left (--memory-gib) and none is given on CUDA: as engine.engine.CUDA_MEMORY_FRACTION.
 CUDA_MEMORY_FRACTION = 0.9
 
@@ -91,13 +91,13 @@ def budgets(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
     """The planner's budgets from the flags (GiB -> bytes), defaults filled in as the engine does."""
     cache, weights = config.cache, config.weights
     block_bytes = KVCache.bytes_per_block(model_config, cache.block_size, dtype)
-    host_kv = cache.num_cpu_blocks_for(block_bytes) * block_bytes if config.offloading else 0
-    accelerator_bytes = kv_bytes = None
+    host_kv = cache.num_cpu_blocks_for(block_bytes) * block_bytes if config.cpu_attention_enabled else 0
+    gpu_bytes = kv_bytes = None
     if cache.sized_by_memory_budget:
-        accelerator_bytes = int(cache.memory_gib * GIB_BYTES)
+        gpu_bytes = int(cache.memory_gib * GIB_BYTES)
     elif cache.num_blocks is None and cache.kv_cache_memory_gib is None and config.device.startswith("cuda"):
         total = torch.cuda.get_device_properties(config.torch_device).total_memory
-        accelerator_bytes = int(CUDA_MEMORY_FRACTION * total)
+        gpu_bytes = int(CUDA_MEMORY_FRACTION * total)
     else:
         kv_bytes = cache.num_gpu_blocks_for(block_bytes) * block_bytes
     host = weights.host_gib
@@ -108,8 +108,8 @@ def budgets(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
         os.makedirs(weights.offload_dir, exist_ok=True)  # serve writes its layer files there
         disk_bytes = shutil.disk_usage(weights.offload_dir).free
     return MemoryBudgets(
-        accelerator_weight_bytes=None if weights.accelerator_gib is None else int(weights.accelerator_gib * GIB_BYTES),
-        accelerator_bytes=accelerator_bytes, kv_cache_bytes=kv_bytes, host_weight_bytes=host_bytes,
+        gpu_weight_bytes=None if weights.gpu_gib is None else int(weights.gpu_gib * GIB_BYTES),
+        gpu_bytes=gpu_bytes, kv_cache_bytes=kv_bytes, host_weight_bytes=host_bytes,
         disk_bytes=disk_bytes, has_offload_dir=weights.offload_dir is not None, host_kv_cache_bytes=host_kv)
 
 
@@ -118,7 +118,7 @@ def workload(config: EngineConfig, max_model_len: int) -> Workload:
     return Workload(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_tokens,
                     block_size=config.cache.block_size,
                     context_len=min(config.weights.expected_context_len or max_model_len, max_model_len),
-                    layers_in_use=2 if config.offloading else 1)
+                    layers_in_use=2 if config.cpu_attention_enabled else 1)
 
 
 def _refuse_moe_streaming(model_config: ModelConfig) -> None:
@@ -131,15 +131,15 @@ def measure(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
     measured once per process: every engine of a process runs on the same hardware)."""
     _refuse_moe_streaming(model_config)
     weights = config.weights
-    cores = CoreAssignment.for_device(config.device, config.offload.accelerator_threads,
-                                      config.offload.cpu_attention_threads)
+    cores = CoreAssignment.for_device(config.device, config.cpu_attention.gpu_threads,
+                                      config.cpu_attention.cpu_attention_threads)
     link = _link_bytes_per_s(config.torch_device, cores)
     disk, direct = (None, None) if not weights.offload_dir else _disk_bytes_per_s(weights.offload_dir,
                                                                                   weights.num_io_threads)
     layer_bytes = layer_image_bytes(model_config.shape, weight_format(config, dtype))
     costs, link_busy = _compute_costs(model_config, dtype, config.quantization, config.torch_device, cores,
                                       layer_bytes)
-    logger.info("measured: host->accelerator %.2f GB/s (%.2f beside compute)%s; one layer's linear work at %d "
+    logger.info("measured: host->GPU %.2f GB/s (%.2f beside compute)%s; one layer's linear work at %d "
                 "tokens %.1f ms (%.1f beside a copy)", link / 1e9, link_busy / 1e9,
                 "" if disk is None else f", disk {disk / 1e9:.2f} GB/s ({'O_DIRECT' if direct else 'page cache'})",
                 DECODE_PROBE_TOKENS, costs.linear(DECODE_PROBE_TOKENS) * 1e3,
@@ -168,7 +168,7 @@ def _disk_bytes_per_s(offload_dir: str, num_io_threads: int) -> tuple[float, boo
 @functools.lru_cache(maxsize=None)
 def _compute_costs(model_config: ModelConfig, dtype: torch.dtype, quantization: str, device: str,
                    cores: CoreAssignment, layer_bytes: int) -> tuple[ComputeCosts, float]:
-    queue = _accelerator_queue(cores, device)
+    queue = _gpu_queue(cores, device)
     engine = _copy_engine(device, cores)
     try:
         return measure_compute(model_config, dtype, QUANTIZATION_METHODS[quantization], queue, layer_bytes, engine)
@@ -182,9 +182,9 @@ def _copy_engine(device: str, cores: CoreAssignment):
     return create_copy_engine(device, len(cores.cpu_attention_cores) or 1, cores.cpu_attention_cores or None)
 
 
-def _accelerator_queue(cores: CoreAssignment, device: str) -> AcceleratorQueue:
+def _gpu_queue(cores: CoreAssignment, device: str) -> GpuQueue:
     if cores.device == "testbed":
-        return WorkerThreadQueue(set(cores.accelerator_cores), cores.accelerator_threads, name="tandem-probe")
+        return WorkerThreadQueue(set(cores.gpu_cores), cores.gpu_threads, name="tandem-probe")
     if cores.device == "cuda":
         return CudaStreamQueue(device)
     return InlineQueue(device)
@@ -231,17 +231,17 @@ def plan_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dty
 def slicing_costs(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> SlicingCosts:
     """ScheInfer's linear models for this config: cached beside the cost tables under the same key
     (one file per weight format), else measured (engine/profiling/slicing_probe.py) and cached."""
-    offload = config.offload
-    cores = CoreAssignment.for_device(config.device, offload.accelerator_threads, offload.cpu_attention_threads)
+    cpu_attention = config.cpu_attention
+    cores = CoreAssignment.for_device(config.device, cpu_attention.gpu_threads, cpu_attention.cpu_attention_threads)
     key = ProfileKey.create(model=config.model, load_format=config.load_format, dtype=dtype, device=config.device,
-                            accelerator_threads=cores.accelerator_threads,
+                            gpu_threads=cores.gpu_threads,
                             cpu_attention_threads=cores.cpu_attention_threads, block_size=config.cache.block_size)
     method = QUANTIZATION_METHODS[config.quantization]
     kind = f"slicing-{method}"
 
     def build() -> SlicingCosts:
         logger.info("measuring the MLP slicing models (once per model/dtype/device and weight format)")
-        queue = _accelerator_queue(cores, config.torch_device)
+        queue = _gpu_queue(cores, config.torch_device)
         engine = _copy_engine(config.torch_device, cores)
         try:
             return measure_slicing_costs(model_config, dtype, method, queue, engine, cores)
@@ -249,6 +249,7 @@ def slicing_costs(config: EngineConfig, model_config: ModelConfig, dtype: torch.
             engine.close()
             queue.close()
 
-    if offload.force_profile:
-        profile_path(key, offload.profile_cache_dir, kind).unlink(missing_ok=True)
-    return load_or_measure(key, kind, build, SlicingCosts.to_dict, SlicingCosts.from_dict, offload.profile_cache_dir)
+    if cpu_attention.force_profile:
+        profile_path(key, cpu_attention.profile_cache_dir, kind).unlink(missing_ok=True)
+    return load_or_measure(key, kind, build, SlicingCosts.to_dict, SlicingCosts.from_dict,
+                           cpu_attention.profile_cache_dir)

@@ -3,7 +3,7 @@ head_dim]`; keys are transposed within a block, `[layers, blocks, kv_heads, head
 the CPU kernel's vector loads take one element of several tokens and its scores need no horizontal
 sums (kernels/cpu). Both pools share the layout, so swaps stay plain block copies.
 
-Two tiers (Neo 3.1): the accelerator pool and the host pool (pinned when the accelerator is a
+Two tiers (Neo 3.1): the GPU pool and the host pool (pinned when the GPU is a
 CUDA GPU). A prefilled request lives wholly in one of them. Block ids come from the scheduler's
 BlockPools; this module only owns the tensors and copies between them.
 """
@@ -87,7 +87,7 @@ class BlockMove(Protocol):
 
 
 class TwoTierKVCache:
-    """The accelerator pool (`gpu`) and the host pool (`cpu`, None when offloading is off)."""
+    """The GPU pool (`gpu`) and the host pool (`cpu`, None when offloading is off)."""
 
     def __init__(self, gpu: KVCache, cpu: KVCache | None) -> None:
         self.gpu = gpu

@@ -38,7 +38,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu_mul in one C++ call (kernels.cpu.silu_mul) where it applies: 2-D CPU rows whose
-    halves are multiples of 16 (not empty: a sliced MLP may leave the accelerator no units); else
+    halves are multiples of 16 (not empty: a sliced MLP may leave the GPU no units); else
     the torch ops above."""
     if (gate_up.is_cpu and gate_up.dim() == 2 and gate_up.shape[1] > 0
             and gate_up.shape[1] % (2 * FUSED_NORM_MULTIPLE) == 0 and cpu_kernels.is_available()):

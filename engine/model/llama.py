@@ -25,7 +25,7 @@ from engine.model.registry import register_model
 from engine.quant import LinearMethod, LinearWeight, create_linear_method
 from engine.quant.int4 import fuse
 from engine.weights import WeightLoader
-from scheduler.placement.layer_plan import Tier
+from scheduler.placement.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class LayerWeights:
                     layout_device: torch.device | None = None) -> "LayerWeights":
         """From a loader's layer (tensors, and packed 4-bit weights where the method takes them);
         `layout_device`: whose kernels the weights are laid out for, when they are stored elsewhere
-        (a streamed layer, kept on the host until it is copied to the accelerator)."""
+        (a streamed layer, kept on the host until it is copied to the GPU)."""
         make = linear_maker(linear, dtype, device, layout_device)
         return cls(**attention_weights(w, make, device), mlp=SwiGluMlp.from_loaded(w, make))
 
@@ -98,11 +98,11 @@ class LayerWeights:
 
 class LayerStore:
     """Where decoder layers' weights live and how a forward gets at them. This one keeps every
-    layer resident on the accelerator; engine/execution/layer_store.py places them by a ModelPlan
-    (streamed whole, or with the MLP sliced across the CPU and the accelerator).
+    layer resident on the GPU; engine/execution/layer_store.py places them by a ModelPlan
+    (streamed whole, or with the MLP sliced across the CPU and the GPU).
 
     A forward `acquire`s each layer before its first stage and `release`s it after its last (with
-    two sub-batches, after the second's), layers in order; both run where the accelerator's work
+    two sub-batches, after the second's), layers in order; both run where the GPU's work
     runs."""
 
     # Whether every layer's weights stay in the tensors they were built in for the model's life
@@ -119,12 +119,12 @@ class LayerStore:
     def start(self) -> None:
         """Every layer is built: allocate what serving needs."""
 
-    def use_accelerator(self, accelerator) -> None:
-        """The engine.execution.queues.AcceleratorQueue the forward's accelerator work runs on,
+    def use_gpu(self, gpu) -> None:
+        """The engine.execution.queues.GpuQueue the forward's GPU work runs on,
         given before any layer is built (a sliced MLP hands its CPU part through it)."""
 
     def acquire(self, layer: int) -> None:
-        """The layer's weights are about to be used on the accelerator."""
+        """The layer's weights are about to be used on the GPU."""
 
     def release(self, layer: int) -> None:
         """The forward is done with the layer's weights."""
@@ -191,10 +191,10 @@ class LlamaModel:
 
     # Where embeddings, norms and the LM head live; decoder layers' linear weights say their own
     # tier (LinearWeight.tier: streamed ones live in host memory or on disk).
-    RESIDENT_TIER = Tier.ACCELERATOR
+    RESIDENT_TIER = Tier.GPU
 
-    def accelerator_weight_bytes(self) -> int:
-        """Bytes of the weights (and weight buffers) on the accelerator: what its KV pool cannot use."""
+    def gpu_weight_bytes(self) -> int:
+        """Bytes of the weights (and weight buffers) on the GPU: what its KV pool cannot use."""
         return sum(nbytes for (_, tier), nbytes in self.weight_bytes().items() if tier == self.RESIDENT_TIER)
 
     def weight_bytes(self) -> dict[tuple[str, str], int]:
@@ -243,7 +243,7 @@ class LlamaModel:
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kv_cache: TwoTierKVCache, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The accelerator's attention over the first `meta` rows (prefills, then decodes of
+        """The GPU's attention over the first `meta` rows (prefills, then decodes of
         GPU-requests): store the new K/V (prefill here, decode fused into the backend), attend.
         Rows past them (CPU-requests' decodes, pipelined forward) are left to the CPU.
         -> out [num_tokens, num_heads, head_dim]"""
@@ -301,7 +301,7 @@ class LlamaModel:
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: TwoTierKVCache,
                 meta: AttentionMetadata, output_rows: torch.Tensor) -> torch.Tensor:
-        """One batch, layer after layer, all attention on the accelerator (the GPU-only plan)."""
+        """One batch, layer after layer, all attention on the GPU (the GPU-only plan)."""
         hidden = self.pre_layer(token_ids)
         if self._native_decode_applies(hidden, meta, kv_cache):
             gpu = kv_cache.gpu

@@ -186,7 +186,7 @@ class MoeLayerStore(Protocol):
 
 
 class ResidentMoeLayers(LayerStore):
-    """Every layer of a MoE model resident on the accelerator."""
+    """Every layer of a MoE model resident on the GPU."""
 
     def build_moe_layer(self, index: int, loaded: dict, config: ModelConfig, linear: LinearMethod,
                         dtype: torch.dtype) -> MoeLayerWeights:

@@ -50,14 +50,14 @@ def host_cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def accelerator_name(device: str) -> str:
-    """What plays the accelerator: the CUDA device's name, or which host-only arrangement."""
+def gpu_name(device: str) -> str:
+    """What plays the GPU: the CUDA device's name, or which host-only arrangement."""
     kind = "testbed" if device == "testbed" else torch.device(device).type
     if kind == "cuda":
         return torch.cuda.get_device_name(torch.device(device))
     if kind == "testbed":
-        return "host-only testbed: a CPU worker thread plays the accelerator"
-    return f"host {kind}: the accelerator's work runs on the engine thread"
+        return "host-only testbed: a CPU worker thread plays the GPU"
+    return f"host {kind}: the GPU's work runs on the engine thread"
 
 
 def model_identity(model: str | os.PathLike[str], load_format: str) -> tuple[str, int, int, str]:
@@ -96,7 +96,7 @@ class ProfileKey:
     device: str  # the engine's device flag: "cpu", "testbed", "cuda:0", ...
     device_name: str
     cpu_model: str
-    accelerator_threads: int
+    gpu_threads: int
     cpu_attention_threads: int
     block_size: int
     # What the linear stages compute from: the weight format, and the MLP slicing where it is on
@@ -107,19 +107,19 @@ class ProfileKey:
     format_version: int = PROFILE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        for name in ("accelerator_threads", "cpu_attention_threads", "block_size"):
+        for name in ("gpu_threads", "cpu_attention_threads", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ProfileKey.{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
     def create(cls, *, model: str | os.PathLike[str], load_format: str, dtype: torch.dtype, device: str,
-               accelerator_threads: int, cpu_attention_threads: int, block_size: int,
+               gpu_threads: int, cpu_attention_threads: int, block_size: int,
                linear_weights: str = "dense") -> "ProfileKey":
         """The key for serving `model` on this machine with these settings."""
         source, num_bytes, mtime_ns, load_format = model_identity(model, load_format)
         return cls(model=source, model_bytes=num_bytes, model_mtime_ns=mtime_ns, load_format=load_format,
-                   dtype=str(dtype).removeprefix("torch."), device=device, device_name=accelerator_name(device),
-                   cpu_model=host_cpu_model(), accelerator_threads=accelerator_threads,
+                   dtype=str(dtype).removeprefix("torch."), device=device, device_name=gpu_name(device),
+                   cpu_model=host_cpu_model(), gpu_threads=gpu_threads,
                    cpu_attention_threads=cpu_attention_threads, block_size=block_size,
                    linear_weights=linear_weights, torch_version=torch.__version__)
 

@@ -3,8 +3,8 @@
 `profile_costs` times each quantity of `scheduler.cost_model.CostModel` over a grid, in the
 conditions the engine runs it:
 
-- accelerator work (linear stages, prefill and decode attention, the head, swaps) is submitted
-  to the engine's own `AcceleratorQueue` and timed from submit to result, so the queue's
+- GPU work (linear stages, prefill and decode attention, the head, swaps) is submitted
+  to the engine's own `GpuQueue` and timed from submit to result, so the queue's
   hand-off (a worker thread on the host-only testbed, an event wait on CUDA) is in the figure
   just as it is in every pipelined stage;
 - the CPU-requests' decoding attention runs on the calling thread with the engine's CPU backend
@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from engine.attention import DecodeAttentionBackend, prefill_attention
-from engine.execution.queues import AcceleratorQueue
+from engine.execution.queues import GpuQueue
 from engine.execution.stats import WeightStats
 from engine.kv import KVCache, TwoTierKVCache
 from engine.model import ModelConfig
@@ -47,10 +47,10 @@ class ProfileGrid:
     # Prefill attention of one sequence by prompt length; quadratic, so the points thicken at the
     # top where a chord would overestimate most.
     prefill_lens: tuple[int, ...] = (16, 64, 256, 512, 1024, 1536, 2048)
-    # Accelerator decode attention by context tokens summed over the batch; memory-bound, so
+    # GPU decode attention by context tokens summed over the batch; memory-bound, so
     # close to linear in tokens.
     gpu_decode_context_tokens: tuple[int, ...] = (16, 128, 512, 2048, 8192, 32768)
-    # The batch the accelerator decode is timed on holds sequences of this many tokens: Neo's
+    # The batch the GPU decode is timed on holds sequences of this many tokens: Neo's
     # workloads (prompts ~240, outputs up to 512) sit around it.
     decode_seq_len: int = 512
     # CPU decode attention, bilinear in (batch, context tokens summed over the batch): the batch
@@ -70,7 +70,7 @@ class ProfileGrid:
     # bytes (8x the 32 MiB L3 of the development host). Timed on warm caches, the testbed's
     # linear and CPU attention ran 25-60% faster than inside the engine's forward.
     cold_bytes: int = 256 * 2**20
-    # Round trips through the accelerator queue timed for the pipeline's hand-off cost (tiny
+    # Round trips through the GPU queue timed for the pipeline's hand-off cost (tiny
     # and noisy, hence many).
     handoff_repetitions: int = 50
 
@@ -136,14 +136,14 @@ def _split_evenly(total: int, parts: int) -> list[int]:
 
 
 class _Profiler:
-    def __init__(self, model: LlamaModel, accelerator: AcceleratorQueue, gpu_decode: DecodeAttentionBackend,
+    def __init__(self, model: LlamaModel, gpu: GpuQueue, gpu_decode: DecodeAttentionBackend,
                  cpu_decode: DecodeAttentionBackend, block_size: int, dtype: torch.dtype, grid: ProfileGrid,
                  bar: tqdm, weight_stats: WeightStats | None = None) -> None:
         self.model = model
         self.weight_stats = weight_stats
         self.config: ModelConfig = model.config
-        self.accelerator = accelerator
-        self.device = accelerator.device
+        self.gpu = gpu
+        self.device = gpu.device
         self.gpu_decode = gpu_decode
         self.cpu_decode = cpu_decode
         self.block_size = block_size
@@ -155,8 +155,8 @@ class _Profiler:
         self.generator = torch.Generator().manual_seed(0)
 
     # ---- helpers ----------------------------------------------------------------------------
-    def on_accelerator(self, work: Callable[[], Any]) -> float:
-        return median_seconds(lambda: self.accelerator.submit(work).result(), self.grid.warmup, self.grid.repetitions)
+    def on_gpu(self, work: Callable[[], Any]) -> float:
+        return median_seconds(lambda: self.gpu.submit(work).result(), self.grid.warmup, self.grid.repetitions)
 
     def here(self, work: Callable[[], Any]) -> float:
         return median_seconds(work, self.grid.warmup, self.grid.repetitions)
@@ -237,7 +237,7 @@ class _Profiler:
         return Curve.from_points(points)
 
     def compute_seconds(self, work: Callable[[], Any]) -> float:
-        """`work` on the accelerator, less what it waited for streamed layers' weights: the
+        """`work` on the GPU, less what it waited for streamed layers' weights: the
         compute the table is of (the transfers are the cost model's own term)."""
         def stalled() -> float:
             return 0.0 if self.weight_stats is None else self.weight_stats.stall_s
@@ -245,7 +245,7 @@ class _Profiler:
         def run() -> float:
             before = stalled()
             start = time.perf_counter()
-            self.accelerator.submit(work).result()
+            self.gpu.submit(work).result()
             return time.perf_counter() - start - (stalled() - before)
         for _ in range(self.grid.warmup):
             run()
@@ -266,7 +266,7 @@ class _Profiler:
                 # as the model's attention stage does for a prefill: store its K/V, then attend
                 cache.write(0, k, v, slot_blocks, slot_offsets)
                 prefill_attention(q, k, v, [length], self.scale)
-            points.append((length, self.point("prefill attention", length, self.on_accelerator(work))))
+            points.append((length, self.point("prefill attention", length, self.on_gpu(work))))
         return Curve.from_points(points)
 
     def gpu_decode_curve(self) -> Curve:
@@ -275,8 +275,8 @@ class _Profiler:
         cache = self.scratch_cache(self.cold_pool_blocks(max(self.blocks_for(lens) for lens in layouts)), self.device)
         points = []
         for total, seq_lens in zip(self.grid.gpu_decode_context_tokens, layouts):
-            seconds = self.decode_seconds(self.gpu_decode, cache, seq_lens, self.on_accelerator)
-            points.append((total, self.point("accelerator decode attention", total, seconds)))
+            seconds = self.decode_seconds(self.gpu_decode, cache, seq_lens, self.on_gpu)
+            points.append((total, self.point("GPU decode attention", total, seconds)))
         return Curve.from_points(points)
 
     def cpu_decode_grid(self) -> Grid:
@@ -301,29 +301,29 @@ class _Profiler:
 
             def work():
                 model.post_layer(model.pre_layer(token_ids), last_indices)
-            points.append((num_rows, self.point("head", num_rows, self.on_accelerator(work))))
+            points.append((num_rows, self.point("head", num_rows, self.on_gpu(work))))
         return Curve.from_points(points)
 
     def handoff(self) -> float:
-        """One round trip through the accelerator queue: a CPU attention stage waits for its
-        inputs and the accelerator for its output (testbed: two thread wake-ups)."""
-        seconds = median_seconds(lambda: self.accelerator.submit(lambda: None).result(), self.grid.warmup,
+        """One round trip through the GPU queue: a CPU attention stage waits for its
+        inputs and the GPU for its output (testbed: two thread wake-ups)."""
+        seconds = median_seconds(lambda: self.gpu.submit(lambda: None).result(), self.grid.warmup,
                                   self.grid.handoff_repetitions)
         return self.point("hand-off", self.grid.handoff_repetitions, seconds)
 
     def swap_per_block(self) -> float:
         """Seconds per block of one swap-out and one swap-in, averaged, through the engine's copy path."""
         num_blocks = self.grid.swap_blocks
-        accelerator_pool = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device)
+        gpu_pool = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device)
         host_pool = KVCache(self.config, num_blocks, self.block_size, self.dtype, "cpu",
                             pin_memory=self.device.type == "cuda")
-        for cache in (accelerator_pool, host_pool):  # touch every page (see scratch_cache)
+        for cache in (gpu_pool, host_pool):  # touch every page (see scratch_cache)
             cache.key.fill_(1.0)
             cache.value.fill_(1.0)
-        pools = TwoTierKVCache(accelerator_pool, host_pool)
+        pools = TwoTierKVCache(gpu_pool, host_pool)
         moves = [_BlockMove(tuple(range(num_blocks)), tuple(range(num_blocks)))]
         seconds = [
-            median_seconds(lambda: self.accelerator.submit_copy(lambda: pools.copy_blocks(moves, to_cpu)).result(),
+            median_seconds(lambda: self.gpu.submit_copy(lambda: pools.copy_blocks(moves, to_cpu)).result(),
                             self.grid.warmup, self.grid.repetitions)
             for to_cpu in (True, False)
         ]
@@ -331,13 +331,13 @@ class _Profiler:
 
 
 @torch.inference_mode()
-def profile_costs(model: LlamaModel, accelerator: AcceleratorQueue, gpu_decode: DecodeAttentionBackend,
+def profile_costs(model: LlamaModel, gpu: GpuQueue, gpu_decode: DecodeAttentionBackend,
                   cpu_decode: DecodeAttentionBackend, *, block_size: int, dtype: torch.dtype,
                   grid: ProfileGrid | None = None, progress: bool = False,
                   weight_stats: WeightStats | None = None) -> TableCostModel:
     """Measure every table of `TableCostModel` for `model` on this machine.
 
-    `gpu_decode` is the accelerator's decode backend (run on `accelerator`), `cpu_decode` the
+    `gpu_decode` is the GPU's decode backend (run on `gpu`), `cpu_decode` the
     CPU-requests' backend (run on the calling thread, which should hold the CPU attention's
     cores and thread count); `weight_stats`, the sink the model's layer store writes to, says
     how long forwards waited for streamed weights. Scratch KV pools are allocated here and freed
@@ -346,7 +346,7 @@ def profile_costs(model: LlamaModel, accelerator: AcceleratorQueue, gpu_decode: 
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     grid = grid or ProfileGrid()
     with tqdm(total=grid.num_points, desc="profiling costs", unit="point", disable=not progress) as bar:
-        profiler = _Profiler(model, accelerator, gpu_decode, cpu_decode, block_size, dtype, grid, bar, weight_stats)
+        profiler = _Profiler(model, gpu, gpu_decode, cpu_decode, block_size, dtype, grid, bar, weight_stats)
         try:
             return TableCostModel(
                 num_layers=model.config.num_layers,
@@ -359,5 +359,5 @@ def profile_costs(model: LlamaModel, accelerator: AcceleratorQueue, gpu_decode: 
                 handoff_seconds=profiler.handoff(),
             )
         except BaseException:
-            accelerator.recover()  # a failed closure must not poison the engine's queue
+            gpu.recover()  # a failed closure must not poison the engine's queue
             raise

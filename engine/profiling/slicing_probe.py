@@ -1,24 +1,24 @@
 """The points ScheInfer's linear models are fitted to (sec. IV-A1; the paper's Table lists a, b and
-R^2 per kind): GEMMs on the CPU and on the accelerator, host -> accelerator copies, and one
+R^2 per kind): GEMMs on the CPU and on the gpu, host -> GPU copies, and one
 launch, measured the way slicing runs them, a few seconds in all.
 
 - GEMMs go through the engine's own weight objects (engine/quant: dense, or INT4 with the
   kernels/cpu kernels) in the configured format, on slices of the model's MLP weights (gate/up
   rows, down columns; a MoE model's whole experts too) at a few token counts: on the engine
-  thread kept to the CPU's cores for CC, and on the accelerator's queue for CG and GG, timed on the accelerator's side so a launch is
+  thread kept to the CPU's cores for CC, and on the GPU's queue for CG and GG, timed on the GPU's side so a launch is
   not counted twice. Several copies of a small slice are run in turn, so its weights come from
   memory as in a forward, not from the cache.
 - Copies go through the engine's copy engine (streaming_probe.measure_copy_s), from a quarter
   of a MiB to one MLP's bytes (16 MiB at least).
 - A launch is the time per queued tiny kernel when many are queued: the cost on the issuing
-  side that the accelerator waits for when its queue is otherwise empty. A hand-over is the
-  round trip of a trivial CPU part from the accelerator's side (`run_on_host` and the hops).
+  side that the GPU waits for when its queue is otherwise empty. A hand-over is the
+  round trip of a trivial CPU part from the GPU's side (`run_on_host` and the hops).
 - Each side's whole gate/up GEMM is timed at each token count alone and while the other side
   runs the same GEMM in a loop: on the host-only testbed the two "devices" are vCPUs sharing a
   memory bus, and a sliced MLP (CC beside GG) once ran slower than either side alone (on a GPU
-  the factors should come out near 1). The largest copy is timed again beside an accelerator
+  the factors should come out near 1). The largest copy is timed again beside a GPU
   GEMM loop, likewise. Where the copy engine is host threads (the testbed: `copies_on_cpu`), the
-  accelerator's GEMMs are also timed beside a copy loop, and the larger slowdown kept.
+  GPU's GEMMs are also timed beside a copy loop, and the larger slowdown kept.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from typing import Callable, TypeVar
 import torch
 
 from engine.execution.cores import CoreAssignment
-from engine.execution.queues import AcceleratorQueue
+from engine.execution.queues import GpuQueue
 from engine.execution.transfer import CopyEngine, pin_to
 from engine.model import ModelConfig
 from engine.profiling.streaming_probe import (
@@ -132,28 +132,28 @@ def _copy_load(engine: CopyEngine, nbytes: int) -> Callable[[int], Callable[[], 
     return lambda num_tokens: lambda: _Repeating(lambda: engine.copy(target, source), pin_to(engine.cores))
 
 
-def _handoff_s(accelerator: AcceleratorQueue, hidden_size: int, dtype: torch.dtype) -> float:
-    """A CPU part's fixed cost, as a sliced MLP pays it: from the accelerator's side, one token's
+def _handoff_s(gpu: GpuQueue, hidden_size: int, dtype: torch.dtype) -> float:
+    """A CPU part's fixed cost, as a sliced MLP pays it: from the GPU's side, one token's
     activations copied to the host, a trivial part run there (`run_on_host`) and its result
     taken back."""
-    device = accelerator.device
-    x = accelerator.submit(lambda: torch.zeros(1, hidden_size, dtype=dtype, device=device)).result()
+    device = gpu.device
+    x = gpu.submit(lambda: torch.zeros(1, hidden_size, dtype=dtype, device=device)).result()
 
     def handoff() -> None:
-        on_host = accelerator.copy_to_host(x)
-        accelerator.run_on_host(lambda: on_host.result() + 1).result().to(device)
+        on_host = gpu.copy_to_host(x)
+        gpu.run_on_host(lambda: on_host.result() + 1).result().to(device)
 
     def handoffs() -> None:
-        accelerator.submit(lambda: [handoff() for _ in range(NUM_HANDOFFS)]).result()
+        gpu.submit(lambda: [handoff() for _ in range(NUM_HANDOFFS)]).result()
     return _median_s(handoffs) / NUM_HANDOFFS
 
 
-def _launch_s(accelerator: AcceleratorQueue) -> float:
-    device = accelerator.device
-    counter = accelerator.submit(lambda: torch.zeros(1, device=device)).result()
+def _launch_s(gpu: GpuQueue) -> float:
+    device = gpu.device
+    counter = gpu.submit(lambda: torch.zeros(1, device=device)).result()
 
     def launches() -> None:
-        futures = [accelerator.submit(lambda: counter.add_(1)) for _ in range(NUM_LAUNCHES)]
+        futures = [gpu.submit(lambda: counter.add_(1)) for _ in range(NUM_LAUNCHES)]
         futures[-1].result()
     return _median_s(launches) / NUM_LAUNCHES
 
@@ -167,13 +167,13 @@ def _beside(start_load: Callable[[], _Repeating], measure: Callable[[], T]) -> T
         load.stop()
 
 
-def measure_slicing_costs(config: ModelConfig, dtype: torch.dtype, linear_method: str, accelerator: AcceleratorQueue,
+def measure_slicing_costs(config: ModelConfig, dtype: torch.dtype, linear_method: str, gpu: GpuQueue,
                           engine: CopyEngine, cores: CoreAssignment) -> SlicingCosts:
     """The four models for weights made by `linear_method` in `dtype`, fitted to this machine,
     and how much each side's GEMMs slow while the other side computes (the whole MLP's gate/up
     again, beside a GEMM loop on the other side)."""
     start = time.perf_counter()
-    device, cpu_device = accelerator.device, torch.device("cpu")
+    device, cpu_device = gpu.device, torch.device("cpu")
     shapes = _slice_shapes(config)
     whole = shapes[-2]  # the whole MLP's gate/up (the last fraction's first shape)
 
@@ -181,38 +181,38 @@ def measure_slicing_costs(config: ModelConfig, dtype: torch.dtype, linear_method
         with cores.on_cpu_cores(), torch.inference_mode():
             return _median_s(run)
 
-    def on_accelerator(run: Callable[[], object]) -> float:
-        return accelerator.submit(lambda: _median_s(_synchronized(device, run))).result()
+    def on_gpu(run: Callable[[], object]) -> float:
+        return gpu.submit(lambda: _median_s(_synchronized(device, run))).result()
     cpu = _gemm_points(shapes, linear_method, dtype, cpu_device, on_cpu, lambda make: make())
-    accelerator_points = _gemm_points(shapes, linear_method, dtype, device, on_accelerator,
-                                      lambda make: accelerator.submit(make).result())
+    gpu_points = _gemm_points(shapes, linear_method, dtype, device, on_gpu,
+                                      lambda make: gpu.submit(make).result())
     # each side's whole gate/up at each token count, alone and beside the same on the other side
     cpu_work = _gemm_load(linear_method, dtype, cpu_device, whole)
-    accelerator_work = accelerator.submit(lambda: _gemm_load(linear_method, dtype, device, whole)).result()
+    gpu_work = gpu.submit(lambda: _gemm_load(linear_method, dtype, device, whole)).result()
 
-    def accelerator_load(num_tokens: int) -> Callable[[], _Repeating]:
-        return lambda: _Repeating(accelerator.submit(lambda: accelerator_work(num_tokens)).result(),
-                                  accelerator=accelerator)
+    def gpu_load(num_tokens: int) -> Callable[[], _Repeating]:
+        return lambda: _Repeating(gpu.submit(lambda: gpu_work(num_tokens)).result(),
+                                  gpu=gpu)
 
     def cpu_load(num_tokens: int) -> Callable[[], _Repeating]:
         return lambda: _Repeating(cpu_work(num_tokens), pin_to(cores.cpu_attention_cores or None))
-    cpu_pairs = [(on_cpu(cpu_work(n)), _beside(accelerator_load(n), lambda: on_cpu(cpu_work(n)))) for n in GEMM_TOKENS]
+    cpu_pairs = [(on_cpu(cpu_work(n)), _beside(gpu_load(n), lambda: on_cpu(cpu_work(n)))) for n in GEMM_TOKENS]
 
-    def accelerator_pairs(load: Callable[[int], Callable[[], _Repeating]]) -> list[tuple[float, float]]:
-        return [(on_accelerator(accelerator_work(n)), _beside(load(n), lambda: on_accelerator(accelerator_work(n))))
+    def gpu_pairs(load: Callable[[int], Callable[[], _Repeating]]) -> list[tuple[float, float]]:
+        return [(on_gpu(gpu_work(n)), _beside(load(n), lambda: on_gpu(gpu_work(n))))
                 for n in GEMM_TOKENS]
     span = max(MIN_COPY_SPAN_BYTES, 3 * config.hidden_size * config.intermediate_size * dtype.itemsize)
     sizes = sorted({min(PROBE_BYTES, max(MIN_COPY_BYTES, round(f * span))) for f in COPY_FRACTIONS})
-    accelerator_slowdown = _slowdown(accelerator_pairs(cpu_load))
-    if engine.copies_on_host_cores:  # the testbed: the CPU side's cores also copy, beside the accelerator
-        accelerator_slowdown = max(accelerator_slowdown, _slowdown(accelerator_pairs(_copy_load(engine, sizes[-1]))))
+    gpu_slowdown = _slowdown(gpu_pairs(cpu_load))
+    if engine.copies_on_host_cores:  # the testbed: the CPU side's cores also copy, beside the GPU
+        gpu_slowdown = max(gpu_slowdown, _slowdown(gpu_pairs(_copy_load(engine, sizes[-1]))))
     link = [(float(size), measure_copy_s(engine, size, COLD_WEIGHT_BYTES)) for size in sizes]
-    link_beside_s = _beside(accelerator_load(1), lambda: measure_copy_s(engine, sizes[-1], COLD_WEIGHT_BYTES))
-    costs = SlicingCosts(fit_gemm_cost(accelerator_points), fit_gemm_cost(cpu), fit_linear_cost(link, UNIT_BYTES),
-                         _launch_s(accelerator), cpu_gemm_slowdown=_slowdown(cpu_pairs),
-                         accelerator_gemm_slowdown=accelerator_slowdown,
+    link_beside_s = _beside(gpu_load(1), lambda: measure_copy_s(engine, sizes[-1], COLD_WEIGHT_BYTES))
+    costs = SlicingCosts(fit_gemm_cost(gpu_points), fit_gemm_cost(cpu), fit_linear_cost(link, UNIT_BYTES),
+                         _launch_s(gpu), cpu_gemm_slowdown=_slowdown(cpu_pairs),
+                         gpu_gemm_slowdown=gpu_slowdown,
                          link_slowdown=_slowdown([(link[-1][1], link_beside_s)]),
                          copies_on_cpu=engine.copies_on_host_cores,
-                         handoff_s=_handoff_s(accelerator, config.hidden_size, dtype))
+                         handoff_s=_handoff_s(gpu, config.hidden_size, dtype))
     logger.info("MLP slicing models measured in %.1f s: %s", time.perf_counter() - start, costs.to_dict())
     return costs

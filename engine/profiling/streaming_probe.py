@@ -1,11 +1,11 @@
 """Quick measurements the weight planner needs (PIPO sec. 3.5: placement from *measured*
-bandwidths): host -> accelerator copies, O_DIRECT disk reads, and the accelerator's time for one
+bandwidths): host -> GPU copies, O_DIRECT disk reads, and the GPU's time for one
 layer's linear work, its decode attention and its head. A second or two in all, run by
 `tandem plan` and by `tandem serve` before any weight is loaded.
 
 Each runs the way the engine does the real thing: copies through the engine's copy engine on a
 transfer thread kept to the host-side cores, reads through the same O_DIRECT reader, layer work
-through the accelerator's queue, on random weights of the model's shape and format (several
+through the GPU's queue, on random weights of the model's shape and format (several
 layers' worth, so the caches are cold as in a forward).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from engine.attention import create_decode_backend
-from engine.execution.queues import AcceleratorQueue, InlineQueue
+from engine.execution.queues import GpuQueue, InlineQueue
 from engine.execution.transfer import CopyEngine, pin_to
 from engine.model import ModelConfig
 from engine.model.llama import LayerWeights, LlamaModel
@@ -75,12 +75,12 @@ def _synchronize(device: torch.device) -> None:
 
 
 def measure_link_bytes_per_s(engine: CopyEngine, nbytes: int = PROBE_BYTES) -> float:
-    """Host buffer -> accelerator layer buffer through `engine`, from a transfer thread."""
+    """Host buffer -> GPU layer buffer through `engine`, from a transfer thread."""
     return nbytes / measure_copy_s(engine, nbytes)
 
 
 def measure_copy_s(engine: CopyEngine, nbytes: int, source_bytes: int = 0) -> float:
-    """One copy of `nbytes` from a host buffer into an accelerator buffer through `engine`, from a
+    """One copy of `nbytes` from a host buffer into a GPU buffer through `engine`, from a
     transfer thread, until it has landed. With `source_bytes` beyond `nbytes`, each copy reads the
     next part of a source that large, so small copies come from memory as a layer's would, not
     from the cache the previous copy filled."""
@@ -165,10 +165,10 @@ class _RandomLoader(WeightLoader):
 
 class _Repeating:
     """Runs `fn` over and over on a thread set up by `initialize` (or through `submit`, on the
-    accelerator's queue) until stopped: the other side's load while one side is timed."""
+    GPU's queue) until stopped: the other side's load while one side is timed."""
 
     def __init__(self, fn: Callable[[], Any], initialize: Callable[[], None] | None = None,
-                 accelerator: AcceleratorQueue | None = None) -> None:
+                 gpu: GpuQueue | None = None) -> None:
         self._stop = threading.Event()
         self._started = threading.Event()
 
@@ -178,9 +178,9 @@ class _Repeating:
             self._started.set()
             while not self._stop.is_set():
                 fn()
-        if accelerator is not None and not isinstance(accelerator, InlineQueue):
-            self._done = accelerator.submit(loop)  # on the accelerator's own thread (and cores)
-        else:  # device cpu: the accelerator's work runs on the caller, which is busy timing
+        if gpu is not None and not isinstance(gpu, InlineQueue):
+            self._done = gpu.submit(loop)  # on the GPU's own thread (and cores)
+        else:  # device cpu: the GPU's work runs on the caller, which is busy timing
             self._thread = threading.Thread(target=loop, name="tandem-probe-load", daemon=True)
             self._thread.start()
         self._started.wait()
@@ -193,17 +193,17 @@ class _Repeating:
             self._done.result()
 
 
-def measure_compute(config: ModelConfig, dtype: torch.dtype, linear_method: str, accelerator: AcceleratorQueue,
+def measure_compute(config: ModelConfig, dtype: torch.dtype, linear_method: str, gpu: GpuQueue,
                     layer_bytes: int, engine: CopyEngine) -> tuple[ComputeCosts, float]:
     """One layer's linear work by tokens (layers back to back, cold), alone and while the copy
-    engine copies beside it; decode attention per context token (the accelerator's read bandwidth
+    engine copies beside it; decode attention per context token (the GPU's read bandwidth
     over one token's K/V); the head by rows. Also the copy engine's rate while a decode-sized
     linear stage runs: on the host-only testbed both share one memory bus and slow each other (on
-    a GPU they should not). -> (the costs, bytes/s of host -> accelerator copies under compute)"""
+    a GPU they should not). -> (the costs, bytes/s of host -> GPU copies under compute)"""
     num_layers = max(1, min(config.num_layers, -(-COLD_WEIGHT_BYTES // layer_bytes)))
     small = dataclasses.replace(config, num_layers=num_layers)
-    device = accelerator.device
-    model = accelerator.submit(lambda: LlamaModel(
+    device = gpu.device
+    model = gpu.submit(lambda: LlamaModel(
         small, _RandomLoader(small), dtype, device, 64, create_decode_backend("auto", str(device)),
         linear_method=create_linear_method(linear_method))).result()
     for index, layer in enumerate(model.layers):  # in the copy engine's buffers, as a placed model's layers are
@@ -214,7 +214,7 @@ def measure_compute(config: ModelConfig, dtype: torch.dtype, linear_method: str,
         model.layers[index] = LayerWeights.of_linears(layer.input_norm, layer.post_norm, image.bind(linears, buffer))
 
     def timed(work: Callable[[], Any]) -> float:
-        return _median_s(lambda: accelerator.submit(lambda: (work(), _synchronize(device))).result())
+        return _median_s(lambda: gpu.submit(lambda: (work(), _synchronize(device))).result())
 
     def layers_of(num_tokens: int) -> Callable[[], None]:
         hidden = torch.randn(num_tokens, config.hidden_size, dtype=dtype, device=device)
@@ -234,7 +234,7 @@ def measure_compute(config: ModelConfig, dtype: torch.dtype, linear_method: str,
         linear_busy = [(n, timed(layers_of(n)) / num_layers) for n in LINEAR_TOKENS]
     finally:
         copying.stop()
-    computing = _Repeating(layers_of(DECODE_PROBE_TOKENS), accelerator=accelerator)
+    computing = _Repeating(layers_of(DECODE_PROBE_TOKENS), gpu=gpu)
     try:
         link_busy = PROBE_BYTES / _on_thread(lambda: _median_s(lambda: (engine.copy(target, source),
                                                                         _synchronize(engine.device))),

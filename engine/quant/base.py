@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from engine.registry import Registry
-from scheduler.placement.layer_plan import Tier
+from scheduler.placement.tiers import Tier
 
 
 class LinearWeight(ABC):
@@ -40,9 +40,9 @@ class LinearWeight(ABC):
         """The weights of one format each that this one is made of, for reports: itself."""
         return (self,)
 
-    # Where the weight is stored: resident on the accelerator, or in host memory / on disk for a
+    # Where the weight is stored: resident on the GPU, or in host memory / on disk for a
     # weight streamed in before use (engine/execution/ring.py).
-    tier: Tier = Tier.ACCELERATOR
+    tier: Tier = Tier.GPU
 
     def placed_parts(self) -> tuple[tuple["LinearWeight", str], ...]:
         """Each part with the tier it is stored in, for reports: here all in the weight's tier (a
@@ -108,7 +108,7 @@ class LinearMethod(ABC):
                       device: torch.device, layout_device: torch.device | None = None) -> LinearWeight:
         """Wrap `weight` [out, in] and `bias` [out] (or None), computing in `dtype` on `device`;
         laid out for `layout_device`'s kernels when given (a streamed weight stored on the host
-        and computed, after its copy, on the accelerator), else for `device`'s."""
+        and computed, after its copy, on the GPU), else for `device`'s."""
 
 
 LINEAR_METHODS: Registry[LinearMethod] = Registry("linear method")

@@ -28,7 +28,7 @@ class DenseWeight(LinearWeight):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] and _gemv_applies(x, self.weight):
             # memory-bound like the int4 matmul: its calibrated thread count, capped at the calling
-            # thread's torch threads so the testbed's accelerator thread keeps to its own cores
+            # thread's torch threads so the testbed's GPU thread keeps to its own cores
             num_threads = min(int4_kernels.default_num_threads(), torch.get_num_threads())
             y = cpu_kernels.dense_linear(x, self.weight, num_threads).to(x.dtype)
             return y if self.bias is None else y + self.bias

@@ -5,7 +5,7 @@ the disk, not RAM) and lands straight in the caller's buffer, which must be alig
 file offset and the length, to the device's logical block (IO_ALIGN_BYTES covers 512 B and 4 KiB
 sectors). A layer is read block by block by several threads at once (the disk serves several
 requests in flight faster than one), and each block is handed on (`on_block`) as soon as it
-lands, so its copy to the accelerator overlaps the reads still in flight.
+lands, so its copy to the GPU overlaps the reads still in flight.
 
 Where the filesystem refuses O_DIRECT (tmpfs, some FUSE and network filesystems) the files are
 read through the page cache instead; `open_for_reading` says why, and the caller logs it once.

@@ -36,17 +36,17 @@ class ConversionKey:
     seed: int  # dummy weights' seed (0 for real checkpoints, where it changes nothing)
     dtype: str  # the compute dtype dense weights are stored in
     quantization: str  # none | int4
-    layout: str  # whose kernels read the images: the accelerator's device type ("cpu", "cuda")
+    layout: str  # whose kernels read the images: the GPU's device type ("cpu", "cuda")
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
     @classmethod
-    def create(cls, source: str, dtype: torch.dtype, quantization: str, accelerator: torch.device,
+    def create(cls, source: str, dtype: torch.dtype, quantization: str, gpu: torch.device,
                seed: int = 0) -> "ConversionKey":
-        """The key of files made from `source` for `accelerator`'s kernels (`seed`: dummy weights')."""
+        """The key of files made from `source` for `gpu`'s kernels (`seed`: dummy weights')."""
         return cls(source=source, seed=seed, dtype=str(dtype).removeprefix("torch."), quantization=quantization,
-                   layout=torch.device(accelerator).type)
+                   layout=torch.device(gpu).type)
 
 
 class LayerFiles:

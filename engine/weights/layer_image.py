@@ -3,7 +3,7 @@
 Each weight object names the tensors it reads (`LinearWeight.tensors()`); the image lays them
 out one after the other (scheduler.placement.image_layout: each on a 256-byte boundary, the
 whole padded to 4 KiB), so a layer is one buffer in host memory, one file region on disk, one
-read and one copy into an accelerator buffer. `bind` turns any buffer holding the image back into
+read and one copy into a GPU buffer. `bind` turns any buffer holding the image back into
 weight objects whose tensors are views into it: a streamed layer's weights in whichever ring
 buffer it landed, with no copy and no allocation beyond the views.
 """

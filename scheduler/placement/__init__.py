@@ -1,4 +1,4 @@
-"""Weight placement: which decoder layers live on the accelerator, in host memory or on disk,
+"""Weight placement: which decoder layers live on the GPU, in host memory or on disk,
 and which pipeline streams them (PIPO sec. 3.5); and ScheInfer's slicing of each MLP into parts
 computed on the CPU, streamed, and resident (slicing*.py). Plain Python, no torch: `tandem plan`
 and the engine ask the same planner."""
@@ -23,7 +23,7 @@ from scheduler.placement.planner import (
     PIPELINE_MEMORY,
     PIPELINE_PERFORMANCE,
     PLACEMENT_MODES,
-    TIER_ACCELERATOR,
+    TIER_GPU,
     TIER_DISK,
     TIER_HOST,
     ComputeCosts,
@@ -48,7 +48,7 @@ __all__ = ["ComputeCosts", "ForwardTimeline", "GIB_BYTES", "GemmCost", "GemmWork
            "LayerPlan", "LinearCost", "MemoryBreakdown", "MemoryBudgets", "MlpWork", "ModelPlan", "PIPELINE_CHOICES",
            "PIPELINE_MEMORY", "PIPELINE_PERFORMANCE", "PLACEMENT_MODES", "PlacementError", "PlacementRequest",
            "PlannerInputs", "SliceKind", "SliceRates", "SlicingCosts", "SlicingPlan", "SlicingRequest",
-           "TIER_ACCELERATOR", "TIER_DISK", "TIER_HOST", "ThroughputEstimate", "Tier", "TransferRates", "WeightFormat",
+           "TIER_GPU", "TIER_DISK", "TIER_HOST", "ThroughputEstimate", "Tier", "TransferRates", "WeightFormat",
            "WeightPlacement", "Workload", "assign_gg", "dense_mlp_work", "describe", "describe_model_plan",
            "describe_slicing", "fit_gemm_cost", "fit_linear_cost", "image_layout", "layer_choices", "layer_image_bytes",
            "layer_time_s", "moe_mlp_work", "parse_mlp_slicing", "plan_model", "plan_placement", "plan_slicing",

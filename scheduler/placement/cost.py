@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from scheduler.cost_model import CostModel
-from scheduler.placement.planner import PIPELINE_PERFORMANCE, TIER_ACCELERATOR, WeightPlacement
+from scheduler.placement.planner import PIPELINE_PERFORMANCE, TIER_GPU, WeightPlacement
 from scheduler.placement.slicing import SliceRates
 from scheduler.placement.slicing_cost import SlicingCosts
 from scheduler.placement.slicing_model import MlpWork, cpu_time_s
@@ -66,7 +66,7 @@ class StreamingCostModel(WrappedCostModel):
 
     @classmethod
     def for_placement(cls, base: CostModel, placement: WeightPlacement) -> "StreamingCostModel":
-        loads = sum(placement.load_s[tier] for tier in placement.tiers if tier != TIER_ACCELERATOR)
+        loads = sum(placement.load_s[tier] for tier in placement.tiers if tier != TIER_GPU)
         return cls(base, loads / len(placement.tiers), placement.pipeline == PIPELINE_PERFORMANCE)
 
     def linear(self, num_tokens: int) -> float:

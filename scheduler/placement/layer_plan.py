@@ -5,48 +5,14 @@ CC/CG/GG parts, ScheInfer) each decide part of it; `ModelPlan` is what the engin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any, Sequence
 
-from scheduler.placement.slicing import NUM_CG_BUFFERS, SliceRates
+from scheduler.placement.slicing import SliceKind, SliceRates, ring_size
+from scheduler.placement.tiers import Tier
 
 if TYPE_CHECKING:
     from scheduler.placement.planner import WeightPlacement
     from scheduler.placement.slicing_plan import SlicingPlan
-
-
-class Tier(str, Enum):
-    """Where a weight is stored."""
-
-    ACCELERATOR = "accelerator"
-    HOST = "host"
-    DISK = "disk"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class SliceKind(str, Enum):
-    """ScheInfer's parts of a sliced MLP, in unit order: computed by the CPU where stored (CC),
-    stored on the host and computed on the accelerator (CG), resident (GG)."""
-
-    CC = "cc"
-    CG = "cg"
-    GG = "gg"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-def ring_size(num_layer_buffers: int, layer_bytes: int, largest_cg_bytes: int) -> tuple[int, int]:
-    """The one ring of accelerator buffers that layers streamed whole and CG parts pass through, as
-    (buffers, bytes of each): the whole-layer pipeline's `num_layer_buffers`, at least
-    NUM_CG_BUFFERS where a CG part streams, each holding the largest thing that passes (a layer
-    image, else the largest CG part); (0, 0) where nothing streams."""
-    num_buffers = max(num_layer_buffers, NUM_CG_BUFFERS if largest_cg_bytes else 0)
-    if not num_buffers:
-        return 0, 0
-    return num_buffers, max(layer_bytes if num_layer_buffers else 0, largest_cg_bytes)
 
 
 @dataclass(frozen=True)
@@ -59,16 +25,16 @@ class LayerPlan:
     rates: SliceRates | None = None
 
     def __post_init__(self) -> None:
-        if self.rates is not None and self.tier != Tier.ACCELERATOR:
+        if self.rates is not None and self.tier != Tier.GPU:
             raise ValueError(f"a layer streamed whole from {self.tier} is not sliced")
 
     @property
     def streamed(self) -> bool:
-        return self.tier != Tier.ACCELERATOR
+        return self.tier != Tier.GPU
 
     @property
     def sliced(self) -> bool:
-        """Whether part of the MLP lives off the accelerator."""
+        """Whether part of the MLP lives off the GPU."""
         return self.rates is not None and self.rates != SliceRates.resident()
 
 
@@ -78,8 +44,8 @@ class ModelPlan:
     streaming: pipeline, ring, memory, estimate; None where the placement planner did not run)
     and `slicing` (the sliced layers' rates and predicted MLP times; None without slicing).
 
-    Layers streamed whole and CG parts pass through one ring of `num_ring_buffers` accelerator
-    buffers of `ring_buffer_bytes` each (`ring_size`); `accelerator_weight_bytes` counts it once
+    Layers streamed whole and CG parts pass through one ring of `num_ring_buffers` GPU
+    buffers of `ring_buffer_bytes` each (`ring_size`); `gpu_weight_bytes` counts it once
     beside the globals, the resident layers or their attention and GG parts, and CG''s buffer
     (None where unknown), within `budget_bytes` (--weights-gpu-gib; None: no bound)."""
 
@@ -88,7 +54,7 @@ class ModelPlan:
     slicing: SlicingPlan | None = None
     num_ring_buffers: int = 0
     ring_buffer_bytes: int = 0
-    accelerator_weight_bytes: int | None = None
+    gpu_weight_bytes: int | None = None
     budget_bytes: int | None = None
 
     @classmethod
@@ -96,10 +62,10 @@ class ModelPlan:
                 rates: Sequence[SliceRates] | None = None, slicing: SlicingPlan | None = None) -> "ModelPlan":
         """The plan of `placement`'s tiers (every layer resident without one) with `rates` (one per
         layer) slicing the resident layers' MLPs; layers streamed whole are not sliced."""
-        tiers = [Tier(tier) for tier in placement.tiers] if placement is not None else [Tier.ACCELERATOR] * num_layers
+        tiers = [Tier(tier) for tier in placement.tiers] if placement is not None else [Tier.GPU] * num_layers
         if rates is not None and len(rates) != num_layers:
             raise ValueError(f"slice rates for {len(rates)} layers, but the model has {num_layers}")
-        layers = tuple(LayerPlan(tier, rates[i] if rates is not None and tier == Tier.ACCELERATOR else None)
+        layers = tuple(LayerPlan(tier, rates[i] if rates is not None and tier == Tier.GPU else None)
                        for i, tier in enumerate(tiers))
         return cls(layers, placement, slicing)
 
@@ -139,7 +105,7 @@ class ModelPlan:
                                              for layer in self.layers],
                                   "ring": {"num_buffers": self.num_ring_buffers,
                                            "buffer_bytes": self.ring_buffer_bytes},
-                                  "accelerator_weight_bytes": self.accelerator_weight_bytes,
+                                  "gpu_weight_bytes": self.gpu_weight_bytes,
                                   "budget_bytes": self.budget_bytes}
         if self.placement is not None:
             report["placement"] = self.placement.to_dict()

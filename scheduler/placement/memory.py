@@ -5,7 +5,7 @@ A decoder layer's linear weights are stored as one *layer image*: their tensors 
 other, each starting on IMAGE_TENSOR_ALIGN_BYTES, the whole padded to IMAGE_ALIGN_BYTES. The
 engine lays its images out with `image_layout` (engine/weights/layer_image.py), so what the
 planner counts is what the engine allocates, and an image is one read from disk and one copy to
-the accelerator (PIPO's data merging).
+the GPU (PIPO's data merging).
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def layer_image_bytes(shape: ModelShape, fmt: WeightFormat) -> int:
 
 
 def resident_global_bytes(shape: ModelShape, dtype_bytes: int) -> int:
-    """What always stays on the accelerator: embeddings, the LM head (unless tied), the final norm
+    """What always stays on the GPU: embeddings, the LM head (unless tied), the final norm
     and every layer's two norms, all dense in the compute dtype."""
     matrices = 1 if shape.tie_word_embeddings else 2
     vectors = 1 + 2 * shape.num_layers
@@ -142,24 +142,24 @@ def activation_peak_bytes(shape: ModelShape, fmt: WeightFormat, num_tokens: int,
 class MemoryBreakdown:
     """Bytes of one placement, by where they live."""
 
-    global_bytes: int  # accelerator: embeddings, LM head, norms
-    resident_layer_bytes: int  # accelerator: layers kept there
-    buffer_bytes: int  # accelerator: the ring of layer buffers streamed layers pass through
-    kv_cache_bytes: int  # accelerator KV pool
-    activation_bytes: int  # accelerator: peak activations
+    global_bytes: int  # GPU: embeddings, LM head, norms
+    resident_layer_bytes: int  # GPU: layers kept there
+    buffer_bytes: int  # GPU: the ring of layer buffers streamed layers pass through
+    kv_cache_bytes: int  # GPU KV pool
+    activation_bytes: int  # GPU: peak activations
     host_layer_bytes: int  # host memory: layers streamed from there (pinned on CUDA)
     staging_bytes: int  # host memory: aligned buffers disk reads land in
     host_kv_cache_bytes: int  # host KV pool (Neo)
     disk_layer_bytes: int  # the offload directory: layers streamed from disk
 
     @property
-    def accelerator_weight_bytes(self) -> int:
+    def gpu_weight_bytes(self) -> int:
         """What --weights-gpu-gib bounds: weights and the buffers weights pass through."""
         return self.global_bytes + self.resident_layer_bytes + self.buffer_bytes
 
     @property
-    def accelerator_bytes(self) -> int:
-        return self.accelerator_weight_bytes + self.kv_cache_bytes + self.activation_bytes
+    def gpu_bytes(self) -> int:
+        return self.gpu_weight_bytes + self.kv_cache_bytes + self.activation_bytes
 
     @property
     def host_bytes(self) -> int:
@@ -169,4 +169,4 @@ class MemoryBreakdown:
         return {name: getattr(self, name) for name in (
             "global_bytes", "resident_layer_bytes", "buffer_bytes", "kv_cache_bytes", "activation_bytes",
             "host_layer_bytes", "staging_bytes", "host_kv_cache_bytes", "disk_layer_bytes",
-            "accelerator_weight_bytes", "accelerator_bytes", "host_bytes")}
+            "gpu_weight_bytes", "gpu_bytes", "host_bytes")}

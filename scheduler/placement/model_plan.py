@@ -1,4 +1,4 @@
-"""The joint planner (issue 30): one call decides, within one accelerator weight budget, which
+"""The joint planner (issue 30): one call decides, within one GPU weight budget, which
 decoder layers stream whole (PIPO, planner.py) and how the others' MLPs are sliced (ScheInfer,
 slicing_plan.py), and returns one `ModelPlan`. Plain Python, no torch.
 
@@ -11,7 +11,7 @@ slicing_plan.py), and returns one `ModelPlan`. Plain Python, no torch.
   CC part moves nothing. The streamed layers are spread among the sliced ones and sit in host
   memory, then on disk, as the placement planner places them.
 
-Layers streamed whole and CG parts pass through one ring of accelerator buffers
+Layers streamed whole and CG parts pass through one ring of GPU buffers
 (layer_plan.ring_size); the plan's weight bytes count it once. A mixture-of-experts layer never
 streams whole (the layer images and their probes hold dense layers): its experts are sliced instead.
 The link, disk and compute measurements behind a placement are taken only where whole layers may
@@ -52,7 +52,7 @@ MOE_STREAMING_REFUSAL = ("whole-layer weight streaming does not take mixture-of-
 
 @dataclass(frozen=True)
 class PlacementRequest:
-    """What the placement planner needs besides the model: the budgets (their accelerator weight
+    """What the placement planner needs besides the model: the budgets (their GPU weight
     budget is the one both planners share), the workload, the --weight-placement mode and
     --weight-pipeline, and `measure`, called only where whole layers may stream, giving this
     machine's transfer rates and compute costs."""
@@ -82,7 +82,7 @@ class SlicingRequest:
 
 def plan_model(shape: ModelShape, fmt: WeightFormat, placement: PlacementRequest | None = None,
                slicing: SlicingRequest | None = None) -> ModelPlan:
-    """Each decoder layer's tier and MLP rates within `placement`'s accelerator weight budget
+    """Each decoder layer's tier and MLP rates within `placement`'s GPU weight budget
     (None: no budget, and no layer streams whole), sliced as `slicing` asks (None: not sliced);
     PlacementError saying what to change when nothing fits."""
     if slicing is None:
@@ -91,12 +91,12 @@ def plan_model(shape: ModelShape, fmt: WeightFormat, placement: PlacementRequest
         if shape.is_moe:
             raise PlacementError(MOE_STREAMING_REFUSAL)
         return _plan_of(shape, plan_placement(placement.inputs(shape, fmt)), None,
-                        placement.budgets.accelerator_weight_bytes)
+                        placement.budgets.gpu_weight_bytes)
     if slicing.rates is not None and len(slicing.rates) != shape.num_layers:
         raise ValueError(f"{len(slicing.rates)} slice rates for {shape.num_layers} layers")
     if placement is None:
         return _every_layer_sliced(shape, fmt, slicing, None)
-    budget = placement.budgets.accelerator_weight_bytes
+    budget = placement.budgets.gpu_weight_bytes
     if shape.is_moe:
         try:
             return _every_layer_sliced(shape, fmt, slicing, budget)
@@ -116,7 +116,7 @@ def plan_model(shape: ModelShape, fmt: WeightFormat, placement: PlacementRequest
 def _all_resident(shape: ModelShape, fmt: WeightFormat) -> ModelPlan:
     """Every layer resident whole: no budget, nothing sliced."""
     weight_bytes = resident_global_bytes(shape, fmt.dtype_bytes) + shape.num_layers * layer_image_bytes(shape, fmt)
-    return ModelPlan((LayerPlan(Tier.ACCELERATOR),) * shape.num_layers, accelerator_weight_bytes=weight_bytes)
+    return ModelPlan((LayerPlan(Tier.GPU),) * shape.num_layers, gpu_weight_bytes=weight_bytes)
 
 
 def _every_layer_sliced(shape: ModelShape, fmt: WeightFormat, slicing: SlicingRequest,
@@ -136,8 +136,8 @@ def _with_placement(shape: ModelShape, fmt: WeightFormat, inputs: PlannerInputs,
     """The placement planner's tiers, its resident layers sliced (at fixed rates, or solved within
     what the budget leaves), and the placement priced again with the sliced layers' bytes."""
     placement = plan_placement(inputs)
-    budget = inputs.budgets.accelerator_weight_bytes
-    resident = [i for i, tier in enumerate(placement.tiers) if tier == Tier.ACCELERATOR]
+    budget = inputs.budgets.gpu_weight_bytes
+    resident = [i for i, tier in enumerate(placement.tiers) if tier == Tier.GPU]
     if not resident:
         return _plan_of(shape, placement, None, budget)
     sliced = _slice(shape, fmt, slicing, budget, resident, placement.num_buffers)
@@ -174,14 +174,14 @@ def _fewest_streamed(shape: ModelShape, fmt: WeightFormat, inputs: PlannerInputs
 def _joint_candidate(shape: ModelShape, fmt: WeightFormat, inputs: PlannerInputs, slicing: SlicingRequest,
                      tiers: list[Tier], pipeline: str) -> ModelPlan | str:
     """These tiers' plan with the resident layers sliced, or why it does not fit."""
-    resident = [i for i, tier in enumerate(tiers) if tier == Tier.ACCELERATOR]
+    resident = [i for i, tier in enumerate(tiers) if tier == Tier.GPU]
     num_buffers = num_layer_buffers(inputs.workload, shape.num_layers - len(resident), pipeline)
-    budget = inputs.budgets.accelerator_weight_bytes
+    budget = inputs.budgets.gpu_weight_bytes
     if not resident:  # every layer streams whole: the globals and the ring
         layer_bytes = layer_image_bytes(shape, fmt)
         global_bytes = resident_global_bytes(shape, fmt.dtype_bytes)
         if budget is not None and global_bytes + num_buffers * layer_bytes > budget:
-            return (f"the accelerator needs {_gib(global_bytes + num_buffers * layer_bytes)} for weights (embeddings, "
+            return (f"the GPU needs {_gib(global_bytes + num_buffers * layer_bytes)} for weights (embeddings, "
                     f"LM head and norms {_gib(global_bytes)} and {num_buffers} layer buffers of {_gib(layer_bytes)}) "
                     f"but --weights-gpu-gib gives {_gib(budget)}; give more")
         placement = placement_of(inputs, tiers, pipeline, num_buffers, 0, num_buffers * layer_bytes)
@@ -205,17 +205,17 @@ def _priced(inputs: PlannerInputs, tiers, pipeline: str | None, num_buffers: int
 
 def _plan_of(shape: ModelShape, placement: WeightPlacement | None, sliced: SlicingPlan | None,
              budget: int | None) -> ModelPlan:
-    tiers = placement.tiers if placement is not None else (Tier.ACCELERATOR,) * shape.num_layers
+    tiers = placement.tiers if placement is not None else (Tier.GPU,) * shape.num_layers
     rates = dict(zip(sliced.layers, sliced.rates)) if sliced is not None else {}
     layers = tuple(LayerPlan(Tier(tier), rates.get(i)) for i, tier in enumerate(tiers))
     if sliced is not None:
         num_buffers, buffer_bytes = sliced.num_ring_buffers, sliced.ring_buffer_bytes
-        weight_bytes = sliced.accelerator_weight_bytes
+        weight_bytes = sliced.gpu_weight_bytes
     else:
         num_buffers, buffer_bytes = placement.num_buffers, placement.layer_bytes if placement.num_buffers else 0
-        weight_bytes = placement.memory.accelerator_weight_bytes
+        weight_bytes = placement.memory.gpu_weight_bytes
     return ModelPlan(layers, placement, sliced, num_ring_buffers=num_buffers, ring_buffer_bytes=buffer_bytes,
-                     accelerator_weight_bytes=weight_bytes, budget_bytes=budget)
+                     gpu_weight_bytes=weight_bytes, budget_bytes=budget)
 
 
 def _gib(num_bytes: float) -> str:
@@ -233,7 +233,7 @@ def _letter(layer: LayerPlan) -> str:
 
 
 def describe_model_plan(plan: ModelPlan, offload_dir: str | None = None) -> str:
-    """What `tandem plan` prints: the layer map, the accelerator's weight bytes and the ring; the
+    """What `tandem plan` prints: the layer map, the GPU's weight bytes and the ring; the
     placement's memory breakdown and estimate where the placement planner ran; the sliced layers'
     rates and predicted times where MLPs are sliced."""
     num_host, num_disk = plan.num_layers_in(Tier.HOST), plan.num_layers_in(Tier.DISK)
@@ -243,12 +243,12 @@ def describe_model_plan(plan: ModelPlan, offload_dir: str | None = None) -> str:
              f"MLP, {num_host + num_disk} streamed whole ({num_host} from host memory, {num_disk} from disk)",
              f"  layers: {''.join(_letter(layer) for layer in plan.layers)} (A resident, S sliced, H streamed whole "
              f"from host memory, D from disk)"]
-    if plan.accelerator_weight_bytes is not None:
+    if plan.gpu_weight_bytes is not None:
         budget = f" of the {_gib(plan.budget_bytes)} --weights-gpu-gib gives" if plan.budget_bytes is not None else ""
         ring = (f"{plan.num_ring_buffers} buffer{'s' if plan.num_ring_buffers > 1 else ''} of "
                 f"{_gib(plan.ring_buffer_bytes)} that layers streamed whole and CG parts pass through"
                 if plan.num_ring_buffers else "none, nothing streams")
-        lines.append(f"  accelerator weights {_gib(plan.accelerator_weight_bytes)}{budget}; ring: {ring}")
+        lines.append(f"  GPU weights {_gib(plan.gpu_weight_bytes)}{budget}; ring: {ring}")
     if plan.placement is not None:
         lines.append(describe(plan.placement, offload_dir))
     if plan.slicing is not None:

@@ -1,5 +1,5 @@
 """ScheInfer's prefill token assignment (sec. IV-B) as the engine asks for it: of a forward's
-tokens reaching a sliced layer's MLP, how many CG' computes on the accelerator, CC's weights
+tokens reaching a sliced layer's MLP, how many CG' computes on the GPU, CC's weights
 copied over, instead of the CPU. Plain Python, no torch: the engine's store
 (engine/execution/sliced_mlp.py) asks per layer and forward; `SolvedMovedTokens` answers from
 the slicing models, solved once per layer work (its token count included) and rates."""

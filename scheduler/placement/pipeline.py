@@ -3,7 +3,7 @@ simulated time: the estimate the planner ranks placements by.
 
 The engine's streaming pipeline (engine/execution/ring.py) loads streamed layers one at
 a time, in the order the forward uses them and round and round across forwards, each into the
-next of `num_buffers` accelerator buffers once the layer that used it has been released. The
+next of `num_buffers` GPU buffers once the layer that used it has been released. The
 forward computes layer after layer and waits for a streamed layer's load before computing it.
 This module replays exactly that with given per-layer times, so a placement's iteration time
 includes the bubbles its buffers and its spread of streamed layers leave.
@@ -22,9 +22,9 @@ class ForwardTimeline:
     """One steady-state forward."""
 
     iteration_s: float  # from the previous forward's end to this one's
-    compute_s: float  # the accelerator computing (layers and head)
+    compute_s: float  # the GPU computing (layers and head)
     transfer_s: float  # the transfer engine loading layers
-    stall_s: float  # the accelerator waiting for a layer's weights
+    stall_s: float  # the GPU waiting for a layer's weights
     overlap_s: float = 0.0  # computing and loading at once
 
 
@@ -70,7 +70,7 @@ def simulate_forward(compute_s: Sequence[float], transfer_s: Sequence[float | No
         while held and held[0][0] <= through_layer:
             buffer_free[held.pop(0)[1] % num_buffers] = now
 
-    now, use = 0.0, 0  # the accelerator's clock; loads consumed so far
+    now, use = 0.0, 0  # the GPU's clock; loads consumed so far
     ends, stall = [], 0.0
     loads: list[tuple[float, float]] = []
     computes: list[tuple[float, float]] = []

@@ -1,8 +1,8 @@
 """Where each decoder layer's weights live, and which pipeline streams them (PIPO sec. 3.5, Eq. 1):
 chosen by estimated throughput under memory budgets. Plain Python, no torch.
 
-A layer is resident on the accelerator, or stored in host memory or on disk and streamed into
-one of a ring of accelerator buffers before it is computed. Embeddings, LM head and norms are
+A layer is resident on the GPU, or stored in host memory or on disk and streamed into
+one of a ring of GPU buffers before it is computed. Embeddings, LM head and norms are
 always resident. The planner tries every number of resident layers (streamed layers spread
 evenly between them, so each load hides behind the layers computed before its turn) and both
 pipelines:
@@ -13,9 +13,9 @@ pipelines:
 
 A forward holds one layer at a time, or two under Neo's two-batch forward (layer i+1's first
 sub-batch runs before layer i's second). Each candidate must fit the budgets; a resident layer
-costs KV space when the accelerator's memory is one budget, so fewer sequences fit a batch.
+costs KV space when the GPU's memory is one budget, so fewer sequences fit a batch.
 The candidate with the most decode tokens per second in simulated time (pipeline.py) wins; one that
-streams more layers must win by MIN_STREAMING_GAIN, and ties go to the least accelerator memory. When none fits, `PlacementError` says what
+streams more layers must win by MIN_STREAMING_GAIN, and ties go to the least GPU memory. When none fits, `PlacementError` says what
 to change.
 """
 from __future__ import annotations
@@ -33,11 +33,11 @@ from scheduler.placement.memory import (
     layer_image_bytes,
     resident_global_bytes,
 )
-from scheduler.placement.layer_plan import Tier
+from scheduler.placement.tiers import Tier
 from scheduler.placement.pipeline import ForwardTimeline, simulate_forward
 
 # The tiers' older names, kept as aliases of the enum's members (each string is defined once, in Tier).
-TIER_ACCELERATOR = Tier.ACCELERATOR
+TIER_GPU = Tier.GPU
 TIER_HOST = Tier.HOST
 TIER_DISK = Tier.DISK
 PLACEMENT_MODES = ("auto", "gpu", "cpu", "disk")  # auto: chosen; else every layer in that tier
@@ -60,9 +60,9 @@ class PlacementError(ValueError):
 class MemoryBudgets:
     """Bytes each place may hold; None where no bound is given."""
 
-    accelerator_weight_bytes: int | None = None  # --weights-gpu-gib: resident weights and layer buffers
-    accelerator_bytes: int | None = None  # --memory-gib: weights, KV pool and activations together
-    kv_cache_bytes: int | None = None  # a fixed accelerator KV pool; None: what accelerator_bytes leaves
+    gpu_weight_bytes: int | None = None  # --weights-gpu-gib: resident weights and layer buffers
+    gpu_bytes: int | None = None  # --memory-gib: weights, KV pool and activations together
+    kv_cache_bytes: int | None = None  # a fixed GPU KV pool; None: what gpu_bytes leaves
     host_weight_bytes: int | None = None  # --weights-cpu-gib: streamed layers kept in host memory
     disk_bytes: int | None = None  # free space in --offload-dir
     has_offload_dir: bool = False  # whether the disk tier exists at all
@@ -71,12 +71,12 @@ class MemoryBudgets:
 
 @dataclass(frozen=True)
 class TransferRates:
-    """Measured bytes per second into the accelerator's buffers."""
+    """Measured bytes per second into the GPU's buffers."""
 
-    link_bytes_per_s: float  # host memory -> accelerator
+    link_bytes_per_s: float  # host memory -> GPU
     disk_bytes_per_s: float | None = None  # O_DIRECT reads from the offload directory; None: not measured
     chunk_bytes: int = 8 * 2**20  # a disk load's blocks: the first lands before any copy starts
-    # the link while the accelerator computes (where both share a memory bus, as on the host-only
+    # the link while the GPU computes (where both share a memory bus, as on the host-only
     # testbed, each slows the other); None: as fast as alone
     link_bytes_per_s_under_compute: float | None = None
 
@@ -97,7 +97,7 @@ class TransferRates:
 
 @dataclass(frozen=True)
 class ComputeCosts:
-    """Measured accelerator time (seconds)."""
+    """Measured GPU time (seconds)."""
 
     linear: Curve  # one layer's linear work by tokens
     attention_s_per_context_token: float  # one layer's decode attention, per context token read
@@ -159,7 +159,7 @@ class WeightPlacement:
     mode: str
     tiers: tuple[Tier, ...]  # per decoder layer
     pipeline: str | None  # None when nothing streams
-    num_buffers: int  # accelerator buffers streamed layers pass through
+    num_buffers: int  # GPU buffers streamed layers pass through
     layer_bytes: int  # one layer image (the planner's estimate; the engine's own are exact)
     memory: MemoryBreakdown
     estimate: ThroughputEstimate
@@ -167,7 +167,7 @@ class WeightPlacement:
 
     @property
     def streamed_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, tier in enumerate(self.tiers) if tier != Tier.ACCELERATOR)
+        return tuple(i for i, tier in enumerate(self.tiers) if tier != Tier.GPU)
 
     def num_layers_in(self, tier: Tier) -> int:
         return sum(t == tier for t in self.tiers)
@@ -212,7 +212,7 @@ def is_better(a: WeightPlacement, b: WeightPlacement) -> bool:
         return more_wins == (streamed_a > streamed_b)
     if abs(rate_a - rate_b) > 1e-9 * max(rate_a, rate_b):
         return rate_a > rate_b
-    return a.memory.accelerator_bytes < b.memory.accelerator_bytes
+    return a.memory.gpu_bytes < b.memory.gpu_bytes
 
 
 def spread(num_chosen: int, num_total: int) -> list[bool]:
@@ -225,7 +225,7 @@ def _gib(nbytes: float) -> str:
 
 
 def num_layer_buffers(workload: Workload, num_streamed: int, pipeline: str | None) -> int:
-    """The accelerator buffers `num_streamed` whole layers stream through: one per layer a forward
+    """The GPU buffers `num_streamed` whole layers stream through: one per layer a forward
     holds at once, and one more preloading under the performance pipeline."""
     if not num_streamed:
         return 0
@@ -239,10 +239,10 @@ def _candidate(inputs: PlannerInputs, num_resident: int, pipeline: str | None) -
     layer_bytes = layer_image_bytes(shape, fmt)
     global_bytes = resident_global_bytes(shape, fmt.dtype_bytes)
     weight_bytes = global_bytes + (num_resident + num_buffers) * layer_bytes
-    if budgets.accelerator_weight_bytes is not None and weight_bytes > budgets.accelerator_weight_bytes:
-        return (f"the accelerator needs {_gib(weight_bytes)} for weights (embeddings, LM head and norms "
+    if budgets.gpu_weight_bytes is not None and weight_bytes > budgets.gpu_weight_bytes:
+        return (f"the GPU needs {_gib(weight_bytes)} for weights (embeddings, LM head and norms "
                 f"{_gib(global_bytes)}, {num_resident} resident layers and {num_buffers} layer buffers of "
-                f"{_gib(layer_bytes)}) but --weights-gpu-gib gives {_gib(budgets.accelerator_weight_bytes)}; "
+                f"{_gib(layer_bytes)}) but --weights-gpu-gib gives {_gib(budgets.gpu_weight_bytes)}; "
                 f"give more{_int4_hint(fmt)}")
     tiers = layer_tiers(inputs, num_resident)
     if isinstance(tiers, str):
@@ -253,7 +253,7 @@ def _candidate(inputs: PlannerInputs, num_resident: int, pipeline: str | None) -
 def placement_of(inputs: PlannerInputs, tiers: Sequence[Tier], pipeline: str | None, num_buffers: int,
                  resident_layer_bytes: int, buffer_bytes: int) -> WeightPlacement | str:
     """The placement of these tiers with its memory and estimate, its resident layers taking
-    `resident_layer_bytes` and its buffers `buffer_bytes` of accelerator memory (whole layers, or
+    `resident_layer_bytes` and its buffers `buffer_bytes` of GPU memory (whole layers, or
     as the joint planner slices them); or why the KV pool or the estimate does not work out."""
     shape, fmt, work, budgets = inputs.shape, inputs.fmt, inputs.workload, inputs.budgets
     layer_bytes = layer_image_bytes(shape, fmt)
@@ -282,7 +282,7 @@ def _int4_hint(fmt: WeightFormat) -> str:
 
 
 def _kv_cache_bytes(inputs: PlannerInputs, other_bytes: int) -> int | str:
-    """The accelerator KV pool: fixed, or what the accelerator budget leaves (at least one
+    """The GPU KV pool: fixed, or what the GPU budget leaves (at least one
     sequence of max_model_len tokens)."""
     budgets, work = inputs.budgets, inputs.workload
     block_bytes = kv_block_bytes(inputs.shape, work.block_size, inputs.fmt.dtype_bytes)
@@ -290,15 +290,15 @@ def _kv_cache_bytes(inputs: PlannerInputs, other_bytes: int) -> int | str:
     if budgets.kv_cache_bytes is not None:
         kv = budgets.kv_cache_bytes
         total = other_bytes + kv
-        if budgets.accelerator_bytes is not None and total > budgets.accelerator_bytes:
-            return (f"weights, activations and the KV pool need {_gib(total)} of accelerator memory but "
-                    f"--memory-gib gives {_gib(budgets.accelerator_bytes)}")
+        if budgets.gpu_bytes is not None and total > budgets.gpu_bytes:
+            return (f"weights, activations and the KV pool need {_gib(total)} of GPU memory but "
+                    f"--memory-gib gives {_gib(budgets.gpu_bytes)}")
         return kv
-    if budgets.accelerator_bytes is None:
-        raise PlacementError("give a KV pool size or an accelerator memory budget")
-    kv = (budgets.accelerator_bytes - other_bytes) // block_bytes * block_bytes
+    if budgets.gpu_bytes is None:
+        raise PlacementError("give a KV pool size or a GPU memory budget")
+    kv = (budgets.gpu_bytes - other_bytes) // block_bytes * block_bytes
     if kv < min_bytes:
-        return (f"weights and activations take {_gib(other_bytes)} of the {_gib(budgets.accelerator_bytes)} "
+        return (f"weights and activations take {_gib(other_bytes)} of the {_gib(budgets.gpu_bytes)} "
                 f"--memory-gib gives, leaving less than one {work.max_model_len}-token sequence of KV cache "
                 f"({_gib(min_bytes)}); give more memory, a smaller --weights-gpu-gib or --max-model-len"
                 f"{_int4_hint(inputs.fmt)}")
@@ -318,14 +318,14 @@ def layer_tiers(inputs: PlannerInputs, num_resident: int) -> list[Tier] | str:
                 f"gives {_gib(budgets.host_weight_bytes or 0)}; give more, or --weight-placement auto with "
                 f"--offload-dir")
     if num_disk and not budgets.has_offload_dir:
-        return (f"{num_disk} layers ({_gib(num_disk * layer_bytes)}) fit neither the accelerator nor host memory "
+        return (f"{num_disk} layers ({_gib(num_disk * layer_bytes)}) fit neither the GPU nor host memory "
                 f"(--weights-cpu-gib {_gib(budgets.host_weight_bytes or 0)}); give --offload-dir to stream them "
                 f"from disk, or more --weights-cpu-gib / --weights-gpu-gib{_int4_hint(inputs.fmt)}")
     if num_disk and budgets.disk_bytes is not None and num_disk * layer_bytes > budgets.disk_bytes:
         return (f"{num_disk} layers need {_gib(num_disk * layer_bytes)} in --offload-dir, which has "
                 f"{_gib(budgets.disk_bytes)} free")
     streamed_on_disk = iter(spread(num_disk, num_streamed))
-    return [Tier.ACCELERATOR if resident else (Tier.DISK if next(streamed_on_disk) else Tier.HOST)
+    return [Tier.GPU if resident else (Tier.DISK if next(streamed_on_disk) else Tier.HOST)
             for resident in spread(num_resident, num_layers)]
 
 
@@ -376,7 +376,7 @@ def describe(placement: WeightPlacement, offload_dir: str | None = None) -> str:
     m, est, t = placement.memory, placement.estimate, placement.estimate.timeline
     num_layers = len(placement.tiers)
     num_host, num_disk = placement.num_layers_in(Tier.HOST), placement.num_layers_in(Tier.DISK)
-    resident = placement.num_layers_in(Tier.ACCELERATOR)
+    resident = placement.num_layers_in(Tier.GPU)
     if placement.pipeline is None:
         streaming = "nothing streams"
     else:
@@ -385,11 +385,11 @@ def describe(placement: WeightPlacement, offload_dir: str | None = None) -> str:
                      f"{f' in {offload_dir}' if num_disk and offload_dir else ''}), {name} pipeline "
                      f"({placement.num_buffers} layer buffers)")
     lines = [
-        f"weight placement ({placement.mode}): {resident} of {num_layers} layers on the accelerator, {streaming}",
+        f"weight placement ({placement.mode}): {resident} of {num_layers} layers on the GPU, {streaming}",
         f"  layer {placement.layer_bytes / 2**20:.1f} MiB; layers by tier: {''.join(t[0].upper() for t in placement.tiers)}"
-        f" (A accelerator, H host, D disk)",
+        f" (G GPU, H host, D disk)",
         "memory (GiB):",
-        f"  accelerator  {m.accelerator_bytes / GIB_BYTES:7.2f}  weights {m.accelerator_weight_bytes / GIB_BYTES:.2f} "
+        f"  GPU          {m.gpu_bytes / GIB_BYTES:7.2f}  weights {m.gpu_weight_bytes / GIB_BYTES:.2f} "
         f"(embeddings, head, norms {m.global_bytes / GIB_BYTES:.2f}; resident layers {m.resident_layer_bytes / GIB_BYTES:.2f}; "
         f"layer buffers {m.buffer_bytes / GIB_BYTES:.2f}), KV pool {m.kv_cache_bytes / GIB_BYTES:.2f}, "
         f"activations {m.activation_bytes / GIB_BYTES:.2f} peak",

@@ -152,43 +152,43 @@ def fit_gemm_cost(points: Sequence[tuple[float, float, float]]) -> GemmCost:
 @dataclass(frozen=True)
 class SlicingCosts:
     """The models for one weight format (dense in the compute dtype, or INT4): GEMMs on the
-    accelerator and on the CPU, host -> accelerator copies by bytes (the same model for the
+    GPU and on the CPU, host -> GPU copies by bytes (the same model for the
     activations' hops), and one kernel launch."""
 
-    accelerator_gemm: GemmCost
+    gpu_gemm: GemmCost
     cpu_gemm: GemmCost
     link: LinearCost
     launch_s: float
     # How many times longer each side's GEMMs take while the other side computes too (measured:
-    # where CPU and accelerator share cores or a memory bus, as on the host-only testbed, > 1).
+    # where CPU and GPU share cores or a memory bus, as on the host-only testbed, > 1).
     cpu_gemm_slowdown: float = 1.0
-    accelerator_gemm_slowdown: float = 1.0
+    gpu_gemm_slowdown: float = 1.0
     link_slowdown: float = 1.0  # copies while GEMMs run (the planner's link_bytes_per_s_under_compute)
     # The copy engine is a thread on the CPU side's cores (the host-only testbed), not a DMA
     # engine: copies take the CPU's time (slicing_model._copies_on_cpu).
     copies_on_cpu: bool = False
-    # A CPU part's fixed cost beyond its GEMMs: the accelerator's side handing it to the CPU side
+    # A CPU part's fixed cost beyond its GEMMs: the GPU's side handing it to the CPU side
     # and taking its result back (on the testbed two thread wake-ups), once per layer with CC.
     handoff_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.launch_s < 0 or self.handoff_s < 0:
             raise ValueError(f"launch_s={self.launch_s} and handoff_s={self.handoff_s} must be >= 0")
-        for name in ("cpu_gemm_slowdown", "accelerator_gemm_slowdown", "link_slowdown"):
+        for name in ("cpu_gemm_slowdown", "gpu_gemm_slowdown", "link_slowdown"):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.link.unit != UNIT_BYTES:
             raise ValueError(f"link must be a model in {UNIT_BYTES}, got {self.link.unit}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"accelerator_gemm": self.accelerator_gemm.to_dict(), "cpu_gemm": self.cpu_gemm.to_dict(),
+        return {"gpu_gemm": self.gpu_gemm.to_dict(), "cpu_gemm": self.cpu_gemm.to_dict(),
                 "link": self.link.to_dict(), "launch_s": self.launch_s, "cpu_gemm_slowdown": self.cpu_gemm_slowdown,
-                "accelerator_gemm_slowdown": self.accelerator_gemm_slowdown, "link_slowdown": self.link_slowdown,
+                "gpu_gemm_slowdown": self.gpu_gemm_slowdown, "link_slowdown": self.link_slowdown,
                 "copies_on_cpu": self.copies_on_cpu, "handoff_s": self.handoff_s}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SlicingCosts":
-        return cls(GemmCost.from_dict(data["accelerator_gemm"]), GemmCost.from_dict(data["cpu_gemm"]),
+        return cls(GemmCost.from_dict(data["gpu_gemm"]), GemmCost.from_dict(data["cpu_gemm"]),
                    LinearCost.from_dict(data["link"]), float(data["launch_s"]),
-                   float(data["cpu_gemm_slowdown"]), float(data["accelerator_gemm_slowdown"]),
+                   float(data["cpu_gemm_slowdown"]), float(data["gpu_gemm_slowdown"]),
                    float(data["link_slowdown"]), bool(data["copies_on_cpu"]), float(data["handoff_s"]))

@@ -4,22 +4,22 @@ from the linear cost models of slicing_cost.py. Plain Python, no torch.
 The paper's equations 4-12 did not survive in our copy of the text; this is the model rebuilt
 from its prose. Each of the layer's n GEMMs (gate/up then down; or each kind of a MoE layer's
 expert GEMMs) is cut by the same rates into a CC, a CG and a GG part, and (in a prefill, sec.
-IV-B) CC's weights may also go to the accelerator as CG' with some of the tokens:
+IV-B) CC's weights may also go to the GPU as CG' with some of the tokens:
 
 - Stream A, the CPU: the activations' hop to the CPU, then the CC parts GEMM by GEMM.
-- Stream B, launches: one launch per copy (CG, CG') and per accelerator GEMM (GG, CG, CG'),
+- Stream B, launches: one launch per copy (CG, CG') and per GPU GEMM (GG, CG, CG'),
   each taking `launch_s`; copies are launched first (so the link starts at once), then GG's,
   CG's and CG''s GEMMs. "A CG operation requires a launch to transfer data and a launch to
   execute GPU computation, so its coefficient is 2."
 - Stream C, the link: the CG (then CG') weight slices GEMM by GEMM, each once its launch is done,
   and after the CPU finishes, the CC result's hop back (it queues behind the weight copies).
-- Stream D, the accelerator: the GG parts (they wait for nothing but their launches), then each
+- Stream D, the GPU: the GG parts (they wait for nothing but their launches), then each
   CG and CG' part once its launch and its copy are done.
 
 A part's time is its linear model's (slicing_cost.py) when the part is not empty and 0 when it is
-(the paper's sign function). The layer's time is when the last stream is done: max(accelerator,
+(the paper's sign function). The layer's time is when the last stream is done: max(GPU,
 CPU's result back). Volumes per part: a CPU GEMM of cc x the GEMM's multiply-adds (at the tokens
-the CPU keeps) and cc x its weight bytes, accelerator GEMMs of cg x / gg x them (CG' of cc x the
+the CPU keeps) and cc x its weight bytes, GPU GEMMs of cg x / gg x them (CG' of cc x the
 bytes, at the moved tokens), a copy of cg x the weight's bytes; a hop moves
 tokens x hidden x dtype bytes. A MoE layer is sliced by whole experts, so a part's startup time
 counts the GEMM calls it makes (rate x the experts its tokens use) instead of one, and its GEMMs
@@ -199,7 +199,7 @@ class SliceTerms:
     cc: Affine
     cg: Affine
     gg: Affine
-    moved_share: Affine  # of the tokens, those CG' computes on the accelerator (prefill only)
+    moved_share: Affine  # of the tokens, those CG' computes on the GPU (prefill only)
     has_cc: bool  # the CPU computes something: CC weights and tokens left to it
     has_cg: bool
     has_gg: bool
@@ -233,7 +233,7 @@ def _copies(present: bool) -> Affine:
 
 @dataclass(frozen=True)
 class _Part:
-    """A part the accelerator computes: its name, its share of each weight and of the tokens."""
+    """A part the GPU computes: its name, its share of each weight and of the tokens."""
 
     name: str  # "gg", "cg" or "cgp" (CG')
     rate: Affine
@@ -241,8 +241,8 @@ class _Part:
     present: bool
 
 
-def _accelerator_parts(terms: SliceTerms) -> list[_Part]:
-    """In the accelerator's order: resident work first, since it waits for no copy."""
+def _gpu_parts(terms: SliceTerms) -> list[_Part]:
+    """In the GPU's order: resident work first, since it waits for no copy."""
     return [_Part("gg", terms.gg, Affine(1.0), terms.has_gg), _Part("cg", terms.cg, Affine(1.0), terms.has_cg),
             _Part("cgp", terms.cc, terms.moved_share, terms.has_moved)]
 
@@ -287,8 +287,8 @@ def _copies_on_cpu(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, copied
                    launches: _LaunchStream) -> Copies:
     """The link of the host-only testbed, whose copy engine is a thread on the CPU side's cores:
     copies take the CPU's time. The ring loads CG's slices for layers ahead, so at steady state
-    a layer's CG keeps the accelerator waiting for nothing but costs the CPU one layer's copies;
-    CG' is copied as the MLP starts, before the CPU's own part, and the accelerator waits for it.
+    a layer's CG keeps the GPU waiting for nothing but costs the CPU one layer's copies;
+    CG' is copied as the MLP starts, before the CPU's own part, and the GPU waits for it.
     -> when each copy has landed, when the link is free (never queued before the result's hop),
     and the CPU time of the layer's copies."""
     landed, cgp_done, cpu_s = {}, ZERO, ZERO
@@ -316,19 +316,19 @@ def _gemm_s(cost: GemmCost, gemm: GemmWork, calls: Affine, rate: Affine, token_s
     return alone.scale(slowdown)
 
 
-def _accelerator_stream(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, parts: list[_Part],
+def _gpu_stream(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, parts: list[_Part],
                         launches: _LaunchStream, landed: dict[tuple[int, str], Pieces]) -> Pieces:
     """Stream D: each part's GEMMs in order, each once launched and (streamed parts) once copied;
     all of them slowed while the CPU computes its part, or copies on the testbed (the whole layer
     long: an upper bound)."""
     done = Pieces.of(ZERO)
     cpu_copies = costs.copies_on_cpu and (terms.has_cg or terms.has_moved)
-    slowdown = costs.accelerator_gemm_slowdown if terms.has_cc or cpu_copies else 1.0
+    slowdown = costs.gpu_gemm_slowdown if terms.has_cc or cpu_copies else 1.0
     for part in (part for part in parts if part.present):
         for index, gemm in enumerate(work.gemms):
             calls = _calls(gemm, part.rate, True)
             ready = [Pieces.of(launches.issue(calls))] + ([landed[index, part.name]] if part.name != "gg" else [])
-            done = done.maximum(*ready).plus(_gemm_s(costs.accelerator_gemm, gemm, calls, part.rate, part.token_share,
+            done = done.maximum(*ready).plus(_gemm_s(costs.gpu_gemm, gemm, calls, part.rate, part.token_share,
                                                      slowdown))
     return done
 
@@ -340,7 +340,7 @@ def _hop_s(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Affine:
 
 def _cpu_done(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, copies_s: Affine = ZERO) -> Affine:
     """Stream A: the hand-over to the CPU with x's hop, the copies that take the CPU's time (the
-    testbed's) and the CC GEMMs (slowed while the accelerator computes too)."""
+    testbed's) and the CC GEMMs (slowed while the GPU computes too)."""
     slowdown = costs.cpu_gemm_slowdown if terms.has_cg or terms.has_gg or terms.has_moved else 1.0
     cpu_done = Affine(costs.handoff_s) + _hop_s(work, costs, terms) + copies_s
     for gemm in work.gemms:
@@ -358,15 +358,15 @@ def _cpu_result_back(work: MlpWork, costs: SlicingCosts, terms: SliceTerms, link
 
 def layer_pieces(work: MlpWork, costs: SlicingCosts, terms: SliceTerms) -> Pieces:
     """The layer's time as a maximum of linear functions of the unknown in `terms`: when the
-    accelerator's last GEMM and the CC result's hop back are both done."""
-    parts = _accelerator_parts(terms)
+    GPU's last GEMM and the CC result's hop back are both done."""
+    parts = _gpu_parts(terms)
     launches = _LaunchStream(costs.launch_s)
     link = _copies_on_cpu if costs.copies_on_cpu else _link_stream
     landed, link_done, copies_s = link(work, costs, terms, [part for part in parts if part.name != "gg"], launches)
-    accelerator_done = _accelerator_stream(work, costs, terms, parts, launches, landed)
+    gpu_done = _gpu_stream(work, costs, terms, parts, launches, landed)
     if not terms.has_cc:
-        return accelerator_done.maximum(Pieces.of(copies_s))
-    return accelerator_done.maximum(_cpu_result_back(work, costs, terms, link_done, copies_s))
+        return gpu_done.maximum(Pieces.of(copies_s))
+    return gpu_done.maximum(_cpu_result_back(work, costs, terms, link_done, copies_s))
 
 
 def layer_time_s(work: MlpWork, costs: SlicingCosts, rates: SliceRates, num_moved_tokens: int = 0) -> float:
@@ -385,7 +385,7 @@ def cpu_time_s(work: MlpWork, costs: SlicingCosts, rates: SliceRates) -> float:
     copies_s = ZERO
     if costs.copies_on_cpu:
         launches = _LaunchStream(costs.launch_s)
-        copied = [part for part in _accelerator_parts(terms) if part.name != "gg"]
+        copied = [part for part in _gpu_parts(terms) if part.name != "gg"]
         copies_s = _copies_on_cpu(work, costs, terms, copied, launches)[2]
     if not terms.has_cc:
         return copies_s.at(0.0)

@@ -1,5 +1,5 @@
 """The slicing plan: per decoder layer, the CC/CG/GG rates of its MLP for the decode phase within
-the accelerator's weight budget (ScheInfer sec. IV-A), with their predicted times; what the
+the GPU's weight budget (ScheInfer sec. IV-A), with their predicted times; what the
 engine executes and `tandem plan` prints. Plain Python, no torch.
 
 Under slicing the attention weights, embeddings, head and norms stay resident (as in ScheInfer,
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from scheduler.cost_model import ModelShape
-from scheduler.placement.layer_plan import ring_size
 from scheduler.placement.memory import (
     ALWAYS_DENSE_LINEARS,
     GIB_BYTES,
@@ -30,7 +29,7 @@ from scheduler.placement.memory import (
     resident_global_bytes,
 )
 from scheduler.placement.planner import PlacementError
-from scheduler.placement.slicing import SliceRates
+from scheduler.placement.slicing import SliceRates, ring_size
 from scheduler.placement.slicing_cost import SlicingCosts
 from scheduler.placement.slicing_model import MlpWork, dense_mlp_work, layer_time_s, moe_mlp_work
 from scheduler.placement.slicing_solver import (
@@ -61,7 +60,7 @@ def parse_mlp_slicing(value: str) -> SliceRates | str:
 @dataclass(frozen=True)
 class SlicingPlan:
     """Per sliced decoder layer (`layers`; the others stream whole), its MLP's rates and predicted
-    time at `num_tokens` decode tokens; the accelerator bytes they take; and, for a prefill of
+    time at `num_tokens` decode tokens; the GPU bytes they take; and, for a prefill of
     `prefill_tokens`, the tokens each layer moves to CG' and its predicted time then."""
 
     layers: tuple[int, ...]  # the layers sliced, ascending; the tuples below follow them
@@ -72,7 +71,7 @@ class SlicingPlan:
     resident_bytes: int  # every sliced layer's GG part
     fixed_bytes: int  # embeddings, head and norms, and the sliced layers' attention weights
     budget_bytes: int | None
-    # the ring the CG parts stream through, shared with the layers streamed whole (layer_plan.ring_size)
+    # the ring the CG parts stream through, shared with the layers streamed whole (slicing.ring_size)
     num_ring_buffers: int = 0
     ring_buffer_bytes: int = 0  # one of its buffers
     prefill_tokens: int | None = None
@@ -86,7 +85,7 @@ class SlicingPlan:
         return self.num_ring_buffers * self.ring_buffer_bytes
 
     @property
-    def accelerator_weight_bytes(self) -> int:
+    def gpu_weight_bytes(self) -> int:
         return self.fixed_bytes + self.resident_bytes + self.buffer_bytes + self.moved_buffer_bytes
 
     def to_dict(self) -> dict[str, Any]:
@@ -94,7 +93,7 @@ class SlicingPlan:
                 "layer_time_s": list(self.layer_time_s), "num_tokens": self.num_tokens, "mlp_bytes": self.mlp_bytes,
                 "resident_bytes": self.resident_bytes, "buffer_bytes": self.buffer_bytes,
                 "num_ring_buffers": self.num_ring_buffers, "ring_buffer_bytes": self.ring_buffer_bytes,
-                "fixed_bytes": self.fixed_bytes, "accelerator_weight_bytes": self.accelerator_weight_bytes,
+                "fixed_bytes": self.fixed_bytes, "gpu_weight_bytes": self.gpu_weight_bytes,
                 "budget_bytes": self.budget_bytes, "prefill_tokens": self.prefill_tokens,
                 "moved_tokens": list(self.moved_tokens), "prefill_time_s": list(self.prefill_time_s),
                 "moved_buffer_bytes": self.moved_buffer_bytes}
@@ -152,14 +151,14 @@ class _Problem:
         return num_buffers * buffer_bytes
 
 
-def plan_slicing(shape: ModelShape, fmt: WeightFormat, costs: SlicingCosts, accelerator_weight_bytes: int | None,
+def plan_slicing(shape: ModelShape, fmt: WeightFormat, costs: SlicingCosts, gpu_weight_bytes: int | None,
                  num_tokens: int, fixed_rates: SliceRates | Sequence[SliceRates] | None = None,
                  prefill_tokens: int | None = None, layers: Sequence[int] | None = None,
                  num_layer_buffers: int = 0) -> SlicingPlan:
     """Rates for `layers` (None: every layer) for decode batches of `num_tokens` within
-    `accelerator_weight_bytes` (None: unbounded), solved, or `fixed_rates` (one for all, or one per
+    `gpu_weight_bytes` (None: unbounded), solved, or `fixed_rates` (one for all, or one per
     sliced layer); PlacementError when they cannot fit. The other layers stream whole through
-    `num_layer_buffers` buffers of a layer image, the ring the CG parts share (layer_plan.ring_size):
+    `num_layer_buffers` buffers of a layer image, the ring the CG parts share (slicing.ring_size):
     the budget holds the embeddings, head and norms once, the sliced layers' attention and parts,
     and that ring."""
     if num_tokens < 1:
@@ -170,7 +169,7 @@ def plan_slicing(shape: ModelShape, fmt: WeightFormat, costs: SlicingCosts, acce
     all_works = layer_works(shape, fmt, num_tokens)
     works = tuple(all_works[layer] for layer in layers)
     fixed = fixed_weight_bytes(shape, fmt, layers)
-    budget = accelerator_weight_bytes
+    budget = gpu_weight_bytes
     problem = _Problem(layers, works, costs, fixed, budget, num_layer_buffers,
                        layer_image_bytes(shape, fmt) if num_layer_buffers else 0)
     if isinstance(fixed_rates, SliceRates):
@@ -189,8 +188,8 @@ def plan_slicing(shape: ModelShape, fmt: WeightFormat, costs: SlicingCosts, acce
     if prefill_works is not None and any(moved for moved, _ in _prefill(prefill_works, costs, plan.rates, True)):
         moving = _with_moved_buffer(problem, plan, solved)  # room for CG' only where a prefill moves tokens
     plan = moving or plan
-    if budget is not None and plan.accelerator_weight_bytes > budget:
-        raise PlacementError(f"MLP slicing needs {_gib(plan.accelerator_weight_bytes)} of accelerator memory for "
+    if budget is not None and plan.gpu_weight_bytes > budget:
+        raise PlacementError(f"MLP slicing needs {_gib(plan.gpu_weight_bytes)} of GPU memory for "
                              f"weights (attention, embeddings, head and norms {_gib(fixed)}, resident MLP parts "
                              f"{_gib(plan.resident_bytes)}, the ring streamed parts{_and_layers(problem)} pass "
                              f"through {_gib(plan.buffer_bytes)}) but --weights-gpu-gib gives {_gib(budget)}; give "
@@ -220,7 +219,7 @@ def largest_cg_bytes(works: Sequence[MlpWork], rates: Sequence[SliceRates]) -> i
 
 
 def moved_buffer_bytes(works: Sequence[MlpWork], rates: Sequence[SliceRates]) -> int:
-    """The accelerator buffer CG' copies CC's weights into: the largest CC part of a layer cut by
+    """The GPU buffer CG' copies CC's weights into: the largest CC part of a layer cut by
     units (a MoE layer's CC experts take no moved rows)."""
     return max((round(r.cc * work.weight_bytes) for work, r in zip(works, rates) if not work.num_experts), default=0)
 
@@ -235,7 +234,7 @@ def _with_moved_buffer(problem: _Problem, plan: SlicingPlan, solved: bool) -> Sl
         needed = moved_buffer_bytes(problem.works, plan.rates)
         if needed <= reserved or not solved:
             moving = dataclasses.replace(plan, moved_buffer_bytes=needed)
-            fits = plan.budget_bytes is None or moving.accelerator_weight_bytes <= plan.budget_bytes
+            fits = plan.budget_bytes is None or moving.gpu_weight_bytes <= plan.budget_bytes
             return moving if fits else None
         reserved = needed
         try:
@@ -268,7 +267,7 @@ def _solve_rates(problem: _Problem, reserved_bytes: int = 0) -> list[SliceRates]
         ring = (f" and {problem.num_layer_buffers} buffers of {_gib(problem.layer_bytes)} for the layers streamed "
                 f"whole" if problem.num_layer_buffers else "")
         raise PlacementError(f"MLP slicing needs attention, embeddings, head and norms ({_gib(problem.fixed_bytes)})"
-                             f"{ring} on the accelerator and room for MLP parts, but --weights-gpu-gib gives "
+                             f"{ring} on the GPU and room for MLP parts, but --weights-gpu-gib gives "
                              f"{_gib(budget)}; give more")
     return min(fitting, key=lambda rates: _total_s(works, costs, rates))
 
@@ -328,7 +327,7 @@ def describe_slicing(plan: SlicingPlan) -> str:
             f" of {_gib(plan.ring_buffer_bytes)})" if plan.num_ring_buffers else "no ring")
     lines = [f"MLP slicing (ScheInfer): decode batch {plan.num_tokens}; per layer the MLP's CC (CPU) / CG "
              f"(streamed) / GG (resident) rates and its predicted time",
-             f"  accelerator weights {_gib(plan.accelerator_weight_bytes)}: attention, embeddings, head and norms "
+             f"  GPU weights {_gib(plan.gpu_weight_bytes)}: attention, embeddings, head and norms "
              f"{_gib(plan.fixed_bytes)}, resident MLP parts {_gib(plan.resident_bytes)}, {ring}, CG' buffer "
              f"{_gib(plan.moved_buffer_bytes)}" + (f" (budget {_gib(plan.budget_bytes)})" if plan.budget_bytes else "")]
     groups: dict[tuple, list[int]] = {}  # positions in plan.layers, by what a line shows

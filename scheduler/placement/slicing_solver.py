@@ -6,8 +6,8 @@ Python, no torch.
   its minimum over the open interval (0, 1 - GG) lies where two lines cross; the ends, where a part
   empties and its startup costs vanish, are evaluated on their own. That is the paper's "edge
   points" rule, with the crossings taken from the model instead of its three hand-derived cases.
-- `assign_gg`: the greedy per-layer assignment of accelerator memory (eq. 14).
-- `solve_moved_tokens`: in a prefill, how many tokens CG' computes on the accelerator with CC's
+- `assign_gg`: the greedy per-layer assignment of GPU memory (eq. 14).
+- `solve_moved_tokens`: in a prefill, how many tokens CG' computes on the GPU with CC's
   weights shipped over; the same edge points over an integer count.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def solve_moved_tokens(work: MlpWork, costs: SlicingCosts, rates: SliceRates) ->
 @dataclass(frozen=True)
 class LayerChoices:
     """One layer's candidate GG rates (ascending, the first the starting point), the best time at
-    each, and the accelerator bytes each keeps resident."""
+    each, and the GPU bytes each keeps resident."""
 
     solved: tuple[SolvedRates, ...]
     resident_bytes: tuple[int, ...]

@@ -16,7 +16,7 @@ from tandem_server import ServerProcess, pipelining_cost_tables  # noqa: E402
 
 @pytest.fixture(scope="session")
 def offloading_server(tmp_path_factory) -> ServerProcess:
-    """`tandem serve --device testbed` (offloading on) after requests that overflowed its accelerator
+    """`tandem serve --device testbed` (offloading on) after requests that overflowed its GPU
     pool, so that every labelled series (tiers, plan modes, swap directions) exists."""
     if not TWO_CORES:
         pytest.skip("the testbed needs 2 cores")

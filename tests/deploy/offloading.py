@@ -1,5 +1,5 @@
 """A live `tandem serve` with offloading on, as the deployment tests use it: its flags and the
-requests that overflow its accelerator pool."""
+requests that overflow its GPU pool."""
 from __future__ import annotations
 
 import os

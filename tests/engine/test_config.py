@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import (ACTIVATION_RESERVE_GIB, DEPRECATED_FLAT_NAMES, FLAT_NAMES, CacheConfig, EngineConfig,
-                           OffloadConfig, WeightsConfig)
+                           CpuAttentionConfig, WeightsConfig)
 from engine.engine import LLMEngine
 from engine.model import ConfigError
 from engine.profiling import dtype_probe
@@ -24,10 +24,10 @@ from scheduler.scheduler import SchedulerConfigError
     (CacheConfig, {"num_cpu_blocks": 2.5}, "num_cpu_blocks must be an integer"),
     (CacheConfig, {"kv_cache_memory_gib": 0}, "kv_cache_memory_gib must be a number > 0"),
     (CacheConfig, {"cpu_kv_cache_memory_gib": float("nan")}, "cpu_kv_cache_memory_gib must be a number > 0"),
-    (OffloadConfig, {"mode": "maybe"}, "offload must be auto, on or off, got 'maybe'"),
-    (OffloadConfig, {"accelerator_threads": 0}, "accelerator_threads must be an integer >= 1"),
-    (OffloadConfig, {"cpu_attention_threads": -2}, "cpu_attention_threads must be an integer >= 1"),
-    (OffloadConfig, {"profile_grid": "fine"}, "profile_grid must be one of default, quick"),
+    (CpuAttentionConfig, {"mode": "maybe"}, "cpu_attention must be auto, on or off, got 'maybe'"),
+    (CpuAttentionConfig, {"gpu_threads": 0}, "gpu_threads must be an integer >= 1"),
+    (CpuAttentionConfig, {"cpu_attention_threads": -2}, "cpu_attention_threads must be an integer >= 1"),
+    (CpuAttentionConfig, {"profile_grid": "fine"}, "profile_grid must be one of default, quick"),
     (EngineConfig, {"dtype": "float64"}, "dtype must be auto or one of float32, fp32"),
     (EngineConfig, {"device": "tpu"}, "device must be cpu, testbed, cuda or cuda:<index>, got 'tpu'"),
     (EngineConfig, {"device": "cuda:x"}, "device must be"),
@@ -35,9 +35,10 @@ from scheduler.scheduler import SchedulerConfigError
     (EngineConfig, {"max_model_len": 0}, "max_model_len must be an integer >= 1 or None"),
     (EngineConfig, {"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
     (EngineConfig, {"max_num_batched_tokens": True}, "max_num_batched_tokens must be an integer"),
-    (EngineConfig, {"offload": "on"}, "offload must be of type OffloadConfig, got 'on'; flat keywords go through"),
+    (EngineConfig, {"cpu_attention": "on"},
+     "cpu_attention must be of type CpuAttentionConfig, got 'on'; flat keywords go through"),
     (WeightsConfig, {"placement": "ssd"}, "placement must be one of auto, gpu, cpu, disk"),
-    (WeightsConfig, {"accelerator_gib": 0}, "accelerator_gib must be a number > 0"),
+    (WeightsConfig, {"gpu_gib": 0}, "gpu_gib must be a number > 0"),
     (WeightsConfig, {"host_gib": -1.0}, "host_gib must be a number > 0"),
     (WeightsConfig, {"placement": "disk"}, "weight_placement disk streams every layer from files in offload_dir"),
     (WeightsConfig, {"pipeline": "fast"}, "pipeline must be one of auto, performance, memory"),
@@ -64,32 +65,32 @@ def test_the_neo_knobs_refuse_a_bad_value_naming_it():
 
 def test_flat_keywords_reach_their_sections():
     config = EngineConfig.from_flat(model="qwen2-0.5b", device="testbed", block_size=4, num_cpu_blocks=64,
-                                    offload="on", accelerator_threads=1, swap_cooldown_iterations=4,
+                                    cpu_attention="on", gpu_threads=1, swap_cooldown_iterations=4,
                                     max_forced_cpu_decodes=2)
     assert (config.model, config.device) == ("qwen2-0.5b", "testbed")
     assert config.cache == CacheConfig(block_size=4, num_cpu_blocks=64)
-    assert config.offload == OffloadConfig(mode="on", accelerator_threads=1)
+    assert config.cpu_attention == CpuAttentionConfig(mode="on", gpu_threads=1)
     assert config.neo == NeoKnobs(swap_cooldown_iterations=4, max_forced_cpu_decodes=2)
     assert EngineConfig.from_flat() == EngineConfig()
     weights = EngineConfig.from_flat(weights_gpu_gib=2.0, weights_cpu_gib=8.0, offload_dir="/tmp/x",
                                      weight_placement="auto", weight_pipeline="memory").weights
-    assert weights == WeightsConfig(accelerator_gib=2.0, host_gib=8.0, offload_dir="/tmp/x", pipeline="memory")
+    assert weights == WeightsConfig(gpu_gib=2.0, host_gib=8.0, offload_dir="/tmp/x", pipeline="memory")
     assert weights.streaming_requested and not WeightsConfig().streaming_requested
-    with pytest.raises(ConfigError, match="offload must be auto, on or off"):
-        EngineConfig.from_flat(offload="sometimes")
+    with pytest.raises(ConfigError, match="cpu_attention must be auto, on or off"):
+        EngineConfig.from_flat(cpu_attention="sometimes")
 
 
 def test_every_field_has_its_own_flat_name():
-    sections = (CacheConfig, OffloadConfig, NeoKnobs, WeightsConfig)
+    sections = (CacheConfig, CpuAttentionConfig, NeoKnobs, WeightsConfig)
     num_top_level = len(fields(EngineConfig)) - len(sections)
     assert len(FLAT_NAMES) == num_top_level + sum(len(fields(s)) for s in sections)
-    assert FLAT_NAMES["offload"] == ("offload", "mode")
+    assert FLAT_NAMES["cpu_attention"] == ("cpu_attention", "mode")
 
 
 def test_deprecated_flat_names_still_reach_their_fields(caplog):
     old_names = {"offload": "off", "accelerator_threads": 2}  # deprecated spellings, LLM(offload="off") and such
     config = EngineConfig.from_flat(**old_names)
-    assert (config.offload.mode, config.offload.accelerator_threads) == ("off", 2)
+    assert (config.cpu_attention.mode, config.cpu_attention.gpu_threads) == ("off", 2)
     for old in old_names:
         assert (f"{old} is deprecated: use {DEPRECATED_FLAT_NAMES[old]}" in caplog.text) == (old not in FLAT_NAMES)
     assert set(DEPRECATED_FLAT_NAMES) == set(old_names) and not set(DEPRECATED_FLAT_NAMES.values()) & set(old_names)
@@ -102,13 +103,13 @@ def test_unknown_flat_names_are_refused_listing_the_known_ones():
         LLM(num_gpus=2)  # refused before anything loads
 
 
-@pytest.mark.parametrize("device, offload, offloading", [
+@pytest.mark.parametrize("device, cpu_attention, cpu_attention_enabled", [
     ("cpu", "auto", False), ("testbed", "auto", True), ("cuda:1", "auto", True), ("cpu", "on", True),
     ("cuda", "off", False),
 ])
-def test_offloading_follows_the_mode_and_the_device(device, offload, offloading):
-    config = EngineConfig.from_flat(device=device, offload=offload)
-    assert config.offloading is offloading
+def test_offloading_follows_the_mode_and_the_device(device, cpu_attention, cpu_attention_enabled):
+    config = EngineConfig.from_flat(device=device, cpu_attention=cpu_attention)
+    assert config.cpu_attention_enabled is cpu_attention_enabled
     assert config.torch_device == ("cpu" if device == "testbed" else device)
 
 
@@ -150,7 +151,7 @@ def counted_probe(monkeypatch):
 def test_the_dtype_probe_runs_once_when_the_engine_starts_and_is_logged(counted_probe, caplog):
     config = EngineConfig.from_flat(model="smollm2-135m", load_format="dummy", dtype="auto", num_blocks=4,
                                     max_model_len=64)
-    assert (config.offloading, config.torch_device, config.dtype) == (False, "cpu", "auto")
+    assert (config.cpu_attention_enabled, config.torch_device, config.dtype) == (False, "cpu", "auto")
     assert counted_probe == []  # building and reading a config measures nothing
     with caplog.at_level(logging.INFO, logger="engine.engine"):
         engine = LLMEngine(config)

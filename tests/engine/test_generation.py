@@ -159,7 +159,7 @@ def test_memory_budget_sizes_the_kv_pool_from_the_loaded_weights():
         with LLM(quantization=quantization, dtype="float32", memory_gib=1.0) as llm:
             runner = llm.engine.runner
             block_bytes = runner.kv_cache.gpu.bytes_per_block(llm.engine.model_config, 16, torch.float32)
-            free_bytes = (1.0 - ACTIVATION_RESERVE_GIB) * 2**30 - runner.model.accelerator_weight_bytes()
+            free_bytes = (1.0 - ACTIVATION_RESERVE_GIB) * 2**30 - runner.model.gpu_weight_bytes()
             blocks[quantization] = runner.kv_cache.gpu.num_blocks
             assert blocks[quantization] == int(free_bytes // block_bytes)
             assert llm.engine.scheduler.config.num_blocks == blocks[quantization]

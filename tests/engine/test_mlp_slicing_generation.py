@@ -11,7 +11,7 @@ import engine.engine
 from engine import LLM
 from engine.execution.sliced_mlp import DENSE_SLICE_UNITS
 from engine.weights import create_loader
-from scheduler.placement import TIER_ACCELERATOR, TIER_DISK, TIER_HOST
+from scheduler.placement import TIER_GPU, TIER_DISK, TIER_HOST
 from scheduler.placement.moved_tokens import SolvedMovedTokens
 from scheduler.placement.slicing import SliceRates
 from test_offload_generation import SMALL_POOLS
@@ -22,39 +22,41 @@ SLICING = "0.25,0.5"
 references = test_weight_streaming.references  # the fixture: the tokens with every layer resident
 
 
-def run_sliced(model: dict, tmp_path, device: str, offload: str, slicing=SLICING, **extra) -> tuple[list, set, set]:
+def run_sliced(model: dict, tmp_path, device: str, cpu_attention: str, slicing=SLICING, **extra) -> tuple[list, set,
+                                                                                                          set]:
     """(token ids per prompt, whether a batch-1 ran, the layers' tiers), checking that the CPU
     computed CC for the tokens CG' did not compute it for"""
-    kwargs = dict(model, device=device, offload=offload, mlp_slicing=slicing, **extra)
-    if offload == "on":
+    kwargs = dict(model, device=device, cpu_attention=cpu_attention, mlp_slicing=slicing, **extra)
+    if cpu_attention == "on":
         num_layers = create_loader(model["model"]).config.num_layers
         kwargs.update(SMALL_POOLS, cost_tables=slow_cost_tables(tmp_path, num_layers))
     with LLM(**kwargs) as llm:
-        outputs, seen = generate(llm, *workload(model, offload))
+        outputs, seen = generate(llm, *workload(model, cpu_attention))
         store = llm.engine.runner.model.layer_store
         rates = llm.engine.config.weights.slice_rates(len(store.tiers))
         assert store.mlps
         stats = llm.engine.weight_stats
         if any(r.cc for r in rates):
-            assert stats.num_cc_tokens + stats.num_moved_tokens >= len(store.mlps) * len(workload(model, offload)[0])
+            assert stats.num_cc_tokens + stats.num_moved_tokens >= len(store.mlps) * len(workload(model,
+                                                                                                  cpu_attention)[0])
             assert stats.cc_s > 0 or stats.num_moved_tokens > 0
         # device cpu moves nothing: one thread computes both sides in turn
         assert (store.moved is not None) == (llm.engine.config.weights.prefill_moving and device != "cpu")
         if any(r.cg for r in rates):
             assert stats.bytes_by_tier[TIER_HOST] > 0
         tiers = {tier for (_, tier) in llm.engine.runner.model.weight_bytes()}
-        assert {TIER_ACCELERATOR, TIER_HOST} <= tiers
+        assert {TIER_GPU, TIER_HOST} <= tiers
         layer_tiers = set(store.tiers)
     return outputs, seen, layer_tiers
 
 
-@pytest.mark.parametrize("device, offload", [
+@pytest.mark.parametrize("device, cpu_attention", [
     ("cpu", "off"), ("cpu", "on"), on_testbed("testbed", "off"), on_testbed("testbed", "on"),
 ])
-def test_embedded_model_sliced_equals_resident(references, tmp_path, device, offload):
-    outputs, seen, _ = run_sliced(EMBEDDED, tmp_path, device, offload)
-    assert outputs == references(EMBEDDED, offload)
-    if offload == "on":
+def test_embedded_model_sliced_equals_resident(references, tmp_path, device, cpu_attention):
+    outputs, seen, _ = run_sliced(EMBEDDED, tmp_path, device, cpu_attention)
+    assert outputs == references(EMBEDDED, cpu_attention)
+    if cpu_attention == "on":
         assert "batch-1" in seen  # two-batch forwards held two layers' CG parts at once
 
 
@@ -68,7 +70,7 @@ class HalfMoved(SolvedMovedTokens):
 
 @pytest.mark.skipif(not test_weight_streaming.TWO_CORES, reason="the testbed needs 2 cores")
 def test_embedded_model_with_moved_tokens_under_neo_equals_resident(references, tmp_path, monkeypatch):
-    """CG' copied on the transfer thread and computed on the accelerator thread while Neo's
+    """CG' copied on the transfer thread and computed on the GPU thread while Neo's
     two-batch forward holds two layers, beside CC on the engine thread; the iterations report
     how many tokens moved."""
     monkeypatch.setattr(engine.engine, "SolvedMovedTokens", HalfMoved)
@@ -119,7 +121,7 @@ def test_sliced_beside_streamed_layers_equals_resident(references, tmp_path, dev
     budgets = tier_budgets(EMBEDDED, "mixed")
     outputs, seen, layer_tiers = run_sliced(EMBEDDED, tmp_path, device, "on", offload_dir=str(tmp_path / "offload"),
                                             **budgets)
-    assert layer_tiers == {TIER_ACCELERATOR, TIER_HOST, TIER_DISK}  # whole layers streamed beside sliced ones
+    assert layer_tiers == {TIER_GPU, TIER_HOST, TIER_DISK}  # whole layers streamed beside sliced ones
     assert outputs == references(EMBEDDED, "on")
     assert "batch-1" in seen
 
@@ -129,11 +131,11 @@ def test_solved_rates_within_the_budget_equal_resident(references, tmp_path, dev
     """--mlp-slicing auto: the rates come from the solver, measured on this machine, within a weight
     budget that holds the attention weights and embeddings but not every MLP; tokens unchanged."""
     budget_gib = 0.3  # the embedded model in float32: 0.21 GiB beside the MLPs, which take 0.3 GiB
-    with LLM(**EMBEDDED, device=device, offload="off", mlp_slicing="auto", weights_gpu_gib=budget_gib,
+    with LLM(**EMBEDDED, device=device, cpu_attention="off", mlp_slicing="auto", weights_gpu_gib=budget_gib,
              profile_cache_dir=str(tmp_path / "profiles")) as llm:
         outputs, _ = generate(llm, *workload(EMBEDDED, "off"))
         plan = llm.engine.slicing
-        assert plan is not None and plan.accelerator_weight_bytes <= budget_gib * 2**30
+        assert plan is not None and plan.gpu_weight_bytes <= budget_gib * 2**30
         assert any(rates.gg < 1.0 for rates in plan.rates)
         store = llm.engine.runner.model.layer_store  # the layers were cut at the solved rates
         num_units = llm.engine.model_config.intermediate_size
@@ -149,16 +151,16 @@ def test_solved_slicing_beside_layers_streamed_whole_equals_resident(references,
     """--mlp-slicing auto with a weight budget too small for every layer's attention weights: one
     planner call streams some layers whole and slices the rest, within the budget; tokens unchanged."""
     budget_gib = 0.2  # the embedded model in float32: 0.21 GiB of attention weights, embeddings and head
-    with LLM(**EMBEDDED, device=device, offload="off", mlp_slicing="auto", weights_gpu_gib=budget_gib,
+    with LLM(**EMBEDDED, device=device, cpu_attention="off", mlp_slicing="auto", weights_gpu_gib=budget_gib,
              weights_cpu_gib=0.1, profile_cache_dir=str(tmp_path / "profiles")) as llm:
         outputs, _ = generate(llm, *workload(EMBEDDED, "off"))
         plan = llm.engine.plan
         assert plan.streamed_layers and plan.sliced_layers
-        assert plan.accelerator_weight_bytes <= budget_gib * 2**30
+        assert plan.gpu_weight_bytes <= budget_gib * 2**30
         store = llm.engine.runner.model.layer_store
         assert set(store.mlps) == set(plan.sliced_layers) and set(store.ring.items) >= set(plan.streamed_layers)
         stats = llm.engine.weight_stats
         assert stats.bytes_by_tier[TIER_HOST] > 0 and stats.cc_s > 0
-        assert llm.engine.runner.model.accelerator_weight_bytes() <= budget_gib * 2**30
+        assert llm.engine.runner.model.gpu_weight_bytes() <= budget_gib * 2**30
     assert outputs == references(EMBEDDED, "off")
 

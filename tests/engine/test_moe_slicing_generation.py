@@ -17,7 +17,7 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * len(P
 
 def generate(tmp_path, device: str = "cpu", **extra) -> tuple[list, set, object]:
     """(greedy tokens per prompt, the offloading paths taken, the layer store)"""
-    with LLM(MOE_PRESET, load_format="dummy", dtype="float32", device=device, offload="on", **SMALL_POOLS,
+    with LLM(MOE_PRESET, load_format="dummy", dtype="float32", device=device, cpu_attention="on", **SMALL_POOLS,
              cost_tables=slow_cost_tables(tmp_path, NUM_LAYERS), profile_cache_dir=str(tmp_path / "profiles"),
              **extra) as llm:
         outputs, seen = generate_recording_paths(llm, PROMPTS, PARAMS)
@@ -46,5 +46,5 @@ def test_solved_expert_placement_within_a_budget_equals_resident(resident_tokens
     outputs, _, store = generate(tmp_path, mlp_slicing="auto", weights_gpu_gib=0.0012)
     assert outputs == resident_tokens
     rates = store.plan.rates
-    assert any(r.gg < 1.0 for r in rates)  # the budget took experts off the accelerator
+    assert any(r.gg < 1.0 for r in rates)  # the budget took experts off the GPU
     assert all(abs(rate * 8 - round(rate * 8)) < 1e-9 for r in rates for rate in (r.cc, r.cg, r.gg))

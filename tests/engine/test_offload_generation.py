@@ -1,6 +1,6 @@
 """Greedy tokens with CPU offloading (Neo) equal GPU-only ones, end to end through the engine.
 
-The accelerator pool is made small so the scheduler must swap requests out and back in, admit
+The GPU pool is made small so the scheduler must swap requests out and back in, admit
 prefills straight into the host pool, and place CPU decodes in both sub-batches; the cost tables
 are given (a GPU whose linear work is memory-bound, a CPU whose attention is cheap) so the
 pipelined plan wins often. The same prompts through the plain GPU-only engine must give the same
@@ -45,7 +45,7 @@ def cost_tables(num_layers: int) -> dict:
 
 
 ALL_PATHS = {"swap-out", "swap-in", "CPU-bound prefill", "CPU decode in batch-0", "CPU decode in batch-1"}
-# 16 blocks of 4 tokens: the accelerator pool holds one full-length request
+# 16 blocks of 4 tokens: the GPU pool holds one full-length request
 SMALL_POOLS = dict(num_blocks=16, num_cpu_blocks=128, block_size=4, max_model_len=64, max_num_seqs=8)
 
 
@@ -65,8 +65,8 @@ def generate_recording_paths(llm, prompts, params):
         seen.update(name for name, happened in (
             ("swap-out", plan.swap_out), ("swap-in", plan.swap_in),
             ("CPU-bound prefill", any(s.sequence.tier is Tier.CPU for s in plan.prefills)),
-            ("CPU decode in batch-0", plan.mode == PlanMode.PIPELINED and plan.cpu_decodes),
-            ("CPU decode in batch-1", plan.mode == PlanMode.PIPELINED and plan.cpu_decodes1)) if happened)
+            ("CPU decode in batch-0", plan.mode == PlanMode.PIPELINED and plan.batch0_cpu_decodes),
+            ("CPU decode in batch-1", plan.mode == PlanMode.PIPELINED and plan.batch1_cpu_decodes)) if happened)
         return plan
 
     scheduler.schedule = recording_schedule
@@ -84,7 +84,7 @@ def write_cost_tables(tmp_path, num_layers):
 
 @pytest.fixture(scope="module")
 def reference():
-    with LLM(dtype="float32", offload="off") as llm:
+    with LLM(dtype="float32", cpu_attention="off") as llm:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(MAX_TOKENS))]
 
 
@@ -92,7 +92,7 @@ def reference():
     not TWO_CORES, reason="the testbed needs 2 cores"))])
 def test_offloaded_greedy_tokens_equal_gpu_only(reference, device, tmp_path):
     tables = write_cost_tables(tmp_path, create_loader(EMBEDDED_MODEL).config.num_layers)
-    with LLM(dtype="float32", offload="on", device=device, cost_tables=tables, **SMALL_POOLS) as llm:
+    with LLM(dtype="float32", cpu_attention="on", device=device, cost_tables=tables, **SMALL_POOLS) as llm:
         outputs, seen = generate_recording_paths(llm, PROMPTS, greedy(MAX_TOKENS))
     assert seen == ALL_PATHS
     assert outputs == reference
@@ -108,10 +108,10 @@ def test_offloaded_greedy_tokens_equal_gpu_only_with_random_weights(device, tmp_
     gen = torch.Generator().manual_seed(0)
     config = create_loader(EMBEDDED_MODEL, "dummy").config
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (4, 6, 5, 7, 8, 9, 5, 6)]
-    with LLM(offload="off", **model) as llm:
+    with LLM(cpu_attention="off", **model) as llm:
         reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(MAX_TOKENS))]
     tables = write_cost_tables(tmp_path, config.num_layers)
-    with LLM(offload="on", cost_tables=tables, **SMALL_POOLS, **model) as llm:
+    with LLM(cpu_attention="on", cost_tables=tables, **SMALL_POOLS, **model) as llm:
         outputs, seen = generate_recording_paths(llm, prompts, greedy(MAX_TOKENS))
     assert seen == ALL_PATHS
     assert outputs == reference

@@ -1,7 +1,7 @@
 """Greedy tokens with decoder layers streamed from host memory or disk (PIPO) equal the tokens with
 every layer resident: the embedded model and a random-weight preset, dense and INT4, Neo's
 offloading off and on (its two-batch forward holds two layers at once), serially and on the
-host-only testbed (whose accelerator computes from buffers of its own, loaded by real copies and
+host-only testbed (whose GPU computes from buffers of its own, loaded by real copies and
 real O_DIRECT reads). The budgets force the placement's tiers; the tests check the placement
 took them and that bytes were streamed from each.
 """
@@ -12,7 +12,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.weights import EMBEDDED_MODEL, create_loader
-from scheduler.placement import TIER_ACCELERATOR, TIER_DISK, TIER_HOST, WeightFormat, layer_image_bytes
+from scheduler.placement import TIER_GPU, TIER_DISK, TIER_HOST, WeightFormat, layer_image_bytes
 from scheduler.placement.memory import resident_global_bytes
 from scheduler.scheduler import PlanMode
 from test_offload_generation import MAX_TOKENS as NEO_MAX_TOKENS
@@ -31,7 +31,7 @@ def on_testbed(*values):
 
 
 def tier_budgets(model: dict, tier: str) -> dict:
-    """Flags forcing the tier(s): room on the accelerator for embeddings, head, norms and 3 layer
+    """Flags forcing the tier(s): room on the GPU for embeddings, head, norms and 3 layer
     buffers (host, disk: every layer streams), or for 8 layers' worth with 8 more in host memory
     (mixed: some resident, some in host memory, the rest on disk)."""
     config = create_loader(model["model"], model.get("load_format", "auto")).config
@@ -63,10 +63,11 @@ def slow_cost_tables(tmp_path, num_layers: int) -> str:
     return str(path)
 
 
-def workload(model: dict, offload: str) -> tuple[list, list]:
+def workload(model: dict, cpu_attention: str) -> tuple[list, list]:
     """(prompts, sampling params). With offloading on, the offloading tests' 8 prompts of up to 48
     tokens: with their pools and cost tables the scheduler takes every path, batch-1 included."""
-    prompts, max_tokens = (PROMPTS, [MAX_TOKENS] * len(PROMPTS)) if offload == "off" else (NEO_PROMPTS, NEO_MAX_TOKENS)
+    prompts, max_tokens = (PROMPTS, [MAX_TOKENS] * len(PROMPTS)) if cpu_attention == "off" else (NEO_PROMPTS,
+                                                                                                 NEO_MAX_TOKENS)
     if model.get("load_format") == "dummy":
         vocab = create_loader(model["model"], "dummy").config.vocab_size
         prompts = [[(7 * i + 13 * j) % vocab for j in range(4 + i % 6)] for i in range(len(prompts))]
@@ -81,7 +82,7 @@ def generate(llm: LLM, prompts, params) -> tuple[list, set]:
 
     def recording_schedule():
         plan = schedule()
-        if plan.mode == PlanMode.PIPELINED and plan.cpu_decodes1:
+        if plan.mode == PlanMode.PIPELINED and plan.batch1_cpu_decodes:
             seen.add("batch-1")
         return plan
 
@@ -89,9 +90,9 @@ def generate(llm: LLM, prompts, params) -> tuple[list, set]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], seen
 
 
-def run(model: dict, tmp_path, device="cpu", offload="off", tier=None, offload_dir=None) -> tuple[list, set]:
-    kwargs = dict(model, device=device, offload=offload)
-    if offload == "on":
+def run(model: dict, tmp_path, device="cpu", cpu_attention="off", tier=None, offload_dir=None) -> tuple[list, set]:
+    kwargs = dict(model, device=device, cpu_attention=cpu_attention)
+    if cpu_attention == "on":
         num_layers = create_loader(model["model"], model.get("load_format", "auto")).config.num_layers
         kwargs.update(SMALL_POOLS, cost_tables=slow_cost_tables(tmp_path, num_layers))
     if tier is not None:
@@ -99,19 +100,19 @@ def run(model: dict, tmp_path, device="cpu", offload="off", tier=None, offload_d
     with LLM(**kwargs) as llm:
         if tier is not None:
             check_placement(llm, tier, kwargs["weights_gpu_gib"])
-        outputs, seen = generate(llm, *workload(model, offload))
+        outputs, seen = generate(llm, *workload(model, cpu_attention))
         if tier is not None:
             stats = llm.engine.weight_stats
-            streamed = set(llm.engine.placement.tiers) - {TIER_ACCELERATOR}
+            streamed = set(llm.engine.placement.tiers) - {TIER_GPU}
             assert all(stats.bytes_by_tier[t] > 0 for t in streamed)
     return outputs, seen
 
 
 def check_placement(llm: LLM, tier: str, weights_gpu_gib: float) -> None:
     tiers = set(llm.engine.runner.model.layer_store.tiers)
-    expected = {"host": {TIER_HOST}, "disk": {TIER_DISK}, "mixed": {TIER_ACCELERATOR, TIER_HOST, TIER_DISK}}[tier]
+    expected = {"host": {TIER_HOST}, "disk": {TIER_DISK}, "mixed": {TIER_GPU, TIER_HOST, TIER_DISK}}[tier]
     assert tiers == expected, llm.engine.placement.tiers
-    weight_bytes = llm.engine.runner.model.accelerator_weight_bytes()
+    weight_bytes = llm.engine.runner.model.gpu_weight_bytes()
     assert weight_bytes <= weights_gpu_gib * 2**30  # the budget holds on the testbed too
 
 
@@ -130,25 +131,25 @@ def offload_dir(tmp_path_factory):
 def references(tmp_path_factory):
     cache = {}
 
-    def reference(model: dict, offload: str) -> list:
+    def reference(model: dict, cpu_attention: str) -> list:
         """All resident, offloading off: the same prompts give the same tokens whatever the plans."""
-        key = (tuple(sorted(model.items())), offload)
+        key = (tuple(sorted(model.items())), cpu_attention)
         if key not in cache:
-            with LLM(**model, offload="off") as llm:
-                cache[key] = generate(llm, *workload(model, offload))[0]
+            with LLM(**model, cpu_attention="off") as llm:
+                cache[key] = generate(llm, *workload(model, cpu_attention))[0]
         return cache[key]
     return reference
 
 
 # Each factor (tier, device, Neo, format, model) is covered; not every combination, to keep the suite short.
-@pytest.mark.parametrize("device, offload, tier", [
+@pytest.mark.parametrize("device, cpu_attention, tier", [
     ("cpu", "off", "host"), ("cpu", "on", "disk"),
     on_testbed("testbed", "on", "mixed"), on_testbed("testbed", "off", "disk"),
 ])
-def test_embedded_model_streamed_equals_resident(references, offload_dir, tmp_path, device, offload, tier):
-    outputs, seen = run(EMBEDDED, tmp_path, device, offload, tier, offload_dir)
-    assert outputs == references(EMBEDDED, offload)
-    if offload == "on":
+def test_embedded_model_streamed_equals_resident(references, offload_dir, tmp_path, device, cpu_attention, tier):
+    outputs, seen = run(EMBEDDED, tmp_path, device, cpu_attention, tier, offload_dir)
+    assert outputs == references(EMBEDDED, cpu_attention)
+    if cpu_attention == "on":
         assert "batch-1" in seen  # two-batch forwards held two streamed layers at once
 
 
@@ -160,12 +161,12 @@ def test_embedded_int4_streamed_equals_resident(references, offload_dir, tmp_pat
     assert "batch-1" in seen
 
 
-@pytest.mark.parametrize("model, device, offload, tier", [
+@pytest.mark.parametrize("model, device, cpu_attention, tier", [
     (dict(RANDOM, quantization="int4"), "cpu", "off", "disk"),
     on_testbed(RANDOM, "testbed", "on", "host"),
 ])
-def test_random_preset_streamed_equals_resident(references, offload_dir, tmp_path, model, device, offload, tier):
-    outputs, seen = run(model, tmp_path, device, offload, tier, offload_dir)
-    assert outputs == references(model, offload)
-    if offload == "on":
+def test_random_preset_streamed_equals_resident(references, offload_dir, tmp_path, model, device, cpu_attention, tier):
+    outputs, seen = run(model, tmp_path, device, cpu_attention, tier, offload_dir)
+    assert outputs == references(model, cpu_attention)
+    if cpu_attention == "on":
         assert "batch-1" in seen

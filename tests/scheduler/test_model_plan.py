@@ -32,7 +32,7 @@ from scheduler.placement.slicing_plan import fixed_weight_bytes, layer_works
 BF16 = WeightFormat("none", 2)
 ATTENTION = fixed_weight_bytes(SHAPE, BF16, [0]) - GLOBALS  # one layer's attention weights
 MLP = layer_works(SHAPE, BF16, 1)[0].weight_bytes
-# the paper's testbed A: the accelerator computes 5x faster than the CPU
+# the paper's testbed A: the GPU computes 5x faster than the CPU
 COSTS = SlicingCosts(GemmCost(1.0e-7, 3.2e-12), GemmCost(7.4e-7, 1.6e-11), LinearCost(3.0e-6, 2.6e-11, UNIT_BYTES),
                      4.4e-5)
 
@@ -54,16 +54,16 @@ def sliced(rates: SliceRates | None = None, num_tokens: int = 16, shape=SHAPE) -
 
 
 def budgets(weight_bytes: int, **kwargs) -> MemoryBudgets:
-    return MemoryBudgets(accelerator_weight_bytes=weight_bytes, kv_cache_bytes=GIB_BYTES, **kwargs)
+    return MemoryBudgets(gpu_weight_bytes=weight_bytes, kv_cache_bytes=GIB_BYTES, **kwargs)
 
 
 def test_auto_slicing_that_fits_slices_every_layer_and_streams_none():
     budget = fixed_weight_bytes(SHAPE, BF16) + 4 * MLP
     plan = plan_model(SHAPE, BF16, request(budgets(budget), measured=False), sliced())
     assert plan.streamed_layers == () and plan.placement is None
-    assert all(layer.tier == Tier.ACCELERATOR and layer.rates is not None for layer in plan.layers)
+    assert all(layer.tier == Tier.GPU and layer.rates is not None for layer in plan.layers)
     assert plan.slicing.layers == tuple(range(SHAPE.num_layers))
-    assert plan.accelerator_weight_bytes == plan.slicing.accelerator_weight_bytes <= budget
+    assert plan.gpu_weight_bytes == plan.slicing.gpu_weight_bytes <= budget
 
 
 def test_a_budget_too_small_for_slicing_alone_streams_the_fewest_layers_spread_and_slices_the_rest():
@@ -79,12 +79,12 @@ def test_a_budget_too_small_for_slicing_alone_streams_the_fewest_layers_spread_a
     assert plan.num_layers_in(Tier.HOST) == 1 and plan.num_layers_in(Tier.DISK) == 7
     assert plan.placement.num_buffers == 1 and plan.placement.pipeline == "memory"
     assert all((layer.rates is None) == layer.streamed for layer in plan.layers)
-    assert plan.accelerator_weight_bytes <= budget
-    assert plan.placement.memory.accelerator_weight_bytes == plan.accelerator_weight_bytes
+    assert plan.gpu_weight_bytes <= budget
+    assert plan.placement.memory.gpu_weight_bytes == plan.gpu_weight_bytes
     assert (plan.num_ring_buffers, plan.ring_buffer_bytes) == ring_size(
         plan.placement.num_buffers, LAYER, max(round(r.cg * MLP) for r in plan.slicing.rates))
     one_fewer = fixed_weight_bytes(SHAPE, BF16, [i for i, tier in enumerate(layer_tiers(inputs(limits), 9))
-                                                 if tier == Tier.ACCELERATOR])
+                                                 if tier == Tier.GPU])
     assert one_fewer + LAYER > budget  # seven streamed layers leave no room beside one buffer
 
 
@@ -93,7 +93,7 @@ def test_a_roomier_budget_streams_fewer_layers():
     roomy_budget = GLOBALS + LAYER + 10 * ATTENTION
     roomy = plan_model(SHAPE, BF16, request(budgets(roomy_budget)), sliced())
     assert len(tight.streamed_layers) == 7 and len(roomy.streamed_layers) == 6
-    assert roomy.accelerator_weight_bytes <= roomy_budget
+    assert roomy.gpu_weight_bytes <= roomy_budget
 
 
 def test_cg_parts_share_the_ring_of_the_layers_streamed_whole():
@@ -110,7 +110,7 @@ def test_cg_parts_share_the_ring_of_the_layers_streamed_whole():
     assert (plan.num_ring_buffers, plan.ring_buffer_bytes) == (NUM_CG_BUFFERS, layer)
     expected = (fixed_weight_bytes(shape, BF16, plan.slicing.layers) + NUM_CG_BUFFERS * layer
                 + plan.slicing.resident_bytes + plan.slicing.moved_buffer_bytes)
-    assert plan.accelerator_weight_bytes == expected <= budget
+    assert plan.gpu_weight_bytes == expected <= budget
 
 
 def test_fixed_rates_compose_with_the_placement():
@@ -121,7 +121,7 @@ def test_fixed_rates_compose_with_the_placement():
     assert plan.tiers == placement.tiers and plan.streamed_layers
     assert all(layer.rates == (None if layer.streamed else rates) for layer in plan.layers)
     assert plan.num_ring_buffers == max(placement.num_buffers, NUM_CG_BUFFERS) and plan.ring_buffer_bytes == LAYER
-    assert plan.accelerator_weight_bytes == plan.placement.memory.accelerator_weight_bytes <= GLOBALS + 10 * LAYER
+    assert plan.gpu_weight_bytes == plan.placement.memory.gpu_weight_bytes <= GLOBALS + 10 * LAYER
 
 
 def test_fixed_rates_without_a_budget_slice_every_layer_unmeasured():
@@ -137,10 +137,10 @@ def test_slicing_off_is_the_placement_planners_plan():
     placement = plan_placement(inputs(limits))
     assert plan.placement == placement and plan.tiers == placement.tiers and plan.rates is None
     assert (plan.num_ring_buffers, plan.ring_buffer_bytes) == (placement.num_buffers, LAYER)
-    assert plan.accelerator_weight_bytes == placement.memory.accelerator_weight_bytes
+    assert plan.gpu_weight_bytes == placement.memory.gpu_weight_bytes
     resident = plan_model(SHAPE, BF16)
     assert resident.all_resident and resident.placement is None and resident.num_ring_buffers == 0
-    assert resident.accelerator_weight_bytes == GLOBALS + SHAPE.num_layers * LAYER
+    assert resident.gpu_weight_bytes == GLOBALS + SHAPE.num_layers * LAYER
 
 
 def test_a_moe_model_that_does_not_fit_sliced_is_refused_not_streamed():
@@ -175,5 +175,5 @@ def test_a_placement_request_keeps_its_mode():
     plan = plan_model(SHAPE, BF16, request(limits, mode="cpu"), sliced())
     assert plan.tiers == (Tier.HOST,) * SHAPE.num_layers and plan.slicing is None
     with pytest.raises(PlacementError, match="--weights-gpu-gib"):
-        plan_model(SHAPE, BF16, request(dataclasses.replace(limits, accelerator_weight_bytes=GLOBALS), mode="gpu",
+        plan_model(SHAPE, BF16, request(dataclasses.replace(limits, gpu_weight_bytes=GLOBALS), mode="gpu",
                                         measured=False), sliced())

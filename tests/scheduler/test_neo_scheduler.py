@@ -77,18 +77,18 @@ def stage_times(plan, cost):
         return sum(s.num_computed_tokens + s.num_new_tokens for s in seqs)
 
     return {
-        "l0": cost.linear(sum(prefill_lens) + len(plan.decodes) + len(plan.cpu_decodes)),
-        "l1": cost.linear(len(plan.cpu_decodes1)),
+        "l0": cost.linear(sum(prefill_lens) + len(plan.decodes) + len(plan.batch0_cpu_decodes)),
+        "l1": cost.linear(len(plan.batch1_cpu_decodes)),
         "ga0": (cost.prefill_attention(prefill_lens)
                 + cost.gpu_decode_attention(len(plan.decodes), context(plan.decodes))),
         # a CPU stage pays its hand-offs (Q/K/V over, output back) on top of the attention
-        "ca0": cost.cpu_decode_attention(len(plan.cpu_decodes), context(plan.cpu_decodes))
-               + (cost.handoff() if plan.cpu_decodes else 0.0),
-        "ca1": cost.cpu_decode_attention(len(plan.cpu_decodes1), context(plan.cpu_decodes1))
-               + (cost.handoff() if plan.cpu_decodes1 else 0.0),
+        "ca0": cost.cpu_decode_attention(len(plan.batch0_cpu_decodes), context(plan.batch0_cpu_decodes))
+               + (cost.handoff() if plan.batch0_cpu_decodes else 0.0),
+        "ca1": cost.cpu_decode_attention(len(plan.batch1_cpu_decodes), context(plan.batch1_cpu_decodes))
+               + (cost.handoff() if plan.batch1_cpu_decodes else 0.0),
         # the CPU's share of each linear stage (sliced MLPs), in the other sub-batch's attention window
-        "cl0": cost.cpu_linear(sum(prefill_lens) + len(plan.decodes) + len(plan.cpu_decodes)),
-        "cl1": cost.cpu_linear(len(plan.cpu_decodes1)),
+        "cl0": cost.cpu_linear(sum(prefill_lens) + len(plan.decodes) + len(plan.batch0_cpu_decodes)),
+        "cl1": cost.cpu_linear(len(plan.batch1_cpu_decodes)),
     }
 
 
@@ -121,7 +121,7 @@ def check_blocks(sched):
 def check_plan(plan, cost):
     """Per-plan invariants every test relies on."""
     if plan.mode == PlanMode.GPU_ONLY:  # the CPU never works while ... there is no pipeline to hide it
-        assert not plan.cpu_decodes and not plan.cpu_decodes1 and not plan.forced
+        assert not plan.batch0_cpu_decodes and not plan.batch1_cpu_decodes and not plan.forced
     elif not plan.forced:  # both of Neo's inequalities
         t = stage_times(plan, cost)
         assert t["cl0"] + t["ca1"] <= t["l0"] + TOLERANCE
@@ -134,7 +134,7 @@ def check_plan(plan, cost):
         assert scheduled.sequence.tier is Tier.GPU or scheduled.num_computed_tokens == 0
     for scheduled in plan.decodes:
         assert scheduled.sequence.tier is Tier.GPU
-    for scheduled in (*plan.cpu_decodes, *plan.cpu_decodes1):
+    for scheduled in (*plan.batch0_cpu_decodes, *plan.batch1_cpu_decodes):
         assert scheduled.sequence.tier is Tier.CPU
     assert len({id(s.sequence) for s in plan.scheduled}) == len(plan.scheduled)
     assert plan.estimated_time == pytest.approx(estimated_time(plan, cost), rel=1e-9)
@@ -212,7 +212,8 @@ def test_empty_host_pool_reproduces_v0(seed):
         for name in ("prefills", "decodes"):
             assert shape(getattr(plan, name)) == shape(getattr(expected, name)), (index, name)
         assert ids_of(plan.preempted) == ids_of(expected.preempted)
-        assert plan.mode == PlanMode.GPU_ONLY and not (plan.cpu_decodes or plan.cpu_decodes1 or plan.swap_in
+        assert plan.mode == PlanMode.GPU_ONLY and not (plan.batch0_cpu_decodes or plan.batch1_cpu_decodes
+                                                       or plan.swap_in
                                                        or plan.swap_out or plan.forced)
         assert ids_of(neo.waiting) == ids_of(v0.waiting) and ids_of(neo.running) == ids_of(v0.running)
         assert neo.block_pool.num_free_blocks == v0.block_pool.num_free_blocks
@@ -242,9 +243,9 @@ def test_random_traces_keep_both_inequalities_and_account_every_block(seed, cpu_
     history = run_trace(sched, seed)
     modes = {plan.mode for plan in history}
     assert modes == {PlanMode.GPU_ONLY, PlanMode.PIPELINED}, "the trace must exercise both plans"
-    assert any(plan.cpu_decodes1 for plan in history)
+    assert any(plan.batch1_cpu_decodes for plan in history)
     if cpu_seconds_per_token > 1e-5:
-        assert any(plan.cpu_decodes for plan in history)
+        assert any(plan.batch0_cpu_decodes for plan in history)
     assert sched.num_swap_out > 0 and sched.num_swap_in > 0 and sched.num_cpu_prefills > 0
     assert sched.num_running == 0 and not sched.has_unfinished_sequences()
 
@@ -267,7 +268,7 @@ def test_gpu_only_plans_run_no_cpu_work_and_pipelined_stages_overlap():
             if plan.mode == PlanMode.GPU_ONLY:
                 assert t["ca0"] == t["ca1"] == 0.0
             elif not plan.forced:
-                # the CPU's stage never outlasts the accelerator work it runs beside
+                # the CPU's stage never outlasts the GPU work it runs beside
                 assert t["ca1"] <= t["l0"] + TOLERANCE and t["ca0"] <= t["l1"] + t["ga0"] + TOLERANCE
 
 
@@ -315,7 +316,7 @@ def test_greedy_choice_follows_estimated_throughput(cpu_seconds_per_token, expec
     chosen = max(best_pipelined, sched.last_gpu_only_throughput)
     assert chosen == pytest.approx(len(plan.scheduled) / plan.estimated_time)
     if cpu_seconds_per_token == 1e-6:  # all seven CPU-sequences hide under batch-0's linear work
-        assert len(plan.cpu_decodes1) == 7
+        assert len(plan.batch1_cpu_decodes) == 7
     elif cpu_seconds_per_token == 5e-5:
         # some CPU decodes fit the inequalities, yet too few to pay for the second stage
         assert 0 < sched.last_pipelined_throughput < sched.last_gpu_only_throughput
@@ -326,7 +327,7 @@ def test_greedy_choice_follows_estimated_throughput(cpu_seconds_per_token, expec
 @pytest.mark.parametrize("ga_seconds_per_token, expected_batch0", [(1e-8, 0), (2e-6, 3), (1e-5, 3)])
 def test_one_batch_plan_when_a_second_weight_pass_does_not_pay(ga_seconds_per_token, expected_batch0):
     """Three CPU-sequences beside five GPU-sequences: Neo's step 4 opens batch-1 for them, which
-    costs a second pass over the weights (T_l1 = 1 ms a layer). When the accelerator's attention
+    costs a second pass over the weights (T_l1 = 1 ms a layer). When the GPU's attention
     (T_ga0) is long enough to hide them in batch-0, the one-batch plan carries them at almost no
     cost and wins over both; when it is not, they wait under GPU-only."""
     cost = make_cost_model(cpu_seconds_per_token=1e-6, gpu_seconds_per_token=ga_seconds_per_token)
@@ -339,13 +340,13 @@ def test_one_batch_plan_when_a_second_weight_pass_does_not_pay(ga_seconds_per_to
     plan = sched.schedule()
     check_plan(plan, cost)
     assert sched.last_pipelined_throughput < sched.last_gpu_only_throughput  # batch-1 does not pay
-    assert not plan.cpu_decodes1 and len(plan.cpu_decodes) == expected_batch0
+    assert not plan.batch1_cpu_decodes and len(plan.batch0_cpu_decodes) == expected_batch0
     if expected_batch0:
         assert plan.mode == PlanMode.PIPELINED
         assert sched.last_one_batch_throughput == pytest.approx(len(plan.scheduled) / plan.estimated_time)
         assert sched.last_one_batch_throughput > sched.last_gpu_only_throughput
         t = stage_times(plan, cost)
-        assert t["ca0"] <= t["ga0"] + TOLERANCE  # hidden under the accelerator's attention alone
+        assert t["ca0"] <= t["ga0"] + TOLERANCE  # hidden under the GPU's attention alone
     else:
         assert plan.mode == PlanMode.GPU_ONLY and sched.last_one_batch_throughput == 0
 
@@ -472,7 +473,7 @@ def test_bounded_wait_even_when_cpu_attention_looks_terrible(max_wait):
         num_forced += len(plan.forced)
         for seq in plan.forced:
             assert plan.mode == PlanMode.PIPELINED
-            assert seq in [s.sequence for s in plan.cpu_decodes + plan.cpu_decodes1]
+            assert seq in [s.sequence for s in plan.batch0_cpu_decodes + plan.batch1_cpu_decodes]
         for updated in sched.update(plan, [5] * len(plan.scheduled)):
             last_token[updated.seq_id] = iteration
         # one overdue sequence is forced per iteration, longest waiting first: a sequence waits at
@@ -525,7 +526,7 @@ def test_a_plan_never_idles_while_cpu_requests_wait():
         check_plan(plan, cost)
         assert not plan.swap_in and not plan.decodes  # cooldown
         # the engine runs it on the CPU in batch-0 (a pipelined forward needs a batch-0)
-        assert ids(plan.cpu_decodes) == ["3"] and ids_of(plan.forced) == ["3"] and plan.mode == PlanMode.PIPELINED
+        assert ids(plan.batch0_cpu_decodes) == ["3"] and ids_of(plan.forced) == ["3"] and plan.mode == PlanMode.PIPELINED
         sched.update(plan, [5] * len(plan.scheduled))
 
 
@@ -590,8 +591,8 @@ def test_cpu_bound_prefill_dropped_when_the_cpu_has_work_enough():
     plan = sched.schedule()
     check_plan(plan, cost)
     # the CPU has more decode work than batch-0's linear stage and the inequalities hold without
-    # the prefill: it only lengthens the accelerator's side, so it waits
-    assert plan.mode == PlanMode.PIPELINED and plan.cpu_decodes and plan.cpu_decodes1 and not plan.prefills
+    # the prefill: it only lengthens the GPU's side, so it waits
+    assert plan.mode == PlanMode.PIPELINED and plan.batch0_cpu_decodes and plan.batch1_cpu_decodes and not plan.prefills
     assert list(sched.waiting) == [late] and late.status is SequenceStatus.WAITING and not late.block_ids
     assert sched.cpu_pool.num_free_blocks == free_before and sched.num_cpu_prefills == num_cpu_prefills
     check_blocks(sched)
@@ -611,9 +612,10 @@ def test_cpu_bound_prefill_kept_while_the_cpu_would_run_dry(num_cpu_requests):
     assert not sched.waiting and sched.num_cpu_prefills == num_cpu_prefills + 1
     # the paper's rule would drop it (the CPU decodes fit beside batch-0 without it), but the
     # CPU-sequences hold less decode work than one linear stage: the CPU needs more sequences
-    without = IterationPlan(decodes=plan.decodes, cpu_decodes=plan.cpu_decodes, cpu_decodes1=plan.cpu_decodes1)
+    without = IterationPlan(decodes=plan.decodes, batch0_cpu_decodes=plan.batch0_cpu_decodes,
+                            batch1_cpu_decodes=plan.batch1_cpu_decodes)
     t = stage_times(without, cost)
-    assert plan.cpu_decodes1 and t["ca1"] <= t["l0"] and t["ca0"] <= t["l1"] + t["ga0"]
+    assert plan.batch1_cpu_decodes and t["ca1"] <= t["l0"] and t["ca0"] <= t["l1"] + t["ga0"]
     decoding = [r for r in sched.cpu_running if r is not late]
     assert cost.cpu_decode_attention(len(decoding), sum(r.num_tokens for r in decoding)) < stage_times(plan, cost)["l0"]
 
@@ -630,9 +632,9 @@ def test_scheduled_order_matches_update():
         if rng.random() < 0.8:
             sched.add_sequence(make_sequence(f"r{index}", rng.randint(1, 30), rng.randint(1, 30)))
         plan = sched.schedule()
-        expected = plan.prefills + plan.decodes + plan.cpu_decodes + plan.cpu_decodes1
+        expected = plan.prefills + plan.decodes + plan.batch0_cpu_decodes + plan.batch1_cpu_decodes
         assert [id(s) for s in plan.scheduled] == [id(s) for s in expected]
-        num_complete += bool(plan.prefills and plan.decodes and plan.cpu_decodes and plan.cpu_decodes1)
+        num_complete += bool(plan.prefills and plan.decodes and plan.batch0_cpu_decodes and plan.batch1_cpu_decodes)
         tokens = [1000 + i for i in range(len(plan.scheduled))]
         assert sched.update(plan, tokens) == [s.sequence for s in plan.scheduled]
         for scheduled, token in zip(plan.scheduled, tokens):
@@ -677,7 +679,7 @@ def cpu_shared(cost: TableCostModel, cpu_share: float) -> CpuSharedLinearCosts:
 @pytest.mark.parametrize("cpu_share", [0.3, 0.8])
 def test_cpu_share_of_linear_stages_counts_against_the_cpu_window(seed, cpu_share):
     """With the CPU computing part of every linear stage, less of its attention hides under the
-    accelerator: both inequalities hold with that share on the CPU's side (check_plan), and fewer
+    GPU: both inequalities hold with that share on the CPU's side (check_plan), and fewer
     CPU decodes ride in batch-1 than with the same tables and no share."""
     base = make_cost_model(cpu_seconds_per_token=2e-5)  # attention dear enough that the window binds
     placed = {}
@@ -685,7 +687,7 @@ def test_cpu_share_of_linear_stages_counts_against_the_cpu_window(seed, cpu_shar
         sched = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=96, max_model_len=64, max_num_seqs=24,
                                cost_model=cpu_shared(base, share))
         history = run_trace(sched, seed)
-        placed[share] = sum(len(plan.cpu_decodes1) for plan in history if not plan.forced)
+        placed[share] = sum(len(plan.batch1_cpu_decodes) for plan in history if not plan.forced)
     assert placed[cpu_share] < placed[0.0]
 
 
@@ -694,4 +696,4 @@ def test_a_cpu_busy_with_its_linear_share_takes_no_batch1():
     sched, _ = fill_both_tiers(cpu_shared(make_cost_model(cpu_seconds_per_token=1e-7), 1.0))
     for _ in range(5):
         plan = step(sched)
-        assert not plan.cpu_decodes1 or plan.forced
+        assert not plan.batch1_cpu_decodes or plan.forced

@@ -10,7 +10,7 @@ from scheduler.placement import (
     GIB_BYTES,
     PIPELINE_MEMORY,
     PIPELINE_PERFORMANCE,
-    TIER_ACCELERATOR,
+    TIER_GPU,
     TIER_DISK,
     TIER_HOST,
     ComputeCosts,
@@ -65,7 +65,7 @@ def test_int4_layers_are_about_three_eighths_of_bf16():
 
 def test_everything_resident_when_it_fits():
     placement = plan_placement(inputs(MemoryBudgets(kv_cache_bytes=GIB_BYTES)))
-    assert placement.tiers == (TIER_ACCELERATOR,) * 16 and placement.pipeline is None
+    assert placement.tiers == (TIER_GPU,) * 16 and placement.pipeline is None
     assert placement.num_buffers == 0 and placement.memory.buffer_bytes == 0
 
 
@@ -73,7 +73,7 @@ def test_everything_resident_when_it_fits():
     [0.9, 1.2, 2.0, 3.0, None], [0.5, 1.0, None], [3.0, 5.0, None])))
 def test_budgets_are_never_exceeded(weights_gib, host_gib, memory_gib):
     gib = lambda value: None if value is None else int(value * GIB_BYTES)  # noqa: E731
-    budgets = MemoryBudgets(accelerator_weight_bytes=gib(weights_gib), accelerator_bytes=gib(memory_gib),
+    budgets = MemoryBudgets(gpu_weight_bytes=gib(weights_gib), gpu_bytes=gib(memory_gib),
                             kv_cache_bytes=None if memory_gib else GIB_BYTES // 2, host_weight_bytes=gib(host_gib),
                             disk_bytes=50 * GIB_BYTES, has_offload_dir=True)
     try:
@@ -83,34 +83,34 @@ def test_budgets_are_never_exceeded(weights_gib, host_gib, memory_gib):
         return
     m = placement.memory
     if weights_gib is not None:
-        assert m.accelerator_weight_bytes <= weights_gib * GIB_BYTES
+        assert m.gpu_weight_bytes <= weights_gib * GIB_BYTES
     if memory_gib is not None:
-        assert m.accelerator_bytes <= memory_gib * GIB_BYTES
+        assert m.gpu_bytes <= memory_gib * GIB_BYTES
     if host_gib is not None:
         assert m.host_layer_bytes + m.staging_bytes <= host_gib * GIB_BYTES
-    counts = {tier: placement.num_layers_in(tier) for tier in (TIER_ACCELERATOR, TIER_HOST, TIER_DISK)}
-    assert m.resident_layer_bytes == counts[TIER_ACCELERATOR] * LAYER
+    counts = {tier: placement.num_layers_in(tier) for tier in (TIER_GPU, TIER_HOST, TIER_DISK)}
+    assert m.resident_layer_bytes == counts[TIER_GPU] * LAYER
     assert m.host_layer_bytes == counts[TIER_HOST] * LAYER and m.disk_layer_bytes == counts[TIER_DISK] * LAYER
     assert (m.staging_bytes > 0) == (counts[TIER_DISK] > 0)
 
 
 def test_nothing_fits_names_the_flag_to_change():
     with pytest.raises(PlacementError, match="--weights-gpu-gib gives 0.50 GiB; give more, or --quantization int4"):
-        plan_placement(inputs(MemoryBudgets(accelerator_weight_bytes=GIB_BYTES // 2, kv_cache_bytes=GIB_BYTES)))
+        plan_placement(inputs(MemoryBudgets(gpu_weight_bytes=GIB_BYTES // 2, kv_cache_bytes=GIB_BYTES)))
 
 
 def test_layers_beyond_host_memory_need_an_offload_dir():
-    budgets = MemoryBudgets(accelerator_weight_bytes=GLOBALS + 2 * LAYER, kv_cache_bytes=GIB_BYTES,
+    budgets = MemoryBudgets(gpu_weight_bytes=GLOBALS + 2 * LAYER, kv_cache_bytes=GIB_BYTES,
                             host_weight_bytes=4 * LAYER)
     with pytest.raises(PlacementError, match="give --offload-dir"):
         plan_placement(inputs(budgets))
     placement = plan_placement(inputs(MemoryBudgets(**{**budgets.__dict__, "has_offload_dir": True})))
-    assert placement.num_layers_in(TIER_DISK) == 16 - 2 - placement.num_layers_in(TIER_ACCELERATOR)
+    assert placement.num_layers_in(TIER_DISK) == 16 - 2 - placement.num_layers_in(TIER_GPU)
     assert placement.memory.host_layer_bytes + placement.memory.staging_bytes <= 4 * LAYER
 
 
 def test_gpu_mode_refuses_a_model_that_does_not_fit_and_cpu_mode_streams_everything():
-    budgets = MemoryBudgets(accelerator_weight_bytes=GLOBALS + 4 * LAYER, kv_cache_bytes=GIB_BYTES)
+    budgets = MemoryBudgets(gpu_weight_bytes=GLOBALS + 4 * LAYER, kv_cache_bytes=GIB_BYTES)
     with pytest.raises(PlacementError, match="16 resident layers"):
         plan_placement(inputs(budgets, mode="gpu"))
     placement = plan_placement(inputs(budgets, mode="cpu"))
@@ -120,10 +120,10 @@ def test_gpu_mode_refuses_a_model_that_does_not_fit_and_cpu_mode_streams_everyth
 def test_performance_pipeline_when_two_buffers_fit_memory_efficient_when_one():
     """All streamed (budget for globals and at most two buffers): with room for two the next
     layer preloads; with room for one, only the memory-efficient pipeline fits."""
-    two = MemoryBudgets(accelerator_weight_bytes=GLOBALS + 2 * LAYER, kv_cache_bytes=GIB_BYTES)
+    two = MemoryBudgets(gpu_weight_bytes=GLOBALS + 2 * LAYER, kv_cache_bytes=GIB_BYTES)
     placement = plan_placement(inputs(two, mode="cpu"))
     assert placement.pipeline == PIPELINE_PERFORMANCE and placement.num_buffers == 2
-    one = MemoryBudgets(accelerator_weight_bytes=GLOBALS + LAYER, kv_cache_bytes=GIB_BYTES)
+    one = MemoryBudgets(gpu_weight_bytes=GLOBALS + LAYER, kv_cache_bytes=GIB_BYTES)
     placement = plan_placement(inputs(one, mode="cpu"))
     assert placement.pipeline == PIPELINE_MEMORY and placement.num_buffers == 1
     # the preload halves a balanced forward
@@ -134,40 +134,40 @@ def test_performance_pipeline_when_two_buffers_fit_memory_efficient_when_one():
 
 def test_two_batch_forwards_hold_two_layers():
     work = Workload(**{**WORKLOAD.__dict__, "layers_in_use": 2})
-    budgets = MemoryBudgets(accelerator_weight_bytes=GLOBALS + 3 * LAYER, kv_cache_bytes=GIB_BYTES)
+    budgets = MemoryBudgets(gpu_weight_bytes=GLOBALS + 3 * LAYER, kv_cache_bytes=GIB_BYTES)
     placement = plan_placement(inputs(budgets, mode="cpu", workload=work))
     assert placement.pipeline == PIPELINE_PERFORMANCE and placement.num_buffers == 3
-    budgets = MemoryBudgets(accelerator_weight_bytes=GLOBALS + 2 * LAYER, kv_cache_bytes=GIB_BYTES)
+    budgets = MemoryBudgets(gpu_weight_bytes=GLOBALS + 2 * LAYER, kv_cache_bytes=GIB_BYTES)
     assert plan_placement(inputs(budgets, mode="cpu", workload=work)).num_buffers == 2
-    budgets = MemoryBudgets(accelerator_weight_bytes=GLOBALS + LAYER, kv_cache_bytes=GIB_BYTES)
+    budgets = MemoryBudgets(gpu_weight_bytes=GLOBALS + LAYER, kv_cache_bytes=GIB_BYTES)
     with pytest.raises(PlacementError):
         plan_placement(inputs(budgets, mode="cpu", workload=work))
 
 
 def test_resident_layers_are_weighed_against_kv_space():
-    """One accelerator budget: each resident layer takes KV blocks (about 3.5 sequences of 1024
+    """One GPU budget: each resident layer takes KV blocks (about 3.5 sequences of 1024
     tokens). With loads nearly free and room for a bigger batch, everything streams and the KV pool
     gets the room; with slow loads and the batch capped by max_num_seqs, the planner keeps as many
     layers resident as leave the full batch its KV."""
-    budgets = MemoryBudgets(accelerator_bytes=GLOBALS + 12 * LAYER, disk_bytes=None)
+    budgets = MemoryBudgets(gpu_bytes=GLOBALS + 12 * LAYER, disk_bytes=None)
     work = dict(max_model_len=1024, max_num_batched_tokens=1024, block_size=16, context_len=1024)
     fast = plan_placement(inputs(budgets, link_s_per_layer=1e-4, workload=Workload(max_num_seqs=256, **work)))
     slow = plan_placement(inputs(budgets, link_s_per_layer=0.5, workload=Workload(max_num_seqs=16, **work)))
-    assert fast.num_layers_in(TIER_ACCELERATOR) == 0 and fast.estimate.batch > 16
-    assert slow.num_layers_in(TIER_ACCELERATOR) > 0 and slow.estimate.batch == 16
+    assert fast.num_layers_in(TIER_GPU) == 0 and fast.estimate.batch > 16
+    assert slow.num_layers_in(TIER_GPU) > 0 and slow.estimate.batch == 16
     one_more = _candidate(inputs(budgets, link_s_per_layer=0.5, workload=Workload(max_num_seqs=16, **work)),
-                          slow.num_layers_in(TIER_ACCELERATOR) + 1, slow.pipeline)
+                          slow.num_layers_in(TIER_GPU) + 1, slow.pipeline)
     assert isinstance(one_more, str) or one_more.estimate.batch < 16  # one more resident layer costs batch
     for placement in (fast, slow):
-        assert placement.memory.accelerator_bytes <= budgets.accelerator_bytes
+        assert placement.memory.gpu_bytes <= budgets.gpu_bytes
 
 
 def test_streamed_layers_are_spread_between_resident_ones():
     assert spread(2, 8) == [False, False, False, True, False, False, False, True]
     assert sum(spread(5, 16)) == 5 and spread(0, 4) == [False] * 4 and spread(4, 4) == [True] * 4
-    budgets = MemoryBudgets(accelerator_weight_bytes=GLOBALS + 10 * LAYER, kv_cache_bytes=GIB_BYTES)
+    budgets = MemoryBudgets(gpu_weight_bytes=GLOBALS + 10 * LAYER, kv_cache_bytes=GIB_BYTES)
     placement = plan_placement(inputs(budgets, link_s_per_layer=0.05))
-    resident = [i for i, tier in enumerate(placement.tiers) if tier == TIER_ACCELERATOR]
+    resident = [i for i, tier in enumerate(placement.tiers) if tier == TIER_GPU]
     assert max(b - a for a, b in zip(resident, resident[1:])) <= 3  # no long run of streamed layers
 
 
@@ -188,11 +188,11 @@ def test_simulated_pipeline():
 
 
 def test_describe_prints_the_breakdown_and_the_expectation():
-    budgets = MemoryBudgets(accelerator_weight_bytes=GLOBALS + 6 * LAYER, kv_cache_bytes=GIB_BYTES,
+    budgets = MemoryBudgets(gpu_weight_bytes=GLOBALS + 6 * LAYER, kv_cache_bytes=GIB_BYTES,
                             host_weight_bytes=6 * LAYER, disk_bytes=10 * GIB_BYTES, has_offload_dir=True)
     placement = plan_placement(inputs(budgets))
     text = describe(placement, "/offload")
-    assert "from disk in /offload" in text and "accelerator" in text and "tokens/s" in text
+    assert "from disk in /offload" in text and "GPU" in text and "tokens/s" in text
     assert f"{placement.estimate.tokens_per_s:.1f} tokens/s" in text
     assert placement.to_dict()["tiers"] == list(placement.tiers)
 
@@ -211,7 +211,7 @@ def test_streaming_cost_model_stretches_linear_time_to_the_transfers():
     base = TableCostModel(num_layers=16, linear_curve=Curve.from_points([(1, 0.002), (256, 0.05)]),
                           prefill_curve=Curve.from_points([(1, 1e-4)]), gpu_decode_curve=Curve.from_points([(1, 1e-4)]),
                           cpu_decode_grid=Grid((1.0,), (1.0,), ((1e-3,),)), head_curve=Curve.from_points([(1, 1e-3)]))
-    budgets = MemoryBudgets(accelerator_weight_bytes=GLOBALS + 10 * LAYER, kv_cache_bytes=GIB_BYTES)
+    budgets = MemoryBudgets(gpu_weight_bytes=GLOBALS + 10 * LAYER, kv_cache_bytes=GIB_BYTES)
     placement = plan_placement(inputs(budgets, link_s_per_layer=0.02))
     num_streamed = len(placement.streamed_layers)
     assert 0 < num_streamed < 16 and placement.pipeline == PIPELINE_PERFORMANCE
@@ -232,7 +232,7 @@ def test_measured_interference_between_loads_and_compute_slows_the_estimate():
     overlaps nothing and is unchanged."""
     import dataclasses
 
-    budgets = MemoryBudgets(accelerator_weight_bytes=GLOBALS + 3 * LAYER, kv_cache_bytes=GIB_BYTES)
+    budgets = MemoryBudgets(gpu_weight_bytes=GLOBALS + 3 * LAYER, kv_cache_bytes=GIB_BYTES)
     base = inputs(budgets, mode="cpu", link_s_per_layer=0.005)  # compute-bound: loads overlap half of it
     slowed = dataclasses.replace(base, costs=dataclasses.replace(
         base.costs, linear_under_transfer=Curve.from_points([(1, 0.02), (64, 0.022)])),

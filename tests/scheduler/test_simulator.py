@@ -18,17 +18,17 @@ from scheduler.simulator import Workload, build_scheduler, compare, iteration_ti
 T4 = "t4-g4dn.4xlarge"
 
 
-def run(profile=T4, model="llama-2-7b", offload=True, **workload):
+def run(profile=T4, model="llama-2-7b", cpu_attention=True, **workload):
     shape, dtype_bytes = load_model_preset(model)
     work = Workload(**{"num_requests": 40, "input_len": 200, "output_len": 32, "seed": 3, **workload})
-    scheduler, setup = build_scheduler(shape, HardwareProfile.load(profile), work, offload=offload,
+    scheduler, setup = build_scheduler(shape, HardwareProfile.load(profile), work, cpu_attention=cpu_attention,
                                        dtype_bytes=dtype_bytes)
     return simulate(scheduler, work), work, setup
 
 
-@pytest.mark.parametrize("offload", [True, False])
-def test_every_request_finishes_with_exactly_its_output_tokens(offload):
-    result, work, _ = run(offload=offload)
+@pytest.mark.parametrize("cpu_attention", [True, False])
+def test_every_request_finishes_with_exactly_its_output_tokens(cpu_attention):
+    result, work, _ = run(cpu_attention=cpu_attention)
     lengths = {str(i): (input_len, output_len) for i, (_, input_len, output_len) in enumerate(work.sample())}
     assert sorted(r.request_id for r in result.records) == sorted(lengths)
     for record in result.records:
@@ -69,7 +69,7 @@ def test_poisson_arrivals_idle_the_clock_between_requests():
 
 
 def test_gpu_only_baseline_never_plans_cpu_work():
-    result, _, setup = run(offload=False, num_requests=60, output_len=64)
+    result, _, setup = run(cpu_attention=False, num_requests=60, output_len=64)
     assert setup.num_cpu_blocks == 0
     assert result.iterations_by_mode[PlanMode.PIPELINED] == 0
     assert result.mean_cpu_batch == 0 and result.num_cpu_prefills == 0 and result.peak_cpu_requests == 0
@@ -103,7 +103,7 @@ def test_iteration_time_follows_the_plan_mode():
     shape, dtype_bytes = load_model_preset("llama-2-7b")
     hardware = HardwareProfile.load(T4)
     work = Workload(12, 300, 40, seed=0)
-    scheduler, _ = build_scheduler(shape, hardware, work, offload=True, dtype_bytes=dtype_bytes)
+    scheduler, _ = build_scheduler(shape, hardware, work, cpu_attention=True, dtype_bytes=dtype_bytes)
     cost = RooflineCostModel(shape, hardware, dtype_bytes)
     for index, (_, input_len, output_len) in enumerate(work.sample()):
         scheduler.add_sequence(Sequence(str(index), [0] * input_len,
@@ -125,7 +125,7 @@ def test_iteration_time_follows_the_plan_mode():
 def test_bounded_wait_setting_reaches_the_scheduler():
     shape, dtype_bytes = load_model_preset("llama-2-7b")
     work = Workload(8, 200, 16)
-    scheduler, _ = build_scheduler(shape, HardwareProfile.load(T4), work, offload=True, dtype_bytes=dtype_bytes,
+    scheduler, _ = build_scheduler(shape, HardwareProfile.load(T4), work, cpu_attention=True, dtype_bytes=dtype_bytes,
                                    neo=NeoConfig(max_cpu_wait_iterations=3, num_cpu_blocks=5))
     assert scheduler.neo.max_cpu_wait_iterations == 3
     assert scheduler.neo.num_cpu_blocks > 5  # sized from the host, not taken from `neo`

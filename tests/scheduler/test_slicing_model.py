@@ -36,7 +36,7 @@ def random_costs(rng: random.Random, fixed_costs: bool = True) -> SlicingCosts:
     return SlicingCosts(GemmCost(startup(), 10 ** rng.uniform(-13, -10), 10 ** rng.uniform(-12, -10)),
                         GemmCost(startup(), 10 ** rng.uniform(-12, -10), 10 ** rng.uniform(-11, -9)),
                         LinearCost(startup(), 10 ** rng.uniform(-11, -9), UNIT_BYTES), startup(),
-                        cpu_gemm_slowdown=slowdown(), accelerator_gemm_slowdown=slowdown(), link_slowdown=slowdown())
+                        cpu_gemm_slowdown=slowdown(), gpu_gemm_slowdown=slowdown(), link_slowdown=slowdown())
 
 
 def random_work(rng: random.Random, fixed_costs: bool = True, num_tokens: int | None = None) -> MlpWork:
@@ -57,7 +57,7 @@ def test_all_resident():
 
 
 def test_all_on_the_cpu():
-    # hop 3 + 2, GEMMs 2 + 100 and 2 + 50, hop back 5; the accelerator does nothing
+    # hop 3 + 2, GEMMs 2 + 100 and 2 + 50, hop back 5; the GPU does nothing
     assert layer_time_s(HAND_WORK, HAND_COSTS, SliceRates(1.0, 0.0, 0.0)) == pytest.approx(164.0)
 
 
@@ -68,14 +68,14 @@ def test_all_streamed():
 
 
 def test_mixed_rates():
-    # link: 0.5 + 5.5 = 6.0, then 6.0 + 4.25 = 10.25; accelerator: GG 1.5-5.0, 5.0-7.25, CG 7.25-10.75,
+    # link: 0.5 + 5.5 = 6.0, then 6.0 + 4.25 = 10.25; GPU: GG 1.5-5.0, 5.0-7.25, CG 7.25-10.75,
     # 10.75-13.0; CPU: 5 + 52 + 27 = 84, its result back at 89
     assert layer_time_s(HAND_WORK, HAND_COSTS, SliceRates(0.5, 0.25, 0.25)) == pytest.approx(89.0)
 
 
 def test_prefill_tokens_moved_to_cg_prime():
     work = MlpWork((GemmWork(400.0, 1000), GemmWork(200.0, 500)), num_tokens=4, hop_bytes=800)
-    # link: CG1 8.5, CG'1 16.5, CG2 22, CG'2 27.5; accelerator: CG1 -29.5, CG2 -40.5, CG'1 -51.5,
+    # link: CG1 8.5, CG'1 16.5, CG2 22, CG'2 27.5; GPU: CG1 -29.5, CG2 -40.5, CG'1 -51.5,
     # CG'2 -57.5; CPU on half the tokens: hop 7, GEMMs 102 and 52, result back at 161 + 7
     assert layer_time_s(work, HAND_COSTS, SliceRates(0.5, 0.5, 0.0), num_moved_tokens=2) == pytest.approx(168.0)
     with pytest.raises(ValueError, match="num_moved_tokens"):
@@ -83,8 +83,8 @@ def test_prefill_tokens_moved_to_cg_prime():
 
 
 def test_each_side_slows_while_the_other_computes():
-    costs = dataclasses.replace(HAND_COSTS, cpu_gemm_slowdown=2.0, accelerator_gemm_slowdown=3.0)
-    # accelerator GEMMs 3x: GG 1.5-12.0, 12.0-18.75, CG 18.75-29.25, 29.25-36.0; CPU GEMMs 2x:
+    costs = dataclasses.replace(HAND_COSTS, cpu_gemm_slowdown=2.0, gpu_gemm_slowdown=3.0)
+    # GPU GEMMs 3x: GG 1.5-12.0, 12.0-18.75, CG 18.75-29.25, 29.25-36.0; CPU GEMMs 2x:
     # 5 + 104 + 54, back at 168
     assert layer_time_s(HAND_WORK, costs, SliceRates(0.5, 0.25, 0.25)) == pytest.approx(168.0)
     # a side alone is not slowed
@@ -103,7 +103,7 @@ def test_copies_slow_beside_gemms_but_not_alone():
 
 
 def test_gemms_pay_for_the_weight_bytes_they_read():
-    costs = dataclasses.replace(HAND_COSTS, accelerator_gemm=GemmCost(1.0, 0.1, 0.002), cpu_gemm=GemmCost(2.0, 1.0, 0.004))
+    costs = dataclasses.replace(HAND_COSTS, gpu_gemm=GemmCost(1.0, 0.1, 0.002), cpu_gemm=GemmCost(2.0, 1.0, 0.004))
     # resident: GEMMs 1 + 10 + 2 and 1 + 5 + 1 after launches at 0.5 and 1.0
     assert layer_time_s(HAND_WORK, costs, SliceRates(0.0, 0.0, 1.0)) == pytest.approx(20.5)
     # the CPU: hop 5, GEMMs 2 + 100 + 4 and 2 + 50 + 2, hop back 5
@@ -113,7 +113,7 @@ def test_gemms_pay_for_the_weight_bytes_they_read():
 def test_experts_pay_startup_per_expert_they_run():
     work = MlpWork((GemmWork(100.0, 1000, num_experts=4, num_active_experts=4),), num_tokens=1, hop_bytes=0)
     costs = dataclasses.replace(HAND_COSTS, launch_s=0.0)
-    # CPU: hop 3, 2 experts x 2 + 50; link: one copy 3 + 5 = 8; accelerator 8 + 2 x 1 + 5; back at 57 + 3
+    # CPU: hop 3, 2 experts x 2 + 50; link: one copy 3 + 5 = 8; GPU 8 + 2 x 1 + 5; back at 57 + 3
     assert layer_time_s(work, costs, SliceRates(0.5, 0.5, 0.0)) == pytest.approx(60.0)
 
 

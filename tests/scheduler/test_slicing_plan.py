@@ -51,7 +51,7 @@ def test_solved_plans_fit_their_budget_and_predict_their_rates_times():
         budget = _bytes(rng.uniform(0.0, SHAPE.num_layers + 1))
         num_tokens = rng.choice([1, 4, 32])
         plan = plan_slicing(SHAPE, FMT, costs, budget, num_tokens)
-        assert plan.accelerator_weight_bytes <= budget and len(plan.rates) == SHAPE.num_layers
+        assert plan.gpu_weight_bytes <= budget and len(plan.rates) == SHAPE.num_layers
         work = layer_works(SHAPE, FMT, num_tokens)[0]
         for rates, time_s in zip(plan.rates, plan.layer_time_s):
             assert time_s == pytest.approx(layer_time_s(work, costs, rates))
@@ -60,8 +60,8 @@ def test_solved_plans_fit_their_budget_and_predict_their_rates_times():
         assert plan.buffer_bytes == (NUM_CG_BUFFERS * largest_cg if any(r.gg < 1 for r in plan.rates) else 0)
 
 
-def test_a_bigger_budget_keeps_more_resident_when_the_accelerator_is_fast():
-    """The paper's testbed A (its Table's FP16 models): the accelerator computes 5x faster than the
+def test_a_bigger_budget_keeps_more_resident_when_the_gpu_is_fast():
+    """The paper's testbed A (its Table's FP16 models): the GPU computes 5x faster than the
     CPU, so at a batch of 64 (launches no longer dominate) every resident byte saves time."""
     costs = SlicingCosts(GemmCost(1.0e-7, 3.2e-12), GemmCost(7.4e-7, 1.6e-11), LinearCost(3.0e-6, 2.6e-11, UNIT_BYTES),
                          4.4e-5)
@@ -73,7 +73,7 @@ def test_a_bigger_budget_keeps_more_resident_when_the_accelerator_is_fast():
 def test_everything_resident_needs_no_buffer():
     plan = plan_slicing(SHAPE, FMT, random_costs(random.Random(2)), _bytes(SHAPE.num_layers - 1), 1,
                         fixed_rates=SliceRates.resident())
-    assert plan.buffer_bytes == 0 and plan.accelerator_weight_bytes == _bytes(SHAPE.num_layers - 1)
+    assert plan.buffer_bytes == 0 and plan.gpu_weight_bytes == _bytes(SHAPE.num_layers - 1)
 
 
 def test_unbounded_takes_each_layers_fastest_rates():
@@ -114,7 +114,7 @@ def test_plans_with_prefill_moves_keep_room_for_cg_primes_buffer_within_their_bu
             plan = plan_slicing(SHAPE, FMT, costs, budget, rng.choice([1, 4, 32]), prefill_tokens=256)
         except PlacementError:
             continue
-        assert plan.accelerator_weight_bytes <= budget
+        assert plan.gpu_weight_bytes <= budget
         largest_cc = max(round(r.cc * plan.mlp_bytes) for r in plan.rates)
         if plan.moved_buffer_bytes:
             assert plan.moved_buffer_bytes == largest_cc
@@ -158,7 +158,7 @@ def test_moe_layers_are_sliced_by_whole_experts_and_dense_layers_by_units():
             plan = plan_slicing(MOE_SHAPE, FMT, costs, budget, rng.choice([1, 4, 16]))
         except PlacementError:
             continue
-        assert plan.accelerator_weight_bytes <= budget
+        assert plan.gpu_weight_bytes <= budget
         for layer, rates in enumerate(plan.rates):
             if layer != 1:
                 for rate in (rates.cc, rates.cg, rates.gg):

@@ -82,7 +82,7 @@ class ServerProcess:
 
 # ---- offloading ---------------------------------------------------------------------------
 def pipelining_cost_tables(num_layers: int) -> dict:
-    """A memory-bound accelerator and a cheap CPU attention: the pipelined plan wins often."""
+    """A memory-bound GPU and a cheap CPU attention: the pipelined plan wins often."""
     return {
         "num_layers": num_layers,
         "linear": [[1, 1e-3], [64, 1.05e-3], [2048, 4e-3]],

@@ -65,7 +65,7 @@ def test_plan_places_a_moe_models_experts_by_whole_experts(capsys, monkeypatch, 
     report = json.loads(out[out.index("\n{") + 1:])
     slicing = report["slicing"]
     assert "placement" not in report and len(slicing["rates"]) == 2
-    assert slicing["accelerator_weight_bytes"] <= 0.004 * 2**30
+    assert slicing["gpu_weight_bytes"] <= 0.004 * 2**30
     for rates in slicing["rates"]:  # 8 experts: rates in eighths
         assert all(abs(rate * 8 - round(rate * 8)) < 1e-9 for rate in rates)
 

@@ -81,7 +81,7 @@ def test_every_engine_flag_from_a_file_gives_the_flags_engine_config(tmp_path):
     from_file = engine_config(parse("--config", write_config(tmp_path, ENGINE_FLAGS)))
     assert from_file == engine_config(parse(*as_flags(ENGINE_FLAGS)))
     assert from_file != engine_config(parse())
-    assert (from_file.cache.memory_gib, from_file.offload.mode, from_file.cpu_ops) == (6.0, "on", "torch")
+    assert (from_file.cache.memory_gib, from_file.cpu_attention.mode, from_file.cpu_ops) == (6.0, "on", "torch")
 
 
 def test_every_flag_from_the_environment_equals_the_flags():

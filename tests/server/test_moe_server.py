@@ -1,5 +1,5 @@
 """`tandem serve` on a mixture-of-experts preset (qwen3-moe-tiny, dummy weights), with every layer
-resident and with its experts sliced across the CPU, host memory and the accelerator
+resident and with its experts sliced across the CPU, host memory and the GPU
 (`--mlp-slicing`): the official openai SDK gets the offline resident engine's greedy tokens,
 streamed and not, over several prompts at once, and /metrics counts every expert in its tier."""
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_moe_preset_is_listed_and_counts_every_expert(moe_client, moe_server, sl
              + EXPERTS * HIDDEN + EXPERTS * 3 * EXPERT_WIDTH * HIDDEN)
     model_bytes = 4 * (2 * VOCAB * HIDDEN + HIDDEN + LAYERS * layer)  # untied embeddings and LM head, final norm
     host_bytes = LAYERS * EXPERTS_IN_HOST_MEMORY * expert_bytes if sliced else 0
-    assert metric(samples, "weight_bytes", format="float32", tier="accelerator") == model_bytes - host_bytes
+    assert metric(samples, "weight_bytes", format="float32", tier="gpu") == model_bytes - host_bytes
     if sliced:
         assert metric(samples, "weight_bytes", format="float32", tier="host") == host_bytes
 

@@ -1,5 +1,5 @@
 """`tandem serve` with CPU offloading (Neo) on the host-only testbed: concurrent requests that
-overflow a tiny accelerator pool get the same greedy text as the GPU-only engine, and /metrics
+overflow a tiny GPU pool get the same greedy text as the GPU-only engine, and /metrics
 reports the tiers, the plan modes, the swaps, the CPU attention time and the cost model's error."""
 import json
 import os
@@ -21,7 +21,7 @@ def test_offloading_server_matches_engine_and_reports_tiers(start_server, llm, t
 
     tables = tmp_path / "costs.json"
     tables.write_text(json.dumps(pipelining_cost_tables(llm.engine.model_config.num_layers)))
-    # 8 blocks of 16 tokens: the accelerator pool holds about two of these requests
+    # 8 blocks of 16 tokens: the GPU pool holds about two of these requests
     server = start_server("--device", "testbed", "--num-gpu-blocks", "8", "--num-cpu-blocks", "256",
                           "--max-model-len", "128", "--cost-tables", str(tables))
     expected = [o.outputs[0].text for o in llm.generate(

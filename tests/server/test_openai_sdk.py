@@ -265,9 +265,9 @@ def test_tokenize_needs_prompt_or_messages(http):
                            "checks the tiers of streamed weights")
 def test_weight_bytes_are_exported_by_format_and_tier(http, llm):
     expected = llm.engine.runner.model.weight_bytes()
-    assert expected == {("float32", "accelerator"): expected[("float32", "accelerator")]}
-    assert metric(scrape(http), "weight_bytes", format="float32", tier="accelerator") == \
-        expected[("float32", "accelerator")]
+    assert expected == {("float32", "gpu"): expected[("float32", "gpu")]}
+    assert metric(scrape(http), "weight_bytes", format="float32", tier="gpu") == \
+        expected[("float32", "gpu")]
 
 
 def test_version_and_health(http):

@@ -55,8 +55,8 @@ def test_streamed_weights_server_matches_engine_and_reports_tiers(start_server, 
         samples = wait_idle(http)
         assert metric(samples, "iterations_total", mode="pipelined") > 0  # Neo's two-batch forward ran too
         weight_bytes = {tier: sum(v for (name, labels), v in samples.items() if name == "tandem:weight_bytes"
-                                  and ("tier", tier) in labels) for tier in ("accelerator", "host", "disk")}
-        assert all(weight_bytes.values()) and weight_bytes["accelerator"] <= 0.2 * 2**30
+                                  and ("tier", tier) in labels) for tier in ("gpu", "host", "disk")}
+        assert all(weight_bytes.values()) and weight_bytes["gpu"] <= 0.2 * 2**30
         for tier in ("host", "disk"):
             assert metric(samples, "weight_streamed_bytes_total", tier=tier) > 0
         assert metric(samples, "weight_transfer_seconds_total") > 0
@@ -72,7 +72,7 @@ def test_sliced_mlp_server_matches_engine_and_reports_the_cpu_part(start_server,
     CG's host bytes."""
     from engine import SamplingParams
 
-    server = start_server("--device", "testbed", "--offload", "off", "--max-model-len", "128",
+    server = start_server("--device", "testbed", "--cpu-attention", "off", "--max-model-len", "128",
                           "--mlp-slicing", "0.25,0.5")
     prompts = PROMPTS[:2]
     expected = [o.outputs[0].text for o in llm.generate(

@@ -4,7 +4,7 @@ for every placement (all GG, all CC, all CG, mixed rates, per-layer mixes), seri
 host-only testbed, dense and INT4; the CC part ran on the engine thread and the CG part was
 copied; the parts' bytes are reported in their tiers. Prefill token assignment (CG'): with none,
 some or all of a forward's tokens moved, logits still match, CC's weights were copied on a
-transfer thread and computed on the accelerator's, and the CPU saw only the remaining rows."""
+transfer thread and computed on the GPU's, and the CPU saw only the remaining rows."""
 import functools
 import os
 import threading
@@ -25,7 +25,7 @@ from engine.quant.dense import DenseWeight
 from engine.quant.int4 import PackedInt4
 from engine.weights import create_loader
 from kernels.cpu import int4 as int4_kernels
-from scheduler.placement import TIER_ACCELERATOR, TIER_HOST
+from scheduler.placement import TIER_GPU, TIER_HOST
 from scheduler.placement.layer_plan import ModelPlan
 from scheduler.placement.moved_tokens import MovedTokens
 from scheduler.placement.slicing import SliceRates
@@ -118,8 +118,8 @@ def sliced_store(runner: ModelRunner):
 
 
 def check_the_parts_ran(runner: ModelRunner, rates, device: str) -> None:
-    """CC computed on the engine thread (this one, which waits on the accelerator's futures), never
-    on the testbed's accelerator thread; every layer with a CG part copied it in once per forward."""
+    """CC computed on the engine thread (this one, which waits on the GPU's futures), never
+    on the testbed's GPU thread; every layer with a CG part copied it in once per forward."""
     store = sliced_store(runner)
     num_forwards = 5
     cc_layers = sum(r.cc > 0 for r in rates)
@@ -128,7 +128,7 @@ def check_the_parts_ran(runner: ModelRunner, rates, device: str) -> None:
     if cc_layers:
         assert stats.cc_thread_ids == {threading.get_ident()}
     if device == "testbed":
-        assert runner.accelerator._thread.ident not in stats.cc_thread_ids
+        assert runner.gpu._thread.ident not in stats.cc_thread_ids
     cg_layers = [i for i, r in enumerate(rates) if r.cg > 0]
     if cg_layers:
         assert stats.num_loads >= len(cg_layers) * num_forwards
@@ -179,7 +179,7 @@ def test_sliced_int4_logits_match_the_resident_int4_model(tiny_model, placement)
 
 def test_weight_bytes_put_cc_and_cg_in_host_memory(tiny_model):
     """Every parameter counted once: CC and CG parts as host bytes, GG, attention and globals as
-    accelerator bytes, and the ring CG passes through beside them."""
+    GPU bytes, and the ring CG passes through beside them."""
     hf_model, path = tiny_model
     runner = sliced_runner(path, (MIXED,) * NUM_LAYERS)
     try:
@@ -192,11 +192,11 @@ def test_weight_bytes_put_cc_and_cg_in_host_memory(tiny_model):
         mlp_bytes = 4 * 3 * TINY["hidden_size"] * TINY["intermediate_size"]  # gate, up, down
         cc, cg, gg = MIXED.counts(TINY["intermediate_size"])
         host_bytes = NUM_LAYERS * mlp_bytes * (cc + cg) // TINY["intermediate_size"]
-        assert bytes_by_tier == {TIER_HOST: host_bytes, TIER_ACCELERATOR: total - host_bytes}
+        assert bytes_by_tier == {TIER_HOST: host_bytes, TIER_GPU: total - host_bytes}
         layer = model.layers[0]
         assert isinstance(layer.mlp, SlicedMlp)
         assert tuple(layer.mlp.counts.values()) == (cc, cg, gg)
-        assert model.weight_bytes()[("layer buffers", TIER_ACCELERATOR)] > 0
+        assert model.weight_bytes()[("layer buffers", TIER_GPU)] > 0
     finally:
         runner.close()
 
@@ -221,17 +221,17 @@ def test_packed_int4_is_cut_on_its_groups():
 
 @pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
 def test_the_testbed_runs_host_work_on_the_waiting_thread():
-    """Work the accelerator thread hands to the host runs on the thread that waits on the queue,
-    while the accelerator thread goes on with its own work."""
+    """Work the GPU thread hands to the host runs on the thread that waits on the queue,
+    while the GPU thread goes on with its own work."""
     queue = WorkerThreadQueue(None, 1)
     try:
-        def accelerator_work():
+        def gpu_work():
             host = queue.run_on_host(lambda: threading.get_ident())
             own = threading.get_ident()
             return own, host.result()
 
-        accelerator_id, host_id = queue.submit(accelerator_work).result()
-        assert host_id == threading.get_ident() != accelerator_id
+        gpu_id, host_id = queue.submit(gpu_work).result()
+        assert host_id == threading.get_ident() != gpu_id
 
         def failing_host_work():
             return queue.run_on_host(lambda: 1 / 0).result()
@@ -247,7 +247,7 @@ def test_the_testbed_runs_host_work_on_the_waiting_thread():
 @pytest.mark.parametrize("device", ["cpu", on_testbed("testbed")])
 def test_a_failed_cpu_part_fails_its_forward_and_the_next_one_computes(tiny_model, device):
     """CC's error (here a down weight of the wrong shape) reaches the forward that waits for it,
-    on the accelerator's side; the runner recovers and the next forward is right again."""
+    on the GPU's side; the runner recovers and the next forward is right again."""
     hf_model, path = tiny_model
     runner = sliced_runner(path, (MIXED,) * NUM_LAYERS, device)
     try:
@@ -270,7 +270,7 @@ def test_a_sliced_mlp_applies_its_cg_part_only_while_acquired(tiny_model):
     try:
         mlp, store = runner.model.layers[0].mlp, sliced_store(runner)
         x = torch.randn(2, TINY["hidden_size"])
-        with pytest.raises(RuntimeError, match="layer 0's weights are not on the accelerator"):  # CG's
+        with pytest.raises(RuntimeError, match="layer 0's weights are not on the GPU"):  # CG's
             mlp.apply(x, fused_silu_mul)
         store.acquire(0)
         assert mlp.apply(x, fused_silu_mul).shape == (2, TINY["hidden_size"])
@@ -314,7 +314,7 @@ MOVING_RATES = PLACEMENTS["per-layer"]  # an all-CC layer, one without CC, a mix
 
 
 def check_the_moves_ran(runner: ModelRunner, policy: ForcedMoves, device: str) -> None:
-    """Only layers with a CC part asked; CG' computed the moved rows on the accelerator's thread
+    """Only layers with a CC part asked; CG' computed the moved rows on the GPU's thread
     from weights the transfer thread copied, once per forward that moved any; the CPU computed the
     rest and only the rest."""
     store, stats = sliced_store(runner), sliced_store(runner).stats
@@ -329,9 +329,9 @@ def check_the_moves_ran(runner: ModelRunner, policy: ForcedMoves, device: str) -
     if not any(moved):
         assert not stats.moved_thread_ids and not stats.moved_copy_thread_ids
         return
-    accelerator = runner.accelerator._thread.ident if device == "testbed" else threading.get_ident()
-    assert stats.moved_thread_ids == {accelerator}
-    assert stats.moved_copy_thread_ids.isdisjoint({accelerator, threading.get_ident()})
+    gpu = runner.gpu._thread.ident if device == "testbed" else threading.get_ident()
+    assert stats.moved_thread_ids == {gpu}
+    assert stats.moved_copy_thread_ids.isdisjoint({gpu, threading.get_ident()})
     assert store.moved.buffer_bytes == max(cc_bytes.values())  # one buffer, allocated at start
 
 
@@ -363,10 +363,10 @@ def test_moved_int4_tokens_match_the_resident_int4_model(tiny_model):
         runner.close()
 
 
-def test_cc_weights_are_shared_with_cg_prime_on_the_host_or_copied_in_the_accelerators_format(tiny_model):
+def test_cc_weights_are_shared_with_cg_prime_on_the_host_or_copied_in_the_gpus_format(tiny_model):
     """On a host device the CPU part's weights are views into the image CG' copies from (no
     second host copy); where the formats differ (CUDA, here pretended on the CPU) a host copy in
-    the accelerator's format is kept, reported as host bytes, and computes the same logits."""
+    the GPU's format is kept, reported as host bytes, and computes the same logits."""
     hf_model, path = tiny_model
     shared = sliced_runner(path, MOVING_RATES, moved_tokens=ForcedMoves(0.5))
 
@@ -415,7 +415,7 @@ def test_without_room_for_cg_primes_buffer_every_token_stays_on_the_cpu(tiny_mod
     budget = store.used_bytes - 1  # one byte short (the ring and CG''s buffer included)
     roomy.close()
     policy = ForcedMoves(0.5)
-    runner = sliced_runner(path, MOVING_RATES, moved_tokens=policy, accelerator_weight_budget_bytes=budget)
+    runner = sliced_runner(path, MOVING_RATES, moved_tokens=policy, gpu_weight_budget_bytes=budget)
     try:
         store = sliced_store(runner)
         assert store.moved is None and "prefill token assignment off" in caplog.text

@@ -23,7 +23,7 @@ from scheduler.placement.slicing import NUM_CG_BUFFERS
 from engine.model import ConfigError
 from engine.quant import create_linear_method
 from engine.weights import create_loader
-from scheduler.placement import TIER_ACCELERATOR, TIER_HOST
+from scheduler.placement import TIER_GPU, TIER_HOST
 from scheduler.placement.slicing import SliceRates
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -100,7 +100,7 @@ def steps(runner: ModelRunner):
 
 def check_the_parts_ran(runner: ModelRunner, rates, device: str) -> None:
     """CC (experts or dense units) computed on the engine thread, never on the testbed's
-    accelerator thread, at most once per layer and forward (a forward routing no token to a
+    GPU thread, at most once per layer and forward (a forward routing no token to a
     layer's CC experts skips it); each layer's CG image copied once per forward (the ring loads
     at most its buffers ahead)."""
     store = runner.model.layer_store
@@ -114,7 +114,7 @@ def check_the_parts_ran(runner: ModelRunner, rates, device: str) -> None:
         assert stats.cc_thread_ids == {threading.get_ident()}
         assert stats.cc_s > 0
     if device == "testbed":
-        assert runner.accelerator._thread.ident not in stats.cc_thread_ids
+        assert runner.gpu._thread.ident not in stats.cc_thread_ids
     cg_layers = sorted(store.ring.items)
     assert bool(cg_layers) == any(r.cg for r in rates)
     transfers = store.stats
@@ -179,16 +179,16 @@ def test_experts_are_split_whole_in_expert_order(tiny_moe):
             kinds = [type(expert.gate_up) for expert in mlp.experts]
             assert kinds[:num_cc + num_cg] == [HostWeight] * num_cc + [StreamedWeight] * num_cg
             tiers = [expert.down.tier for expert in mlp.experts]
-            assert tiers == [TIER_HOST] * (num_cc + num_cg) + [TIER_ACCELERATOR] * num_gg
+            assert tiers == [TIER_HOST] * (num_cc + num_cg) + [TIER_GPU] * num_gg
             resident = [mlp.router.gate, *([] if mlp.shared is None else mlp.shared.linear_weights())]
-            assert {w.tier for w in resident} == {TIER_ACCELERATOR}
+            assert {w.tier for w in resident} == {TIER_GPU}
     finally:
         runner.close()
 
 
 def test_weight_bytes_put_cc_and_cg_experts_in_host_memory(tiny_moe):
     """Every parameter counted once: CC and CG experts (and a dense layer's CC and CG units) as
-    host bytes, the rest as accelerator bytes, the ring beside them."""
+    host bytes, the rest as GPU bytes, the ring beside them."""
     runner = sliced_runner(tiny_moe.path, (MIXED,) * NUM_LAYERS)
     try:
         model, config = runner.model, runner.model.config
@@ -203,17 +203,17 @@ def test_weight_bytes_put_cc_and_cg_experts_in_host_memory(tiny_moe):
         host_bytes = sum((num_cc + num_cg) * expert_bytes for i in range(NUM_LAYERS) if moe.is_moe_layer(i))
         for mlp in model.layer_store.mlps.values():  # dense layers: their CC and CG units
             host_bytes += 4 * 3 * config.hidden_size * (mlp.counts["cc"] + mlp.counts["cg"])
-        assert bytes_by_tier == {TIER_HOST: host_bytes, TIER_ACCELERATOR: total - host_bytes}
-        assert model.weight_bytes()[("layer buffers", TIER_ACCELERATOR)] > 0
+        assert bytes_by_tier == {TIER_HOST: host_bytes, TIER_GPU: total - host_bytes}
+        assert model.weight_bytes()[("layer buffers", TIER_GPU)] > 0
     finally:
         runner.close()
 
 
 def test_a_plan_streaming_a_moe_layer_whole_is_refused_with_a_reason(tiny_moe):
     loader = create_loader(tiny_moe.path)
-    plan = ModelPlan.compose(NUM_LAYERS, placement((TIER_HOST,) + (TIER_ACCELERATOR,) * (NUM_LAYERS - 1)))
+    plan = ModelPlan.compose(NUM_LAYERS, placement((TIER_HOST,) + (TIER_GPU,) * (NUM_LAYERS - 1)))
     store = functools.partial(create_layer_store, plan, files=None, num_io_threads=1,
-                              accelerator_weight_budget_bytes=None, global_weight_bytes=0)
+                              gpu_weight_budget_bytes=None, global_weight_bytes=0)
     with pytest.raises(ConfigError, match="layer 0 is placed for whole-layer streaming"):
         ModelRunner(loader.config, loader, dtype=torch.float32, device="cpu", num_blocks=NUM_BLOCKS,
                     block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, layer_store=store)
@@ -221,7 +221,7 @@ def test_a_plan_streaming_a_moe_layer_whole_is_refused_with_a_reason(tiny_moe):
 
 def test_slicing_refuses_a_moe_layer_placed_for_whole_layer_streaming(tiny_moe):
     loader = create_loader(tiny_moe.path)
-    store = create_sliced_layer_store((MIXED,) * NUM_LAYERS, placement((TIER_HOST, TIER_ACCELERATOR)),
+    store = create_sliced_layer_store((MIXED,) * NUM_LAYERS, placement((TIER_HOST, TIER_GPU)),
                                       torch.device("cpu"), CoreAssignment.for_device("cpu"))
     try:
         with pytest.raises(ConfigError, match="layer 0 is placed for whole-layer streaming"):

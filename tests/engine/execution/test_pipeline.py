@@ -3,7 +3,7 @@
 Plans are written by hand here (the scheduler has its own tests): CPU-bound prefills copied out
 layer by layer, CPU decodes in both sub-batches beside GPU decodes and a prefill, swaps both
 ways. Every row's logits must match the HF model on the request's whole token sequence, on the
-inline queue (everything serial) and on the host-only testbed (an accelerator thread).
+inline queue (everything serial) and on the host-only testbed (a GPU thread).
 """
 import os
 
@@ -129,19 +129,20 @@ def test_two_tier_pipeline_matches_hf(tiny_model, device):
         for _ in range(2):
             plan = IterationPlan(prefills=[prefill(late, pools)] if not late.output_token_ids else [],
                                  decodes=[decode(r, pools) for r in (gpu_a, gpu_b) + ((late,) if late.output_token_ids else ())],
-                                 cpu_decodes=[decode(cpu_c, pools)],
-                                 cpu_decodes1=[decode(cpu_d, pools), decode(cpu_e, pools)], mode=PlanMode.PIPELINED)
+                                 batch0_cpu_decodes=[decode(cpu_c, pools)],
+                                 batch1_cpu_decodes=[decode(cpu_d, pools), decode(cpu_e, pools)],
+                                 mode=PlanMode.PIPELINED)
             check_and_advance(runner, hf_model, plan, gen)
         # 3. swap gpu-b out: it decodes on the CPU (batch-1) in the same iteration
         swap = pools.move(gpu_b, Tier.CPU)
         plan = IterationPlan(decodes=[decode(gpu_a, pools), decode(late, pools)],
-                             cpu_decodes1=[decode(r, pools) for r in (gpu_b, cpu_c, cpu_d, cpu_e)],
+                             batch1_cpu_decodes=[decode(r, pools) for r in (gpu_b, cpu_c, cpu_d, cpu_e)],
                              swap_out=[swap], mode=PlanMode.PIPELINED)
         check_and_advance(runner, hf_model, plan, gen)
         # 4. swap cpu-d in; only batch-0 has CPU work; then a GPU-only plan over the GPU-requests
         swap = pools.move(cpu_d, Tier.GPU)
         plan = IterationPlan(decodes=[decode(r, pools) for r in (gpu_a, late, cpu_d)],
-                             cpu_decodes=[decode(r, pools) for r in (gpu_b, cpu_e)],
+                             batch0_cpu_decodes=[decode(r, pools) for r in (gpu_b, cpu_e)],
                              swap_in=[swap], mode=PlanMode.PIPELINED)
         check_and_advance(runner, hf_model, plan, gen)
         plan = IterationPlan(decodes=[decode(r, pools) for r in (gpu_a, late, cpu_d)])
@@ -200,7 +201,7 @@ def test_testbed_placement_splits_cores():
     if not TWO_CORES:
         pytest.skip("needs 2 cores")
     placement = CoreAssignment.for_device("testbed")
-    assert placement.accelerator_cores and placement.cpu_attention_cores
-    assert not placement.accelerator_cores & placement.cpu_attention_cores
+    assert placement.gpu_cores and placement.cpu_attention_cores
+    assert not placement.gpu_cores & placement.cpu_attention_cores
     with pytest.raises(ValueError, match="no core"):
-        CoreAssignment.for_device("testbed", accelerator_threads=len(os.sched_getaffinity(0)))
+        CoreAssignment.for_device("testbed", gpu_threads=len(os.sched_getaffinity(0)))

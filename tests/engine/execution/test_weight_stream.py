@@ -17,7 +17,7 @@ from engine.weights import layer_shapes
 from engine.weights.layer_files import ConversionKey, LayerFiles
 from engine.weights.layer_image import LINEAR_NAMES
 from scheduler.placement import (
-    TIER_ACCELERATOR,
+    TIER_GPU,
     TIER_DISK,
     TIER_HOST,
     ForwardTimeline,
@@ -30,7 +30,7 @@ from scheduler.placement.layer_plan import ModelPlan
 CONFIG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=5,
                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
                      max_position_embeddings=128, tie_word_embeddings=True, attention_bias=True)
-TIERS = (TIER_HOST, TIER_ACCELERATOR, TIER_DISK, TIER_HOST, TIER_DISK)
+TIERS = (TIER_HOST, TIER_GPU, TIER_DISK, TIER_HOST, TIER_DISK)
 
 
 def placement(tiers=TIERS, num_buffers: int = 2) -> WeightPlacement:
@@ -50,7 +50,7 @@ def build(tmp_path, tiers=TIERS, num_buffers=2, method="dense", device="cpu"):
     files = LayerFiles(tmp_path / "offload", ConversionKey.create("test", torch.float32, "none", torch.device(device)),
                        CONFIG.num_layers)
     store = create_layer_store(ModelPlan.compose(CONFIG.num_layers, placement(tiers, num_buffers)), torch.device(device), CoreAssignment.for_device("cpu"),
-                               files, num_io_threads=2, accelerator_weight_budget_bytes=None, global_weight_bytes=0)
+                               files, num_io_threads=2, gpu_weight_budget_bytes=None, global_weight_bytes=0)
     linear = create_linear_method(method)
     layers = [store.build(i, w, linear, torch.float32) for i, w in enumerate(loaded_layers())]
     store.start()
@@ -107,12 +107,12 @@ class _NoStore:
 def test_a_streamed_weight_is_never_applied_outside_acquire(tmp_path):
     store, layers = build(tmp_path)
     try:
-        with pytest.raises(RuntimeError, match="layer 0's weights are not on the accelerator"):
+        with pytest.raises(RuntimeError, match="layer 0's weights are not on the GPU"):
             layers[0].qkv.apply(torch.randn(1, CONFIG.hidden_size))
         store.acquire(0)
         layers[0].qkv.apply(torch.randn(1, CONFIG.hidden_size))
         store.release(0)
-        with pytest.raises(RuntimeError, match="not on the accelerator"):
+        with pytest.raises(RuntimeError, match="not on the GPU"):
             layers[0].qkv.apply(torch.randn(1, CONFIG.hidden_size))
     finally:
         store.close()

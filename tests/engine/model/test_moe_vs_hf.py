@@ -94,7 +94,7 @@ def test_weight_bytes_count_every_parameter_once(tiny_moe):
     loader = create_loader(path)
     model = create_model(loader.config, loader, torch.float32, "cpu", 64, create_decode_backend("torch"))
     num_params = sum(p.numel() for p in hf_model.parameters())
-    assert model.weight_bytes() == {("float32", "accelerator"): 4 * num_params}
+    assert model.weight_bytes() == {("float32", "gpu"): 4 * num_params}
 
 
 def test_layers_keep_the_families_mlp_kinds(tiny_moe):

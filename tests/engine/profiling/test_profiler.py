@@ -64,8 +64,8 @@ def build_model(checkpoint, dtype=torch.float32):
                       decode_backend=create_decode_backend("auto", "cpu"))
 
 
-def run_profile(model, accelerator, dtype=torch.float32, grid=None, weight_stats=None):
-    return profile_costs(model, accelerator, model.decode_backend, create_decode_backend("auto", "cpu"),
+def run_profile(model, gpu, dtype=torch.float32, grid=None, weight_stats=None):
+    return profile_costs(model, gpu, model.decode_backend, create_decode_backend("auto", "cpu"),
                          block_size=BLOCK_SIZE, dtype=dtype, grid=grid or ProfileGrid.quick(), progress=False,
                          weight_stats=weight_stats)
 
@@ -101,10 +101,10 @@ def test_tables_have_the_grid_shape_and_positive_finite_times(tables):
 
 
 class ThreadNotingQueue(WorkerThreadQueue):
-    """The testbed's queue, noting the thread that runs each piece of accelerator work."""
+    """The testbed's queue, noting the thread that runs each piece of GPU work."""
 
     def __init__(self):
-        super().__init__(cores=None, num_threads=1, name="test-accelerator")
+        super().__init__(cores=None, num_threads=1, name="test-gpu")
         self.threads = []
 
     def submit(self, fn):
@@ -128,7 +128,7 @@ class ThreadNotingDecode(DecodeAttentionBackend):
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="the testbed's accelerator thread needs a core of its own")
+                    reason="the testbed's GPU thread needs a core of its own")
 def test_profiles_on_the_testbed_worker_thread(checkpoint, capsys):
     queue = ThreadNotingQueue()
     try:
@@ -144,10 +144,10 @@ def test_profiles_on_the_testbed_worker_thread(checkpoint, capsys):
         queue.close()
     runs = grid.warmup + grid.repetitions
     num_cells = len(grid.cpu_decode_batch_sizes) * len(grid.cpu_decode_context_tokens)
-    # accelerator work (the swap copies included) on the accelerator thread, CPU attention on the caller's
+    # GPU work (the swap copies included) on the GPU thread, CPU attention on the caller's
     assert len(queue.threads) >= runs * (grid.num_points - num_cells)
-    assert set(queue.threads) == {"test-accelerator"}
-    assert gpu_decode.threads and set(gpu_decode.threads) == {"test-accelerator"}
+    assert set(queue.threads) == {"test-gpu"}
+    assert gpu_decode.threads and set(gpu_decode.threads) == {"test-gpu"}
     assert cpu_decode.threads == [threading.current_thread().name] * (runs * num_cells)
     assert "profiling costs" in capsys.readouterr().err
 
@@ -198,7 +198,7 @@ def test_grid_validation():
 # ---- the cache --------------------------------------------------------------------------------
 def make_key(checkpoint, **overrides):
     settings = dict(model=str(checkpoint), load_format="auto", dtype=torch.float32, device="testbed",
-                    accelerator_threads=1, cpu_attention_threads=1, block_size=BLOCK_SIZE)
+                    gpu_threads=1, cpu_attention_threads=1, block_size=BLOCK_SIZE)
     return ProfileKey.create(**{**settings, **overrides})
 
 
@@ -222,7 +222,7 @@ def test_key_names_machine_model_and_settings(checkpoint):
     assert len(key.digest) == 16 and int(key.digest, 16) >= 0
     assert make_key(checkpoint) == key and make_key(checkpoint).digest == key.digest
     dummy = ProfileKey.create(model="smollm2-135m", load_format="dummy", dtype=torch.bfloat16, device="cpu",
-                              accelerator_threads=1, cpu_attention_threads=2, block_size=16)
+                              gpu_threads=1, cpu_attention_threads=2, block_size=16)
     assert dummy.model == "dummy:smollm2-135m" and dummy.model_bytes == 0
     with pytest.raises(ValueError, match="cpu_attention_threads"):
         make_key(checkpoint, cpu_attention_threads=0)
@@ -246,14 +246,14 @@ def test_cache_dir_from_environment(tables, checkpoint, tmp_path, monkeypatch):
     assert profile_path(key).is_file()
 
 
-@pytest.mark.parametrize("change", ["dtype", "accelerator_threads", "cpu_attention_threads", "cpu_model",
+@pytest.mark.parametrize("change", ["dtype", "gpu_threads", "cpu_attention_threads", "cpu_model",
                                     "device", "block_size"])
 def test_another_key_misses(tables, checkpoint, tmp_path, change):
     key = make_key(checkpoint)
     load_or_profile(key, Builds(tables), tmp_path)
     other = {
         "dtype": lambda: make_key(checkpoint, dtype=torch.bfloat16),
-        "accelerator_threads": lambda: make_key(checkpoint, accelerator_threads=2),
+        "gpu_threads": lambda: make_key(checkpoint, gpu_threads=2),
         "cpu_attention_threads": lambda: make_key(checkpoint, cpu_attention_threads=2),
         "cpu_model": lambda: dataclasses.replace(key, cpu_model=key.cpu_model + " (another host)"),
         "device": lambda: make_key(checkpoint, device="cpu"),

@@ -23,7 +23,7 @@ TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, 
 
 def _queue(device: str):
     if device == "testbed":
-        return WorkerThreadQueue(None, 1, name="tandem-test-accelerator")
+        return WorkerThreadQueue(None, 1, name="tandem-test-gpu")
     return InlineQueue("cpu")
 
 
@@ -37,21 +37,21 @@ def test_every_model_is_fitted_and_grows_with_its_volume(device):
     finally:
         engine.close()
         queue.close()
-    for gemm in (costs.accelerator_gemm, costs.cpu_gemm):
+    for gemm in (costs.gpu_gemm, costs.cpu_gemm):
         assert gemm.r_squared is not None and gemm.time_s(1e9, 1e8) > gemm.time_s(1e3, 1e2)
     assert costs.link.r_squared is not None and costs.link.time_s(1e8) > costs.link.time_s(1e3)
     assert costs.launch_s > 0
-    assert min(costs.cpu_gemm_slowdown, costs.accelerator_gemm_slowdown, costs.link_slowdown) >= 1
+    assert min(costs.cpu_gemm_slowdown, costs.gpu_gemm_slowdown, costs.link_slowdown) >= 1
 
 
 def test_slicing_models_are_cached_beside_the_tables_under_the_same_key(tmp_path):
     key = ProfileKey.create(model="smollm2-135m", load_format="dummy", dtype=torch.float32, device="cpu",
-                            accelerator_threads=1, cpu_attention_threads=1, block_size=16)
-    costs = SlicingCosts.from_dict({"accelerator_gemm": {"a_s": 1e-6, "b_s_per_multiply_add": 1e-12,
+                            gpu_threads=1, cpu_attention_threads=1, block_size=16)
+    costs = SlicingCosts.from_dict({"gpu_gemm": {"a_s": 1e-6, "b_s_per_multiply_add": 1e-12,
                                                          "b_s_per_weight_byte": 0.0},
                                     "cpu_gemm": {"a_s": 2e-6, "b_s_per_multiply_add": 4e-12, "b_s_per_weight_byte": 1e-11},
                                     "link": {"a_s": 5e-6, "b_s_per_unit": 1e-10, "unit": "bytes", "r_squared": 0.99},
-                                    "launch_s": 3e-5, "cpu_gemm_slowdown": 1.5, "accelerator_gemm_slowdown": 1.2,
+                                    "launch_s": 3e-5, "cpu_gemm_slowdown": 1.5, "gpu_gemm_slowdown": 1.2,
                                     "link_slowdown": 1.1, "copies_on_cpu": True, "handoff_s": 7e-5})
     calls = []
 
@@ -67,6 +67,6 @@ def test_slicing_models_are_cached_beside_the_tables_under_the_same_key(tmp_path
     assert json.loads(path.read_text())["key"] == key.to_dict()
     assert load_cached(key, tmp_path) is None  # the cost tables are another file
     other = ProfileKey.create(model="smollm2-135m", load_format="dummy", dtype=torch.bfloat16, device="cpu",
-                              accelerator_threads=1, cpu_attention_threads=1, block_size=16)
+                              gpu_threads=1, cpu_attention_threads=1, block_size=16)
     load_or_measure(other, "slicing-dense", build, SlicingCosts.to_dict, SlicingCosts.from_dict, tmp_path)
     assert len(calls) == 2
