@@ -21,6 +21,15 @@ MAX_TOKENS = 24
 STREAMING_FLAGS = ("--weights-gpu-gib", "0.2", "--weights-cpu-gib", "0.1")
 
 
+def assert_greedy_texts(http: httpx.Client, prompts: list[str], expected: list[str]) -> None:
+    """Each prompt's greedy completion, one request at a time, is its expected text."""
+    for prompt, text in zip(prompts, expected):
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                      "temperature": 0, "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == text
+
+
 @pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
 def test_streamed_weights_server_matches_engine_and_reports_tiers(start_server, llm, tmp_path):
     import json
@@ -79,11 +88,7 @@ def test_sliced_mlp_server_matches_engine_and_reports_the_cpu_part(start_server,
     expected = [o.outputs[0].text for o in llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
     with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
-        for prompt, text in zip(prompts, expected):
-            response = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                          "temperature": 0, "ignore_eos": True})
-            assert response.status_code == 200, response.text
-            assert response.json()["choices"][0]["text"] == text
+        assert_greedy_texts(http, prompts, expected)
         samples = wait_idle(http)
         assert metric(samples, "mlp_cpu_seconds_total") > 0
         assert ("tandem:mlp_moved_tokens_total", ()) in samples  # CG''s tokens, as many as the models moved
@@ -102,11 +107,7 @@ def test_solved_slicing_beside_layers_streamed_whole_serves_the_engines_text(sta
     expected = [o.outputs[0].text for o in llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
     with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
-        for prompt, text in zip(prompts, expected):
-            response = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                          "temperature": 0, "ignore_eos": True})
-            assert response.status_code == 200, response.text
-            assert response.json()["choices"][0]["text"] == text
+        assert_greedy_texts(http, prompts, expected)
         samples = wait_idle(http)
         assert metric(samples, "weight_streamed_bytes_total", tier="host") > 0  # the layers streamed whole
         assert metric(samples, "mlp_cpu_seconds_total") > 0  # the sliced layers' CPU parts
