@@ -17,6 +17,7 @@ from typing import Any
 from engine.model.config import ConfigError
 from scheduler.neo import NeoKnobs
 from scheduler.placement.slicing import SliceRates
+from scheduler.placement.planner import PIPELINE_CHOICES, PLACEMENT_MODES
 from scheduler.placement.slicing_plan import SLICING_AUTO, parse_mlp_slicing
 
 # Compute dtype names a user may give -> torch's names for them (the short ones are aliases).
@@ -164,8 +165,6 @@ class CpuAttentionConfig:
         _require_choice(self, "profile_grid", PROFILE_GRIDS)
 
 
-WEIGHT_PLACEMENTS = ("auto", "gpu", "cpu", "disk")  # scheduler.placement.PLACEMENT_MODES
-WEIGHT_PIPELINES = ("auto", "performance", "memory")  # scheduler.placement.PIPELINE_CHOICES
 ON_OFF = ("on", "off")
 
 
@@ -195,8 +194,8 @@ class WeightsConfig:
     mlp_prefill_moving: str = "on"
 
     def __post_init__(self) -> None:
-        _require_choice(self, "placement", WEIGHT_PLACEMENTS)
-        _require_choice(self, "pipeline", WEIGHT_PIPELINES)
+        _require_choice(self, "placement", PLACEMENT_MODES)
+        _require_choice(self, "pipeline", PIPELINE_CHOICES)
         for name in ("gpu_gib", "host_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
