@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-integration bench bench-int4 bench-decode bench-neo bench-stream bench-slicing bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-neo bench-stream bench-slicing bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -45,6 +45,11 @@ test-streamed: install
 # by podman. The tools come from Debian's packages when missing (CI runs as root).
 INTEGRATION_TOOLS := prometheus promtool buildah podman runc debootstrap
 INTEGRATION_PACKAGES := prometheus buildah podman runc debootstrap
+# Further combinations of the embedded model's streamed and sliced runs (tests marked slow): half a
+# minute each, kept out of `make test`'s time.
+test-slow: install
+	$(PY) -m pytest tests -m slow --slow
+
 test-integration: install
 	@missing=$$(for tool in $(INTEGRATION_TOOLS); do command -v $$tool > /dev/null || echo $$tool; done); \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ]; then \

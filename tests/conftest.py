@@ -6,22 +6,30 @@ import importlib
 import pytest
 
 INTEGRATION_OPTION = "--integration"
+SLOW_OPTION = "--slow"
+# Markers whose tests skip unless their option is given, so that `make test` stays within its time:
+# marker -> (option, the make target that runs them)
+OPT_IN_MARKERS = {"integration": (INTEGRATION_OPTION, "make test-integration"), "slow": (SLOW_OPTION, "make test-slow")}
 
 
 def pytest_addoption(parser):
     parser.addoption(INTEGRATION_OPTION, action="store_true",
                      help="also run the tests marked integration: system tools (Prometheus, buildah and podman) "
                           "and minutes each; `make test-integration` runs them")
+    parser.addoption(SLOW_OPTION, action="store_true",
+                     help="also run the tests marked slow: more combinations of the embedded model's streamed and "
+                          "sliced runs, half a minute each; `make test-slow` runs them")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Integration tests skip unless asked for, so that `make test` stays within its time."""
-    if config.getoption(INTEGRATION_OPTION):
-        return
-    skip = pytest.mark.skip(reason=f"integration test: `make test-integration` runs it ({INTEGRATION_OPTION})")
-    for item in items:
-        if "integration" in item.keywords:
-            item.add_marker(skip)
+    """Tests of an opt-in marker skip unless their option is given."""
+    for marker, (option, target) in OPT_IN_MARKERS.items():
+        if config.getoption(option):
+            continue
+        skip = pytest.mark.skip(reason=f"{marker} test: `{target}` runs it ({option})")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 def import_interpreted(name: str):

@@ -115,6 +115,7 @@ def test_embedded_int4_sliced_equals_resident(references, tmp_path):
     assert outputs == references(EMBEDDED_INT4, "off")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", on_testbed("testbed")])
 def test_sliced_beside_streamed_layers_equals_resident(references, tmp_path, device):
     """PIPO streams some layers whole from host memory or disk; the resident ones are sliced."""

@@ -143,7 +143,7 @@ def references(tmp_path_factory):
 
 # Each factor (tier, device, Neo, format, model) is covered; not every combination, to keep the suite short.
 @pytest.mark.parametrize("device, cpu_attention, tier", [
-    ("cpu", "off", "host"), ("cpu", "on", "disk"),
+    ("cpu", "off", "host"), pytest.param("cpu", "on", "disk", marks=pytest.mark.slow),
     on_testbed("testbed", "on", "mixed"), on_testbed("testbed", "off", "disk"),
 ])
 def test_embedded_model_streamed_equals_resident(references, offload_dir, tmp_path, device, cpu_attention, tier):
@@ -153,6 +153,7 @@ def test_embedded_model_streamed_equals_resident(references, offload_dir, tmp_pa
         assert "batch-1" in seen  # two-batch forwards held two streamed layers at once
 
 
+@pytest.mark.slow
 def test_embedded_int4_streamed_equals_resident(references, offload_dir, tmp_path):
     """Q4_1 blocks kept packed (the CPU kernels' tiled copy in the image), in all three tiers,
     with Neo's two-batch forward; serial (device cpu): INT4 does not run on the testbed."""
