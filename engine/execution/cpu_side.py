@@ -10,6 +10,7 @@ import torch
 
 from engine.execution.queues import GpuQueue, InlineQueue
 from engine.quant import LinearWeight
+from engine.quant.base import WrappedWeight
 from engine.quant.int4 import CpuInt4Kernels
 from scheduler.placement.tiers import Tier
 
@@ -46,33 +47,14 @@ class CpuSide:
                 torch.set_num_threads(before)
 
 
-class HostWeight(LinearWeight):
+class HostWeight(WrappedWeight):
     """A CC weight: computed by the CPU where it is stored, reported in host memory."""
 
     tier = Tier.HOST
 
     def __init__(self, weight: LinearWeight) -> None:
-        self.weight = weight
+        super().__init__(weight)
         self.method = weight.method
-        self.out_features, self.in_features = weight.out_features, weight.in_features
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight.apply(x)
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes
-
-    @property
-    def format(self) -> str:
-        return self.weight.format
-
-    @property
-    def parts(self) -> tuple[LinearWeight, ...]:
-        return self.weight.parts
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return self.weight.tensors()
 
     def with_tensors(self, tensors):
-        return HostWeight(self.weight.with_tensors(tensors))
+        return HostWeight(self.inner.with_tensors(tensors))

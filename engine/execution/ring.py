@@ -28,6 +28,7 @@ import torch
 from engine.execution.stats import WeightStats
 from engine.execution.transfer import CopyEngine
 from engine.quant import LinearWeight
+from engine.quant.base import WrappedWeight
 from engine.weights.direct_io import DirectReader, OpenFile
 from engine.weights.layer_files import LayerFiles
 from engine.weights.layer_image import LayerImage
@@ -49,18 +50,18 @@ class _Binding:
         self.current: dict[str, LinearWeight] | None = None
 
 
-class StreamedWeight(LinearWeight):
+class StreamedWeight(WrappedWeight):
     """A streamed item's linear weight: applies the weights bound from the buffer its layer was
-    loaded into. Using it outside acquire/release is an error, never a silent stale read."""
+    loaded into. Using it outside acquire/release is an error, never a silent stale read. Its
+    inner weight is the template: kind and layout, tensors on the meta device."""
 
     method = "streamed"
 
     def __init__(self, binding: _Binding, name: str, template: LinearWeight, tier: Tier) -> None:
+        super().__init__(template)
         self.binding = binding
         self.name = name
-        self.template = template  # kind and layout, tensors on the meta device
         self.tier = tier
-        self.out_features, self.in_features = template.out_features, template.in_features
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         current = self.binding.current
@@ -69,23 +70,8 @@ class StreamedWeight(LinearWeight):
                                f"acquire a streamed layer before using it")
         return current[self.name].apply(x)
 
-    @property
-    def nbytes(self) -> int:
-        return self.template.nbytes
-
-    @property
-    def format(self) -> str:
-        return self.template.format
-
-    @property
-    def parts(self) -> tuple[LinearWeight, ...]:
-        return self.template.parts
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return self.template.tensors()
-
     def with_tensors(self, tensors):
-        return self.template.with_tensors(tensors)
+        return self.inner.with_tensors(tensors)
 
 
 @dataclass

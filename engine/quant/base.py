@@ -60,6 +60,33 @@ class LinearWeight(ABC):
         into a streamed layer's buffer) instead of its own."""
 
 
+class WrappedWeight(LinearWeight):
+    """A weight that stands for `inner` somewhere else (computed on the host, streamed into a
+    buffer): its shape, format, bytes, parts and tensors are the inner weight's."""
+
+    def __init__(self, inner: LinearWeight) -> None:
+        self.inner = inner
+        self.out_features, self.in_features = inner.out_features, inner.in_features
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.apply(x)
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    @property
+    def format(self) -> str:
+        return self.inner.format
+
+    @property
+    def parts(self) -> tuple[LinearWeight, ...]:
+        return self.inner.parts
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.inner.tensors()
+
+
 class ConcatWeight(LinearWeight):
     """A fused weight (QKV, gate/up) whose parts are stored in different formats, as when a
     GGUF file holds Q and K in 4 bits and V in 6: each part applies to x on its own and the

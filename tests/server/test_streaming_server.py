@@ -21,13 +21,21 @@ MAX_TOKENS = 24
 STREAMING_FLAGS = ("--weights-gpu-gib", "0.2", "--weights-cpu-gib", "0.1")
 
 
-def assert_greedy_texts(http: httpx.Client, prompts: list[str], expected: list[str]) -> None:
-    """Each prompt's greedy completion, one request at a time, is its expected text."""
-    for prompt, text in zip(prompts, expected):
-        response = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                      "temperature": 0, "ignore_eos": True})
-        assert response.status_code == 200, response.text
-        assert response.json()["choices"][0]["text"] == text
+def serves_the_engines_texts(server, llm, prompts: list[str]) -> dict:
+    """Each prompt's greedy completion, one request at a time, is the offline engine's text;
+    -> the server's /metrics samples once idle."""
+    from engine import SamplingParams
+
+    expected = [o.outputs[0].text for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
+        for prompt, text in zip(prompts, expected):
+            response = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                          "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                          "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == text
+        return wait_idle(http)
 
 
 @pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
@@ -80,37 +88,23 @@ def test_sliced_mlp_server_matches_engine_and_reports_the_cpu_part(start_server,
     """`--mlp-slicing`: each MLP's CC slice on the engine thread, CG streamed, GG resident; the
     text is the resident engine's, /metrics has the CPU's MLP time, the tokens moved to CG' and
     CG's host bytes."""
-    from engine import SamplingParams
-
     server = start_server("--device", "testbed", "--cpu-attention", "off", "--max-model-len", "128",
                           "--mlp-slicing", "0.25,0.5")
-    prompts = PROMPTS[:2]
-    expected = [o.outputs[0].text for o in llm.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
-    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
-        assert_greedy_texts(http, prompts, expected)
-        samples = wait_idle(http)
-        assert metric(samples, "mlp_cpu_seconds_total") > 0
-        assert ("tandem:mlp_moved_tokens_total", ()) in samples  # CG''s tokens, as many as the models moved
-        assert metric(samples, "weight_streamed_bytes_total", tier="host") > 0
-        assert metric(samples, "weight_bytes", format="float32", tier="host") > 0
+    samples = serves_the_engines_texts(server, llm, PROMPTS[:2])
+    assert metric(samples, "mlp_cpu_seconds_total") > 0
+    assert ("tandem:mlp_moved_tokens_total", ()) in samples  # CG''s tokens, as many as the models moved
+    assert metric(samples, "weight_streamed_bytes_total", tier="host") > 0
+    assert metric(samples, "weight_bytes", format="float32", tier="host") > 0
 
 
 def test_solved_slicing_beside_layers_streamed_whole_serves_the_engines_text(start_server, llm):
     """`--mlp-slicing auto` under a budget too small for every layer's attention weights: the one
     plan streams some layers whole and slices the rest; the server's text is the resident engine's."""
-    from engine import SamplingParams
-
     server = start_server("--cpu-attention", "off", "--max-model-len", "128", "--mlp-slicing", "auto",
                           *STREAMING_FLAGS)
-    prompts = PROMPTS[:2]
-    expected = [o.outputs[0].text for o in llm.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
-    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
-        assert_greedy_texts(http, prompts, expected)
-        samples = wait_idle(http)
-        assert metric(samples, "weight_streamed_bytes_total", tier="host") > 0  # the layers streamed whole
-        assert metric(samples, "mlp_cpu_seconds_total") > 0  # the sliced layers' CPU parts
+    samples = serves_the_engines_texts(server, llm, PROMPTS[:2])
+    assert metric(samples, "weight_streamed_bytes_total", tier="host") > 0  # the layers streamed whole
+    assert metric(samples, "mlp_cpu_seconds_total") > 0  # the sliced layers' CPU parts
     plan = re.search(r"(\d+) with a sliced MLP, (\d+) streamed whole", server.log_path.read_text())
     assert plan and int(plan[1]) > 0 and int(plan[2]) > 0  # the one plan, logged before loading
 
