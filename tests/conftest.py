@@ -55,3 +55,8 @@ def interpreted_w4a16():
 @pytest.fixture(scope="session")
 def interpreted_paged_decode():
     return import_interpreted("kernels.triton.paged_decode")
+
+
+@pytest.fixture(scope="session")
+def interpreted_paged_prefill():
+    return import_interpreted("kernels.triton.paged_prefill")

@@ -1,0 +1,242 @@
+"""Paged prefill attention on CUDA, in Triton: chunks of new tokens over a cached prefix.
+
+Chunked prefill and prefix caching compute a sequence's tokens at positions [num_cached,
+num_cached + query_len) while the K/V of [0, num_cached) is already in the paged cache. Each
+chunk's query rows attend to the whole cached prefix and causally to the chunk's own rows. The
+chunk's own K/V is read from the k/v tensors, never from the cache, so the caller may write the
+chunk into the cache before or after this kernel.
+
+The caches are the layout of kernels/triton/paged_decode.py: values [num_blocks, num_kv_heads,
+block_size, head_dim], keys transposed within a block [num_blocks, num_kv_heads, head_dim,
+block_size]. One program computes one tile of a chunk's query rows for one KV head: the tile's
+tokens times the query heads of the GQA group, so that each K/V tile is read once for the group.
+It walks key tiles of the cached prefix (each key's block looked up in the table, so the key tile
+need not match the block size), then the chunk's own key tiles up to the causal diagonal, with a
+running softmax in fp32 (max, sum, accumulator): no score matrix is ever stored. Every tile side
+is at least tl.dot's 16, so scores and value sums are always tl.dot products.
+
+Packed chunks are ragged, and the grid is sized from the tensors' shapes alone (no host sync):
+it has num_tokens // BLOCK_Q + num_seqs query tiles, an upper bound on the chunks' tiles, and
+each program finds its chunk by a binary search of query_start; programs past their chunk's end
+return at once.
+
+On a GPU the dot inputs stay in the cache dtype (bf16/fp16 on the tensor cores, fp32 as IEEE
+fp32, not TF32); under Triton's interpreter (TRITON_INTERPRET=1 while this module is imported)
+the kernel runs on CPU tensors in fp32 throughout, which is how CI tests it
+(tests/kernels/test_triton_paged_prefill.py). No autotuning: the tile shapes follow the model
+(head_dim, group size).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:
+    raise ImportError("kernels.triton.paged_prefill needs the triton package (pyproject's test extra installs "
+                      "it)") from exc
+
+INTERPRETED: bool = triton.knobs.runtime.interpret
+MIN_DOT = 16  # tl.dot's smallest tile side
+ROWS_PER_TILE = 64  # query rows (tokens x group heads) per program: a tensor-core M tile
+KEYS_PER_TILE = 32  # keys per step of the running softmax
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+# Reductions through tl.reduce with triton's own combine functions, not tl.sum/tl.max: those are
+# @triton.jit code that Triton's interpreter cannot call unless triton itself was imported under
+# it (the tests switch the interpreter on for this module alone: tests/conftest.py). For these two
+# combine functions the interpreter reduces with numpy; with combine functions of this module
+# (paged_decode.py's way) it calls them once per element, which is minutes for a prefill's
+# [rows, keys] tiles. They are private names of the pinned triton (pyproject.toml).
+SUM = tl.standard._sum_combine
+MAX = tl.standard._elementwise_max
+
+
+@triton.jit
+def _dot(a, b, FP32_DOT: tl.constexpr):
+    if FP32_DOT:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _softmax_step(q, k, v, allowed, scale, row_max, row_sum, acc, FP32_DOT: tl.constexpr):
+    """One key tile into the running softmax: q [M, D], k [D, N], v [N, D], allowed [M or 1, N].
+    Every row has an allowed key in the first tile it sees (the prefix's first or the chunk's
+    first), so row_max is finite after it and no -inf - -inf arises."""
+    s = tl.where(allowed, _dot(q, k, FP32_DOT) * scale, NEG_INF)  # [M, N] fp32
+    new_max = tl.maximum(row_max, tl.reduce(s, 1, MAX))
+    p = tl.exp(s - new_max[:, None])
+    correction = tl.exp(row_max - new_max)
+    row_sum = row_sum * correction + tl.reduce(p, 1, SUM)
+    if FP32_DOT:
+        acc = acc * correction[:, None] + _dot(p, v, FP32_DOT)
+    else:
+        acc = acc * correction[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)  # p rounded for the tensor cores
+    return new_max, row_sum, acc
+
+
+@triton.jit
+def _find_chunk(query_start_ptr, tile_id, num_seqs, num_search_steps, BLOCK_Q: tl.constexpr):
+    """The last chunk whose first tile id (query_start // BLOCK_Q + its index) is <= tile_id; the
+    ids grow strictly with the index and leave each chunk room for all its tiles."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs - 1
+    for _ in range(num_search_steps):
+        mid = (lo + hi + 1) // 2
+        fits = tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= tile_id
+        lo = tl.where(fits, mid, lo)
+        hi = tl.where(fits, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, key_cache_ptr, value_cache_ptr, tables_ptr, num_cached_ptr,
+                          query_start_ptr, scale, num_seqs, num_search_steps,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                          stride_kcb, stride_kch, stride_kcd, stride_vcb, stride_vch, stride_vct, stride_tb,
+                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                          BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, FP32_DOT: tl.constexpr):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_chunk(query_start_ptr, tile_id, num_seqs, num_search_steps, BLOCK_Q)
+    query_start = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_start
+    q_tile = tile_id - (query_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= query_len:  # a spare tile of the upper-bound grid
+        return
+    num_cached = tl.load(num_cached_ptr + seq)
+
+    # rows are (token, head of the group) pairs, the group's heads adjacent
+    m = tl.arange(0, BLOCK_Q * BLOCK_G)
+    row_token = q_tile * BLOCK_Q + m // BLOCK_G  # index within the chunk
+    row_head = kv_head * GROUP + m % BLOCK_G
+    row_ok = (row_token < query_len) & (m % BLOCK_G < GROUP)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    n = tl.arange(0, BLOCK_N)
+    row_offsets = (query_start + row_token).to(tl.int64)
+    q = tl.load(q_ptr + row_offsets[:, None] * stride_qt + row_head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)
+    row_max = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+    row_sum = tl.full([BLOCK_Q * BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_Q * BLOCK_G, BLOCK_D], 0.0, tl.float32)
+
+    # the cached prefix: every row sees all of it
+    table_row = tables_ptr + seq * stride_tb
+    for key_start in range(0, num_cached, BLOCK_N):
+        position = key_start + n
+        key_ok = position < num_cached
+        block = tl.load(table_row + position // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        offset = position % BLOCK_SIZE
+        k = tl.load(key_cache_ptr + block[None, :] * stride_kcb + kv_head * stride_kch + d[:, None] * stride_kcd
+                    + offset[None, :], mask=d_ok[:, None] & key_ok[None, :], other=0.0).to(COMPUTE)
+        v = tl.load(value_cache_ptr + block[:, None] * stride_vcb + kv_head * stride_vch
+                    + offset[:, None] * stride_vct + d[None, :], mask=key_ok[:, None] & d_ok[None, :],
+                    other=0.0).to(COMPUTE)
+        row_max, row_sum, acc = _softmax_step(q, k, v, key_ok[None, :], scale, row_max, row_sum, acc, FP32_DOT)
+
+    # the chunk's own keys, causal: none past the tile's last token is needed
+    num_own_keys = tl.minimum(query_len, (q_tile + 1) * BLOCK_Q)
+    for key_start in range(0, num_own_keys, BLOCK_N):
+        key_token = key_start + n
+        key_ok = key_token < query_len
+        key_offsets = (query_start + key_token).to(tl.int64)
+        k = tl.load(k_ptr + key_offsets[None, :] * stride_kt + kv_head * stride_kh + d[:, None],
+                    mask=d_ok[:, None] & key_ok[None, :], other=0.0).to(COMPUTE)
+        v = tl.load(v_ptr + key_offsets[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                    mask=key_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)
+        allowed = key_ok[None, :] & (key_token[None, :] <= row_token[:, None])
+        row_max, row_sum, acc = _softmax_step(q, k, v, allowed, scale, row_max, row_sum, acc, FP32_DOT)
+
+    out = acc / row_sum[:, None]
+    tl.store(out_ptr + row_offsets[:, None] * stride_ot + row_head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _tile(n: int) -> int:
+    return max(MIN_DOT, triton.next_power_of_2(n))
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dimension is contiguous (a view of a fused QKV stays a view)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_tables: torch.Tensor, num_cached: torch.Tensor,
+                            query_start: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of packed prefill chunks over their cached prefixes and their own tokens.
+
+    q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim] (the chunks' own
+    K/V); caches as above; block_tables [num_seqs, max_blocks] int32 (each chunk's sequence);
+    num_cached [num_seqs] int32 (prefix length already in the cache); query_start [num_seqs + 1]
+    int32 (chunk i is rows query_start[i]:query_start[i + 1], query_start[-1] == num_tokens)
+    -> out [num_tokens, num_heads, head_dim] in q's dtype. Row j of chunk i attends to positions
+    0..num_cached[i] + j. The tables must hold the prefix's blocks; values are not checked (that
+    would need a host sync). Raises ValueError on malformed shapes or dtypes."""
+    _check(q, k, v, key_cache, value_cache, block_tables, num_cached, query_start)
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = value_cache.shape
+    num_seqs = block_tables.shape[0]
+    group = num_heads // num_kv_heads
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    block_tables, num_cached, query_start = block_tables.contiguous(), num_cached.contiguous(), query_start.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    cache_dtype = value_cache.dtype
+    block_g = triton.next_power_of_2(group)
+    block_q = max(1, ROWS_PER_TILE // block_g)
+    num_q_tiles = num_tokens // block_q + num_seqs  # >= the chunks' tiles, however ragged
+    _paged_prefill_kernel[(num_q_tiles, num_kv_heads)](
+        q, k, v, out, key_cache, value_cache, block_tables, num_cached, query_start, float(scale),
+        num_seqs, num_seqs.bit_length(),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_Q=block_q,
+        BLOCK_D=_tile(head_dim), BLOCK_N=KEYS_PER_TILE,
+        COMPUTE=tl.float32 if INTERPRETED else _TL_DTYPES[cache_dtype],
+        FP32_DOT=INTERPRETED or cache_dtype == torch.float32)
+    return out
+
+
+def _check(q, k, v, key_cache, value_cache, block_tables, num_cached, query_start) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k and v must be [num_tokens, heads, head_dim], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if key_cache.dim() != 4 or value_cache.dim() != 4:
+        raise ValueError(f"the caches must be 4-D, got {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
+    num_blocks, num_kv_heads, block_size, head_dim = value_cache.shape
+    if tuple(key_cache.shape) != (num_blocks, num_kv_heads, head_dim, block_size):
+        raise ValueError(f"key_cache must be [num_blocks, num_kv_heads, head_dim, block_size] = "
+                         f"{(num_blocks, num_kv_heads, head_dim, block_size)}, got {tuple(key_cache.shape)}")
+    if key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError("the caches' last dimension must be contiguous")
+    num_tokens = q.shape[0]
+    if tuple(k.shape) != (num_tokens, num_kv_heads, head_dim) or tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"k and v must be [num_tokens, num_kv_heads, head_dim] = "
+                         f"{(num_tokens, num_kv_heads, head_dim)}, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit {num_kv_heads} KV heads of {head_dim}")
+    if q.dtype not in _TL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one dtype of fp32, bf16 or fp16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if value_cache.dtype not in _TL_DTYPES or key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"the caches must share one dtype of fp32, bf16 or fp16, got {key_cache.dtype}, "
+                         f"{value_cache.dtype}")
+    if block_tables.dtype != torch.int32 or num_cached.dtype != torch.int32 or query_start.dtype != torch.int32:
+        raise ValueError(f"block_tables, num_cached and query_start must be int32, got {block_tables.dtype}, "
+                         f"{num_cached.dtype}, {query_start.dtype}")
+    num_seqs = block_tables.shape[0] if block_tables.dim() == 2 else -1
+    if num_seqs < 0 or tuple(num_cached.shape) != (num_seqs,) or tuple(query_start.shape) != (num_seqs + 1,):
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks], num_cached [num_seqs] and query_start "
+                         f"[num_seqs + 1], got {tuple(block_tables.shape)}, {tuple(num_cached.shape)}, "
+                         f"{tuple(query_start.shape)}")
+    devices = {t.device for t in (q, k, v, key_cache, value_cache, block_tables, num_cached, query_start)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
