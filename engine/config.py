@@ -75,6 +75,10 @@ def _blocks_in(memory_gib: float, block_bytes: int) -> int:
     return max(1, int(memory_gib * GIB_BYTES // block_bytes))
 
 
+# The iteration's token budget per device when --max-num-batched-tokens is not given. A smaller
+# budget lets running streams decode between the chunks of a long prompt (ITL); a larger one
+# computes prompts at the GEMMs' better rate. cuda: vLLM's default for chunked prefill.
+DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512, "testbed": 512}
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 # What --memory-gib keeps back from the KV pool for activations, logits and scratch buffers.
 ACTIVATION_RESERVE_GIB = 0.25
@@ -95,9 +99,14 @@ class CacheConfig:
     memory_gib: float | None = None  # the GPU memory for weights and the KV pool together
     num_cpu_blocks: int | None = None  # the host pool, when offloading; None: from cpu_kv_cache_memory_gib
     cpu_kv_cache_memory_gib: float = 4.0
+    # Automatic prefix caching (scheduler/prefix_cache.py): full blocks a prompt shares with an
+    # earlier one are taken from the cache instead of being computed again.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _require_int(self, "block_size", 1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         _require_int(self, "num_blocks", 1, none_means="size the pool by memory")
         _require_int(self, "num_cpu_blocks", 1,
                      none_means="size the pool by cpu_kv_cache_memory_gib; cpu_attention='off' drops the pool")
@@ -257,7 +266,7 @@ class EngineConfig:
     seed: int = 0  # dummy weights and the shared generator of unseeded requests
     max_model_len: int | None = None  # None: the model's, capped by the engine's default and the cache
     max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: the scheduler's default
+    max_num_batched_tokens: int | None = None  # None: the device's default (DEFAULT_BATCHED_TOKENS)
     decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
     quantization: str = "none"  # none: weights dense in `dtype` | int4: round-to-nearest INT4 at load (cpu, cuda)
     # How a CPU model's decoder layers run: layers (a decode batch's layers in C++, engine/model/native.py),
@@ -277,7 +286,7 @@ class EngineConfig:
         _require_int(self, "seed", 0)
         _require_int(self, "max_model_len", 1, none_means="the model's context length, capped")
         _require_int(self, "max_num_seqs", 1)
-        _require_int(self, "max_num_batched_tokens", 1, none_means="the scheduler's default")
+        _require_int(self, "max_num_batched_tokens", 1, none_means="the device's default")
         _require_choice(self, "quantization", tuple(QUANTIZATION_METHODS))
         _require_choice(self, "cpu_ops", CPU_OPS)
         if self.quantization == "int4" and self.device == "testbed":
@@ -294,6 +303,14 @@ class EngineConfig:
     def torch_device(self) -> str:
         """Where the model's tensors live: the testbed's GPU is a thread on the host."""
         return "cpu" if self.device == "testbed" else self.device
+
+    @property
+    def batched_tokens_budget(self) -> int:
+        """Tokens one iteration computes (chunked prefill): `max_num_batched_tokens`, else the
+        device's default."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return DEFAULT_BATCHED_TOKENS["cuda" if self.device.startswith("cuda") else self.device]
 
     @property
     def cpu_attention_enabled(self) -> bool:

@@ -116,7 +116,10 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         scheduler_config = SchedulerConfig(
             num_blocks=num_blocks, block_size=cache.block_size, max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.batched_tokens_budget,
+            enable_prefix_caching=cache.enable_prefix_caching, prefix_cache_key=self._prefix_cache_key())
+        logger.info("scheduler: %d tokens per iteration (longer prompts in chunks), prefix caching %s",
+                    config.batched_tokens_budget, "on" if cache.enable_prefix_caching else "off")
         self.cost_model: CostModel | None = None
         self.profile_path: Path | None = None  # the cached cost tables, when profiled
         if num_cpu_blocks:
@@ -131,6 +134,12 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = IterationStats()
+
+    def _prefix_cache_key(self) -> str:
+        """What, besides the tokens, decides a block's K/V: the weights and how they compute."""
+        config = self.config
+        return (f"{config.model}|{config.load_format}|{self.dtype}|{config.quantization}|seed={config.seed}"
+                f"|{config.weights.mlp_slicing}")
 
     def _layer_store_factory(self, loader):
         """How the runner builds its layer store for the plan (None: every layer resident)."""
@@ -293,7 +302,7 @@ class LLMEngine:
             stats.cpu_attention_time = output.pipeline.cpu_attention
             stats.cpu_wait_time = output.pipeline.cpu_waiting
         for row, entries in output.prompt_logprobs.items():
-            plan.scheduled[row].sequence.prompt_logprobs = entries
+            plan.scheduled[row].sequence.add_prompt_logprobs(entries)
         updated = self.scheduler.update(plan, output.sampled.token_ids, output.sampled.token_logprobs())
         return self._outputs({seq.request_id: self._requests[seq.request_id] for seq in updated})
 
@@ -317,7 +326,7 @@ class LLMEngine:
         stats = IterationStats(
             num_prompt_tokens=sum(s.num_new_tokens for s in plan.prefills),
             num_batched_tokens=plan.num_batched_tokens,
-            num_generation_tokens=len(plan.scheduled), num_preemptions=len(plan.preempted),
+            num_generation_tokens=len(plan.sampling), num_preemptions=len(plan.preempted),
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.scheduler.block_pool.usage, mode=plan.mode,
             num_swapped_out=len(plan.swap_out), num_swapped_in=len(plan.swap_in),

@@ -53,9 +53,10 @@ from dataclasses import dataclass, fields
 from typing import Iterable
 
 from scheduler.block_pool import BlockPool, blocks_for
+from scheduler.cache_tiers import HostCacheTier, carry_hashes
 from scheduler.cost_model import CostModel
 from scheduler.sequence import Sequence, SequenceStatus, Tier
-from scheduler.scheduler import (IterationPlan, PlanMode, ScheduledSeq, Scheduler, SchedulerConfig,
+from scheduler.scheduler import (BlockCopy, IterationPlan, PlanMode, ScheduledSeq, Scheduler, SchedulerConfig,
                                  SchedulerConfigError, Swap)
 
 
@@ -253,6 +254,8 @@ class NeoScheduler(Scheduler):
         self.neo = neo
         self.cost_model = cost_model
         self.cpu_pool = BlockPool(neo.num_cpu_blocks, config.block_size)
+        self.host_tier = HostCacheTier(self.prefix_cache, self.block_pool, self.cpu_pool)
+        self._admitted: list[Sequence] = []  # admitted in this iteration's step 3
         self.cpu_running: list[Sequence] = []  # in the order they became CPU-sequences: the last is the newest
         self.iteration = 0
         self._reserve_blocks = math.ceil(neo.swap_in_reserve_fraction * config.num_blocks)
@@ -282,7 +285,7 @@ class NeoScheduler(Scheduler):
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + len(self.cpu_running)
+        return len(self.running) + len(self.cpu_running) + len(self.prefilling)
 
     def has_unfinished_sequences(self) -> bool:
         return super().has_unfinished_sequences() or bool(self.cpu_running)
@@ -316,6 +319,7 @@ class NeoScheduler(Scheduler):
     # ---- planning -------------------------------------------------------------------------
     def schedule(self) -> IterationPlan:
         self.iteration += 1
+        self.host_tier.release_pins()  # normally done in update(); a failed forward never got there
         plan = IterationPlan()  # step 1
         self._charge_cpu_decodes(plan)  # step 2
         if not self._schedule_gpu_decodes(plan):
@@ -332,8 +336,14 @@ class NeoScheduler(Scheduler):
             num_placed = len(plan.batch0_cpu_decodes) + len(plan.batch1_cpu_decodes)
             self._service_average += smoothing * (num_placed - self._service_average)
             self._service_weight += smoothing * (1 - self._service_weight)
-        self.num_cpu_prefills += sum(1 for scheduled in plan.prefills if scheduled.sequence.tier is Tier.CPU)
+        self.num_cpu_prefills += sum(1 for scheduled in plan.prefills
+                                     if scheduled.sequence.tier is Tier.CPU and scheduled.samples)
+        self.host_tier.finish_plan(plan)
         return plan
+
+    def update(self, plan: IterationPlan, sampled_token_ids: list[int], logprobs=None) -> list[Sequence]:
+        self.host_tier.release_pins()  # the plan's copies ran before its forward
+        return super().update(plan, sampled_token_ids, logprobs)
 
     def _decoding_cpu_requests(self, plan: IterationPlan) -> list[Sequence]:
         """The CPU-sequences that have a token to decode: all but those `plan` prefills now."""
@@ -355,7 +365,7 @@ class NeoScheduler(Scheduler):
         for seq in list(self.cpu_running):  # oldest first
             needed = self._num_new_blocks(seq)
             while seq.status is SequenceStatus.RUNNING and not self.cpu_pool.can_allocate(needed):
-                victim = self.cpu_running[-1]
+                victim = self._newest_prefilling(Tier.CPU) or self.cpu_running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
             if seq.status is not SequenceStatus.RUNNING:
@@ -370,6 +380,10 @@ class NeoScheduler(Scheduler):
         them. Returns whether the GPU was short of blocks."""
         needed = sum(self._num_new_blocks(r) for r in self.running)
         short = needed > self.block_pool.num_free_blocks
+        while needed > self.block_pool.num_free_blocks and self._newest_prefilling(Tier.GPU):
+            victim = self._newest_prefilling(Tier.GPU)  # a prefill in progress yields first
+            self._preempt(victim)
+            plan.preempted.append(victim)
         while needed > self.block_pool.num_free_blocks:
             victim = next((r for r in reversed(self.running) if not self._in_cooldown(r)), self.running[-1])
             swappable = self.cpu_pool.can_allocate(blocks_for(victim.num_tokens, self.config.block_size))
@@ -386,17 +400,23 @@ class NeoScheduler(Scheduler):
             plan.decodes.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
         return short
 
+    def _newest_prefilling(self, tier: Tier) -> Sequence | None:
+        """The newest prefill in progress into `tier`'s pool, if any: the first to yield blocks there."""
+        return next((seq for seq in reversed(self.prefilling) if seq.tier is tier), None)
+
     def _swap_out(self, seq: Sequence, plan: IterationPlan) -> None:
         source = seq.block_ids
         destination = self.cpu_pool.allocate(len(source))
         growth = self.cpu_pool.allocate(blocks_for(seq.num_tokens, self.config.block_size) - len(source))
-        self.block_pool.free(source)
+        carry_hashes(self.block_pool, source, self.cpu_pool, destination)
+        self.block_pool.free(reversed(source))
         self.running.remove(seq)
         seq.block_ids = destination + growth
         seq.tier = Tier.CPU
         self._mark_moved(seq)
         self.cpu_running.append(seq)  # may decode on the CPU this very iteration (step 4)
         plan.swap_out.append(Swap(seq, tuple(source), tuple(destination)))
+        plan.copies.append(BlockCopy(tuple(source), tuple(destination), to_cpu=True))
         self.num_swap_out += 1
         self.num_swap_out_blocks += len(source)
 
@@ -438,13 +458,16 @@ class NeoScheduler(Scheduler):
     def _move_in(self, seq: Sequence, plan: IterationPlan) -> None:
         source = seq.block_ids  # its next token's block included (charged in step 2)
         destination = self.block_pool.allocate(len(source))
-        self.cpu_pool.free(source)
+        carry_hashes(self.cpu_pool, source, self.block_pool, destination)
+        self.host_tier.pin(source)  # read by this plan's copy: no other copy may write them
+        self.cpu_pool.free(reversed(source))
         self.cpu_running.remove(seq)
         seq.block_ids = destination
         seq.tier = Tier.GPU
         self._mark_moved(seq)
         self.running.append(seq)
         plan.swap_in.append(Swap(seq, tuple(source), tuple(destination)))
+        plan.copies.append(BlockCopy(tuple(source), tuple(destination), to_cpu=False))
         plan.decodes.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
         self.num_swap_in += 1
         self.num_swap_in_blocks += len(source)
@@ -469,35 +492,65 @@ class NeoScheduler(Scheduler):
         return max(1.0, rate * self.neo.cpu_admission_wait_fraction * self.neo.max_cpu_wait_iterations)
 
     def _schedule_prefills(self, plan: IterationPlan) -> None:
-        """Step 3: first come first served into batch-0 while the token budget and `max_num_seqs`
-        (running sequences of both tiers, as the GPU-only scheduler counts them) allow. The KV goes
-        to the GPU pool if it holds the prompt, else to the host pool (the runner copies it out layer
-        by layer) while fewer than `max_cpu_admitted` CPU-sequences run, else admission stops. None
-        in an iteration that had to preempt (the GPU-only scheduler's rule)."""
+        """Step 3: the next chunk of each prefill in progress (into the pool its admission chose),
+        then admissions, first come first served, into batch-0 while the token budget and
+        `max_num_seqs` (sequences of both tiers, as the GPU-only scheduler counts them) allow. A
+        sequence goes to the GPU pool if it holds the whole prompt, else to the host pool (the
+        runner copies its KV out layer by layer) while fewer than `max_cpu_admitted`
+        CPU-sequences run, else admission stops. No admission in an iteration that had to preempt
+        (the GPU-only scheduler's rule)."""
+        token_budget = self._continue_prefills(plan, self.config.max_num_batched_tokens - len(plan.decodes))
+        self._admitted = []
         if plan.preempted:
             return
-        cfg = self.config
-        token_budget = cfg.max_num_batched_tokens - len(plan.decodes)
-        while self.waiting and self.num_running < cfg.max_num_seqs:
-            seq = self.waiting[0]
-            num_new_tokens = seq.num_tokens - seq.num_computed_tokens
-            if num_new_tokens > token_budget:
+        for seq in list(self.waiting):
+            if token_budget <= 0 or self.num_running >= self.config.max_num_seqs:
                 break
-            num_blocks = blocks_for(seq.num_tokens, cfg.block_size) - len(seq.block_ids)
-            gpu_reserve = cfg.watermark_blocks if self.running else 0
-            cpu_reserve = self.neo.cpu_watermark_blocks if self.cpu_running else 0
-            if self.block_pool.can_allocate(num_blocks + gpu_reserve):
-                seq.tier = Tier.GPU
-            elif len(self.cpu_running) < self.max_cpu_admitted and self.cpu_pool.can_allocate(num_blocks + cpu_reserve):
-                seq.tier = Tier.CPU
-            else:
+            if self._waits_for_sibling(seq, plan):
+                continue
+            if not (self._admit_to_gpu(seq, plan) or self._admit_to_host(seq)):
                 break
-            seq.block_ids.extend(self._pool_of(seq).allocate(num_blocks))
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self._queue_of(seq).append(seq)
-            plan.prefills.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new_tokens))
-            token_budget -= num_new_tokens
+            self._admitted.append(seq)
+            token_budget -= self._start_prefill(seq, plan, token_budget)
+
+    def _admit_to_gpu(self, seq: Sequence, plan: IterationPlan) -> bool:
+        """Admit `seq` into the GPU pool if it holds the whole prompt (its watermark kept): the
+        prefix cached there is shared, and the host pool's cached continuation of it promoted
+        when copying beats computing it."""
+        block_size = self.config.block_size
+        gpu_hits = self.prefix_cache.match(seq, self.block_pool)
+        host_hits = self.prefix_cache.match(seq, self.cpu_pool, skip_blocks=len(gpu_hits))
+        reserve = self.config.watermark_blocks if self.running else 0
+        if not self._take_blocks(seq, self.block_pool, gpu_hits, reserve, "gpu"):
+            return False
+        seq.tier = Tier.GPU
+        if host_hits and self._promotion_pays(len(host_hits)):
+            promoted = seq.block_ids[len(gpu_hits):len(gpu_hits) + len(host_hits)]
+            self.host_tier.promote(host_hits, promoted, plan)
+            seq.num_committed_blocks += len(host_hits)
+            seq.num_computed_tokens += len(host_hits) * block_size
+            self.prefix_cache.record("cpu", seq.num_tokens - len(gpu_hits) * block_size, len(host_hits) * block_size)
+        return True
+
+    def _admit_to_host(self, seq: Sequence) -> bool:
+        """Admit `seq` into the host pool, a CPU-sequence from birth, while the CPU runqueue is not
+        backed up and the pool holds the whole prompt: the prefix cached there is decoded from
+        where it is."""
+        num_cpu_seqs = len(self.cpu_running) + sum(1 for r in self.prefilling if r.tier is Tier.CPU)
+        if num_cpu_seqs >= self.max_cpu_admitted:
+            return False
+        hits = self.prefix_cache.match(seq, self.cpu_pool)
+        reserve = self.neo.cpu_watermark_blocks if self.cpu_running else 0
+        if not self._take_blocks(seq, self.cpu_pool, hits, reserve, "cpu"):
+            return False
+        seq.tier = Tier.CPU
+        return True
+
+    def _promotion_pays(self, num_blocks: int) -> bool:
+        """Copying `num_blocks` cached host blocks into the GPU pool beats computing their tokens
+        again: the cost model's swap time against every layer's linear work on those tokens."""
+        cost = self.cost_model
+        return cost.swap(num_blocks) < cost.num_layers * cost.linear(num_blocks * self.config.block_size)
 
     def _new_batches(self, plan: IterationPlan) -> _TwoBatches:
         return _TwoBatches(self.cost_model, [s.num_new_tokens for s in plan.prefills], len(plan.decodes),
@@ -551,10 +604,11 @@ class NeoScheduler(Scheduler):
         decoding = self._decoding_cpu_requests(plan)
         cpu_work = self.cost_model.cpu_decode_attention(len(decoding), sum(r.num_tokens for r in decoding))
         dropped: list[Sequence] = []
+        admitted_now = {id(seq) for seq in self._admitted}
         for index in reversed(range(len(plan.prefills))):
             seq = plan.prefills[index].sequence
-            if seq.tier is not Tier.CPU:
-                continue
+            if seq.tier is not Tier.CPU or id(seq) not in admitted_now:
+                continue  # a prefill in progress keeps its chunks coming
             if cpu_work < batches.batch0_linear_time():
                 break
             length = batches.prefill_lens.pop(index)
@@ -564,12 +618,18 @@ class NeoScheduler(Scheduler):
             del plan.prefills[index]
             dropped.append(seq)
         for seq in dropped:  # newest first, each in front of the one after it
-            self.cpu_running.remove(seq)
-            self.cpu_pool.free(seq.block_ids)
-            seq.block_ids = []
-            seq.tier = Tier.GPU
-            seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
+            self._undo_admission(seq)
+
+    def _undo_admission(self, seq: Sequence) -> None:
+        """Send a sequence admitted this iteration back to the front of the waitqueue, its blocks freed."""
+        (self.prefilling if seq in self.prefilling else self.cpu_running).remove(seq)
+        if self.prefix_cache.enabled:
+            self.prefix_cache.record("cpu", seq.num_tokens, seq.num_computed_tokens, sign=-1)
+        self._free_blocks(seq)
+        seq.num_computed_tokens = 0
+        seq.tier = Tier.GPU
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
 
     def _choose_plan(self, plan: IterationPlan, batches: _TwoBatches) -> None:
         """Step 6: estimate the GPU-only plan (batch-0 less its CPU decodes), the two-batch plan

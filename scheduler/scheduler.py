@@ -1,14 +1,25 @@
-"""The GPU-only scheduler: prefill waitqueue + decode runqueue, one mixed batch per iteration.
+"""The GPU-only scheduler: waitqueue, prefills in progress and decode runqueue, one mixed batch
+per iteration under a token budget.
 
 The engine runs it when there is no host KV pool; `NeoScheduler` (scheduler/neo.py) extends it
 with the CPU tier.
 
-Each iteration every running sequence decodes one token and waiting ones are admitted as
-prefills while `max_num_seqs`, `max_num_batched_tokens` and the block pool allow (Orca's
-selective batching: prefills and decodes share the linear layers of one forward). When a
-running sequence needs a block and none is free, the newest running one is preempted:
-its blocks are freed and it goes back to the front of the waitqueue, to be recomputed from
-its prompt plus the tokens it already generated. Nothing is lost.
+Each iteration spends `max_num_batched_tokens` (chunked prefill, as vLLM v1 schedules): every
+running sequence decodes one token first, then the prefills in progress take their next chunk,
+oldest first, then waiting sequences are admitted, first come first served, while
+`max_num_seqs`, the budget and the block pool allow. There is no prefill phase: a sequence's
+`num_computed_tokens` catches up with its tokens chunk by chunk, and only the chunk that reaches
+its last token samples. Prefills and decodes share the linear layers of one forward (Orca's
+selective batching).
+
+Admission first looks the prompt up in the prefix cache (scheduler/prefix_cache.py): the full
+blocks found are shared (reference-counted) and their tokens skipped. Samples of one request
+(n > 1) after the first wait until its prompt is computed, then share its blocks.
+
+When a running sequence needs a block and none is free, the newest prefill in progress, else the
+newest running sequence, is preempted: its blocks are freed (their cached prefix stays findable)
+and it goes back to the front of the waitqueue, to be recomputed from its prompt plus the tokens
+it already generated. Nothing is lost.
 
 The scheduler only moves plain Python objects; the runner executes the plan it returns.
 """
@@ -20,7 +31,12 @@ from enum import Enum
 from typing import Any, Iterable
 
 from scheduler.block_pool import BlockPool, blocks_for
+from scheduler.prefix_cache import PrefixCache
 from scheduler.sequence import Sequence, SequenceStatus, stop_check
+
+# The token budget when none is given: vLLM's default for chunked prefill. The engine picks its
+# own per device (engine/config.py) from measurements; this is for the scheduler used alone.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 class SchedulerConfigError(ValueError):
@@ -33,23 +49,20 @@ class SchedulerConfig:
     block_size: int = 16
     max_model_len: int = 2048
     max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: max(max_model_len, 2048)
+    max_num_batched_tokens: int | None = None  # None: DEFAULT_MAX_NUM_BATCHED_TOKENS
     # Blocks kept free when admitting a prefill, so running decodes can grow for a while
     # without preempting the sequence just admitted.
     watermark_blocks: int = 1
+    enable_prefix_caching: bool = True
+    # What besides the tokens makes K/V what it is (model, dtype, quantization): the root of
+    # every block hash, so no two engines' blocks could ever be taken for each other.
+    prefix_cache_key: str = ""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
-            object.__setattr__(self, "max_num_batched_tokens", max(self.max_model_len, 2048))
+            object.__setattr__(self, "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
         if self.max_num_seqs < 1:
             raise SchedulerConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        # No chunked prefill yet: a whole prompt (or a preempted sequence's prompt + output)
-        # must fit in one iteration.
-        if self.max_num_batched_tokens < self.max_model_len:
-            raise SchedulerConfigError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}): prompts are prefilled in one iteration"
-            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise SchedulerConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
@@ -64,11 +77,14 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """One sequence's share of an iteration: compute `num_new_tokens` tokens after the cached ones."""
+    """One sequence's share of an iteration: compute `num_new_tokens` tokens after the cached
+    ones. Only a share that reaches the sequence's last token samples one; an earlier chunk of a
+    prefill does not."""
 
     sequence: Sequence
     num_computed_tokens: int
     num_new_tokens: int
+    samples: bool = True
 
     @property
     def token_ids(self) -> list[int]:
@@ -84,6 +100,16 @@ class Swap:
     sequence: Sequence
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy K/V of every layer from block `src[i]` of one pool to block `dst[i]` of the other
+    (`to_cpu`: GPU pool -> host pool). A plan's copies run in order, before its forward."""
+
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    to_cpu: bool
 
 
 class PlanMode(str, Enum):
@@ -116,6 +142,9 @@ class IterationPlan:
     batch1_cpu_decodes: list[ScheduledSeq] = field(default_factory=list)
     swap_out: list[Swap] = field(default_factory=list)  # GPU pool -> CPU pool
     swap_in: list[Swap] = field(default_factory=list)  # CPU pool -> GPU pool
+    # Every block copy of the plan, in the order it must run: the swaps above, cached prefixes
+    # demoted to the host pool and promoted back to the GPU pool.
+    copies: list[BlockCopy] = field(default_factory=list)
     mode: PlanMode = PlanMode.GPU_ONLY
     estimated_time: float | None = None  # seconds, from the cost model when there is one
     # CPU-sequences placed although a pipelining inequality breaks: they had waited too long, or
@@ -131,6 +160,11 @@ class IterationPlan:
         return self.batch0 + self.batch1_cpu_decodes
 
     @property
+    def sampling(self) -> list[ScheduledSeq]:
+        """The scheduled shares that sample a token, in `scheduled` order."""
+        return [s for s in self.scheduled if s.samples]
+
+    @property
     def num_batched_tokens(self) -> int:
         return (sum(s.num_new_tokens for s in self.prefills) + len(self.decodes)
                 + len(self.batch0_cpu_decodes) + len(self.batch1_cpu_decodes))
@@ -144,7 +178,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_pool = BlockPool(config.num_blocks, config.block_size)
+        self.prefix_cache = PrefixCache(config.block_size, config.prefix_cache_key, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # admitted, prompt not yet computed: the last is the newest
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
 
@@ -162,9 +198,10 @@ class Scheduler:
         """Finish the given sequences as aborted and free their blocks; unknown ids are ignored.
         One pass over the queues, however many sequences go."""
         wanted = set(seq_ids)
-        aborted = [r for r in (*self.waiting, *self.running) if r.seq_id in wanted]
+        aborted = [r for r in (*self.waiting, *self.prefilling, *self.running) if r.seq_id in wanted]
         if aborted:
             self.waiting = deque(r for r in self.waiting if r.seq_id not in wanted)
+            self.prefilling = [r for r in self.prefilling if r.seq_id not in wanted]
             self.running = [r for r in self.running if r.seq_id not in wanted]
             for seq in aborted:
                 self._release(seq, SequenceStatus.FINISHED_ABORTED)
@@ -174,10 +211,10 @@ class Scheduler:
         """End a sequence and free its blocks."""
         if seq.finished:
             return
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.prefilling, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self._release(seq, status, stop_reason)
 
     def _pool_of(self, seq: Sequence) -> BlockPool:
@@ -185,12 +222,17 @@ class Scheduler:
         return self.block_pool
 
     def _queue_of(self, seq: Sequence) -> list[Sequence]:
-        """The runqueue a running `seq` sits in (one here; the Neo scheduler has two)."""
+        """The runqueue a decoding `seq` sits in (one here; the Neo scheduler has two)."""
         return self.running
 
-    def _release(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
-        self._pool_of(seq).free(seq.block_ids)
+    def _free_blocks(self, seq: Sequence) -> None:
+        """Drop `seq`'s references to its blocks, tail first (scheduler/block_pool.py's order)."""
+        self._pool_of(seq).free(reversed(seq.block_ids))
         seq.block_ids = []
+        seq.num_committed_blocks = 0
+
+    def _release(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        self._free_blocks(seq)
         seq.status = status
         seq.stop_reason = stop_reason
 
@@ -200,51 +242,114 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.running) + len(self.prefilling)
 
     def has_unfinished_sequences(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     # ---- planning -------------------------------------------------------------------------
     def schedule(self) -> IterationPlan:
         plan = IterationPlan()
-        cfg = self.config
-        token_budget = cfg.max_num_batched_tokens
-
-        # 1. Decodes, oldest first; the newest running sequence yields its blocks when short.
+        # 1. Decodes, oldest first; the newest prefill in progress, else the newest running
+        # sequence, yields its blocks when short.
         index = 0
         while index < len(self.running):
             seq = self.running[index]
             if not self._grow(seq, seq.num_tokens, plan):
                 break  # `seq` was itself the newest and got preempted
             plan.decodes.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
-            token_budget -= 1
             index += 1
-
-        # 2. Prefills, first come first served; none in an iteration that had to preempt.
-        while self.waiting and not plan.preempted and len(self.running) < cfg.max_num_seqs:
-            seq = self.waiting[0]
-            num_new_tokens = seq.num_tokens - seq.num_computed_tokens
-            if num_new_tokens > token_budget:
-                break
-            num_blocks = blocks_for(seq.num_tokens, cfg.block_size) - len(seq.block_ids)
-            reserve = cfg.watermark_blocks if self.running else 0
-            if not self.block_pool.can_allocate(num_blocks + reserve):
-                break
-            seq.block_ids.extend(self.block_pool.allocate(num_blocks))
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            plan.prefills.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new_tokens))
-            token_budget -= num_new_tokens
+        token_budget = self.config.max_num_batched_tokens - len(plan.decodes)
+        # 2. The next chunk of each prefill in progress, oldest first.
+        token_budget = self._continue_prefills(plan, token_budget)
+        # 3. New prefills, first come first served; none in an iteration that had to preempt.
+        if not plan.preempted:
+            self._admit_prefills(plan, token_budget)
+        self.block_pool.take_evicted()  # no second level to keep them in
         return plan
 
+    def _continue_prefills(self, plan: IterationPlan, token_budget: int) -> int:
+        """Schedule the next chunk of every prefill in progress while the budget and its pool
+        allow; returns the budget left."""
+        for seq in list(self.prefilling):
+            if token_budget <= 0:
+                break
+            token_budget -= self._schedule_chunk(seq, plan, token_budget)
+        return token_budget
+
+    def _schedule_chunk(self, seq: Sequence, plan: IterationPlan, token_budget: int) -> int:
+        """Schedule `seq`'s next chunk of at most `token_budget` tokens (its blocks were all taken at
+        admission); a chunk reaching its last token moves it to its runqueue. Returns the tokens
+        scheduled."""
+        start = seq.num_computed_tokens
+        num_new_tokens = min(seq.num_tokens - start, token_budget)
+        final = start + num_new_tokens == seq.num_tokens
+        plan.prefills.append(ScheduledSeq(seq, start, num_new_tokens, samples=final))
+        if final:
+            self.prefilling.remove(seq)
+            self._queue_of(seq).append(seq)
+        return num_new_tokens
+
+    def _admit_prefills(self, plan: IterationPlan, token_budget: int) -> None:
+        """Admit waiting sequences in order while `max_num_seqs`, the budget and the GPU pool
+        allow; each takes its cached prefix, then its first chunk."""
+        for seq in list(self.waiting):
+            if token_budget <= 0 or self.num_running >= self.config.max_num_seqs:
+                break
+            if self._waits_for_sibling(seq, plan):
+                continue
+            hits = self.prefix_cache.match(seq, self.block_pool)
+            reserve = self.config.watermark_blocks if self.running else 0
+            if not self._take_blocks(seq, self.block_pool, hits, reserve, "gpu"):
+                break
+            token_budget -= self._start_prefill(seq, plan, token_budget)
+
+    @staticmethod
+    def _num_cached_free(pool: BlockPool, blocks: list[int]) -> int:
+        """How many of `blocks` are free (cached): taking them leaves that many fewer to allocate."""
+        return sum(1 for block in blocks if pool.ref_count(block) == 0)
+
+    def _take_blocks(self, seq: Sequence, pool: BlockPool, hits: list[int], reserve: int, tier: str) -> bool:
+        """Give `seq` its whole prompt's blocks in `pool` if it has them to spare beyond `reserve`:
+        the cached blocks `hits` shared as the start of its table, the rest allocated (a chunked
+        prefill's later chunks never wait for blocks). False, taking nothing, if short."""
+        needed = blocks_for(seq.num_tokens, self.config.block_size) - len(hits)
+        if not pool.can_allocate(needed + reserve + self._num_cached_free(pool, hits)):
+            return False
+        pool.touch(hits)
+        seq.block_ids = [*hits, *pool.allocate(needed)]
+        seq.num_committed_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.config.block_size
+        if self.prefix_cache.enabled:
+            self.prefix_cache.record(tier, seq.num_tokens, seq.num_computed_tokens)
+        return True
+
+    def _start_prefill(self, seq: Sequence, plan: IterationPlan, token_budget: int) -> int:
+        """Move an admitted `seq` (its cached prefix taken) from the waitqueue to the prefills in
+        progress and schedule its first chunk; returns the tokens scheduled."""
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.prefilling.append(seq)
+        return self._schedule_chunk(seq, plan, token_budget)
+
+    def _waits_for_sibling(self, seq: Sequence, plan: IterationPlan) -> bool:
+        """Another sample of `seq`'s request is computing the same prompt: wait for its blocks
+        rather than compute them again (only with prefix caching, for prompts of a full block)."""
+        if not self.prefix_cache.cacheable_blocks(seq) or not seq.request_id:
+            return False
+        return any(other.request_id == seq.request_id and other is not seq
+                   for other in (*self.prefilling, *(s.sequence for s in plan.prefills)))
+
+    def _victim(self) -> Sequence:
+        """Who yields its blocks: the newest prefill in progress, else the newest running sequence."""
+        return self.prefilling[-1] if self.prefilling else self.running[-1]
+
     def _grow(self, seq: Sequence, num_tokens: int, plan: IterationPlan) -> bool:
-        """Give `seq` blocks for `num_tokens` tokens, preempting the newest running
-        sequences as needed. False if `seq` itself had to be preempted."""
+        """Give `seq` blocks for `num_tokens` tokens, preempting the newest sequences as needed
+        (`_victim`). False if `seq` itself had to be preempted."""
         needed = blocks_for(num_tokens, self.config.block_size) - len(seq.block_ids)
         while needed > 0 and not self.block_pool.can_allocate(needed):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             plan.preempted.append(victim)
             if victim is seq:
@@ -254,10 +359,9 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        self._queue_of(seq).remove(seq)
-        self._pool_of(seq).free(seq.block_ids)
-        seq.block_ids = []
-        seq.num_computed_tokens = 0  # recompute prompt + generated tokens later
+        (self.prefilling if seq in self.prefilling else self._queue_of(seq)).remove(seq)
+        self._free_blocks(seq)
+        seq.num_computed_tokens = 0  # recompute prompt + generated tokens later (cached blocks help)
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -266,20 +370,26 @@ class Scheduler:
     # ---- results --------------------------------------------------------------------------
     def update(self, plan: IterationPlan, sampled_token_ids: list[int],
                logprobs: list[Any] | None = None) -> list[Sequence]:
-        """Append each scheduled sequence's sampled token (and its logprobs entry, row for row),
-        finish those that are done (`stop_check`) and free their blocks. Returns the sequences
-        that received a token, in plan order."""
+        """Advance each scheduled sequence's computed tokens and make its full blocks findable;
+        append each sampling sequence's token (and its logprobs entry; both lists follow
+        `plan.sampling`), finish those that are done (`stop_check`) and free their blocks.
+        Returns the sequences that received a token, in plan order."""
         updated = []
-        for row, (scheduled, token_id) in enumerate(zip(plan.scheduled, sampled_token_ids)):
+        sampled = iter(zip(sampled_token_ids, logprobs if logprobs is not None else [None] * len(sampled_token_ids)))
+        for scheduled in plan.scheduled:
             seq = scheduled.sequence
+            token = next(sampled) if scheduled.samples else None
             if seq.finished:  # aborted while the iteration ran
                 continue
             seq.num_computed_tokens = scheduled.num_computed_tokens + scheduled.num_new_tokens
+            self.prefix_cache.commit(seq, self._pool_of(seq))
+            if token is None:
+                continue
             if seq.sampling_params.max_tokens == 0:  # a prompt scored, nothing to generate
                 self.finish_sequence(seq, SequenceStatus.FINISHED_LENGTH)
                 updated.append(seq)
                 continue
-            seq.append_token(int(token_id), None if logprobs is None else logprobs[row])
+            seq.append_token(int(token[0]), token[1])
             stop = stop_check(seq, self.config.max_model_len)
             if stop is not None:
                 self.finish_sequence(seq, *stop)

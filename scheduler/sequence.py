@@ -59,6 +59,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)  # in the pool of `tier`
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (prefix caching)
+    num_committed_blocks: int = 0  # leading blocks of `block_ids` findable by their hash in their pool
     tier: Tier = Tier.GPU
     num_preemptions: int = 0
     num_swaps: int = 0  # moves between the pools
@@ -69,6 +71,7 @@ class Sequence:
     text: TextStream | None = None  # None: no tokenizer (token ids only, no stop strings)
     logprobs: list[Any] | None = None  # one entry per output token, when the request asked for them
     prompt_logprobs: list[Any] | None = None  # one entry per prompt token (the first None), once computed
+    partial_prompt_logprobs: list[Any] = field(default_factory=lambda: [None])  # the entries so far, chunk by chunk
     num_reported_tokens: int = 0  # output tokens already handed to the client
 
     @property
@@ -95,6 +98,17 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         """Asked for prompt logprobs and has none yet (a recomputed prefill does not redo them)."""
         return self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        """Prompt positions whose logits have already given their next token's entry."""
+        return len(self.partial_prompt_logprobs) - 1
+
+    def add_prompt_logprobs(self, entries: list[Any]) -> None:
+        """One chunk's prompt entries, in order; complete once every prompt token has one."""
+        self.partial_prompt_logprobs.extend(entries)
+        if len(self.partial_prompt_logprobs) >= self.num_prompt_tokens:
+            self.prompt_logprobs = self.partial_prompt_logprobs[:self.num_prompt_tokens]
 
     def append_token(self, token_id: int, logprob: Any = None) -> None:
         """One sampled token: into the token ids, the logprobs and the text."""

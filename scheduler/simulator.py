@@ -245,7 +245,7 @@ def simulate(scheduler: NeoScheduler, workload: Workload, cost: CostModel | None
         num_cpu_seqs += len(plan.batch0_cpu_decodes) + len(plan.batch1_cpu_decodes)
         peak_gpu_requests = max(peak_gpu_requests, scheduler.num_gpu_running)
         peak_cpu_requests = max(peak_cpu_requests, scheduler.num_cpu_running)
-        for seq in scheduler.update(plan, [SAMPLED_TOKEN] * len(plan.scheduled)):
+        for seq in scheduler.update(plan, [SAMPLED_TOKEN] * len(plan.sampling)):
             first_token.setdefault(seq.seq_id, clock)
             if seq.finished:
                 records.append(RequestRecord(seq.seq_id, seq.arrival_time,
@@ -297,8 +297,10 @@ def build_scheduler(shape: ModelShape, hardware: HardwareProfile, workload: Work
                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     num_gpu = pools.num_gpu_blocks if num_gpu_blocks is None else num_gpu_blocks
     num_cpu = (pools.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks) if cpu_attention else 0
+    # The simulated prompts are all one token repeated: they stand for distinct prompts, so nothing is cached.
     config = SchedulerConfig(num_blocks=num_gpu, block_size=block_size, max_model_len=max_model_len,
-                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             enable_prefix_caching=False)
     neo = NeoConfig.from_knobs(neo or NeoKnobs(), num_cpu)
     cost = RooflineCostModel(shape, hardware, dtype_bytes, block_size)
     setup = SystemSetup(num_gpu, num_cpu, max_model_len, max_num_batched_tokens, max_num_seqs)

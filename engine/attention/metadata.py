@@ -6,6 +6,17 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class PrefillPrefix:
+    """A prefill chunk that attends to KV already cached: its sequence's first `num_cached_tokens`
+    tokens, in `block_ids` of the GPU pool or (`on_cpu`) the host pool."""
+
+    index: int  # which prefill of the batch
+    num_cached_tokens: int
+    block_ids: tuple[int, ...]
+    on_cpu: bool
+
+
 @dataclass
 class AttentionMetadata:
     """Everything attention needs about one packed batch: prefill tokens first, then one token
@@ -19,9 +30,12 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor | None  # [num_decodes] int32, including the new token
     # Prefills bound for the host pool (Neo: CPU-requests from birth): their tokens are left out of
-    # the slots above and copied out layer by layer. (first prefill token, num_tokens, host blocks)
-    cpu_prefills: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # the slots above and copied out layer by layer.
+    # (first prefill row, num_tokens, position of the first, host blocks from position 0)
+    cpu_prefills: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
     slot_rows: torch.Tensor | None = None  # [num_slots] prefill tokens the slots are for; None: all
+    # chunks after the first (chunked prefill) and prompts after a cached prefix
+    prefill_prefixes: tuple[PrefillPrefix, ...] = ()
 
     @property
     def num_decodes(self) -> int:

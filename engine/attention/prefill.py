@@ -1,26 +1,64 @@
-"""Causal prefill attention over packed sequences (varlen, no padding) through torch's SDPA."""
+"""Causal prefill attention over packed sequences (varlen, no padding) through torch's SDPA; a
+chunk after a cached prefix (chunked prefill, prefix caching) attends to the prefix's K/V too."""
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
-                      scale: float) -> torch.Tensor:
+                      scale: float, prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """Causal attention over packed sequences, each through SDPA on its own tokens (no padding).
+    `prefixes`: for a sequence (by its index) whose chunk follows cached tokens, their K/V
+    [num_cached, kv_heads, head_dim], which every row of the chunk sees.
 
     q [num_tokens, num_heads, head_dim], k/v [num_tokens, kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]
     """
     out = torch.empty_like(q)
     start = 0
-    for length in seq_lens:
+    for index, length in enumerate(seq_lens):
         end = start + length
+        keys, values, mask = k[start:end], v[start:end], None
+        prefix = prefixes.get(index) if prefixes else None
+        if prefix is not None:
+            keys, values = torch.cat([prefix[0], keys]), torch.cat([prefix[1], values])
+            mask = chunk_mask(length, prefix[0].shape[0], q.device)
         # SDPA wants [batch, heads, tokens, head_dim]
         out[start:end] = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1).unsqueeze(0),
-            k[start:end].transpose(0, 1).unsqueeze(0),
-            v[start:end].transpose(0, 1).unsqueeze(0),
-            is_causal=True, scale=scale, enable_gqa=True,
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
         ).squeeze(0).transpose(0, 1)
         start = end
     return out
+
+
+def chunk_mask(num_rows: int, num_cached: int, device: torch.device) -> torch.Tensor:
+    """[num_rows, num_cached + num_rows] bool: row i sees the cached tokens and the chunk's first i + 1."""
+    return torch.ones(num_rows, num_cached + num_rows, dtype=torch.bool, device=device).tril(diagonal=num_cached)
+
+
+def paged_prefill(kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, seq_lens: list[int], prefixes: list[tuple[int, int, tuple[int, ...]]],
+                  scale: float) -> torch.Tensor:
+    """Every prefill of a batch in one call of kernels/triton/paged_prefill.py (`kernels`: that
+    module), each chunk reading its cached prefix straight from one layer's pool instead of
+    gathering it. `prefixes`: (prefill index, cached tokens, block ids) of the chunks that have one.
+
+    q [num_tokens, num_heads, head_dim], k/v [num_tokens, kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]
+    """
+    device = q.device
+    num_cached = [0] * len(seq_lens)
+    tables = [()] * len(seq_lens)
+    for index, cached, blocks in prefixes:
+        num_cached[index], tables[index] = cached, blocks
+    width = max(1, max(len(table) for table in tables))
+    block_tables = torch.tensor([[*table, *[0] * (width - len(table))] for table in tables],
+                                dtype=torch.int32, device=device)
+    query_start = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32, device=device)
+    return kernels.paged_prefill_attention(q, k, v, key_cache, value_cache, block_tables,
+                                           torch.tensor(num_cached, dtype=torch.int32, device=device),
+                                           query_start, scale)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, CpuDecodeMetadata
+from engine.attention.metadata import PrefillPrefix
 from scheduler.sequence import Tier
 from scheduler.scheduler import ScheduledSeq
 
@@ -40,9 +41,10 @@ def build_batch(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], c
     token_ids, positions, last_indices, prompt_rows, prompt_spans = [], [], [], [], []
     for index, seq in enumerate((*prefills, *gpu_decodes, *cpu_decodes)):
         start, count = seq.num_computed_tokens, seq.num_new_tokens
-        if start == 0 and seq.sequence.wants_prompt_logprobs:  # a whole prompt, prefilled now
-            prompt_rows.extend(range(len(token_ids), len(token_ids) + count - 1))
-            prompt_spans.append((index, count - 1))
+        if index < len(prefills) and seq.sequence.wants_prompt_logprobs:
+            first, end = prompt_logprob_positions(seq)
+            prompt_rows.extend(range(len(token_ids) + first - start, len(token_ids) + end - start))
+            prompt_spans.append((index, end - first))
         token_ids.extend(seq.token_ids)
         positions.extend(range(start, start + count))
         last_indices.append(len(token_ids) - 1)
@@ -58,20 +60,29 @@ def build_batch(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], c
     )
 
 
+def prompt_logprob_positions(seq: ScheduledSeq) -> tuple[int, int]:
+    """The positions [first, end) of a prefill chunk whose logits give prompt logprobs: each
+    predicts the prompt token after it, so the prompt's last position gives none, and positions
+    an earlier run already scored (before a preemption) give none again."""
+    start = max(seq.num_computed_tokens, seq.sequence.num_prompt_logprob_rows)
+    end = min(seq.num_computed_tokens + seq.num_new_tokens, seq.sequence.num_prompt_tokens - 1)
+    return start, max(start, end)
+
+
 def _gpu_metadata(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], block_size: int,
                           device: torch.device) -> AttentionMetadata:
-    """Where each prefill token's K/V goes (GPU slots, or a host-pool copy-out) and the
-    GPU decodes' block tables."""
-    slots, slot_rows, cpu_prefills, prefill_seq_lens = [], [], [], []
+    """Where each prefill token's K/V goes (GPU slots, or a host-pool copy-out), the cached
+    prefixes chunks attend to, and the GPU decodes' block tables."""
+    slots, slot_rows, cpu_prefills, prefill_seq_lens, prefixes = [], [], [], [], []
     row = 0
-    for seq in prefills:
+    for index, seq in enumerate(prefills):
         table, start, count = seq.sequence.block_ids, seq.num_computed_tokens, seq.num_new_tokens
         prefill_seq_lens.append(count)
-        if seq.sequence.tier is Tier.CPU:
-            if start != 0:
-                raise RuntimeError(f"sequence {seq.sequence.seq_id}: a prefill bound for the host pool "
-                                   f"must start at position 0, not {start}")
-            cpu_prefills.append((row, count, tuple(table)))
+        on_cpu = seq.sequence.tier is Tier.CPU
+        if start:
+            prefixes.append(PrefillPrefix(index, start, tuple(table[:-(-start // block_size)]), on_cpu))
+        if on_cpu:
+            cpu_prefills.append((row, count, start, tuple(table)))
         else:
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + count))
             slot_rows.extend(range(row, row + count))
@@ -87,6 +98,7 @@ def _gpu_metadata(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq],
         decode_context_lens=context_lens,
         cpu_prefills=tuple(cpu_prefills),
         slot_rows=torch.tensor(slot_rows, dtype=torch.int64, device=device) if cpu_prefills else None,
+        prefill_prefixes=tuple(prefixes),
     )
 
 

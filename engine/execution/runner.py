@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from engine.attention import create_decode_backend
-from engine.execution.batch import build_batch
+from engine.execution.batch import build_batch, prompt_logprob_positions
 from engine.execution.cores import CoreAssignment
 from engine.execution.pipeline import PipelineTimes, pipelined_forward
 from engine.execution.queues import GpuQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
@@ -31,13 +31,13 @@ from scheduler.scheduler import IterationPlan, PlanMode
 
 @dataclass
 class RunnerOutput:
-    """One sampled token per scheduled sequence, in plan order (batch-0, then batch-1)."""
+    """One sampled token per sampling share of the plan (`plan.sampling`), in plan order."""
 
     sampled: SamplerOutput
     forward_time: float = 0.0  # seconds from the first queued work to the logits
     pipeline: PipelineTimes | None = None  # pipelined plans only
-    # row of plan.scheduled -> its prompt's logprobs, for prefills that asked for them
-    prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
+    # row of plan.scheduled -> the prompt logprobs entries its chunk gave, for prefills that asked for them
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,8 +108,9 @@ class ModelRunner:
         start = time.perf_counter()
         logits = self._forward(plan)
         forward_time = time.perf_counter() - start
-        sequences = [s.sequence for s in plan.scheduled]
-        sampled = self.sampler(logits.rows[:len(sequences)], sequences)
+        rows = [row for row, scheduled in enumerate(plan.scheduled) if scheduled.samples]
+        sampling_rows = logits.rows[rows] if len(rows) < len(plan.scheduled) else logits.rows[:len(rows)]
+        sampled = self.sampler(sampling_rows, [plan.scheduled[row].sequence for row in rows])
         return RunnerOutput(sampled, forward_time, logits.pipeline, self._prompt_logprobs(plan, logits))
 
     @torch.inference_mode()
@@ -123,12 +124,14 @@ class ModelRunner:
         return self._forward(plan).rows[:len(plan.scheduled)]
 
     @staticmethod
-    def _prompt_logprobs(plan: IterationPlan, logits: ForwardLogits) -> dict[int, list[TokenLogprob | None]]:
+    def _prompt_logprobs(plan: IterationPlan, logits: ForwardLogits) -> dict[int, list[TokenLogprob]]:
         result, first_row = {}, len(plan.scheduled)
         for row, num_rows in logits.prompt_spans:
-            seq = plan.scheduled[row].sequence
-            result[row] = prompt_logprobs(logits.rows[first_row:first_row + num_rows], seq.prompt_token_ids,
-                                          seq.sampling_params.prompt_logprobs)
+            scheduled = plan.scheduled[row]
+            first, end = prompt_logprob_positions(scheduled)
+            targets = scheduled.sequence.prompt_token_ids[first + 1:end + 1]
+            result[row] = prompt_logprobs(logits.rows[first_row:first_row + num_rows], targets,
+                                          scheduled.sequence.sampling_params.prompt_logprobs)
             first_row += num_rows
         return result
 
@@ -142,7 +145,7 @@ class ModelRunner:
                 raise
 
     def _forward_on_cores(self, plan: IterationPlan) -> ForwardLogits:
-        self._swap(plan)
+        self._copy_blocks(plan)
         if plan.mode == PlanMode.GPU_ONLY and not (plan.batch0_cpu_decodes or plan.batch1_cpu_decodes):
             batch = self._build_batch(plan.prefills, plan.decodes, [])
             output_rows = torch.cat([batch.last_indices, batch.prompt_rows])
@@ -163,12 +166,14 @@ class ModelRunner:
     def _build_batch(self, prefills, gpu_decodes, cpu_decodes):
         return build_batch(prefills, gpu_decodes, cpu_decodes, self.block_size, self.device)
 
-    def _swap(self, plan: IterationPlan) -> None:
-        if not (plan.swap_out or plan.swap_in):
+    def _copy_blocks(self, plan: IterationPlan) -> None:
+        """The plan's block copies (swaps, demotions, promotions), in its order, before the forward."""
+        if not plan.copies:
             return
-        if plan.swap_out and plan.swap_in:
-            # a swap-in may reuse GPU blocks a swap-out still has to read, and the other way round
-            raise RuntimeError("a plan must not swap out and swap in in the same iteration")
-        kv, to_cpu = self.kv_cache, bool(plan.swap_out)
-        moves = plan.swap_out or plan.swap_in
-        self.gpu.submit_copy(lambda: kv.copy_blocks(moves, to_cpu=to_cpu)).result()
+        kv = self.kv_cache
+
+        def copy_all() -> None:
+            for copy in plan.copies:
+                kv.copy_blocks([copy], to_cpu=copy.to_cpu)
+
+        self.gpu.submit_copy(copy_all).result()

@@ -114,8 +114,8 @@ def budgets(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
 
 
 def workload(config: EngineConfig, max_model_len: int) -> Workload:
-    max_tokens = config.max_num_batched_tokens or max(max_model_len, 2048)  # the scheduler's default
-    return Workload(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_tokens,
+    return Workload(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+                    max_num_batched_tokens=config.batched_tokens_budget,
                     block_size=config.cache.block_size,
                     context_len=min(config.weights.expected_context_len or max_model_len, max_model_len),
                     layers_in_use=2 if config.cpu_attention_enabled else 1)

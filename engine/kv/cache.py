@@ -62,11 +62,26 @@ class KVCache:
         self.key_rows(layer)[slot_blocks, :, slot_offsets] = key
         self.value[layer][slot_blocks, :, slot_offsets] = value
 
-    def write_blocks(self, layer: int, key: torch.Tensor, value: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Store one sequence's K/V from position 0 [num_tokens, kv_heads, head_dim] into `block_ids`,
-        one copy per run of adjacent blocks. The source may live on another device: this is the
-        layer-by-layer copy-out of a prefill bound for the host pool (asynchronous into pinned memory)."""
+    def write_blocks(self, layer: int, key: torch.Tensor, value: torch.Tensor, block_ids: Sequence[int],
+                     start: int = 0) -> None:
+        """Store one sequence's K/V of positions `start..` [num_tokens, kv_heads, head_dim] into its
+        table `block_ids` (from position 0), one copy per run of adjacent whole blocks. The source
+        may live on another device: this is the layer-by-layer copy-out of a prefill bound for the
+        host pool (asynchronous into pinned memory)."""
+        head = min(-start % self.block_size, key.shape[0])  # rows finishing a block begun earlier
+        if head:
+            block, offset = block_ids[start // self.block_size], start % self.block_size
+            self.key_rows(layer)[block, :, offset:offset + head] = key[:head].transpose(0, 1).to(self.key.device)
+            self.value[layer, block, :, offset:offset + head] = value[:head].transpose(0, 1).to(self.value.device)
+            key, value, start = key[head:], value[head:], start + head
+        if key.shape[0]:
+            self._write_whole_blocks(layer, key, value, block_ids[start // self.block_size:])
+
+    def _write_whole_blocks(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                            block_ids: Sequence[int]) -> None:
+        """`key`/`value` rows from the start of `block_ids[0]` on."""
         num_tokens, kv_heads, head_dim = key.shape
+        block_ids = block_ids[:-(-num_tokens // self.block_size)]
         padded = len(block_ids) * self.block_size
         # [blocks, block_size, kv_heads, head_dim] -> keys [blocks, kv_heads, head_dim, block_size],
         # values [blocks, kv_heads, block_size, head_dim]: the pool's own layout, so each run's
@@ -77,6 +92,16 @@ class KVCache:
             blocks = rows.view(len(block_ids), self.block_size, kv_heads, head_dim).permute(order)
             for src, dst, count in block_runs(range(len(block_ids)), block_ids):
                 cache[layer, dst:dst + count].copy_(blocks[src:src + count], non_blocking=True)
+
+    def gather(self, layer: int, block_ids: Sequence[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V of a sequence's first `num_tokens` positions, from its table `block_ids`:
+        -> key, value [num_tokens, kv_heads, head_dim] (copies, on the pool's device)."""
+        index = torch.as_tensor(block_ids, dtype=torch.int64, device=self.value.device)
+        kv_heads, head_dim = self.value.shape[2], self.value.shape[4]
+        # [blocks, kv_heads, block_size, head_dim] -> [blocks * block_size, kv_heads, head_dim]
+        key = self.key_rows(layer)[index].transpose(1, 2).reshape(-1, kv_heads, head_dim)
+        value = self.value[layer][index].transpose(1, 2).reshape(-1, kv_heads, head_dim)
+        return key[:num_tokens], value[:num_tokens]
 
 
 class BlockMove(Protocol):

@@ -7,6 +7,8 @@ two sub-batches stage by stage with the very same functions.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.attention import AttentionMetadata, DecodeAttentionBackend, prefill_attention
+from engine.attention.prefill import paged_prefill
 from engine.attention.decode import CpuPagedDecode
 from engine.kv import TwoTierKVCache
 from engine.model.config import ModelConfig
@@ -55,6 +58,12 @@ def attention_weights(w: dict, make: Make, device: torch.device) -> dict:
     projections (attention_linears)."""
     return dict(input_norm=w["input_layernorm"].to(device), post_norm=w["post_attention_layernorm"].to(device),
                 **attention_linears(w, make))
+
+
+def _paged_prefill_kernels(device: torch.device):
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    return importlib.import_module("kernels.triton.paged_prefill")
 
 
 @dataclass
@@ -156,6 +165,8 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.decode_backend = decode_backend
+        # kernels/triton/paged_prefill.py on CUDA (chunks read their cached prefix in place); None: gather + SDPA
+        self.paged_prefill_kernels = _paged_prefill_kernels(self.device)
         self.scale = config.head_dim ** -0.5
         self.linear_method = linear_method or create_linear_method("dense")
 
@@ -252,8 +263,8 @@ class LlamaModel:
         out = torch.empty_like(q) if out is None else out
         if num_prefill:
             self._store_prefill(layer, k[:num_prefill], v[:num_prefill], kv_cache, meta)
-            out[:num_prefill] = prefill_attention(
-                q[:num_prefill], k[:num_prefill], v[:num_prefill], meta.prefill_seq_lens, self.scale)
+            out[:num_prefill] = self._prefill_attention(layer, q[:num_prefill], k[:num_prefill], v[:num_prefill],
+                                                        kv_cache, meta)
         if meta.num_decodes:
             gpu = kv_cache.gpu
             out[num_prefill:num_rows] = self.decode_backend.forward(
@@ -262,6 +273,27 @@ class LlamaModel:
                 k[num_prefill:num_rows], v[num_prefill:num_rows])
         return out
 
+    def _prefill_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           kv_cache: TwoTierKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """The prefills' attention: chunks after a cached prefix read it from the GPU pool in the
+        Triton kernel where there is one, else gathered (from either pool) for SDPA."""
+        prefixes = meta.prefill_prefixes
+        if prefixes and self.paged_prefill_kernels is not None and not any(p.on_cpu for p in prefixes):
+            gpu = kv_cache.gpu
+            return paged_prefill(self.paged_prefill_kernels, q, k, v, gpu.key[layer], gpu.value[layer],
+                                 meta.prefill_seq_lens, [(p.index, p.num_cached_tokens, p.block_ids) for p in prefixes],
+                                 self.scale)
+        return prefill_attention(q, k, v, meta.prefill_seq_lens, self.scale, self._cached_prefixes(layer, kv_cache, meta))
+
+    def _cached_prefixes(self, layer: int, kv_cache: TwoTierKVCache,
+                         meta: AttentionMetadata) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The K/V each chunk after a cached prefix attends to, gathered from its pool onto the GPU."""
+        prefixes = {}
+        for prefix in meta.prefill_prefixes:
+            key, value = kv_cache.pool(prefix.on_cpu).gather(layer, prefix.block_ids, prefix.num_cached_tokens)
+            prefixes[prefix.index] = (key.to(self.device, non_blocking=True), value.to(self.device, non_blocking=True))
+        return prefixes
+
     @staticmethod
     def _store_prefill(layer: int, k: torch.Tensor, v: torch.Tensor, kv_cache: TwoTierKVCache,
                        meta: AttentionMetadata) -> None:
@@ -269,9 +301,9 @@ class LlamaModel:
             kv_cache.gpu.write(layer, k, v, meta.slot_blocks, meta.slot_offsets)
         elif meta.slot_rows.numel():
             kv_cache.gpu.write(layer, k[meta.slot_rows], v[meta.slot_rows], meta.slot_blocks, meta.slot_offsets)
-        for start, count, host_blocks in meta.cpu_prefills:  # this layer's copy-out
-            kv_cache.pool(on_cpu=True).write_blocks(layer, k[start:start + count], v[start:start + count],
-                                                    host_blocks)
+        for row, count, position, host_blocks in meta.cpu_prefills:  # this layer's copy-out
+            kv_cache.pool(on_cpu=True).write_blocks(layer, k[row:row + count], v[row:row + count],
+                                                    host_blocks, position)
 
     def post_proj(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """O-proj, residual, RMSNorm, SwiGLU MLP, residual. attn_out [num_tokens, num_heads * head_dim]

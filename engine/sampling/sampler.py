@@ -296,10 +296,11 @@ def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor,
     return chosen, [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
 
 
-def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], num_top: int) -> list[TokenLogprob | None]:
-    """One entry per prompt token: None for the first (nothing predicts it), then each token's
-    logprob from the prefill's logits at the position before it. logits [num_prompt_tokens - 1, vocab]."""
-    targets = prompt_token_ids[1:]
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> list[TokenLogprob]:
+    """The entries of the prompt tokens `targets`, each from the logits at the position before
+    it (a prefill chunk's rows). logits [len(targets), vocab]."""
+    if not targets:
+        return []
     chosen, top = logprobs_of(logits, torch.tensor(targets, device=logits.device), num_top)
-    return [None, *(TokenLogprob(token_id, logprob, alternatives)
-                    for token_id, logprob, alternatives in zip(targets, chosen, top))]
+    return [TokenLogprob(token_id, logprob, alternatives)
+            for token_id, logprob, alternatives in zip(targets, chosen, top)]

@@ -6,13 +6,13 @@ are given (a GPU whose linear work is memory-bound, a CPU whose attention is che
 pipelined plan wins often. The same prompts through the plain GPU-only engine must give the same
 tokens, on the serial inline queue and on the host-only testbed.
 """
-import json
 import os
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from offload_costs import write_cost_tables
 from engine.weights import EMBEDDED_MODEL, create_loader
 from scheduler.sequence import Tier
 from scheduler.scheduler import PlanMode
@@ -29,19 +29,6 @@ PROMPTS = [
 ]
 MAX_TOKENS = [40, 24, 48, 32, 44, 28, 36, 20]
 TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
-
-
-def cost_tables(num_layers: int) -> dict:
-    """Per-layer seconds: linear work flat in tokens (weight reads dominate), cheap CPU attention."""
-    return {
-        "num_layers": num_layers,
-        "linear": [[1, 1e-3], [64, 1.05e-3], [2048, 4e-3]],
-        "prefill_attention": [[1, 1e-6], [2048, 1e-3]],
-        "gpu_decode_attention": [[1, 1e-7], [100000, 1e-3]],
-        "cpu_decode_attention": {"xs": [1, 64], "ys": [1, 100000], "zs": [[1e-6, 2e-3], [2e-6, 2e-3]]},
-        "head": [[1, 1e-4], [64, 2e-4]],
-        "swap_per_block": 1e-6,
-    }
 
 
 ALL_PATHS = {"swap-out", "swap-in", "CPU-bound prefill", "CPU decode in batch-0", "CPU decode in batch-1"}
@@ -74,12 +61,6 @@ def generate_recording_paths(llm, prompts, params):
     assert scheduler.block_pool.num_free_blocks == scheduler.block_pool.num_blocks
     assert scheduler.cpu_pool.num_free_blocks == scheduler.cpu_pool.num_blocks
     return outputs, seen
-
-
-def write_cost_tables(tmp_path, num_layers):
-    tables = tmp_path / "costs.json"
-    tables.write_text(json.dumps(cost_tables(num_layers)))
-    return str(tables)
 
 
 @pytest.fixture(scope="module")

@@ -46,9 +46,11 @@ def make_cost_model(cpu_seconds_per_token=2e-6, num_layers=4, linear_seconds=1e-
 
 
 def make_scheduler(num_gpu_blocks=16, num_cpu_blocks=64, max_model_len=48, max_num_seqs=32, cost_model=None,
-                   watermark_blocks=1, **neo):
+                   watermark_blocks=1, enable_prefix_caching=False, **neo):
+    # these prompts share prefixes; tests/scheduler/test_prefix_cache.py covers caching across the tiers
     config = SchedulerConfig(num_blocks=num_gpu_blocks, block_size=BLOCK_SIZE, max_model_len=max_model_len,
-                             max_num_seqs=max_num_seqs, watermark_blocks=watermark_blocks)
+                             max_num_seqs=max_num_seqs, watermark_blocks=watermark_blocks,
+                             enable_prefix_caching=enable_prefix_caching)
     return NeoScheduler(config, NeoConfig(num_cpu_blocks=num_cpu_blocks, **neo), cost_model or make_cost_model())
 
 
@@ -61,7 +63,7 @@ def step(sched, token=7):
     """One iteration with a fake runner that samples `token` for every scheduled sequence."""
     plan = sched.schedule()
     check_blocks(sched)
-    sched.update(plan, [token] * len(plan.scheduled))
+    sched.update(plan, [token] * len(plan.sampling))
     return plan
 
 
@@ -108,10 +110,12 @@ def check_blocks(sched):
     running sequence's blocks cover all its tokens and sit in the pool of its tier."""
     for pool, queue, tier in ((sched.block_pool, sched.running, Tier.GPU),
                               (sched.cpu_pool, sched.cpu_running, Tier.CPU)):
-        owned = [b for r in queue for b in r.block_ids]
+        prefilling = [r for r in sched.prefilling if r.tier is tier]
+        owned = [b for r in (*queue, *prefilling) for b in r.block_ids]
         assert len(owned) == len(set(owned)), "a block owned twice"
         assert all(0 <= b < pool.num_blocks for b in owned)
-        assert len(owned) + pool.num_free_blocks == pool.num_blocks
+        pinned = len(sched.host_tier._pinned) if tier is Tier.CPU else 0
+        assert len(owned) + pool.num_free_blocks + pinned == pool.num_blocks
         for r in queue:
             assert r.tier is tier and r.status is SequenceStatus.RUNNING
             assert len(r.block_ids) * BLOCK_SIZE >= r.num_tokens
@@ -190,9 +194,11 @@ def test_config_validation():
 
 
 # ---- exact GPU-only behaviour without a host pool ---------------------------------------------
-@pytest.mark.parametrize("seed", range(6))
-def test_empty_host_pool_reproduces_v0(seed):
-    config = SchedulerConfig(num_blocks=16, block_size=BLOCK_SIZE, max_model_len=40, max_num_seqs=6, watermark_blocks=1)
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_empty_host_pool_reproduces_v0(seed, caching):
+    config = SchedulerConfig(num_blocks=16, block_size=BLOCK_SIZE, max_model_len=40, max_num_seqs=6, watermark_blocks=1,
+                             max_num_batched_tokens=24, enable_prefix_caching=caching)
     v0 = Scheduler(config)
     neo = NeoScheduler(config, NeoConfig(num_cpu_blocks=0), make_cost_model())
     rng = random.Random(seed)
@@ -200,8 +206,9 @@ def test_empty_host_pool_reproduces_v0(seed):
     for index in range(400):
         if len(pairs) < 60 and rng.random() < 0.4:
             num_prompt_tokens, max_tokens = rng.randint(1, 20), rng.randint(1, 20)  # max_model_len 40
-            pair = (make_sequence(f"r{len(pairs)}", num_prompt_tokens, max_tokens),
-                    make_sequence(f"r{len(pairs)}", num_prompt_tokens, max_tokens))
+            prompt = [rng.choice((100, 101)) for _ in range(num_prompt_tokens)]  # a few shared prefixes
+            pair = tuple(Sequence(f"r{len(pairs)}", list(prompt), SamplingParams(max_tokens=max_tokens),
+                                  eos_token_ids=(EOS,)) for _ in range(2))
             pairs.append(pair)
             v0.add_sequence(pair[0])
             neo.add_sequence(pair[1])
@@ -474,7 +481,7 @@ def test_bounded_wait_even_when_cpu_attention_looks_terrible(max_wait):
         for seq in plan.forced:
             assert plan.mode == PlanMode.PIPELINED
             assert seq in [s.sequence for s in plan.batch0_cpu_decodes + plan.batch1_cpu_decodes]
-        for updated in sched.update(plan, [5] * len(plan.scheduled)):
+        for updated in sched.update(plan, [5] * len(plan.sampling)):
             last_token[updated.seq_id] = iteration
         # one overdue sequence is forced per iteration, longest waiting first: a sequence waits at
         # most max_wait iterations plus one for each overdue sequence ahead of it
@@ -527,7 +534,7 @@ def test_a_plan_never_idles_while_cpu_requests_wait():
         assert not plan.swap_in and not plan.decodes  # cooldown
         # the engine runs it on the CPU in batch-0 (a pipelined forward needs a batch-0)
         assert ids(plan.batch0_cpu_decodes) == ["3"] and ids_of(plan.forced) == ["3"] and plan.mode == PlanMode.PIPELINED
-        sched.update(plan, [5] * len(plan.scheduled))
+        sched.update(plan, [5] * len(plan.sampling))
 
 
 # ---- no swap ping-pong ------------------------------------------------------------------------------

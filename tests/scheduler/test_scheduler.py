@@ -20,12 +20,13 @@ def make_sequence(seq_id, num_prompt_tokens=10, **params):
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=64, **kw):
+    kw.setdefault("enable_prefix_caching", False)  # these prompts share prefixes; tests/scheduler/test_prefix_cache.py covers caching
     return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
                                      max_model_len=max_model_len, **kw))
 
 
 def fake_tokens(plan, token=7):
-    return [token] * len(plan.scheduled)
+    return [token] * len(plan.sampling)
 
 
 def test_scheduler_does_not_import_torch():
@@ -76,7 +77,16 @@ def test_limits_on_seqs_and_tokens():
     for i in range(3):
         sched.add_sequence(make_sequence(i, num_prompt_tokens=30))
     plan = sched.schedule()
-    assert len(plan.prefills) == 2  # the third would exceed 64 tokens
+    # the budget's last 4 tokens go to the third prompt's first chunk, which samples nothing
+    assert [(s.num_new_tokens, s.samples) for s in plan.prefills] == [(30, True), (30, True), (4, False)]
+    assert plan.sampling == plan.prefills[:2]
+    sched.update(plan, fake_tokens(plan))
+    third = plan.prefills[2].sequence
+    assert third.num_computed_tokens == 4 and not third.output_token_ids
+    plan = sched.schedule()  # two decodes, then the rest of the third prompt
+    assert len(plan.decodes) == 2
+    assert [(s.sequence, s.num_computed_tokens, s.num_new_tokens, s.samples) for s in plan.prefills] == [
+        (third, 4, 26, True)]
 
 
 def test_preempts_newest_and_recomputes_with_generated_tokens():

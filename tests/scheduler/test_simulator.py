@@ -118,7 +118,7 @@ def test_iteration_time_follows_the_plan_mode():
                                          swap_in=plan.swap_in, mode=PlanMode.GPU_ONLY)
             assert seconds >= iteration_time(batch0_alone, cost)
             num_pipelined += 1
-        scheduler.update(plan, [0] * len(plan.scheduled))
+        scheduler.update(plan, [0] * len(plan.sampling))
     assert num_pipelined > 0
 
 

@@ -18,7 +18,7 @@ from engine.weights import create_loader
 from scheduler.block_pool import BlockPool, blocks_for
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence, Tier
-from scheduler.scheduler import IterationPlan, PlanMode, ScheduledSeq, Swap
+from scheduler.scheduler import BlockCopy, IterationPlan, PlanMode, ScheduledSeq, Swap
 from tiny_moe import randomize_routers_norms_and_biases
 
 BLOCK_SIZE = 4
@@ -71,6 +71,10 @@ class Pools:
         self.pools[request.tier].free(request.block_ids)
         request.block_ids, request.tier = new, tier
         return swap
+
+
+def copy_of(swap, to_cpu):
+    return BlockCopy(swap.src_blocks, swap.dst_blocks, to_cpu)
 
 
 def prefill(request, pools):
@@ -137,13 +141,13 @@ def test_two_tier_pipeline_matches_hf(tiny_model, device):
         swap = pools.move(gpu_b, Tier.CPU)
         plan = IterationPlan(decodes=[decode(gpu_a, pools), decode(late, pools)],
                              batch1_cpu_decodes=[decode(r, pools) for r in (gpu_b, cpu_c, cpu_d, cpu_e)],
-                             swap_out=[swap], mode=PlanMode.PIPELINED)
+                             swap_out=[swap], copies=[copy_of(swap, to_cpu=True)], mode=PlanMode.PIPELINED)
         check_and_advance(runner, hf_model, plan, gen)
         # 4. swap cpu-d in; only batch-0 has CPU work; then a GPU-only plan over the GPU-requests
         swap = pools.move(cpu_d, Tier.GPU)
         plan = IterationPlan(decodes=[decode(r, pools) for r in (gpu_a, late, cpu_d)],
                              batch0_cpu_decodes=[decode(r, pools) for r in (gpu_b, cpu_e)],
-                             swap_in=[swap], mode=PlanMode.PIPELINED)
+                             swap_in=[swap], copies=[copy_of(swap, to_cpu=False)], mode=PlanMode.PIPELINED)
         check_and_advance(runner, hf_model, plan, gen)
         plan = IterationPlan(decodes=[decode(r, pools) for r in (gpu_a, late, cpu_d)])
         check_and_advance(runner, hf_model, plan, gen)
