@@ -543,6 +543,8 @@ class NeoScheduler(Scheduler):
         reserve = self.neo.cpu_watermark_blocks if self.cpu_running else 0
         if not self._take_blocks(seq, self.cpu_pool, hits, reserve, "cpu"):
             return False
+        if self.prefix_cache.enabled:  # every admission counts its prompt once against the GPU pool
+            self.prefix_cache.record("gpu", seq.num_tokens, 0)
         seq.tier = Tier.CPU
         return True
 
@@ -624,6 +626,7 @@ class NeoScheduler(Scheduler):
         """Send a sequence admitted this iteration back to the front of the waitqueue, its blocks freed."""
         (self.prefilling if seq in self.prefilling else self.cpu_running).remove(seq)
         if self.prefix_cache.enabled:
+            self.prefix_cache.record("gpu", seq.num_tokens, 0, sign=-1)
             self.prefix_cache.record("cpu", seq.num_tokens, seq.num_computed_tokens, sign=-1)
         self._free_blocks(seq)
         seq.num_computed_tokens = 0

@@ -11,8 +11,9 @@ A prompt's hit is capped below its last token: the last prompt token is always c
 logits, and hits are whole blocks, so the block holding that token is computed again in a block
 of the sequence's own (no sequence ever writes into a shared block).
 
-Counters follow vLLM's: queries and hits in tokens, per KV tier looked up (the GPU pool first,
-then the host pool for what the GPU pool missed).
+Counters follow vLLM's: queries and hits in tokens, per KV tier looked up. Every admitted prompt
+counts all its tokens as GPU-pool queries; the host pool's queries are the tokens it was asked
+for after the GPU pool's hits, so the overall hit rate is the hits of both over the GPU's queries.
 """
 from __future__ import annotations
 

@@ -185,3 +185,22 @@ def test_malformed_input_is_refused(paged, gen, corrupt, message):
     problem = make_problem(gen, [(4, 3), (0, 2)], 2, 2, 64, 16)
     with pytest.raises(ValueError, match=message):
         paged.paged_prefill_attention(**corrupt(problem))
+
+
+def test_engine_wrapper_matches_the_gathered_sdpa_path(paged, gen):
+    """engine/attention/prefill.py's `paged_prefill` (the CUDA path of LlamaModel's prefill
+    attention) against its gather + SDPA path over a real KV pool: a whole prompt, a chunk after
+    an unaligned prefix and one after a block-aligned prefix, packed in one batch."""
+    from engine.attention.prefill import paged_prefill, prefill_attention
+    problem = make_problem(gen, [(0, 7), (5, 6), (8, 3)], num_kv_heads=2, group=2, head_dim=16, block_size=4)
+    seq_lens = [7, 6, 3]
+    prefixes = [(index, int(problem["num_cached"][index]), tuple(problem["block_tables"][index].tolist()))
+                for index in (1, 2)]
+    q, k, v = problem["q"], problem["k"], problem["v"]
+    key_cache, value_cache = problem["key_cache"], problem["value_cache"]
+    out = paged_prefill(paged, q, k, v, key_cache, value_cache, seq_lens, prefixes, problem["scale"])
+    key_rows = key_cache.transpose(-1, -2)
+    gathered = {index: (gather_prefix(key_rows, torch.tensor(table), cached),
+                        gather_prefix(value_cache, torch.tensor(table), cached)) for index, cached, table in prefixes}
+    expected = prefill_attention(q, k, v, seq_lens, problem["scale"], gathered)
+    torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
