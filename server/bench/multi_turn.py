@@ -6,7 +6,8 @@ real replies in it, outputs held at a fixed length (ignore_eos, as in `tandem be
 Reported per system, medians over repetitions: TTFT p50/p90 over all turns and for turn 1 and
 turns 2+ apart (only a later turn repeats a prefix beyond the system prompt), ITL and TPOT p50,
 output tokens/s and requests/s over the run, the prefix-cache hit rate where /metrics exports one
-(tandem:, vllm:), and the first system's TTFT and throughput over each peer's.
+(tandem:, vllm:) or the responses' usage reports cached tokens (llama.cpp), and the first system's
+TTFT and throughput over each peer's.
 
 Each --system is started afresh for every repetition (A B C, then C B A, so drift hits all
 alike): every repetition then measures the same thing, a cold cache warming up over the
@@ -149,10 +150,13 @@ class MultiTurnBench:
 
 
 def summarize_run(records: list[list[RequestRecord]]) -> dict:
-    """`summarize` rows over all turns, over each conversation's first turn and over the rest."""
-    return {"summary": summarize([r for turns in records for r in turns]),
+    """`summarize` rows over all turns, over each conversation's first turn and over the rest, and
+    the prompt tokens the server's usage says its cache answered."""
+    every = [r for turns in records for r in turns]
+    return {"summary": summarize(every),
             "first_turn": summarize([turns[0] for turns in records if turns]),
-            "later_turns": summarize([r for turns in records for r in turns[1:]])}
+            "later_turns": summarize([r for turns in records for r in turns[1:]]),
+            "usage_cached": report.usage_cached_stats(every)}
 
 
 def _check_failures(name: str, endpoint: Endpoint, summary: dict) -> None:

@@ -1,9 +1,11 @@
 """The multi-turn benchmark's numbers: a run's metrics, medians over repetitions, ratios, the table.
 
 A run (one system, one repetition) holds `summarize` rows (server/bench/stats.py) for all turns,
-for the first turns and for the later ones, plus the server's /metrics deltas. Turn 1 and turns
-2+ are kept apart because only a later turn repeats a prefix a cache can hold (the shared system
-prompt aside). Ratios are the first system's over each other one (tandem/peer), paired by
+for the first turns and for the later ones, plus the server's /metrics deltas. A cache's hits
+come from two places, where a server offers them: its /metrics counters (tandem:, vllm:) and the
+cached prompt tokens its usage reports per request (llama.cpp, which has no such counters). Turn 1
+and turns 2+ are kept apart because only a later turn repeats a prefix a cache can hold (the shared
+system prompt aside). Ratios are the first system's over each other one (tandem/peer), paired by
 repetition: below 1 the first system's TTFT is shorter, above 1 its throughput is higher.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
+from server.bench.client import RequestRecord
 from server.bench.stats import ratio_spread
 
 Reader = Callable[[dict], "float | None"]
@@ -33,6 +36,7 @@ METRICS: tuple[tuple[str, str, Reader, str], ...] = (
     ("output_throughput", "out tok/s", lambda r: r["summary"]["output_throughput"], "{:.1f}"),
     ("request_throughput", "req/s", lambda r: r["summary"]["request_throughput"], "{:.2f}"),
     ("prefix_cache_hit_rate", "prefix hit rate", lambda r: (r["prefix_cache"] or {}).get("hit_rate"), "{:.0%}"),
+    ("usage_cached_fraction", "cached (usage)", lambda r: (r["usage_cached"] or {}).get("fraction"), "{:.0%}"),
 )
 # (key, column header) of the metrics compared with each peer
 RATIO_METRICS = (("ttft_p50", "TTFT p50"), ("later_turns_ttft_p50", "turns 2+ TTFT p50"),
@@ -53,6 +57,18 @@ def prefix_cache_stats(counters: dict[str, float] | None) -> dict | None:
             "hit_rate": rate(counters.get("prefix_cache_hits", 0.0), counters["prefix_cache_queries"]),
             "by_tier": {tier: rate(counters.get(f"prefix_cache_hits:{tier}", 0.0),
                                    counters[f"prefix_cache_queries:{tier}"]) for tier in tiers}}
+
+
+def usage_cached_stats(records: list[RequestRecord]) -> dict | None:
+    """The share of prompt tokens the server's usage says its cache answered, over the successful
+    requests whose usage says so (llama.cpp's does; vLLM's with --enable-prompt-tokens-details)."""
+    reported = [r for r in records if r.ok and r.num_cached_prompt_tokens is not None and r.num_prompt_tokens]
+    if not reported:
+        return None
+    num_prompt = sum(r.num_prompt_tokens for r in reported)
+    num_cached = sum(r.num_cached_prompt_tokens for r in reported)
+    return {"num_requests": len(reported), "num_prompt_tokens": num_prompt, "num_cached_tokens": num_cached,
+            "fraction": num_cached / num_prompt}
 
 
 def run_metrics(run: dict) -> dict[str, float | None]:

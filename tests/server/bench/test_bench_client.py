@@ -84,9 +84,12 @@ def test_chat_sends_a_whole_conversation_and_keeps_the_reply_text():
         COMPLETIONS.body(conversation, 3)
     events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
               {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
-              {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]}, "[DONE]"]
+              {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 2,
+                                        "prompt_tokens_details": {"cached_tokens": 24}}}, "[DONE]"]
     (record,) = run(CHAT, burst(output_len=2), lambda r: httpx.Response(200, content=sse(*events)))
     assert record.ok and record.output_text == "Hello"
+    assert (record.num_prompt_tokens, record.num_cached_prompt_tokens) == (30, 24)  # llama.cpp's usage says
 
 
 def test_without_usage_chunks_are_counted():

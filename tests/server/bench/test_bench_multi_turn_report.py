@@ -6,7 +6,8 @@ import pytest
 
 from server.bench.client import RequestRecord
 from server.bench.multi_turn import summarize_run
-from server.bench.multi_turn_report import median_metrics, prefix_cache_stats, ratios, run_metrics, table
+from server.bench.multi_turn_report import (median_metrics, prefix_cache_stats, ratios, run_metrics, table,
+                                            usage_cached_stats)
 
 
 def record(index: int, start_s: float, ttft_s: float, num_tokens: int = 3, itl_s: float = 0.1) -> RequestRecord:
@@ -58,6 +59,16 @@ def test_prefix_cache_hit_rate_overall_and_per_tier():
     assert prefix_cache_stats({"prompt_tokens": 5.0}) is None  # llama.cpp: no prefix-cache counters
     assert prefix_cache_stats(None) is None
     assert prefix_cache_stats({"prefix_cache_queries": 0.0})["hit_rate"] is None
+
+
+def test_cached_share_from_usage_counts_only_requests_that_report_it():
+    turns = conversations(1.0, 0.2)
+    assert usage_cached_stats([r for t in turns for r in t]) is None  # tandem's usage says nothing
+    turns[0][1].num_cached_prompt_tokens, turns[1][1].num_cached_prompt_tokens = 8, 6
+    turns[1][0].num_cached_prompt_tokens = 0
+    stats = summarize_run(turns)["usage_cached"]
+    assert (stats["num_requests"], stats["num_prompt_tokens"], stats["num_cached_tokens"]) == (3, 30, 14)
+    assert stats["fraction"] == pytest.approx(14 / 30)
 
 
 def test_medians_over_repetitions_skip_missing_values():
