@@ -53,8 +53,11 @@ def prefix_cache_stats(counters: dict[str, float] | None) -> dict | None:
         return hits / queries if queries > 0 else None
 
     tiers = sorted(key.partition(":")[2] for key in counters if key.startswith("prefix_cache_queries:"))
-    return {"num_queries": counters["prefix_cache_queries"], "num_hits": counters.get("prefix_cache_hits", 0.0),
-            "hit_rate": rate(counters.get("prefix_cache_hits", 0.0), counters["prefix_cache_queries"]),
+    # tandem counts every prompt token once as a GPU-pool query and the host pool's queries are
+    # the GPU pool's misses again: the prompt tokens are the GPU tier's queries, not the sum
+    num_queries = counters.get("prefix_cache_queries:gpu", counters["prefix_cache_queries"])
+    return {"num_queries": num_queries, "num_hits": counters.get("prefix_cache_hits", 0.0),
+            "hit_rate": rate(counters.get("prefix_cache_hits", 0.0), num_queries),
             "by_tier": {tier: rate(counters.get(f"prefix_cache_hits:{tier}", 0.0),
                                    counters[f"prefix_cache_queries:{tier}"]) for tier in tiers}}
 

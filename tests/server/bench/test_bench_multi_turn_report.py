@@ -50,12 +50,14 @@ def test_a_conversation_cut_short_leaves_its_unsent_turns_out_of_the_latencies()
 
 
 def test_prefix_cache_hit_rate_overall_and_per_tier():
-    stats = prefix_cache_stats({"prefix_cache_queries": 200.0, "prefix_cache_hits": 150.0,
+    # tandem: 160 prompt tokens queried in the GPU pool, its 20 misses of them again in the host pool
+    stats = prefix_cache_stats({"prefix_cache_queries": 180.0, "prefix_cache_hits": 150.0,
                                 "prefix_cache_queries:gpu": 160.0, "prefix_cache_hits:gpu": 140.0,
-                                "prefix_cache_queries:cpu": 40.0, "prefix_cache_hits:cpu": 10.0,
-                                "prompt_tokens": 200.0})
-    assert stats["hit_rate"] == pytest.approx(0.75)
-    assert stats["by_tier"] == {"cpu": pytest.approx(0.25), "gpu": pytest.approx(0.875)}
+                                "prefix_cache_queries:cpu": 20.0, "prefix_cache_hits:cpu": 10.0,
+                                "prompt_tokens": 160.0})
+    assert stats["hit_rate"] == pytest.approx(150 / 160)
+    assert stats["by_tier"] == {"cpu": pytest.approx(0.5), "gpu": pytest.approx(0.875)}
+    assert prefix_cache_stats({"prefix_cache_queries": 200.0, "prefix_cache_hits": 50.0})["hit_rate"] == 0.25  # vLLM
     assert prefix_cache_stats({"prompt_tokens": 5.0}) is None  # llama.cpp: no prefix-cache counters
     assert prefix_cache_stats(None) is None
     assert prefix_cache_stats({"prefix_cache_queries": 0.0})["hit_rate"] is None
