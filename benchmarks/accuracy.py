@@ -91,10 +91,10 @@ def compare(model: str, variant: dict, reference: dict, window_tokens: int = DEF
     scores, names = {}, {}
     windows = None
     for role, kwargs in (("variant", variant), ("reference", reference)):
-        # one window per forward (room for it and one more token): its rows alone decide the int4
-        # path (MAX_KERNEL_ROWS)
+        # one window per forward (one sequence at a time, its whole window in one chunk): its rows
+        # alone decide the int4 path (MAX_KERNEL_ROWS)
         with LLM(model=model, dtype="float32", max_model_len=window_tokens + 1,
-                 max_num_batched_tokens=window_tokens + 1,
+                 max_num_batched_tokens=window_tokens, max_num_seqs=1,
                  **engine_kwargs, **kwargs) as llm:
             if windows is None:
                 windows = held_windows(llm.tokenizer, llm.engine.model_config.vocab_size, window_tokens, max_windows)
