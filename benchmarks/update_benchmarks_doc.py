@@ -39,6 +39,14 @@ SECTIONS = (
             "tandem, vLLM), \"cached (usage)\" the share of prompt tokens its responses' usage reports as\n"
             "cached (llama.cpp); the ratio columns are tandem's TTFT and output throughput over each peer's.",
             "## CPU decode attention"),
+    Section("chunk_budget", "### The token budget per iteration (`benchmarks/chunk_budget.py`)",
+            "Run by `make bench-multi-turn` before the side-by-side run: on the engine directly, 8 streams\n"
+            "decode, then a 2,048-token prompt arrives and is prefilled in chunks of the budget. Per budget:\n"
+            "the median decode-only step, the median step that carries a chunk, and the prompt's prefill rate\n"
+            "(medians over interleaved repetitions). The device default (`DEFAULT_BATCHED_TOKENS` in\n"
+            "engine/config.py) is the largest budget whose chunk steps stay within 3x a decode step, the\n"
+            "serving target for running streams' ITL p99 against their TPOT p50 while a long prompt arrives.",
+            "## CPU decode attention"),
 )
 
 

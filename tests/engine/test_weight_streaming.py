@@ -17,7 +17,8 @@ from scheduler.placement.memory import resident_global_bytes
 from scheduler.scheduler import PlanMode
 from test_offload_generation import MAX_TOKENS as NEO_MAX_TOKENS
 from test_offload_generation import PROMPTS as NEO_PROMPTS
-from test_offload_generation import SMALL_POOLS, cost_tables
+from offload_costs import cost_tables
+from test_offload_generation import SMALL_POOLS
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three prime numbers:", "Once upon a time,"]
 MAX_TOKENS = 12
