@@ -79,6 +79,10 @@ def _blocks_in(memory_gib: float, block_bytes: int) -> int:
 # budget lets running streams decode between the chunks of a long prompt (ITL); a larger one
 # computes prompts at the GEMMs' better rate. cuda: vLLM's default for chunked prefill.
 DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512, "testbed": 512}
+# Prefill pacing's default per device. On a CPU a prefill token costs a sizeable share of a decode
+# step and its attention grows with the prompt: unpaced, a long prompt stalls running streams for
+# tens of decode steps. On CUDA, unmeasured here, the token budget alone (vLLM's behaviour).
+DEFAULT_PREFILL_SLOWDOWN = {"cuda": 0.0, "cpu": 3.0, "testbed": 3.0}
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 # What --memory-gib keeps back from the KV pool for activations, logits and scratch buffers.
 ACTIVATION_RESERVE_GIB = 0.25
@@ -267,6 +271,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's, capped by the engine's default and the cache
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: the device's default (DEFAULT_BATCHED_TOKENS)
+    # While sequences decode, an iteration carrying prefill chunks takes at most this many decode
+    # steps' time (scheduler/prefill_pacing.py); 0: the token budget alone; None: the device's default
+    max_prefill_slowdown: float | None = None
     decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
     quantization: str = "none"  # none: weights dense in `dtype` | int4: round-to-nearest INT4 at load (cpu, cuda)
     # How a CPU model's decoder layers run: layers (a decode batch's layers in C++, engine/model/native.py),
@@ -287,6 +294,10 @@ class EngineConfig:
         _require_int(self, "max_model_len", 1, none_means="the model's context length, capped")
         _require_int(self, "max_num_seqs", 1)
         _require_int(self, "max_num_batched_tokens", 1, none_means="the device's default")
+        slowdown = self.max_prefill_slowdown
+        if slowdown is not None and (not isinstance(slowdown, (int, float)) or isinstance(slowdown, bool)
+                                     or not (slowdown == 0 or slowdown > 1)):
+            raise ConfigError(f"max_prefill_slowdown must be 0 (off) or a number > 1, got {slowdown!r}")
         _require_choice(self, "quantization", tuple(QUANTIZATION_METHODS))
         _require_choice(self, "cpu_ops", CPU_OPS)
         if self.quantization == "int4" and self.device == "testbed":
@@ -311,6 +322,13 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return DEFAULT_BATCHED_TOKENS["cuda" if self.device.startswith("cuda") else self.device]
+
+    @property
+    def prefill_slowdown_limit(self) -> float:
+        """`max_prefill_slowdown`, else the device's default (DEFAULT_PREFILL_SLOWDOWN)."""
+        if self.max_prefill_slowdown is not None:
+            return float(self.max_prefill_slowdown)
+        return DEFAULT_PREFILL_SLOWDOWN["cuda" if self.device.startswith("cuda") else self.device]
 
     @property
     def cpu_attention_enabled(self) -> bool:

@@ -117,9 +117,12 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(
             num_blocks=num_blocks, block_size=cache.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.batched_tokens_budget,
-            enable_prefix_caching=cache.enable_prefix_caching, prefix_cache_key=self._prefix_cache_key())
-        logger.info("scheduler: %d tokens per iteration (longer prompts in chunks), prefix caching %s",
-                    config.batched_tokens_budget, "on" if cache.enable_prefix_caching else "off")
+            enable_prefix_caching=cache.enable_prefix_caching, prefix_cache_key=self._prefix_cache_key(),
+            max_prefill_slowdown=config.prefill_slowdown_limit)
+        logger.info("scheduler: %d tokens per iteration (longer prompts in chunks)%s, prefix caching %s",
+                    config.batched_tokens_budget,
+                    f", prefill steps at most {config.prefill_slowdown_limit:g} decode steps while streams decode"
+                    if config.prefill_slowdown_limit else "", "on" if cache.enable_prefix_caching else "off")
         self.cost_model: CostModel | None = None
         self.profile_path: Path | None = None  # the cached cost tables, when profiled
         if num_cpu_blocks:
@@ -297,6 +300,7 @@ class LLMEngine:
         weights_before = self.weight_stats.snapshot()
         output = self.runner.execute(plan)
         stats.forward_time = output.forward_time
+        self.scheduler.observe_step(plan, output.forward_time)
         self._record_weights(stats, weights_before, self.weight_stats)
         if output.pipeline is not None:
             stats.cpu_attention_time = output.pipeline.cpu_attention

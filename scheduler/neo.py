@@ -499,7 +499,7 @@ class NeoScheduler(Scheduler):
         runner copies its KV out layer by layer) while fewer than `max_cpu_admitted`
         CPU-sequences run, else admission stops. No admission in an iteration that had to preempt
         (the GPU-only scheduler's rule)."""
-        token_budget = self._continue_prefills(plan, self.config.max_num_batched_tokens - len(plan.decodes))
+        token_budget = self._continue_prefills(plan, self._prefill_budget(plan, len(self.running) + len(self.cpu_running)))
         self._admitted = []
         if plan.preempted:
             return

@@ -31,6 +31,7 @@ from enum import Enum
 from typing import Any, Iterable
 
 from scheduler.block_pool import BlockPool, blocks_for
+from scheduler.prefill_pacing import PrefillPacer
 from scheduler.prefix_cache import PrefixCache
 from scheduler.sequence import Sequence, SequenceStatus, stop_check
 
@@ -57,12 +58,19 @@ class SchedulerConfig:
     # What besides the tokens makes K/V what it is (model, dtype, quantization): the root of
     # every block hash, so no two engines' blocks could ever be taken for each other.
     prefix_cache_key: str = ""
+    # While sequences decode, an iteration carrying prefill chunks takes at most this many
+    # decode-only iterations' time (scheduler/prefill_pacing.py); 0: the token budget alone.
+    max_prefill_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
         if self.max_num_seqs < 1:
             raise SchedulerConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        slowdown = self.max_prefill_slowdown
+        if (not isinstance(slowdown, (int, float)) or isinstance(slowdown, bool)
+                or not (slowdown == 0 or slowdown > 1)):
+            raise SchedulerConfigError(f"max_prefill_slowdown must be 0 (off) or > 1, got {slowdown!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise SchedulerConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
@@ -179,6 +187,7 @@ class Scheduler:
         self.config = config
         self.block_pool = BlockPool(config.num_blocks, config.block_size)
         self.prefix_cache = PrefixCache(config.block_size, config.prefix_cache_key, config.enable_prefix_caching)
+        self.pacer = PrefillPacer(config.max_prefill_slowdown, min_tokens=config.block_size)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, prompt not yet computed: the last is the newest
         self.running: list[Sequence] = []  # in admission order: the last is the newest
@@ -259,14 +268,25 @@ class Scheduler:
                 break  # `seq` was itself the newest and got preempted
             plan.decodes.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
             index += 1
-        token_budget = self.config.max_num_batched_tokens - len(plan.decodes)
         # 2. The next chunk of each prefill in progress, oldest first.
-        token_budget = self._continue_prefills(plan, token_budget)
+        token_budget = self._continue_prefills(plan, self._prefill_budget(plan, len(self.running)))
         # 3. New prefills, first come first served; none in an iteration that had to preempt.
         if not plan.preempted:
             self._admit_prefills(plan, token_budget)
         self.block_pool.take_evicted()  # no second level to keep them in
         return plan
+
+    def _prefill_budget(self, plan: IterationPlan, num_decoding: int) -> int:
+        """Prefill tokens this iteration may carry: the budget the decodes leave, capped by the
+        pacer while `num_decoding` sequences decode."""
+        budget = self.config.max_num_batched_tokens - len(plan.decodes)
+        cap = self.pacer.max_prefill_tokens(num_decoding)
+        return budget if cap is None else min(budget, cap)
+
+    def observe_step(self, plan: IterationPlan, forward_s: float) -> None:
+        """The measured time of `plan`'s forward, for the pacer."""
+        num_prefill_tokens = sum(s.num_new_tokens for s in plan.prefills)
+        self.pacer.observe(len(plan.scheduled) - len(plan.prefills), num_prefill_tokens, forward_s)
 
     def _continue_prefills(self, plan: IterationPlan, token_budget: int) -> int:
         """Schedule the next chunk of every prefill in progress while the budget and its pool

@@ -88,6 +88,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     batching.add_argument("--max-num-batched-tokens", type=int, default=None,
                           help="tokens in one iteration; longer prompts are prefilled in chunks "
                                "(default: 512 on cpu and testbed, 2048 on cuda)")
+    batching.add_argument("--max-prefill-slowdown", type=float, default=None,
+                          help="while streams decode, an iteration carrying prompt chunks takes at most this "
+                               "many decode steps' time, so running streams keep their pace (0: the token budget "
+                               "alone; default 3 on cpu and testbed, 0 on cuda)")
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     cache.add_argument("--num-gpu-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
@@ -161,7 +165,8 @@ def engine_config(args: argparse.Namespace, **overrides):
         model=args.model, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
         quantization=args.quantization, cpu_ops=args.cpu_ops,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_slowdown=args.max_prefill_slowdown,
+        block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_memory_gib=args.kv_cache_gib, memory_gib=args.memory_gib,
         device=args.device, cpu_attention=args.cpu_attention,
         num_cpu_blocks=args.num_cpu_blocks, cpu_kv_cache_memory_gib=args.cpu_kv_cache_gib,

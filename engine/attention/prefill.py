@@ -2,6 +2,7 @@
 chunk after a cached prefix (chunked prefill, prefix caching) attends to the prefix's K/V too."""
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -36,6 +37,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
     return out
 
 
+@functools.lru_cache(maxsize=16)  # one per chunk shape of a forward, reused by every layer
 def chunk_mask(num_rows: int, num_cached: int, device: torch.device) -> torch.Tensor:
     """[num_rows, num_cached + num_rows] bool: row i sees the cached tokens and the chunk's first i + 1."""
     return torch.ones(num_rows, num_cached + num_rows, dtype=torch.bool, device=device).tril(diagonal=num_cached)
