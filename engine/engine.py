@@ -39,6 +39,7 @@ from scheduler.placement.moved_tokens import MovedTokens, SolvedMovedTokens
 from scheduler.placement.slicing import SliceRates
 from scheduler.placement.slicing_plan import layer_works
 from scheduler.placement.tiers import Tier
+from scheduler.prefix_cache import PrefixCacheCounters
 from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class IterationStats:
     # ---- MLP slicing (ScheInfer): the CG parts' bytes are in weight_bytes_streamed["host"] ------
     mlp_cpu_time: float = 0.0  # the CPU computing its MLP parts (CC)
     num_mlp_moved_tokens: int = 0  # tokens whose CC units CG' computed on the GPU, summed over layers
+    # ---- prefix caching: this iteration's share of the scheduler's running totals ---------------
+    prefix_cache: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
 
 
 class LLMEngine:
@@ -286,8 +289,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, hand the sampled tokens to the scheduler,
         and report the requests that received one."""
+        prefix_cache_before = self.scheduler.prefix_cache.counters.snapshot()
         plan = self.scheduler.schedule()
         self.stats = stats = self._plan_stats(plan)
+        # lookups, demotions and promotions all happen while planning (an undone admission too)
+        stats.prefix_cache = self.scheduler.prefix_cache.counters.since(prefix_cache_before)
         if plan.is_empty:
             return []
         now = time.monotonic()
