@@ -121,8 +121,7 @@ class LLMEngine:
             num_blocks=num_blocks, block_size=cache.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.batched_tokens_budget,
             enable_prefix_caching=cache.enable_prefix_caching, prefix_cache_key=self._prefix_cache_key())
-        logger.info("scheduler: %d tokens per iteration (longer prompts in chunks), prefix caching %s",
-                    config.batched_tokens_budget, "on" if cache.enable_prefix_caching else "off")
+        logger.info("scheduler: %s", describe_scheduler(config))
         self.cost_model: CostModel | None = None
         self.profile_path: Path | None = None  # the cached cost tables, when profiled
         if num_cpu_blocks:
@@ -366,6 +365,12 @@ def model_max_len(config: EngineConfig, model_config: ModelConfig) -> int:
                               f"length ({trained})")
         return config.max_model_len
     return min(trained, DEFAULT_MAX_MODEL_LEN_CAP)
+
+
+def describe_scheduler(config: EngineConfig) -> str:
+    """The token budget and the prefix cache, as the engine logs them and `tandem plan` prints them."""
+    caching = "on" if config.cache.enable_prefix_caching else "off"
+    return f"{config.batched_tokens_budget} tokens per iteration (longer prompts in chunks), prefix caching {caching}"
 
 
 def _describe_bytes(bytes_by_format_tier: dict[tuple[str, str], int]) -> str:
