@@ -1,6 +1,7 @@
 """The official openai SDK drives the real server: completions and chat, streaming and not,
 n > 1, logprobs in each endpoint's own shape, stop strings, seeds; the raw SSE framing; the
-utility routes, the weight bytes and the prefix cache's counters in /metrics."""
+utility routes, the weight bytes and the prefix cache's counters in /metrics; cached prompts
+answer as computed ones."""
 from __future__ import annotations
 
 import json
@@ -306,6 +307,36 @@ def test_prefix_cache_metrics_count_a_shared_prefix(http):
     if not os.environ.get(EXTRA_FLAGS_ENV):  # the shared server has no host pool (device cpu)
         assert metric(after, "kv_cached_blocks", tier="cpu") == 0
         assert prefix_cache_delta(before, after, "prefix_cache_queries_total", "cpu") == 0
+
+
+# ~300 tokens, also its own words; two conversations share it as their system prompt
+LONG_SYSTEM_PROMPT = "You answer for the prefix-cache test. " + " ".join(
+    f"Rule {i}: keep every answer short, plain and polite." for i in range(1, 22))
+
+
+def test_chats_sharing_a_cached_system_prompt_answer_as_computed_ones(client, http, llm):
+    """The second conversation takes the first one's system prompt from the cache, a repeat of the
+    first takes nearly its whole prompt; each answer is what the offline engine computes cold."""
+    conversations = [[{"role": "system", "content": LONG_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+                     for question in ("Name a colour.", "Name a fruit.")]
+    # a sequence asking for prompt logprobs takes nothing from the cache (PrefixCache.cacheable_blocks)
+    cold = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=0)
+    expected = [output.outputs[0].text for output in llm.chat(conversations, cold)]
+
+    def answer(messages) -> str:
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        return out.choices[0].message.content
+
+    before = scrape(http)
+    first = answer(conversations[0])
+    after_first = scrape(http)
+    second, repeat = answer(conversations[1]), answer(conversations[0])
+    after = scrape(http)
+    assert [first, second, repeat] == [*expected, expected[0]]
+    assert prefix_cache_delta(before, after_first, "prefix_cache_hits_total") == 0  # the first was cold
+    # each later request finds at least the system prompt's full blocks
+    system_blocks = len(llm.tokenizer.encode(LONG_SYSTEM_PROMPT)) // BLOCK_SIZE
+    assert prefix_cache_delta(after_first, after, "prefix_cache_hits_total") >= 2 * system_blocks * BLOCK_SIZE
 
 
 def test_version_and_health(http):
