@@ -64,8 +64,6 @@ def test_offloading_server_matches_engine_and_reports_tiers(start_server, llm, t
 
         first = complete(EVICTED_PROMPT, max_tokens=4)
         complete(EVICTING_PROMPT, max_tokens=4)
-        before_repeat = wait_idle(http)
-        assert metric(before_repeat, "kv_cached_blocks", tier="cpu") > 0  # the demoted blocks, at least
         assert complete(EVICTED_PROMPT, max_tokens=4) == first
         after = wait_idle(http)
 
