@@ -39,6 +39,7 @@ from scheduler.placement.moved_tokens import MovedTokens, SolvedMovedTokens
 from scheduler.placement.slicing import SliceRates
 from scheduler.placement.slicing_plan import layer_works
 from scheduler.placement.tiers import Tier
+from scheduler.prefix_cache import PrefixCacheCounters
 from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class IterationStats:
     # ---- MLP slicing (ScheInfer): the CG parts' bytes are in weight_bytes_streamed["host"] ------
     mlp_cpu_time: float = 0.0  # the CPU computing its MLP parts (CC)
     num_mlp_moved_tokens: int = 0  # tokens whose CC units CG' computed on the GPU, summed over layers
+    # ---- prefix caching: this iteration's share of the scheduler's running totals ---------------
+    prefix_cache: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
 
 
 class LLMEngine:
@@ -119,10 +122,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.batched_tokens_budget,
             enable_prefix_caching=cache.enable_prefix_caching, prefix_cache_key=self._prefix_cache_key(),
             max_prefill_slowdown=config.prefill_slowdown_limit)
-        logger.info("scheduler: %d tokens per iteration (longer prompts in chunks)%s, prefix caching %s",
-                    config.batched_tokens_budget,
-                    f", prefill steps at most {config.prefill_slowdown_limit:g} decode steps while streams decode"
-                    if config.prefill_slowdown_limit else "", "on" if cache.enable_prefix_caching else "off")
+        logger.info("scheduler: %s", describe_scheduler(config))
         self.cost_model: CostModel | None = None
         self.profile_path: Path | None = None  # the cached cost tables, when profiled
         if num_cpu_blocks:
@@ -289,8 +289,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, hand the sampled tokens to the scheduler,
         and report the requests that received one."""
+        prefix_cache_before = self.scheduler.prefix_cache.counters.snapshot()
         plan = self.scheduler.schedule()
         self.stats = stats = self._plan_stats(plan)
+        # lookups, demotions and promotions all happen while planning (an undone admission too)
+        stats.prefix_cache = self.scheduler.prefix_cache.counters.since(prefix_cache_before)
         if plan.is_empty:
             return []
         now = time.monotonic()
@@ -364,6 +367,15 @@ def model_max_len(config: EngineConfig, model_config: ModelConfig) -> int:
                               f"length ({trained})")
         return config.max_model_len
     return min(trained, DEFAULT_MAX_MODEL_LEN_CAP)
+
+
+def describe_scheduler(config: EngineConfig) -> str:
+    """The token budget and the prefix cache, as the engine logs them and `tandem plan` prints them."""
+    caching = "on" if config.cache.enable_prefix_caching else "off"
+    slowdown = config.prefill_slowdown_limit
+    pacing = f", prompt chunks at most {slowdown:g} decode steps' time while streams decode" if slowdown else ""
+    return (f"{config.batched_tokens_budget} tokens per iteration (longer prompts in chunks){pacing}, "
+            f"prefix caching {caching}")
 
 
 def _describe_bytes(bytes_by_format_tier: dict[tuple[str, str], int]) -> str:

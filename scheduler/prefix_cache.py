@@ -17,6 +17,7 @@ for after the GPU pool's hits, so the overall hit rate is the hits of both over 
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 from array import array
 from dataclasses import dataclass, field
@@ -48,6 +49,18 @@ class PrefixCacheCounters:
     hits: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "cpu": 0})
     num_demoted_blocks: int = 0  # evicted from the GPU pool, kept in the host pool
     num_promoted_blocks: int = 0  # found in the host pool, copied into the GPU pool
+
+    def snapshot(self) -> PrefixCacheCounters:
+        return copy.deepcopy(self)
+
+    def since(self, before: PrefixCacheCounters) -> PrefixCacheCounters:
+        """What was counted after `before`, a snapshot of these counters (the engine reports each
+        iteration's share this way)."""
+        return PrefixCacheCounters(
+            queries={tier: n - before.queries[tier] for tier, n in self.queries.items()},
+            hits={tier: n - before.hits[tier] for tier, n in self.hits.items()},
+            num_demoted_blocks=self.num_demoted_blocks - before.num_demoted_blocks,
+            num_promoted_blocks=self.num_promoted_blocks - before.num_promoted_blocks)
 
 
 class PrefixCache:

@@ -200,10 +200,11 @@ def profile(args: argparse.Namespace) -> int:
 
 def plan(args: argparse.Namespace) -> int:
     """Each decoder layer's plan (resident, sliced, or streamed whole), the memory breakdown and the
-    expected speed, from the model's shape and this machine's measurements; no weight is loaded."""
+    expected speed, from the model's shape and this machine's measurements, after the scheduler's
+    token budget and whether prefix caching is on; no weight is loaded."""
     import json
 
-    from engine.engine import model_max_len
+    from engine.engine import describe_scheduler, model_max_len
     from engine.execution.weight_plan import plan_model
     from engine.profiling import compute_dtype
     from engine.weights import create_loader
@@ -215,10 +216,15 @@ def plan(args: argparse.Namespace) -> int:
     dtype, reason = compute_dtype(config.dtype, config.torch_device)
     print(f"tandem plan: {args.model}, {str(dtype).removeprefix('torch.')} ({reason}), "
           f"{'int4 ' if config.quantization == 'int4' else ''}weights, on {args.device}")
+    print(f"scheduler: {describe_scheduler(config)}")
     model_plan, costs = plan_model(config, model_config, dtype, model_max_len(config, model_config))
     print(describe_model_plan(model_plan, config.weights.offload_dir))
     if args.json:
-        report = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), **model_plan.to_dict()}
+        scheduler = {"max_num_batched_tokens": config.batched_tokens_budget,
+                     "enable_prefix_caching": config.cache.enable_prefix_caching,
+                     "max_prefill_slowdown": config.prefill_slowdown_limit}
+        report = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "scheduler": scheduler,
+                  **model_plan.to_dict()}
         if costs is not None:
             report["slicing_costs"] = costs.to_dict()
         print(json.dumps(report, indent=1))

@@ -42,7 +42,9 @@ class Metrics:
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the decode runqueue.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be prefilled.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "Fraction of the GPU KV pool's blocks requests hold (0-1); cached-but-free "
+            "blocks count as free (tandem:kv_cached_blocks reports them).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of served requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
@@ -67,8 +69,9 @@ class Metrics:
         self._tier_running = Gauge("tandem:num_requests_running_by_tier",
                                    "Running requests by where their KV lives (gpu: GPU pool, cpu: host pool).",
                                    ["model_name", "tier"], registry=r)
-        self._tier_usage = Gauge("tandem:kv_cache_usage_perc_by_tier", "Fraction of each KV pool in use (0-1).",
-                                 ["model_name", "tier"], registry=r)
+        self._tier_usage = Gauge("tandem:kv_cache_usage_perc_by_tier", "Fraction of each KV pool's blocks "
+                                 "requests hold (0-1); cached-but-free blocks count as free "
+                                 "(tandem:kv_cached_blocks reports them).", ["model_name", "tier"], registry=r)
         self._iterations = Counter("tandem:iterations", "Engine iterations by plan mode (gpu_only, pipelined).",
                                    ["model_name", "mode"], registry=r)
         self._swaps = Counter("tandem:swapped_requests", "Requests moved between the KV pools (out: to the CPU).",
@@ -107,6 +110,23 @@ class Metrics:
         self.mlp_moved_tokens = counter(
             "mlp_moved_tokens", "Tokens whose CPU slices of an MLP (CC) the GPU computed instead, with CC's "
             "weights copied over (CG', prefill token assignment), summed over layers.")
+        # ---- prefix caching: tokens per KV tier looked up (tier gpu: every admitted prompt; cpu: what
+        # the GPU pool missed), so the overall hit rate is the hits of both over the gpu queries ------
+        self._prefix_queries = Counter(
+            "tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache, by KV tier (gpu: every "
+            "admitted prompt's tokens; cpu: the host pool asked for what the GPU pool missed).",
+            ["model_name", "tier"], registry=r)
+        self._prefix_hits = Counter(
+            "tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed), by the KV tier "
+            "that held them.", ["model_name", "tier"], registry=r)
+        self._cached_blocks = Gauge(
+            "tandem:kv_cached_blocks", "Free KV blocks still holding a cached prefix, by pool (cpu: 0 without a "
+            "host pool); an allocation may take them, least recently used first.", ["model_name", "tier"],
+            registry=r)
+        self.prefix_demoted_blocks = counter(
+            "prefix_cache_demoted_blocks", "Cached blocks the GPU pool evicted that were copied into the host pool.")
+        self.prefix_promoted_blocks = counter(
+            "prefix_cache_promoted_blocks", "Cached blocks found in the host pool that were copied into the GPU pool.")
         self._last_token_time: dict[str, float] = {}
         self._initialise_labelled_series()
 
@@ -122,6 +142,9 @@ class Metrics:
         for tier in KV_TIERS:
             self._tier_running.labels(name, tier)
             self._tier_usage.labels(name, tier)
+            self._prefix_queries.labels(name, tier)
+            self._prefix_hits.labels(name, tier)
+            self._cached_blocks.labels(name, tier)
         for direction in SWAP_DIRECTIONS:
             self._swaps.labels(name, direction)
             self._swapped_blocks.labels(name, direction)
@@ -137,6 +160,7 @@ class Metrics:
         now = time.monotonic()
         self.num_preemptions.inc(stats.num_preemptions)
         self.iteration_tokens.observe(stats.num_batched_tokens)
+        self._record_prefix_cache(stats)
         if stats.num_batched_tokens:
             name = self._model_name
             self._iterations.labels(name, stats.mode).inc()
@@ -181,6 +205,14 @@ class Metrics:
         self.iteration_weight_transfer.observe(stats.weight_transfer_time)
         self.iteration_compute.observe(max(0.0, stats.forward_time - stats.weight_stall_time))
 
+    def _record_prefix_cache(self, stats) -> None:
+        counts, name = stats.prefix_cache, self._model_name
+        for tier in KV_TIERS:
+            self._prefix_queries.labels(name, tier).inc(counts.queries[tier])
+            self._prefix_hits.labels(name, tier).inc(counts.hits[tier])
+        self.prefix_demoted_blocks.inc(counts.num_demoted_blocks)
+        self.prefix_promoted_blocks.inc(counts.num_promoted_blocks)
+
     def _record_state(self, engine: LLMEngine) -> None:
         """Set the gauges from the scheduler."""
         self.num_requests_running.set(engine.scheduler.num_running)
@@ -194,6 +226,8 @@ class Metrics:
         self._tier_usage.labels(name, gpu).set(scheduler.block_pool.usage)
         cpu_pool = getattr(scheduler, "cpu_pool", None)
         self._tier_usage.labels(name, cpu).set(cpu_pool.usage if cpu_pool is not None and cpu_pool.num_blocks else 0.0)
+        self._cached_blocks.labels(name, gpu).set(scheduler.block_pool.num_cached_blocks)
+        self._cached_blocks.labels(name, cpu).set(cpu_pool.num_cached_blocks if cpu_pool is not None else 0)
         if cpu_pool is not None:  # the Neo scheduler's backpressure (+Inf until it has a rate)
             self.cpu_service_rate.set(scheduler.cpu_service_rate or 0.0)
             self.cpu_admission_limit.set(scheduler.max_cpu_admitted)

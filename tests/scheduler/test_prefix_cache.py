@@ -74,6 +74,21 @@ def test_hit_stops_short_of_the_last_prompt_token_and_skips_prompt_logprobs():
     assert counters.queries["gpu"] == 8 + 8 + 9 and counters.hits["gpu"] == 4
 
 
+def test_counters_since_a_snapshot_are_one_iterations_share():
+    """What the engine reports per iteration: the counts after a snapshot, which later counting
+    leaves alone."""
+    sched = Scheduler(SchedulerConfig(num_blocks=16, block_size=BLOCK_SIZE, max_model_len=32))
+    sched.add_sequence(make_sequence("a", range(8), max_tokens=1))
+    sched.update(sched.schedule(), [5])
+    before = sched.prefix_cache.counters.snapshot()
+    sched.add_sequence(make_sequence("b", range(9)))
+    sched.schedule()
+    share = sched.prefix_cache.counters.since(before)
+    assert (share.queries, share.hits) == ({"gpu": 9, "cpu": 0}, {"gpu": 8, "cpu": 0})
+    assert share.num_demoted_blocks == share.num_promoted_blocks == 0
+    assert before.queries["gpu"] == 8 and before.hits["gpu"] == 0
+
+
 def test_caching_off_computes_every_prompt():
     sched = Scheduler(SchedulerConfig(num_blocks=16, block_size=BLOCK_SIZE, max_model_len=32,
                                       enable_prefix_caching=False))

@@ -1,6 +1,7 @@
 """`tandem serve` with CPU offloading (Neo) on the host-only testbed: concurrent requests that
 overflow a tiny GPU pool get the same greedy text as the GPU-only engine, and /metrics
-reports the tiers, the plan modes, the swaps, the CPU attention time and the cost model's error."""
+reports the tiers, the plan modes, the swaps, the CPU attention time and the cost model's error;
+a prefix the GPU pool evicted is kept in the host pool and promoted back, with the same text."""
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,10 @@ from tandem_server import REQUEST_TIMEOUT_S, metric, pipelining_cost_tables, wai
 TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
 PROMPTS = [f"Count from {i} to {i + 20}, one number per line:" for i in range(8)]
 MAX_TOKENS = 40
+# 73 tokens (5 blocks), then 87 (6 blocks): in the 8-block GPU pool the second evicts the first's
+# later cached blocks, which the host pool keeps until the first prompt comes again
+EVICTED_PROMPT = "A library keeps its books in order by subject, then by author, then by title. " * 4
+EVICTING_PROMPT = "Rivers carry sand from the mountains down to the sea, where it settles into beaches. " * 5
 
 
 @pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
@@ -27,9 +32,9 @@ def test_offloading_server_matches_engine_and_reports_tiers(start_server, llm, t
     expected = [o.outputs[0].text for o in llm.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
     with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
-        def complete(prompt):
+        def complete(prompt, max_tokens=MAX_TOKENS):
             response = http.post("/v1/completions", json={
-                "model": "smollm2-135m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True})
             assert response.status_code == 200, response.text
             return response.json()["choices"][0]["text"]
@@ -55,3 +60,16 @@ def test_offloading_server_matches_engine_and_reports_tiers(start_server, llm, t
             assert metric(samples, "kv_cache_usage_perc_by_tier", tier=tier) == 0
         text = http.get("/metrics").text
         assert 'tandem:num_requests_running_by_tier{model_name="smollm2-135m",tier="cpu"}' in text
+        assert 'tandem:kv_cached_blocks{model_name="smollm2-135m",tier="cpu"}' in text
+
+        first = complete(EVICTED_PROMPT, max_tokens=4)
+        complete(EVICTING_PROMPT, max_tokens=4)
+        assert complete(EVICTED_PROMPT, max_tokens=4) == first
+        after = wait_idle(http)
+
+        def delta(name, **labels):
+            return metric(after, name, **labels) - metric(samples, name, **labels)
+
+        assert delta("prefix_cache_demoted_blocks_total") > 0
+        assert delta("prefix_cache_hits_total", tier="cpu") > 0 and delta("prefix_cache_queries_total", tier="cpu") > 0
+        assert delta("prefix_cache_promoted_blocks_total") > 0  # copying beats computing on these cost tables

@@ -1,6 +1,7 @@
 """The official openai SDK drives the real server: completions and chat, streaming and not,
 n > 1, logprobs in each endpoint's own shape, stop strings, seeds; the raw SSE framing; the
-utility routes, the weight bytes in /metrics."""
+utility routes, the weight bytes and the prefix cache's counters in /metrics; cached prompts
+answer as computed ones."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import os
 import pytest
 
 from engine import SamplingParams
-from tandem_server import EXTRA_FLAGS_ENV, MODEL, assert_openai_error, metric, scrape
+from tandem_server import EXTRA_FLAGS_ENV, MODEL, assert_openai_error, metric, scrape, wait_idle
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
@@ -268,6 +269,74 @@ def test_weight_bytes_are_exported_by_format_and_tier(http, llm):
     assert expected == {("float32", "gpu"): expected[("float32", "gpu")]}
     assert metric(scrape(http), "weight_bytes", format="float32", tier="gpu") == \
         expected[("float32", "gpu")]
+
+
+# ---- prefix caching ------------------------------------------------------------------------
+BLOCK_SIZE = 16  # the server's default --block-size: hits are whole blocks
+# Its own words, so that nothing an earlier test sent is cached; ~180 tokens: many full blocks.
+SHARED_PREFIX = "A library keeps its books in order by subject, then by author, then by title. " * 10
+PREFIX_CACHE_SERIES = [("prefix_cache_queries_total", tier) for tier in ("gpu", "cpu")] + \
+    [("prefix_cache_hits_total", tier) for tier in ("gpu", "cpu")] + \
+    [("kv_cached_blocks", tier) for tier in ("gpu", "cpu")] + \
+    [("prefix_cache_demoted_blocks_total", None), ("prefix_cache_promoted_blocks_total", None)]
+
+
+def prefix_cache_delta(before: dict, after: dict, name: str, tier: str = "gpu") -> float:
+    return metric(after, name, tier=tier) - metric(before, name, tier=tier)
+
+
+def test_prefix_cache_metrics_count_a_shared_prefix(http):
+    """Every series is there from the start, host tier included on a server without a host pool;
+    a second prompt with the first one's prefix finds its blocks, and once idle they stay cached
+    while the KV usage, which counts only blocks requests hold, is back at 0."""
+    before = wait_idle(http)
+    for name, tier in PREFIX_CACHE_SERIES:  # present, not just 0 by the helper's default
+        assert (f"tandem:{name}", (("tier", tier),) if tier else ()) in before, name
+    prompt_lens = []
+    for question in ("Where are the novels?", "Where is the atlas?"):
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": SHARED_PREFIX + question,
+                                                      "max_tokens": 2, "temperature": 0})
+        assert response.status_code == 200, response.text
+        prompt_lens.append(response.json()["usage"]["prompt_tokens"])
+    after = wait_idle(http)
+    hits = prefix_cache_delta(before, after, "prefix_cache_hits_total")
+    assert prefix_cache_delta(before, after, "prefix_cache_queries_total") == sum(prompt_lens)
+    assert 0 < hits < prompt_lens[1] and hits % BLOCK_SIZE == 0  # whole blocks of the shared prefix
+    assert metric(after, "kv_cached_blocks", tier="gpu") >= hits / BLOCK_SIZE
+    assert metric(after, "kv_cache_usage_perc") == 0
+    if not os.environ.get(EXTRA_FLAGS_ENV):  # the shared server has no host pool (device cpu)
+        assert metric(after, "kv_cached_blocks", tier="cpu") == 0
+        assert prefix_cache_delta(before, after, "prefix_cache_queries_total", "cpu") == 0
+
+
+# ~300 tokens, also its own words; two conversations share it as their system prompt
+LONG_SYSTEM_PROMPT = "You answer for the prefix-cache test. " + " ".join(
+    f"Rule {i}: keep every answer short, plain and polite." for i in range(1, 22))
+
+
+def test_chats_sharing_a_cached_system_prompt_answer_as_computed_ones(client, http, llm):
+    """The second conversation takes the first one's system prompt from the cache, a repeat of the
+    first takes nearly its whole prompt; each answer is what the offline engine computes cold."""
+    conversations = [[{"role": "system", "content": LONG_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+                     for question in ("Name a colour.", "Name a fruit.")]
+    # a sequence asking for prompt logprobs takes nothing from the cache (PrefixCache.cacheable_blocks)
+    cold = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=0)
+    expected = [output.outputs[0].text for output in llm.chat(conversations, cold)]
+
+    def answer(messages) -> str:
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        return out.choices[0].message.content
+
+    before = scrape(http)
+    first = answer(conversations[0])
+    after_first = scrape(http)
+    second, repeat = answer(conversations[1]), answer(conversations[0])
+    after = scrape(http)
+    assert [first, second, repeat] == [*expected, expected[0]]
+    assert prefix_cache_delta(before, after_first, "prefix_cache_hits_total") == 0  # the first was cold
+    # each later request finds at least the system prompt's full blocks
+    system_blocks = len(llm.tokenizer.encode(LONG_SYSTEM_PROMPT)) // BLOCK_SIZE
+    assert prefix_cache_delta(after_first, after, "prefix_cache_hits_total") >= 2 * system_blocks * BLOCK_SIZE
 
 
 def test_version_and_health(http):
