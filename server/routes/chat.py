@@ -13,7 +13,7 @@ from engine.text import Tokenizer
 from server.context import Context
 from server.disconnect import collect_final_outputs
 from server.protocol import ChatCompletionRequest
-from server.routes.shared import read_request, render_chat, require_tokenizer, usage
+from server.routes.shared import has_news, read_request, render_chat, require_tokenizer, usage
 from server.sse import event_stream_response, merge_streams, sse_event
 from server.submission import Submission, submit
 
@@ -56,9 +56,10 @@ class _ChatShaper:
         for index in range(self.request.n):  # the assistant role opens every choice
             yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
+        finished: set[int] = set()
         async for _, output in merge_streams(self.submission.streams):
             for completion in output.outputs:
-                if not completion.delta_token_ids and completion.finish_reason is None:
+                if not has_news(completion, completion.index, finished):
                     continue
                 num_generated += len(completion.delta_token_ids)
                 yield self._chunk([self._delta_choice(completion)])

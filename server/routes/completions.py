@@ -13,7 +13,7 @@ from engine.text import Tokenizer
 from server.context import Context
 from server.disconnect import collect_final_outputs
 from server.protocol import CompletionRequest
-from server.routes.shared import read_request, require_tokenizer, usage
+from server.routes.shared import has_news, read_request, require_tokenizer, usage
 from server.sse import event_stream_response, merge_streams, sse_event
 from server.submission import Submission, submit
 
@@ -57,11 +57,12 @@ class _CompletionShaper:
         include_usage = bool(self.request.stream_options and self.request.stream_options.include_usage)
         num_generated = 0
         text_offsets: dict[int, int] = {}  # choice index -> characters sent so far
+        finished: set[int] = set()
         async for prompt_index, output in merge_streams(self.submission.streams):
             for completion in output.outputs:
-                if not completion.delta_token_ids and completion.finish_reason is None:
-                    continue
                 choice_index = prompt_index * self.request.n + completion.index
+                if not has_news(completion, choice_index, finished):
+                    continue
                 text, echo = completion.delta_text, ""
                 if choice_index not in text_offsets:  # a choice's first chunk carries the echo
                     echo = self._echo_text(prompt_index)

@@ -7,6 +7,7 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
+from engine.outputs import CompletionOutput
 from engine.text import Tokenizer, TokenizerError
 from server import protocol
 from server.context import ServerContext
@@ -49,3 +50,15 @@ def usage(submission: Submission, num_generated: int) -> dict:
     """OpenAI's usage object: the prompt tokens of every prompt, and the tokens generated."""
     return {"prompt_tokens": submission.num_prompt_tokens, "completion_tokens": num_generated,
             "total_tokens": submission.num_prompt_tokens + num_generated}
+
+
+def has_news(completion: CompletionOutput, choice_index: int, finished: set[int]) -> bool:
+    """Whether a choice's latest output is worth a stream chunk: new tokens, or its finish not sent
+    yet. A request's outputs repeat every choice whenever any has news (n > 1), so a choice that
+    finished earlier must not finish again. `finished`: the choices whose finish was sent; updated."""
+    if completion.finish_reason is None:
+        return bool(completion.delta_token_ids)
+    if choice_index in finished and not completion.delta_token_ids:
+        return False
+    finished.add(choice_index)
+    return True

@@ -109,8 +109,8 @@ def test_prompt_logprobs_match_hf_beside_plain_prefills(tiny_model):
     assert plan.scheduled[row].sequence is scored
     entries = output.prompt_logprobs[row]
     expected = torch.log_softmax(hf_logits(hf_model, scored.prompt_token_ids)[:-1], dim=-1)
-    assert entries[0] is None and len(entries) == len(scored.prompt_token_ids)
-    for position, entry in enumerate(entries[1:]):
+    assert len(entries) == len(scored.prompt_token_ids) - 1  # every token but the first (nothing predicts it)
+    for position, entry in enumerate(entries):
         assert entry.token_id == scored.prompt_token_ids[position + 1]
         assert entry.logprob == pytest.approx(expected[position, entry.token_id].item(), abs=TOLERANCE)
         top_values, top_ids = expected[position].topk(3)
