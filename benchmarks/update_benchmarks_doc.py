@@ -43,9 +43,9 @@ SECTIONS = (
             "Run by `make bench-multi-turn` before the side-by-side run: on the engine directly, 8 streams\n"
             "decode, then a 2,048-token prompt arrives and is prefilled in chunks of the budget. Per budget:\n"
             "the median decode-only step, the median step that carries a chunk, and the prompt's prefill rate\n"
-            "(medians over interleaved repetitions). The device default (`DEFAULT_BATCHED_TOKENS` in\n"
-            "engine/config.py) is the largest budget whose chunk steps stay within 3x a decode step, the\n"
-            "serving target for running streams' ITL p99 against their TPOT p50 while a long prompt arrives.",
+            "(medians over interleaved repetitions), prefill pacing off. Pacing keeps chunk steps short while\n"
+            "streams decode whatever the budget, so the budget's own job is the prefill rate: the device default\n"
+            "(`DEFAULT_BATCHED_TOKENS` in engine/config.py) is the smallest budget within 95% of the best rate.",
             "## CPU decode attention"),
     Section("long_prompt", "### Long prompt among running streams (chunked prefill) (`benchmarks/long_prompt.py`)",
             "Run by `make bench-long-prompt`: 8 streamed completions (64-token prompts, 400 output tokens,\n"
