@@ -24,36 +24,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
-import os
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 from server.bench import long_prompt_report as report
-from server.bench.client import Endpoint, EndpointError, check_endpoint, max_model_len
+from server.bench.client import Endpoint, max_model_len
 from server.bench.long_prompt_scenario import LongPromptShape, LongPromptTexts, build_texts, run_long_prompt
-from server.bench.prompts import PromptBuilder, RemoteTokenCounter
-from server.bench.serve import API_KEY_ENVS, WARMUP_INPUT_TOKENS, BenchmarkError, warm_up
-from server.bench.systems import RunningSystem, SystemSpec, SystemStartError
+from server.bench.harness import (WARMUP_INPUT_TOKENS, BenchmarkError, add_median_run_args, add_target_args, connect,
+                                  medians_label, prompt_builder, run_and_write, run_info, run_systems, warm_up)
 
 
 def build_parser(prog: str | None = None, default_output: Path = Path("long_prompt.json")) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    target = ap.add_argument_group("target")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running endpoint")
-    target.add_argument("--system", action="append", default=[], metavar="NAME=COMMAND",
-                        help="start this system per repetition instead (repeatable)")
-    target.add_argument("--model", default=None, help="model name to send (default: the first in /v1/models)")
-    target.add_argument("--api-key", default=next((os.environ[e] for e in API_KEY_ENVS if e in os.environ), None))
-    target.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (a vLLM extension)")
-    target.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a --system to be healthy")
-    target.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "tandem-bench",
-                        help="where each --system's output goes (NAME.log)")
+    add_target_args(ap, "start this system per repetition instead (repeatable)")
     work = ap.add_argument_group("requests")
     work.add_argument("--num-streams", type=int, default=8, help="streams running when the long prompt arrives")
     work.add_argument("--stream-input-len", type=int, default=64, help="tokens of each stream's prompt")
@@ -63,13 +49,7 @@ def build_parser(prog: str | None = None, default_output: Path = Path("long_prom
     work.add_argument("--long-prompt-tokens", type=int, default=8000, help="tokens of the long prompt")
     work.add_argument("--long-output-len", type=int, default=16, help="tokens the long prompt's request generates")
     work.add_argument("--seed", type=int, default=0)
-    run = ap.add_argument_group("run")
-    run.add_argument("--reps", type=int, default=1, help="repetitions (interleaved across systems; medians reported)")
-    run.add_argument("--warmup", type=int, default=2, help="unrecorded short requests after each start")
-    run.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
-    run.add_argument("--output", type=Path, default=default_output)
-    run.add_argument("--save-requests", action="store_true", help="keep every request's record in the JSON")
-    run.add_argument("--no-progress", action="store_true")
+    add_median_run_args(ap, default_output, request_timeout_s=600.0, unit="request")
     return ap
 
 
@@ -90,13 +70,10 @@ class LongPromptBench:
     def measure(self, url: str, name: str, rep: int) -> dict:
         """Repetition `rep` of the run against the endpoint at `url`."""
         args = self.args
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        with httpx.Client(base_url=url, headers=headers, timeout=args.request_timeout) as http:
-            model = check_endpoint(http, args.model)
-            endpoint = Endpoint(url, model, "completions", args.api_key, not args.no_ignore_eos)
-            self._check_context(name, max_model_len(http, model))
+        with connect(url, args, "completions") as (http, endpoint):
+            self._check_context(name, max_model_len(http, endpoint.model))
             if self.texts is None:
-                self._build_texts(http, model)
+                self._build_texts(http, endpoint.model)
             warm_up(endpoint, self.warmup_prompts, args.request_timeout)
             return self._run(endpoint, name, rep)
 
@@ -107,12 +84,7 @@ class LongPromptBench:
                                  f"--long-prompt-tokens")
 
     def _build_texts(self, http: httpx.Client, model: str) -> None:
-        try:
-            builder = PromptBuilder(RemoteTokenCounter(http, model, chat=False), self.args.seed)
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            print(f"note: /tokenize is not usable ({type(exc).__name__}); prompt lengths are approximate "
-                  f"(a word taken as a token)", file=sys.stderr)
-            builder = PromptBuilder(None, self.args.seed)
+        builder = prompt_builder(http, model, chat=False, seed=self.args.seed)
         self.texts = [build_texts(builder, self.shape, rep) for rep in range(self.args.reps)]
         # past every repetition's indices, so a warm-up shares no prefix with a measured prompt
         first = self.args.reps * (self.shape.num_streams + 1)
@@ -151,25 +123,9 @@ def _check_run(name: str, run: dict) -> None:
 
 def run_benchmark(args) -> dict:
     bench = LongPromptBench(args)
-    systems = [SystemSpec.parse(s) for s in args.system]
-    names = [s.name for s in systems] or ["target"]
-    if len(set(names)) != len(names):
-        raise ValueError(f"system names must differ: {names}")
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    for rep in range(args.reps):
-        if not systems:
-            runs["target"].append(bench.measure(args.base_url, "target", rep))
-            continue
-        for spec in (systems if rep % 2 == 0 else systems[::-1]):  # A B C, then C B A: drift hits all alike
-            with RunningSystem(spec, args.log_dir / f"{spec.name}.log").start(args.startup_timeout) as running:
-                runs[spec.name].append(bench.measure(running.url, spec.name, rep))
-    system_rows = [{"name": name, "command": next((s.command for s in systems if s.name == name), args.base_url),
-                    "runs": runs[name]} for name in names]
+    names, system_rows = run_systems(args, lambda url, name, rep: [bench.measure(url, name, rep)])
     return {"benchmark": "long_prompt", "title": title(names, bench.shape, args),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                        "cpus": os.cpu_count()},
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"},
+            **run_info(args),
             "shape": dataclasses.asdict(bench.shape),
             "texts_exact": all(t.exact for t in bench.texts or []),
             "systems": system_rows,
@@ -177,27 +133,15 @@ def run_benchmark(args) -> dict:
 
 
 def title(names: list[str], shape: LongPromptShape, args) -> str:
-    reps = f"median of {args.reps} repetitions" if args.reps > 1 else "one repetition"
     return (f"{' vs '.join(names)}: {shape.num_streams} streams ({shape.num_stream_input_tokens}-token prompts, "
             f"{shape.num_stream_output_tokens} output tokens) decoding when a {shape.num_long_prompt_tokens}-token "
             f"prompt ({shape.num_long_output_tokens} output tokens) arrives after {shape.num_tokens_before_arrival} "
-            f"tokens each; {reps}, {platform.machine()} {os.cpu_count()} CPUs")
+            f"tokens each; {medians_label(args.reps)}")
 
 
 def main(argv: list[str] | None = None, prog: str | None = None,
          default_output: Path = Path("long_prompt.json")) -> int:
     """Run the benchmark; results go to --output (default `default_output`) and its .md beside it."""
     args = build_parser(prog, default_output).parse_args(argv)
-    try:
-        results = run_benchmark(args)
-    except (EndpointError, SystemStartError, BenchmarkError, ValueError) as exc:
-        print(f"long-prompt benchmark: error: {exc}", file=sys.stderr)
-        return 1
-    table = report.table(results["systems"])
-    print(table)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=1))
-    # the table docs/benchmarks.md shows (benchmarks/update_benchmarks_doc.py puts it there)
-    args.output.with_suffix(".md").write_text(f"{results['title']}\n\n{table}\n")
-    print(f"\nwrote {args.output}", file=sys.stderr)
-    return 0
+    results = run_and_write("long-prompt", args, run_benchmark, lambda results: report.table(results["systems"]))
+    return 0 if results is not None else 1

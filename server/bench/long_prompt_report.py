@@ -13,18 +13,17 @@ during-window ITL p99 / TPOT p50 at most 3, TPOT over each stream's whole run.
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
+from server.bench import report
 from server.bench.client import RequestRecord
+from server.bench.report import Metric, Reader, markdown_table, metric_cells, ms
 from server.bench.stats import summarize
 
 ITL_P99_OVER_TPOT_TARGET = 3.0
-
-Reader = Callable[[dict], "float | None"]
 
 
 @dataclass(frozen=True)
@@ -101,12 +100,8 @@ def summarize_run(streams: list[RequestRecord], long: RequestRecord) -> dict:
             "num_streams_through_window": num_streams_through(streams, during)}
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else 1000.0 * seconds
-
-
 def _window_itl(window: str, stat: str) -> Reader:
-    return lambda run: _ms((run[window] or {}).get("itl", {}).get(stat))
+    return lambda run: ms((run[window] or {}).get("itl", {}).get(stat))
 
 
 def itl_p99_over_tpot(run: dict) -> float | None:
@@ -118,38 +113,33 @@ def itl_p99_over_tpot(run: dict) -> float | None:
 
 
 # (key, column header, reader of a run, format); latencies in milliseconds, the TTFT in seconds
-METRICS: tuple[tuple[str, str, Reader, str], ...] = (
+METRICS: tuple[Metric, ...] = (
     ("long_ttft_s", "long prompt TTFT s", lambda run: run["long_prompt"]["ttft"]["p50"], "{:.2f}"),
     ("before_itl_p50", "before: ITL p50 ms", _window_itl("before", "p50"), "{:.1f}"),
     ("before_itl_p99", "before: ITL p99 ms", _window_itl("before", "p99"), "{:.1f}"),
     ("during_itl_p50", "during: ITL p50 ms", _window_itl("during", "p50"), "{:.1f}"),
     ("during_itl_p99", "during: ITL p99 ms", _window_itl("during", "p99"), "{:.1f}"),
     ("during_itl_max", "during: ITL max ms", _window_itl("during", "max"), "{:.1f}"),
-    ("tpot_p50", "TPOT p50 ms", lambda run: _ms(run["streams"]["tpot"]["p50"]), "{:.1f}"),
+    ("tpot_p50", "TPOT p50 ms", lambda run: ms(run["streams"]["tpot"]["p50"]), "{:.1f}"),
     ("itl_p99_over_tpot", f"ITL p99 / TPOT p50 (target <= {ITL_P99_OVER_TPOT_TARGET:g})", itl_p99_over_tpot,
      "{:.2f}"),
 )
 
 
 def run_metrics(run: dict) -> dict[str, float | None]:
-    return {key: read(run) for key, _header, read, _fmt in METRICS}
+    return report.run_metrics(run, METRICS)
 
 
 def median_metrics(runs: list[dict]) -> dict[str, float | None]:
     """Each metric's median over the runs that have it; None where none does."""
-    rows = [run_metrics(run) for run in runs]
-    medians = {}
-    for key, *_ in METRICS:
-        values = [row[key] for row in rows if row[key] is not None]
-        medians[key] = statistics.median(values) if values else None
-    return medians
+    return report.median_metrics(runs, METRICS)
 
 
 def table(systems: list[dict]) -> str:
     """One markdown row per system: medians over repetitions; `ok/sent` counts every request of
     every repetition, `streams through` the fewest streams that ran through a during-window."""
     header = ["system", "ok/sent", "streams through"] + [m[1] for m in METRICS]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for system in systems:
         runs = system["runs"]
         medians = median_metrics(runs)
@@ -158,6 +148,5 @@ def table(systems: list[dict]) -> str:
         through = [run["num_streams_through_window"] for run in runs if run["num_streams_through_window"] is not None]
         num_streams = max((run["streams"]["num_requests"] for run in runs), default=0)
         cells = [system["name"], f"{num_ok}/{num_sent}", f"{min(through)}/{num_streams}" if through else "-"]
-        cells += ["-" if medians[key] is None else fmt.format(medians[key]) for key, _h, _r, fmt in METRICS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells + metric_cells(medians, METRICS))
+    return markdown_table(header, rows)

@@ -10,29 +10,22 @@ repetition: below 1 the first system's TTFT is shorter, above 1 its throughput i
 """
 from __future__ import annotations
 
-import statistics
-from typing import Callable
-
+from server.bench import report
 from server.bench.client import RequestRecord
+from server.bench.report import Metric, markdown_table, metric_cells, ms, ratio_cell
 from server.bench.stats import ratio_spread
-
-Reader = Callable[[dict], "float | None"]
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else 1000.0 * seconds
 
 
 # (key, column header, reader of a run, format); latencies in milliseconds
-METRICS: tuple[tuple[str, str, Reader, str], ...] = (
-    ("ttft_p50", "TTFT p50 ms", lambda r: _ms(r["summary"]["ttft"]["p50"]), "{:.0f}"),
-    ("ttft_p90", "TTFT p90 ms", lambda r: _ms(r["summary"]["ttft"]["p90"]), "{:.0f}"),
-    ("first_turn_ttft_p50", "turn 1 TTFT p50 ms", lambda r: _ms(r["first_turn"]["ttft"]["p50"]), "{:.0f}"),
-    ("first_turn_ttft_p90", "turn 1 TTFT p90 ms", lambda r: _ms(r["first_turn"]["ttft"]["p90"]), "{:.0f}"),
-    ("later_turns_ttft_p50", "turns 2+ TTFT p50 ms", lambda r: _ms(r["later_turns"]["ttft"]["p50"]), "{:.0f}"),
-    ("later_turns_ttft_p90", "turns 2+ TTFT p90 ms", lambda r: _ms(r["later_turns"]["ttft"]["p90"]), "{:.0f}"),
-    ("itl_p50", "ITL p50 ms", lambda r: _ms(r["summary"]["itl"]["p50"]), "{:.1f}"),
-    ("tpot_p50", "TPOT p50 ms", lambda r: _ms(r["summary"]["tpot"]["p50"]), "{:.1f}"),
+METRICS: tuple[Metric, ...] = (
+    ("ttft_p50", "TTFT p50 ms", lambda r: ms(r["summary"]["ttft"]["p50"]), "{:.0f}"),
+    ("ttft_p90", "TTFT p90 ms", lambda r: ms(r["summary"]["ttft"]["p90"]), "{:.0f}"),
+    ("first_turn_ttft_p50", "turn 1 TTFT p50 ms", lambda r: ms(r["first_turn"]["ttft"]["p50"]), "{:.0f}"),
+    ("first_turn_ttft_p90", "turn 1 TTFT p90 ms", lambda r: ms(r["first_turn"]["ttft"]["p90"]), "{:.0f}"),
+    ("later_turns_ttft_p50", "turns 2+ TTFT p50 ms", lambda r: ms(r["later_turns"]["ttft"]["p50"]), "{:.0f}"),
+    ("later_turns_ttft_p90", "turns 2+ TTFT p90 ms", lambda r: ms(r["later_turns"]["ttft"]["p90"]), "{:.0f}"),
+    ("itl_p50", "ITL p50 ms", lambda r: ms(r["summary"]["itl"]["p50"]), "{:.1f}"),
+    ("tpot_p50", "TPOT p50 ms", lambda r: ms(r["summary"]["tpot"]["p50"]), "{:.1f}"),
     ("output_throughput", "out tok/s", lambda r: r["summary"]["output_throughput"], "{:.1f}"),
     ("request_throughput", "req/s", lambda r: r["summary"]["request_throughput"], "{:.2f}"),
     ("prefix_cache_hit_rate", "prefix hit rate", lambda r: (r["prefix_cache"] or {}).get("hit_rate"), "{:.0%}"),
@@ -75,17 +68,12 @@ def usage_cached_stats(records: list[RequestRecord]) -> dict | None:
 
 
 def run_metrics(run: dict) -> dict[str, float | None]:
-    return {key: read(run) for key, _header, read, _fmt in METRICS}
+    return report.run_metrics(run, METRICS)
 
 
 def median_metrics(runs: list[dict]) -> dict[str, float | None]:
     """Each metric's median over the runs that have it; None where none does."""
-    rows = [run_metrics(run) for run in runs]
-    medians = {}
-    for key, *_ in METRICS:
-        values = [row[key] for row in rows if row[key] is not None]
-        medians[key] = statistics.median(values) if values else None
-    return medians
+    return report.median_metrics(runs, METRICS)
 
 
 def ratios(systems: list[dict]) -> list[dict]:
@@ -113,24 +101,15 @@ def table(systems: list[dict], ratio_rows: list[dict]) -> str:
     baseline = systems[0]["name"] if systems else ""
     ratio_headers = [f"{baseline}/this {header}" for _key, header in RATIO_METRICS] if ratio_rows else []
     header = ["system", "ok/sent"] + [m[1] for m in METRICS] + ratio_headers
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     by_peer = {row["system"]: row["metrics"] for row in ratio_rows}
     for system in systems:
         medians = median_metrics(system["runs"])
         num_ok = sum(run["summary"]["num_succeeded"] for run in system["runs"])
         num_sent = sum(run["summary"]["num_sent"] for run in system["runs"])
-        cells = [system["name"], f"{num_ok}/{num_sent}"]
-        cells += ["-" if medians[key] is None else fmt.format(medians[key]) for key, _h, _r, fmt in METRICS]
+        cells = [system["name"], f"{num_ok}/{num_sent}"] + metric_cells(medians, METRICS)
         if ratio_rows:
             peer = by_peer.get(system["name"], {})
-            cells += [_ratio_cell(peer.get(key)) for key, _header in RATIO_METRICS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _ratio_cell(spread: dict | None) -> str:
-    if spread is None:
-        return "-"
-    if spread["n"] > 1:
-        return f"{spread['median']:.2f}x [{spread['min']:.2f}-{spread['max']:.2f}]"
-    return f"{spread['median']:.2f}x"
+            cells += [ratio_cell(peer.get(key)) for key, _header in RATIO_METRICS]
+        rows.append(cells)
+    return markdown_table(header, rows)

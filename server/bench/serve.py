@@ -21,50 +21,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import math
-import os
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from server.bench.client import (Endpoint, EndpointError, check_endpoint, max_model_len,
-                                       server_counters, settled_counters)
-from server.bench.prompts import PromptBuilder, RemoteTokenCounter
+from server.bench.client import Endpoint, max_model_len, server_counters, settled_counters
+from server.bench.harness import (WARMUP_INPUT_TOKENS, BenchmarkError, add_target_args, connect, machine_label,
+                                  prompt_builder, run_and_write, run_info, run_systems, warm_up)
 from server.bench.report import ratio_table, ratios, run_table
 from server.bench.runner import run_requests
 from server.bench.stats import SLO_METRICS, summarize
-from server.bench.systems import RunningSystem, SystemSpec, SystemStartError
 from server.bench.workload import (Load, RequestSpec, WorkloadError, WorkloadFile,
                                          read_replay_csv, synthetic_lengths, workload_lengths)
 
-API_KEY_ENVS = ("OPENAI_API_KEY", "TANDEM_API_KEY")
-WARMUP_INPUT_TOKENS, WARMUP_OUTPUT_TOKENS = 16, 4
 DEFAULT_NUM_REQUESTS = 64
-
-
-class BenchmarkError(RuntimeError):
-    """A run that cannot go on (every request failed); the message says why."""
 
 
 def build_parser(prog: str | None = None, default_output: Path = Path("serve.json")) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    target = ap.add_argument_group("target")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running endpoint")
-    target.add_argument("--system", action="append", default=[], metavar="NAME=COMMAND",
-                        help="start this system per repetition instead (repeatable; the first is the baseline)")
-    target.add_argument("--model", default=None, help="model name to send (default: the first in /v1/models)")
+    target = add_target_args(ap, "start this system per repetition instead (repeatable; the first is the baseline)")
     target.add_argument("--endpoint", choices=["completions", "chat"], default=None,
                         help="default: the workload file's, else completions")
-    target.add_argument("--api-key", default=next((os.environ[e] for e in API_KEY_ENVS if e in os.environ), None))
-    target.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (a vLLM extension)")
-    target.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a --system to be healthy")
-    target.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "tandem-bench",
-                        help="where each --system's output goes (NAME.log)")
     load = ap.add_argument_group("load (one of; a list sweeps)")
     kinds = load.add_mutually_exclusive_group()
     kinds.add_argument("--rate", type=float, nargs="+", help="Poisson arrivals at these req/s (inf: all at once)")
@@ -166,12 +146,9 @@ class Bench:
     def measure(self, url: str, name: str, rep: int) -> list[dict]:
         """Every load level once against the endpoint at `url`."""
         args = self.args
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        with httpx.Client(base_url=url, headers=headers, timeout=args.request_timeout) as http:
-            model = check_endpoint(http, args.model)
-            endpoint = Endpoint(url, model, self.endpoint_kind, args.api_key, not args.no_ignore_eos)
+        with connect(url, args, self.endpoint_kind) as (http, endpoint):
             if not self.context_checked:  # the first system's context length fixes the workload for all
-                self.specs, num_clipped = clip_to_context(self.specs, max_model_len(http, model))
+                self.specs, num_clipped = clip_to_context(self.specs, max_model_len(http, endpoint.model))
                 if num_clipped:
                     print(f"note: {num_clipped} requests shortened to fit the context length", file=sys.stderr)
                 self.context_checked = True
@@ -186,12 +163,7 @@ class Bench:
         return runs
 
     def _build_prompts(self, http: httpx.Client, endpoint: Endpoint):
-        try:
-            builder = PromptBuilder(RemoteTokenCounter(http, endpoint.model, endpoint.kind == "chat"), self.args.seed)
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            print(f"note: {endpoint.base_url}/tokenize is not usable ({type(exc).__name__}); prompt lengths "
-                  f"are approximate (a word taken as a token)", file=sys.stderr)
-            builder = PromptBuilder(None, self.args.seed)
+        builder = prompt_builder(http, endpoint.model, chat=endpoint.kind == "chat", seed=self.args.seed)
         first_warmup = len(self.specs)
         warmup = {first_warmup + i: builder.build(first_warmup + i, WARMUP_INPUT_TOKENS).text
                   for i in range(self.args.warmup)}
@@ -245,19 +217,6 @@ class Bench:
         return run
 
 
-def warm_up(endpoint: Endpoint, prompts: dict[int, str], request_timeout_s: float) -> None:
-    """Unrecorded requests, one at a time, so a run does not pay a server's first-request costs."""
-    if not prompts:
-        return
-    specs = [RequestSpec(i, WARMUP_INPUT_TOKENS, WARMUP_OUTPUT_TOKENS) for i in prompts]
-    records = asyncio.run(run_requests(endpoint, specs, prompts, concurrency=1, request_timeout_s=request_timeout_s,
-                                       max_duration_s=request_timeout_s, progress=False))
-    failed = [r for r in records if not r.ok]
-    if failed:
-        raise BenchmarkError(f"warm-up requests to {endpoint.base_url}{endpoint.path} failed: "
-                             f"{failed[0].error}: {failed[0].error_message}")
-
-
 def _check_counters(name: str, load: Load, run: dict) -> None:
     """Warn when the server's /metrics deltas disagree with the usage the harness received."""
     counters, summary = run["server_counters"], run["summary"]
@@ -274,57 +233,38 @@ def _check_counters(name: str, load: Load, run: dict) -> None:
 def run_benchmark(args) -> dict:
     specs, description, endpoint_kind = make_workload(args)
     bench = Bench(args, specs, endpoint_kind)
-    systems = [SystemSpec.parse(s) for s in args.system]
-    names = [s.name for s in systems] or ["target"]
-    if len(set(names)) != len(names):
-        raise ValueError(f"system names must differ: {names}")
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    for rep in range(args.reps):
-        if not systems:
-            runs["target"] += bench.measure(args.base_url, "target", rep)
-            continue
-        for spec in (systems if rep % 2 == 0 else systems[::-1]):  # A B, then B A: drift hits both alike
-            log = args.log_dir / f"{spec.name}.log"
-            with RunningSystem(spec, log).start(args.startup_timeout) as running:
-                runs[spec.name] += bench.measure(running.url, spec.name, rep)
+    names, system_rows = run_systems(args, bench.measure)
     results = {
         "benchmark": "serve",
         "title": f"{' vs '.join(names)}: {description}, {len(bench.specs)} requests per level, "
-                 f"{bench.endpoint_kind}, {platform.machine()} {os.cpu_count()} CPUs",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count()},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"},
+                 f"{bench.endpoint_kind}, {machine_label()}",
+        **run_info(args),
         "workload": {"description": description, "endpoint": bench.endpoint_kind,
                      "num_requests": len(bench.specs),
                      "input_tokens": [s.num_input_tokens for s in bench.specs],
                      "output_tokens": [s.num_output_tokens for s in bench.specs]},
         "load_kind": bench.loads[0].kind,
-        "systems": [{"name": name, "command": next((s.command for s in systems if s.name == name), args.base_url),
-                     "runs": runs[name]} for name in names],
+        "systems": system_rows,
     }
     results["ratios"] = ratios(results)
     return results
 
 
-def main(argv: list[str] | None = None, prog: str | None = None, default_output: Path = Path("serve.json")) -> int:
-    """Run the benchmark; results go to --output (default `default_output`) and beside it."""
-    args = build_parser(prog, default_output).parse_args(argv)
-    try:
-        results = run_benchmark(args)
-    except (EndpointError, SystemStartError, BenchmarkError, WorkloadError, ValueError) as exc:
-        print(f"serve benchmark: error: {exc}", file=sys.stderr)
-        return 1
+def results_table(results: dict) -> str:
+    """Every run's row, then the ratios to the first system where there are several."""
     table = run_table(results)
     if results["ratios"]:
         table += "\n\nRatios to the first system (median [min-max] over repetitions):\n\n"
         table += ratio_table(results["ratios"])
-    print(table)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=1))
-    # the table docs/benchmarks.md shows (benchmarks/update_benchmarks_doc.py puts it there)
-    args.output.with_suffix(".md").write_text(f"{results.get('title', '')}\n\n{table}\n")
-    print(f"\nwrote {args.output}", file=sys.stderr)
+    return table
+
+
+def main(argv: list[str] | None = None, prog: str | None = None, default_output: Path = Path("serve.json")) -> int:
+    """Run the benchmark; results go to --output (default `default_output`) and beside it."""
+    args = build_parser(prog, default_output).parse_args(argv)
+    results = run_and_write("serve", args, run_benchmark, results_table, errors=(WorkloadError,))
+    if results is None:
+        return 1
     if not args.no_plot:
         from server.bench.plot import plot_load_latency
         path = plot_load_latency(results, args.plot or args.output.with_suffix(".png"))
