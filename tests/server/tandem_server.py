@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from offload_costs import cost_tables  # tests/ is on sys.path through tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"
 STARTUP_TIMEOUT_S = 120.0  # imports + weight load take 10-20 s; slow CI machines get headroom
@@ -81,17 +83,9 @@ class ServerProcess:
 
 
 # ---- offloading ---------------------------------------------------------------------------
-def pipelining_cost_tables(num_layers: int) -> dict:
-    """A memory-bound GPU and a cheap CPU attention: the pipelined plan wins often."""
-    return {
-        "num_layers": num_layers,
-        "linear": [[1, 1e-3], [64, 1.05e-3], [2048, 4e-3]],
-        "prefill_attention": [[1, 1e-6], [2048, 1e-3]],
-        "gpu_decode_attention": [[1, 1e-7], [100000, 1e-3]],
-        "cpu_decode_attention": {"xs": [1, 64], "ys": [1, 100000], "zs": [[1e-6, 2e-3], [2e-6, 2e-3]]},
-        "head": [[1, 1e-4], [64, 2e-4]],
-        "swap_per_block": 1e-6,
-    }
+# A memory-bound GPU and a cheap CPU attention, so the pipelined plan wins often: the engine
+# tests' tables (tests/offload_costs.py), kept under the name the server tests know them by.
+pipelining_cost_tables = cost_tables
 
 
 # ---- /metrics -----------------------------------------------------------------------------
