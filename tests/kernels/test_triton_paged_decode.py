@@ -4,7 +4,6 @@ backend on fresh random inputs, run on CPU tensors by Triton's interpreter (the
 off the tile sizes, ragged contexts over scattered blocks, half-precision caches, the fused
 append through the backend, and the errors malformed input gets."""
 import math
-import zlib
 
 import pytest
 import torch
@@ -17,11 +16,6 @@ TOLERANCE = 1e-5
 @pytest.fixture
 def paged(interpreted_paged_decode):
     return interpreted_paged_decode
-
-
-@pytest.fixture
-def gen(request):
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def make_problem(gen, context_lens, num_kv_heads, group, head_dim, block_size, dtype):

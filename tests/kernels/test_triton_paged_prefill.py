@@ -5,7 +5,6 @@ cached prefixes in scattered blocks (empty and unaligned prefixes, stale values 
 prefix), GQA groups, head dims and block sizes off the tile sizes, half-precision inputs, and
 the errors malformed input gets."""
 import math
-import zlib
 
 import pytest
 import torch
@@ -16,11 +15,6 @@ TOLERANCE = 1e-5
 @pytest.fixture
 def paged(interpreted_paged_prefill):
     return interpreted_paged_prefill
-
-
-@pytest.fixture
-def gen(request):
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def make_problem(gen, chunks, num_kv_heads, group, head_dim, block_size, dtype=torch.float32):

@@ -7,7 +7,6 @@ The interpreter runs every program instance in Python, so the shapes are small: 
 matmuls, odd ones (n odd, k not a multiple of 256) and one 4096x4096 at batch 2. Llama-3.1-8B's
 MLP shapes (3.5x that: ~30 s each here) are left to benchmarks/triton_w4a16.py on a GPU.
 """
-import zlib
 
 import pytest
 import torch
@@ -26,13 +25,6 @@ BATCHES = [1, 3, 16, 17, 33]
 @pytest.fixture
 def w4a16(interpreted_w4a16):
     return interpreted_w4a16
-
-
-@pytest.fixture
-def gen(request):
-    """A generator seeded by the test's own id: fresh data for every test and parameter set,
-    the same from run to run."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def random_weight(n, k, group_size, gen):
