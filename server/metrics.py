@@ -90,6 +90,12 @@ class Metrics:
         self.cost_model_error = histogram(
             "cost_model_relative_error", "|measured - predicted| / measured forward time, per iteration.",
             _ERROR_BUCKETS)
+        self._add_weight_metrics(r, counter, histogram)
+        self._add_prefix_cache_metrics(r, counter)
+        self._last_token_time: dict[str, float] = {}
+        self._initialise_labelled_series()
+
+    def _add_weight_metrics(self, r: CollectorRegistry, counter, histogram) -> None:
         # ---- weight streaming (PIPO): bytes per tier, transfer against compute, stalls -------------
         self._weight_streamed_bytes = Counter(
             "tandem:weight_streamed_bytes", "Bytes of streamed layers loaded into the GPU's buffers, by the "
@@ -110,6 +116,8 @@ class Metrics:
         self.mlp_moved_tokens = counter(
             "mlp_moved_tokens", "Tokens whose CPU slices of an MLP (CC) the GPU computed instead, with CC's "
             "weights copied over (CG', prefill token assignment), summed over layers.")
+
+    def _add_prefix_cache_metrics(self, r: CollectorRegistry, counter) -> None:
         # ---- prefix caching: tokens per KV tier looked up (tier gpu: every admitted prompt; cpu: what
         # the GPU pool missed), so the overall hit rate is the hits of both over the gpu queries ------
         self._prefix_queries = Counter(
@@ -127,8 +135,6 @@ class Metrics:
             "prefix_cache_demoted_blocks", "Cached blocks the GPU pool evicted that were copied into the host pool.")
         self.prefix_promoted_blocks = counter(
             "prefix_cache_promoted_blocks", "Cached blocks found in the host pool that were copied into the GPU pool.")
-        self._last_token_time: dict[str, float] = {}
-        self._initialise_labelled_series()
 
     def _initialise_labelled_series(self) -> None:
         """A series for every known label value from the start, at 0, so a fresh dashboard shows 0

@@ -58,9 +58,15 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(prompts):
+def plain():
+    """The engine as it was: every prompt whole, nothing cached."""
     with LLM(dtype="float32", cpu_attention="off", **WHOLE) as llm:
-        return token_ids(llm.generate(prompts, GREEDY))
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def reference(plain, prompts):
+    return token_ids(plain.generate(prompts, GREEDY))
 
 
 @pytest.fixture(scope="module")
@@ -79,22 +85,21 @@ def test_shared_prefix_prompts_hit_and_give_the_same_tokens(cached_llm, prompts,
     assert_blocks_back(cached_llm)
 
 
-def test_multi_turn_history_matches_uncached(cached_llm):
+def test_multi_turn_history_matches_uncached(cached_llm, plain):
     """Each turn re-sends the conversation so far: its history is a cached prefix."""
-    with LLM(dtype="float32", cpu_attention="off", **WHOLE) as plain:
-        history_cached = history_plain = SYSTEM
-        for question in QUESTIONS[:4]:
-            history_cached += "\nUser: " + question + "\nAssistant:"
-            history_plain += "\nUser: " + question + "\nAssistant:"
-            cached = cached_llm.generate([history_cached], GREEDY)[0].outputs[0]
-            uncached = plain.generate([history_plain], GREEDY)[0].outputs[0]
-            assert cached.token_ids == uncached.token_ids
-            history_cached += cached.text
-            history_plain += uncached.text
+    history_cached = history_plain = SYSTEM
+    for question in QUESTIONS[:4]:
+        history_cached += "\nUser: " + question + "\nAssistant:"
+        history_plain += "\nUser: " + question + "\nAssistant:"
+        cached = cached_llm.generate([history_cached], GREEDY)[0].outputs[0]
+        uncached = plain.generate([history_plain], GREEDY)[0].outputs[0]
+        assert cached.token_ids == uncached.token_ids
+        history_cached += cached.text
+        history_plain += uncached.text
     assert_blocks_back(cached_llm)
 
 
-def test_n_samples_share_the_prompt_and_sample_alike(cached_llm, prompts):
+def test_n_samples_share_the_prompt_and_sample_alike(cached_llm, plain, prompts):
     params = SamplingParams(temperature=0.8, seed=11, n=3, max_tokens=16)
     hits_before = cached_llm.engine.scheduler.prefix_cache.counters.hits["gpu"]
     prompt = "Tell me a story. " + prompts[2]  # a prompt no earlier test cached
@@ -102,18 +107,15 @@ def test_n_samples_share_the_prompt_and_sample_alike(cached_llm, prompts):
     # the later samples waited for the first's prompt and took all its full blocks but the last token's
     num_cacheable_tokens = (len(cached_llm.tokenizer.encode(prompt)) - 1) // 16 * 16
     assert cached_llm.engine.scheduler.prefix_cache.counters.hits["gpu"] - hits_before == 2 * num_cacheable_tokens
-    with LLM(dtype="float32", cpu_attention="off", **WHOLE) as plain:
-        assert cached == token_ids(plain.generate([prompt], params))
+    assert cached == token_ids(plain.generate([prompt], params))
     assert_blocks_back(cached_llm)
 
 
-def test_prompt_logprobs_across_chunks_equal_whole(prompts):
+def test_prompt_logprobs_across_chunks_equal_whole(cached_llm, plain, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
-    with LLM(dtype="float32", cpu_attention="off", **WHOLE) as plain:
-        whole = plain.generate(prompts[:2], params)
-    with LLM(dtype="float32", cpu_attention="off", **CHUNKED) as chunked:
-        chunked.generate(prompts[:1], GREEDY)  # cached: prompt logprobs must still compute every row
-        parts = chunked.generate(prompts[:2], params)
+    whole = plain.generate(prompts[:2], params)
+    cached_llm.generate(prompts[:1], GREEDY)  # cached: prompt logprobs must still compute every row
+    parts = cached_llm.generate(prompts[:2], params)
     for a, b in zip(whole, parts):
         assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
         assert a.prompt_logprobs[0] is None and b.prompt_logprobs[0] is None
