@@ -136,7 +136,7 @@ LLAMA_LONG_PROMPT_CONTEXT := 73728
 bench-long-prompt: install
 	$(PY) benchmarks/long_prompt.py --system 'tandem=$(TANDEM_SERVE) --quantization int4 --max-model-len $(LONG_PROMPT_CONTEXT)' \
 		--system 'unchunked=$(TANDEM_SERVE) --quantization int4 --max-model-len $(LONG_PROMPT_CONTEXT) \
-		--max-num-batched-tokens $(LONG_PROMPT_CONTEXT)' \
+		--max-num-batched-tokens $(LONG_PROMPT_CONTEXT) --max-prefill-slowdown 0' \
 		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) \
 		-m $(EMBEDDED_GGUF) -t 2 -np 9 -c $(LLAMA_LONG_PROMPT_CONTEXT) --host 127.0.0.1 --port {port} -a smollm2') \
 		$(if $(wildcard $(VLLM_PYTHON)),--system 'vllm-cpu=env VLLM_CPU_KVCACHE_SPACE=4 $(VLLM_PYTHON) \

@@ -75,10 +75,11 @@ def _blocks_in(memory_gib: float, block_bytes: int) -> int:
     return max(1, int(memory_gib * GIB_BYTES // block_bytes))
 
 
-# The iteration's token budget per device when --max-num-batched-tokens is not given. A smaller
-# budget lets running streams decode between the chunks of a long prompt (ITL); a larger one
-# computes prompts at the GEMMs' better rate. cuda: vLLM's default for chunked prefill.
-DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512, "testbed": 512}
+# The iteration's token budget per device when --max-num-batched-tokens is not given. Prefill
+# pacing keeps chunk steps short while streams decode, so the budget sets the prefill rate when
+# none do: on cpu it still rose to 2048 (benchmarks/chunk_budget.py, docs/benchmarks.md); cuda:
+# vLLM's default for chunked prefill, unmeasured here.
+DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 2048, "testbed": 2048}
 # Prefill pacing's default per device. On a CPU a prefill token costs a sizeable share of a decode
 # step and its attention grows with the prompt: unpaced, a long prompt stalls running streams for
 # tens of decode steps. On CUDA, unmeasured here, the token budget alone (vLLM's behaviour).

@@ -87,7 +87,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     batching.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     batching.add_argument("--max-num-batched-tokens", type=int, default=None,
                           help="tokens in one iteration; longer prompts are prefilled in chunks "
-                               "(default: 512 on cpu and testbed, 2048 on cuda)")
+                               "(default: 2048)")
     batching.add_argument("--max-prefill-slowdown", type=float, default=None,
                           help="while streams decode, an iteration carrying prompt chunks takes at most this "
                                "many decode steps' time, so running streams keep their pace (0: the token budget "

@@ -35,7 +35,7 @@ def test_plan_prints_the_breakdown_and_the_expected_speed_without_loading_weight
     out = capsys.readouterr().out
     assert "weight placement (auto):" in out and "streamed (" in out and "memory (GiB):" in out
     assert "KV pool" in out and "activations" in out and "tokens/s" in out
-    assert ("scheduler: 512 tokens per iteration (longer prompts in chunks), prompt chunks at most 3 decode steps' "
+    assert ("scheduler: 2048 tokens per iteration (longer prompts in chunks), prompt chunks at most 3 decode steps' "
             "time while streams decode, prefix caching on") in out  # cpu's defaults
 
 
