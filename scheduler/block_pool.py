@@ -20,8 +20,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class BlockPool:
     """Block ids `0..num_blocks-1` with reference counts. Check with `can_allocate`, then
-    `allocate`; `free` drops one reference per id. Allocations that take a cached block evict it
-    and record (block, hash) in `evicted` for whoever keeps a second level (`take_evicted`)."""
+    `allocate`; `free` drops one reference per id. Allocations that take a cached block evict it;
+    with `records_evictions` set (by whoever keeps a second level) they record (block, hash) in
+    `evicted` until `take_evicted`."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
@@ -31,6 +32,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self._by_hash: dict[bytes, int] = {}
         self._num_cached_free = 0
+        self.records_evictions = False
         self.evicted: list[tuple[int, bytes]] = []
 
     @property
@@ -70,7 +72,8 @@ class BlockPool:
                 self._num_cached_free -= 1
                 self._hashes[block] = None
                 del self._by_hash[block_hash]
-                self.evicted.append((block, block_hash))
+                if self.records_evictions:
+                    self.evicted.append((block, block_hash))
             self._ref_counts[block] = 1
             blocks.append(block)
         return blocks

@@ -53,7 +53,7 @@ class HostCacheTier:
 
     def finish_plan(self, plan: IterationPlan) -> None:
         """Demote the cached blocks this plan's GPU allocations evicted, while the host pool has
-        free blocks and does not hold the same prefix already; host evictions are dropped."""
+        free blocks and does not hold the same prefix already (the host pool's own evictions are dropped)."""
         sources, destinations = [], []
         # at most the blocks free now, so no demotion evicts another's destination
         num_free = self.cpu_pool.num_free_blocks
@@ -65,7 +65,6 @@ class HostCacheTier:
             self.cpu_pool.free([host_block])  # cached, not referenced: any allocation may take it
             sources.append(gpu_block)
             destinations.append(host_block)
-        self.cpu_pool.take_evicted()
         if sources:
             plan.copies.insert(0, BlockCopy(tuple(sources), tuple(destinations), to_cpu=True))
             self.prefix_cache.counters.num_demoted_blocks += len(sources)

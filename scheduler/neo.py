@@ -43,8 +43,10 @@ placed when the GPU has nothing to run. With `num_cpu_blocks == 0` every step re
 the GPU-only `Scheduler` (scheduler/scheduler.py): same plans, same preemptions.
 
 Blocks are reassigned at schedule time (allocate in the destination, free the source); the runner
-performs every swap copy before the iteration's forward, so freed blocks may be reused in the
-same plan. A plan swaps in one direction only (the runner's copies are one-directional).
+performs the plan's copies (`IterationPlan.copies`: swaps, and the prefix cache's demotions and
+promotions, scheduler/cache_tiers.py) in order before the iteration's forward, so freed GPU
+blocks may be reused in the same plan; host blocks a copy reads stay pinned until the plan's
+results come back.
 """
 from __future__ import annotations
 
@@ -254,6 +256,7 @@ class NeoScheduler(Scheduler):
         self.neo = neo
         self.cost_model = cost_model
         self.cpu_pool = BlockPool(neo.num_cpu_blocks, config.block_size)
+        self.block_pool.records_evictions = True  # the host tier demotes them (finish_plan)
         self.host_tier = HostCacheTier(self.prefix_cache, self.block_pool, self.cpu_pool)
         self._admitted: list[Sequence] = []  # admitted in this iteration's step 3
         self.cpu_running: list[Sequence] = []  # in the order they became CPU-sequences: the last is the newest
@@ -426,8 +429,8 @@ class NeoScheduler(Scheduler):
         into during the cooldown window (so the newcomer is not pushed out again before the
         window ends), the reserve share and the watermark. A sequence that waited too long comes
         in first whenever its blocks fit, cooldown or not. Not called when the GPU was short of
-        blocks this iteration (so a plan never swaps both ways, and nothing comes in right after
-        a GPU-sequence was preempted)."""
+        blocks this iteration (nothing comes in right after a GPU-sequence went out or was
+        preempted)."""
         if not self.cpu_running:
             return
         watermark = self.config.watermark_blocks
@@ -499,7 +502,8 @@ class NeoScheduler(Scheduler):
         runner copies its KV out layer by layer) while fewer than `max_cpu_admitted`
         CPU-sequences run, else admission stops. No admission in an iteration that had to preempt
         (the GPU-only scheduler's rule)."""
-        token_budget = self._continue_prefills(plan, self._prefill_budget(plan, len(self.running) + len(self.cpu_running)))
+        num_decoding = len(self.running) + len(self.cpu_running)
+        token_budget = self._continue_prefills(plan, self._prefill_budget(plan, num_decoding))
         self._admitted = []
         if plan.preempted:
             return
@@ -543,8 +547,6 @@ class NeoScheduler(Scheduler):
         reserve = self.neo.cpu_watermark_blocks if self.cpu_running else 0
         if not self._take_blocks(seq, self.cpu_pool, hits, reserve, "cpu"):
             return False
-        if self.prefix_cache.enabled:  # every admission counts its prompt once against the GPU pool
-            self.prefix_cache.record("gpu", seq.num_tokens, 0)
         seq.tier = Tier.CPU
         return True
 
@@ -625,9 +627,7 @@ class NeoScheduler(Scheduler):
     def _undo_admission(self, seq: Sequence) -> None:
         """Send a sequence admitted this iteration back to the front of the waitqueue, its blocks freed."""
         (self.prefilling if seq in self.prefilling else self.cpu_running).remove(seq)
-        if self.prefix_cache.enabled:
-            self.prefix_cache.record("gpu", seq.num_tokens, 0, sign=-1)
-            self.prefix_cache.record("cpu", seq.num_tokens, seq.num_computed_tokens, sign=-1)
+        self.prefix_cache.record_admission("cpu", seq.num_tokens, seq.num_computed_tokens, sign=-1)
         self._free_blocks(seq)
         seq.num_computed_tokens = 0
         seq.tier = Tier.GPU

@@ -111,7 +111,17 @@ class PrefixCache:
             pool.register(seq.block_ids[index], hashes[index])
         seq.num_committed_blocks = num_full_blocks
 
+    def record_admission(self, tier: str, num_tokens: int, num_hit_tokens: int, sign: int = 1) -> None:
+        """Count an admission into `tier`'s pool that found `num_hit_tokens` of its `num_tokens`
+        cached there: its prompt once against the GPU pool, and, into the host pool, the host
+        pool's lookup too (sign -1: the admission was undone)."""
+        if not self.enabled:
+            return
+        self.record("gpu", num_tokens, num_hit_tokens if tier == "gpu" else 0, sign)
+        if tier == "cpu":
+            self.record("cpu", num_tokens, num_hit_tokens, sign)
+
     def record(self, tier: str, num_queried_tokens: int, num_hit_tokens: int, sign: int = 1) -> None:
-        """Count one admission's lookup in `tier` (sign -1: the admission was undone)."""
+        """Count one lookup in `tier` (sign -1: the admission was undone)."""
         self.counters.queries[tier] += sign * num_queried_tokens
         self.counters.hits[tier] += sign * num_hit_tokens

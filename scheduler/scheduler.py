@@ -273,7 +273,6 @@ class Scheduler:
         # 3. New prefills, first come first served; none in an iteration that had to preempt.
         if not plan.preempted:
             self._admit_prefills(plan, token_budget)
-        self.block_pool.take_evicted()  # no second level to keep them in
         return plan
 
     def _prefill_budget(self, plan: IterationPlan, num_decoding: int) -> int:
@@ -340,8 +339,7 @@ class Scheduler:
         seq.block_ids = [*hits, *pool.allocate(needed)]
         seq.num_committed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.config.block_size
-        if self.prefix_cache.enabled:
-            self.prefix_cache.record(tier, seq.num_tokens, seq.num_computed_tokens)
+        self.prefix_cache.record_admission(tier, seq.num_tokens, seq.num_computed_tokens)
         return True
 
     def _start_prefill(self, seq: Sequence, plan: IterationPlan, token_budget: int) -> int:

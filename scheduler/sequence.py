@@ -70,7 +70,6 @@ class Sequence:
     request_id: str = ""  # the user request this sequence is a sample of
     text: TextStream | None = None  # None: no tokenizer (token ids only, no stop strings)
     logprobs: list[Any] | None = None  # one entry per output token, when the request asked for them
-    prompt_logprobs: list[Any] | None = None  # one entry per prompt token (the first None), once computed
     partial_prompt_logprobs: list[Any] = field(default_factory=lambda: [None])  # the entries so far, chunk by chunk
     num_reported_tokens: int = 0  # output tokens already handed to the client
 
@@ -95,6 +94,12 @@ class Sequence:
         return self.status.finished
 
     @property
+    def prompt_logprobs(self) -> list[Any] | None:
+        """One entry per prompt token (the first None), once every chunk has given its own."""
+        complete = len(self.partial_prompt_logprobs) >= self.num_prompt_tokens
+        return self.partial_prompt_logprobs if complete else None
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         """Asked for prompt logprobs and has none yet (a recomputed prefill does not redo them)."""
         return self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None
@@ -105,10 +110,8 @@ class Sequence:
         return len(self.partial_prompt_logprobs) - 1
 
     def add_prompt_logprobs(self, entries: list[Any]) -> None:
-        """One chunk's prompt entries, in order; complete once every prompt token has one."""
+        """One chunk's prompt entries, in order (`prompt_logprob_positions` never repeats a row)."""
         self.partial_prompt_logprobs.extend(entries)
-        if len(self.partial_prompt_logprobs) >= self.num_prompt_tokens:
-            self.prompt_logprobs = self.partial_prompt_logprobs[:self.num_prompt_tokens]
 
     def append_token(self, token_id: int, logprob: Any = None) -> None:
         """One sampled token: into the token ids, the logprobs and the text."""

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
-                      scale: float, prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+                      scale: float,
+                      prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """Causal attention over packed sequences, each through SDPA on its own tokens (no padding).
     `prefixes`: for a sequence (by its index) whose chunk follows cached tokens, their K/V
     [num_cached, kv_heads, head_dim], which every row of the chunk sees.

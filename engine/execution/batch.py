@@ -7,6 +7,7 @@ import torch
 
 from engine.attention import AttentionMetadata, CpuDecodeMetadata
 from engine.attention.metadata import PrefillPrefix
+from scheduler.block_pool import blocks_for
 from scheduler.sequence import Tier
 from scheduler.scheduler import ScheduledSeq
 
@@ -80,7 +81,7 @@ def _gpu_metadata(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq],
         prefill_seq_lens.append(count)
         on_cpu = seq.sequence.tier is Tier.CPU
         if start:
-            prefixes.append(PrefillPrefix(index, start, tuple(table[:-(-start // block_size)]), on_cpu))
+            prefixes.append(PrefillPrefix(index, start, tuple(table[:blocks_for(start, block_size)]), on_cpu))
         if on_cpu:
             cpu_prefills.append((row, count, start, tuple(table)))
         else:

@@ -16,6 +16,7 @@ import torch
 
 from engine.kv.host_memory import host_zeros
 from engine.model.config import ModelConfig
+from scheduler.block_pool import blocks_for
 from scheduler.cost_model import kv_bytes_per_token
 
 
@@ -81,7 +82,7 @@ class KVCache:
                             block_ids: Sequence[int]) -> None:
         """`key`/`value` rows from the start of `block_ids[0]` on."""
         num_tokens, kv_heads, head_dim = key.shape
-        block_ids = block_ids[:-(-num_tokens // self.block_size)]
+        block_ids = block_ids[:blocks_for(num_tokens, self.block_size)]
         padded = len(block_ids) * self.block_size
         # [blocks, block_size, kv_heads, head_dim] -> keys [blocks, kv_heads, head_dim, block_size],
         # values [blocks, kv_heads, block_size, head_dim]: the pool's own layout, so each run's

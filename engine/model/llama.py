@@ -283,7 +283,8 @@ class LlamaModel:
             return paged_prefill(self.paged_prefill_kernels, q, k, v, gpu.key[layer], gpu.value[layer],
                                  meta.prefill_seq_lens, [(p.index, p.num_cached_tokens, p.block_ids) for p in prefixes],
                                  self.scale)
-        return prefill_attention(q, k, v, meta.prefill_seq_lens, self.scale, self._cached_prefixes(layer, kv_cache, meta))
+        prefixes_kv = self._cached_prefixes(layer, kv_cache, meta)
+        return prefill_attention(q, k, v, meta.prefill_seq_lens, self.scale, prefixes_kv)
 
     def _cached_prefixes(self, layer: int, kv_cache: TwoTierKVCache,
                          meta: AttentionMetadata) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

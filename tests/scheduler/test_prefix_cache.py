@@ -26,6 +26,7 @@ def make_sequence(seq_id, prompt, max_tokens=6, request_id=None, **params):
 
 def test_block_pool_counts_references_and_evicts_least_recently_freed():
     pool = BlockPool(4, BLOCK_SIZE)
+    pool.records_evictions = True
     a, b, c = pool.allocate(3)
     pool.register(a, b"A")
     pool.register(b, b"B")
