@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.model.config import ConfigError
+from scheduler.kv_format import KV_CACHE_DTYPES, QUANTIZED_KV_BLOCK_MULTIPLE, kv_format
 from scheduler.neo import NeoKnobs
 from scheduler.placement.slicing import SliceRates
 from scheduler.placement.planner import PIPELINE_CHOICES, PLACEMENT_MODES
@@ -107,9 +108,18 @@ class CacheConfig:
     # Automatic prefix caching (scheduler/prefix_cache.py): full blocks a prompt shares with an
     # earlier one are taken from the cache instead of being computed again.
     enable_prefix_caching: bool = True
+    # How both pools store K/V (scheduler/kv_format.py): auto (the compute dtype), a float dtype,
+    # or group-quantized int8 / int4 codes
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require_int(self, "block_size", 1)
+        _require_choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
+        quantized_kv = self.kv_cache_dtype != "auto" and kv_format(self.kv_cache_dtype).quantized
+        if quantized_kv and self.block_size % QUANTIZED_KV_BLOCK_MULTIPLE:
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype} needs block_size a multiple of "
+                              f"{QUANTIZED_KV_BLOCK_MULTIPLE} (the kernels read whole vectors of tokens), "
+                              f"got {self.block_size}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         _require_int(self, "num_blocks", 1, none_means="size the pool by memory")

@@ -23,6 +23,7 @@ from engine.execution.layer_store import create_layer_store
 from engine.execution.stats import WeightStats
 from engine.execution.weight_plan import conversion_key, plan_model, slicing_costs, weight_format
 from engine.kv import KVCache
+from engine.kv.layouts import resolve_kv_format
 from engine.model import ConfigError, ModelConfig
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.profiling import compute_dtype
@@ -31,6 +32,7 @@ from engine.text import Tokenizer
 from engine.weights import create_loader
 from engine.weights.layer_files import LayerFiles
 from scheduler.cost_model import CostModel, TableCostModel
+from scheduler.kv_format import KVFormat
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.neo import NeoConfig, NeoScheduler
 from scheduler.placement import SlicingCosts, SlicingPlan, WeightPlacement, describe_model_plan
@@ -101,7 +103,8 @@ class LLMEngine:
             logger.info("%s", describe_model_plan(self.plan, config.weights.offload_dir))
         self.weight_stats = WeightStats()  # what the layer store's parts did, read around each step
         cache = config.cache
-        block_bytes = KVCache.bytes_per_block(self.model_config, cache.block_size, self.dtype)
+        self.kv_format = self._kv_format()
+        block_bytes = KVCache.bytes_per_block(self.model_config, cache.block_size, self.kv_format)
         num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.cpu_attention_enabled else 0
         cpu_attention = config.cpu_attention
         cores = CoreAssignment.for_device(config.device, cpu_attention.gpu_threads, cpu_attention.cpu_attention_threads)
@@ -110,12 +113,12 @@ class LLMEngine:
             num_blocks=self._kv_pool_size(block_bytes), num_cpu_blocks=num_cpu_blocks, cores=cores,
             block_size=cache.block_size, max_model_len=self._model_max_len(), decode_backend=config.decode_attention,
             seed=config.seed, linear_method=QUANTIZATION_METHODS[config.quantization],
-            cpu_ops=config.cpu_ops, show_progress=config.show_progress,
+            cpu_ops=config.cpu_ops, show_progress=config.show_progress, kv_cache_dtype=self.kv_format.name,
             layer_store=self._layer_store_factory(loader))
         num_blocks = self.runner.kv_cache.gpu.num_blocks
-        logger.info("weights: %s; KV pool: %d blocks of %d tokens (%.2f GiB)",
+        logger.info("weights: %s; KV pool: %d blocks of %d tokens (%.2f GiB, %s)",
                     _describe_bytes(self.runner.model.weight_bytes()), num_blocks, cache.block_size,
-                    num_blocks * block_bytes / GIB_BYTES)
+                    num_blocks * block_bytes / GIB_BYTES, self.kv_format.describe())
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         scheduler_config = SchedulerConfig(
             num_blocks=num_blocks, block_size=cache.block_size, max_model_len=self.max_model_len,
@@ -138,11 +141,21 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = IterationStats()
 
+    def _kv_format(self) -> KVFormat:
+        """--kv-cache-dtype resolved (auto: the compute dtype's); ConfigError where the model's
+        heads cannot take it."""
+        fmt = resolve_kv_format(self.config.cache.kv_cache_dtype, self.dtype)
+        problem = fmt.check_head_dim(self.model_config.head_dim)
+        if problem:
+            raise ConfigError(problem)
+        return fmt
+
     def _prefix_cache_key(self) -> str:
-        """What, besides the tokens, decides a block's K/V: the weights and how they compute."""
+        """What, besides the tokens, decides a block's K/V: the weights, how they compute, and how
+        the pools store it."""
         config = self.config
         return (f"{config.model}|{config.load_format}|{self.dtype}|{config.quantization}|seed={config.seed}"
-                f"|{config.weights.mlp_slicing}")
+                f"|{config.weights.mlp_slicing}|kv={self.kv_format.name}")
 
     def _layer_store_factory(self, loader):
         """How the runner builds its layer store for the plan (None: every layer resident)."""
@@ -209,7 +222,8 @@ class LLMEngine:
         key = ProfileKey.create(model=config.model, load_format=config.load_format, dtype=dtype,
                                 device=config.device, gpu_threads=runner.cores.gpu_threads,
                                 cpu_attention_threads=runner.cores.cpu_attention_threads,
-                                block_size=block_size, linear_weights=self._linear_weights_key())
+                                block_size=block_size, linear_weights=self._linear_weights_key(),
+                                kv_cache_dtype=self.kv_format.name)
         grid = ProfileGrid.quick() if cpu_attention.profile_grid == "quick" else ProfileGrid()
 
         def build() -> TableCostModel:
@@ -217,7 +231,8 @@ class LLMEngine:
             with runner.cores.on_cpu_cores():
                 return profile_costs(runner.model, runner.gpu, runner.model.decode_backend, runner.cpu_decode,
                                      block_size=block_size, dtype=dtype, grid=grid,
-                                     progress=config.show_progress, weight_stats=self.weight_stats)
+                                     progress=config.show_progress, weight_stats=self.weight_stats,
+                                     kv_cache_dtype=self.kv_format.name)
 
         self.profile_path = profile_path(key, cpu_attention.profile_cache_dir)
         if cpu_attention.force_profile and self.profile_path.exists():

@@ -9,6 +9,12 @@ one per group of `GROUP_SIZE` channels of each token:
 - values, codes by token: `[block_size, code_rows]`;
 - scales (and mins) `[num_groups, block_size]` for both, so a vector load takes several tokens'.
 
+Keys are stored rotated: each group of a key row times H, the orthonormal Sylvester-Hadamard
+matrix of GROUP_SIZE (symmetric, its own inverse). A few key channels carry most of the magnitude,
+and an absmax scale would crush the rest; the rotation spreads them over the group (on the embedded
+SmolLM2, INT8 top-1 agreement 98.1% -> 99.6%, INT4 perplexity +10.7% -> +0.4%). Scores need no
+inverse: q . k = (q H) . (k H), so a kernel rotates the query once and reads the codes as stored.
+
 INT8 is symmetric (x = scale * code, code in [-127, 127]); INT4 asymmetric (x = min + scale *
 code, code in [0, 15]), two codes a byte: within a group, byte j holds channel j in its low
 nibble and channel j + GROUP_SIZE / 2 in its high one, so one byte load widens into two natural-
@@ -17,6 +23,8 @@ order vectors. Codes are round-half-even(x / scale) in fp32, with the fp16-round
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import functools
 
 import torch
 
@@ -73,6 +81,22 @@ def layout_for(name: str, head_dim: int, block_size: int) -> QuantLayout:
     return QuantLayout(8 if name == "int8" else 4, head_dim, block_size)
 
 
+# ---- the keys' rotation ----------------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def hadamard(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """H [GROUP_SIZE, GROUP_SIZE]: Sylvester's Hadamard matrix / sqrt(GROUP_SIZE)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < GROUP_SIZE:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h / GROUP_SIZE ** 0.5).to(device=device, dtype=dtype)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """Each group of x [..., head_dim] times H (its own inverse), in x's dtype."""
+    groups = x.unflatten(-1, (-1, GROUP_SIZE))
+    return (groups @ hadamard(x.device, x.dtype)).flatten(-2)
+
+
 # ---- quantization of token rows -------------------------------------------------------------
 def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [..., head_dim] -> codes [..., head_dim] (natural order: int8, or uint8 in [0, 15]),
@@ -116,6 +140,13 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([groups & 0xF, groups >> 4], dim=-2).flatten(-3)
 
 
+def round_trip(rows: torch.Tensor, bits: int, is_key: bool) -> torch.Tensor:
+    """Rows [..., head_dim] as a write and a read would give them back (fp32)."""
+    if not is_key:
+        return dequantize(*quantize(rows, bits))
+    return rotate(dequantize(*quantize(rotate(rows.float()), bits)))
+
+
 # ---- a pool layer's units as views ------------------------------------------------------------
 @dataclass(frozen=True)
 class UnitViews:
@@ -146,8 +177,8 @@ def unit_views(pool: torch.Tensor, layout: QuantLayout, is_key: bool) -> UnitVie
 
 def write_rows(views: UnitViews, layout: QuantLayout, rows: torch.Tensor, slot_blocks: torch.Tensor,
                slot_offsets: torch.Tensor) -> None:
-    """Quantize `rows` [num_tokens, kv_heads, head_dim] into the (block, offset) slots."""
-    codes, scales, mins = quantize(rows, layout.bits)
+    """Quantize `rows` [num_tokens, kv_heads, head_dim] into the (block, offset) slots (keys rotated)."""
+    codes, scales, mins = quantize(rotate(rows.float()) if views.is_key else rows, layout.bits)
     if layout.bits == 4:
         codes = pack_nibbles(codes)
     codes = codes.to(views.codes.device)
@@ -161,7 +192,8 @@ def write_rows(views: UnitViews, layout: QuantLayout, rows: torch.Tensor, slot_b
 
 
 def read_blocks(views: UnitViews, layout: QuantLayout, block_ids: torch.Tensor) -> torch.Tensor:
-    """The dequantized rows of blocks `block_ids` [n] int64: [n, kv_heads, block_size, head_dim] fp32."""
+    """The dequantized rows of blocks `block_ids` [n] int64: [n, kv_heads, block_size, head_dim] fp32
+    (keys rotated back)."""
     codes = views.codes[block_ids]
     if views.is_key:
         codes = codes.transpose(-1, -2)
@@ -169,7 +201,8 @@ def read_blocks(views: UnitViews, layout: QuantLayout, block_ids: torch.Tensor) 
         codes = unpack_nibbles(codes)
     scales = views.scales[block_ids].transpose(-1, -2)  # [n, kv_heads, block_size, num_groups]
     mins = views.mins[block_ids].transpose(-1, -2) if views.mins is not None else None
-    return dequantize(codes, scales, mins)
+    rows = dequantize(codes, scales, mins)
+    return rotate(rows) if views.is_key else rows
 
 
 def dequantize_pool(pool: torch.Tensor, layout: QuantLayout, is_key: bool) -> torch.Tensor:

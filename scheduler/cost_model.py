@@ -223,10 +223,11 @@ class TableCostModel(CostModel):
 
 
 # ---- model shapes (for the roofline model and the simulator) --------------------------------
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Bytes of K and V of one token across `num_layers` layers, `dtype_bytes` per element: the
-    one formula the engine's pools, the profiler's scratch pools and the roofline model size by."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: float) -> int:
+    """Bytes of K and V of one token across `num_layers` layers, `element_bytes` per element (a
+    KVFormat's, scales included: scheduler/kv_format.py): the one formula the engine's pools, the
+    profiler's scratch pools and the roofline model size by."""
+    return round(2 * num_layers * num_kv_heads * head_dim * element_bytes)
 
 
 @dataclass(frozen=True)
@@ -298,6 +299,6 @@ class ModelShape:
         top-k experts and shared expert (the whole layer of a dense model)."""
         return self.attention_params + self._mlp_params(self.num_experts_per_token)
 
-    def kv_bytes_per_token_layer(self, dtype_bytes: int) -> int:
+    def kv_bytes_per_token_layer(self, element_bytes: float) -> int:
         """K and V of one token in one layer."""
-        return kv_bytes_per_token(1, self.num_kv_heads, self.head_dim, dtype_bytes)
+        return kv_bytes_per_token(1, self.num_kv_heads, self.head_dim, element_bytes)

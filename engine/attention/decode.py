@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from engine.kv.layouts import KVLayout, create_layout
 from engine.registry import Registry
 
 
@@ -31,39 +32,65 @@ class DecodeAttentionBackend(ABC):
         new_key/new_value [batch, kv_heads, head_dim] -> [batch, num_heads, head_dim]."""
 
 
-def append_new_tokens(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                      context_lens: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor) -> None:
-    """Each sequence's new K/V [batch, kv_heads, head_dim] into its slot at context_len - 1, by
-    indexed stores on the caches' device (no host sync)."""
-    block_size = value_cache.shape[2]
+def dense_layout_of(key_cache: torch.Tensor, value_cache: torch.Tensor) -> KVLayout:
+    """The layout of 16-bit or fp32 pools, read off their shapes (value_cache [blocks, kv_heads,
+    block_size, head_dim])."""
+    _, num_kv_heads, block_size, head_dim = value_cache.shape
+    return create_layout("auto", value_cache.dtype, num_kv_heads, head_dim, block_size)
+
+
+def new_token_slots(block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's slot at context_len - 1: (block, offset) [batch] int64, on the tables' device."""
     last = context_lens.long() - 1
-    slot_blocks = block_tables.long().gather(1, (last // block_size)[:, None]).squeeze(1)
-    key_cache.transpose(-1, -2)[slot_blocks, :, last % block_size] = new_key  # keys seen in the value layout
-    value_cache[slot_blocks, :, last % block_size] = new_value
+    return block_tables.long().gather(1, (last // block_size)[:, None]).squeeze(1), last % block_size
+
+
+def append_new_tokens(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor,
+                      layout: KVLayout | None = None) -> None:
+    """Each sequence's new K/V [batch, kv_heads, head_dim] into its slot at context_len - 1, by
+    indexed stores on the caches' device (no host sync). `layout`: the pools' (None: dense)."""
+    layout = layout or dense_layout_of(key_cache, value_cache)
+    blocks, offsets = new_token_slots(block_tables, context_lens, layout.block_size)
+    layout.write(key_cache, value_cache, new_key, new_value, blocks, offsets)
+
+
+def quantized_format_args(kv_layout: KVLayout | None) -> dict:
+    """The kernels' keywords for pools of a quantized format (whose shape does not give the block
+    size); none for dense pools."""
+    if kv_layout is None or not kv_layout.format.quantized:
+        return {}
+    return {"kv_format": kv_layout.format.name, "block_size": kv_layout.block_size}
 
 
 class TorchPagedDecode(DecodeAttentionBackend):
-    """Reference: gather each sequence's blocks, pad to the longest, masked softmax in fp32."""
+    """Reference: gather each sequence's blocks (dequantized), pad to the longest, masked softmax in fp32."""
 
     name = "torch"
 
+    def __init__(self, kv_layout: KVLayout | None = None) -> None:
+        self.kv_layout = kv_layout  # None: dense pools, read off the tensors
+
     def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale, new_key, new_value):
         batch, num_heads, head_dim = query.shape
-        _, num_kv_heads, block_size, _ = value_cache.shape
-        append_new_tokens(key_cache, value_cache, block_tables, context_lens, new_key, new_value)
-        key_rows = key_cache.transpose(-1, -2)  # a view in the value layout
+        layout = self.kv_layout or dense_layout_of(key_cache, value_cache)
+        append_new_tokens(key_cache, value_cache, block_tables, context_lens, new_key, new_value, layout)
+        num_kv_heads = key_cache.shape[1]
         group = num_heads // num_kv_heads
         tables = block_tables.long()
         max_blocks = tables.shape[1]
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:
-            # [batch, max_blocks, kv_heads, block_size, head_dim] -> [batch, kv_heads, ctx, head_dim]
-            return cache[tables].transpose(1, 2).reshape(batch, num_kv_heads, max_blocks * block_size, head_dim)
+        def gather(cache: torch.Tensor, is_key: bool) -> torch.Tensor:
+            # [batch * max_blocks, kv_heads, block_size, head_dim] -> [batch, kv_heads, ctx, head_dim]
+            rows = layout.read_blocks(cache, tables.flatten(), is_key).float()
+            return rows.view(batch, max_blocks, *rows.shape[1:]).transpose(1, 2).reshape(
+                batch, num_kv_heads, -1, head_dim)
 
-        keys, values = gather(key_rows).float(), gather(value_cache).float()
+        keys, values = gather(key_cache, True), gather(value_cache, False)
         q = query.float().view(batch, num_kv_heads, group, head_dim)
         scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [batch, kv_heads, group, ctx]
-        positions = torch.arange(max_blocks * block_size, device=query.device)
+        positions = torch.arange(keys.shape[2], device=query.device)
         mask = positions[None, :] >= context_lens.long()[:, None]  # [batch, ctx]
         scores.masked_fill_(mask[:, None, None, :], float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [batch, kv_heads, group, head_dim]
@@ -79,7 +106,7 @@ class CpuPagedDecode(DecodeAttentionBackend):
     # choices"); more threads pay off only where the kernel has cores of its own (Neo's pipeline).
     IN_ENGINE_THREADS = 1
 
-    def __init__(self, num_threads: int | None = IN_ENGINE_THREADS) -> None:
+    def __init__(self, num_threads: int | None = IN_ENGINE_THREADS, kv_layout: KVLayout | None = None) -> None:
         from kernels import cpu
 
         if not cpu.is_available():
@@ -87,11 +114,14 @@ class CpuPagedDecode(DecodeAttentionBackend):
                                f"(or `{cpu.BUILD_COMMAND}`)")
         self._kernel = cpu.paged_decode_attention
         self.num_threads = num_threads
+        self._format_args = quantized_format_args(kv_layout)
 
     def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale, new_key, new_value):
+        if not self._format_args:  # dense pools take the new K/V in their own dtype
+            new_key, new_value = new_key.to(key_cache.dtype), new_value.to(value_cache.dtype)
         return self._kernel(query.contiguous(), key_cache, value_cache, block_tables, context_lens, scale,
                             new_key=new_key.contiguous(), new_value=new_value.contiguous(),
-                            num_threads=self.num_threads)
+                            num_threads=self.num_threads, **self._format_args)
 
 
 class TritonPagedDecode(DecodeAttentionBackend):
@@ -100,8 +130,11 @@ class TritonPagedDecode(DecodeAttentionBackend):
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, kv_layout: KVLayout | None = None) -> None:
         import importlib  # noqa: F811
+
+        if kv_layout is not None and kv_layout.format.quantized:
+            raise ValueError(f"the triton decode backend does not read a {kv_layout.format.name} KV cache yet")
 
         # by name, so that a test's interpreted import of the module is the one used
         self._kernels = importlib.import_module("kernels.triton.paged_decode")
@@ -136,7 +169,8 @@ def default_decode_backend(device: str) -> str:
     return "torch"
 
 
-def create_decode_backend(name: str, device: str = "cpu") -> DecodeAttentionBackend:
+def create_decode_backend(name: str, device: str = "cpu", kv_layout: KVLayout | None = None) -> DecodeAttentionBackend:
+    """Backend `name` (auto: default_decode_backend) reading pools of `kv_layout` (None: dense)."""
     if name == "auto":
         name = default_decode_backend(device)
-    return DECODE_BACKENDS.create(name)
+    return DECODE_BACKENDS.create(name, kv_layout=kv_layout)

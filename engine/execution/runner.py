@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from engine.attention import create_decode_backend
+from engine.kv.layouts import create_layout
 from engine.execution.batch import build_batch, prompt_logprob_positions
 from engine.execution.cores import CoreAssignment
 from engine.execution.pipeline import PipelineTimes, pipelined_forward
@@ -54,21 +55,23 @@ class ModelRunner:
                  device: str, num_blocks: int | Callable[[int], int], block_size: int, max_model_len: int,
                  num_cpu_blocks: int = 0, cores: CoreAssignment | None = None,
                  decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False,
-                 linear_method: str = "dense", cpu_ops: str = "layers",
+                 linear_method: str = "dense", cpu_ops: str = "layers", kv_cache_dtype: str = "auto",
                  layer_store: Callable[[torch.device, CoreAssignment], LayerStore] | None = None) -> None:
         """`layer_store`: makes the store of where decoder layers live (weight streaming), given
-        the GPU's device and the cores; None: every layer resident."""
+        the GPU's device and the cores; None: every layer resident. `kv_cache_dtype`: how both KV
+        pools store K/V (engine/kv/layouts.py; auto: in `dtype`)."""
         self.config = config
         self.cores = cores or CoreAssignment.for_device(device)
         self.gpu = self._make_gpu(device)
         self.device = self.gpu.device
         self.block_size = block_size
+        kv_layout = create_layout(kv_cache_dtype, dtype, config.num_kv_heads, config.head_dim, block_size)
         store = layer_store(self.device, self.cores) if layer_store is not None else None
         if store is not None:
             store.use_gpu(self.gpu)
         try:
             self.model = create_model(config, loader, dtype, self.device, max_model_len,
-                                      create_decode_backend(decode_backend, str(self.device)),
+                                      create_decode_backend(decode_backend, str(self.device), kv_layout),
                                       show_progress=show_progress, linear_method=create_linear_method(linear_method),
                                       cpu_ops=cpu_ops, layer_store=store)
         except BaseException:
@@ -81,12 +84,13 @@ class ModelRunner:
         cpu_pool = None
         if num_cpu_blocks:
             cpu_pool = KVCache(config, num_cpu_blocks, block_size, dtype, "cpu",
-                               pin_memory=self.device.type == "cuda")
-        self.kv_cache = TwoTierKVCache(KVCache(config, num_blocks, block_size, dtype, self.device), cpu_pool)
+                               pin_memory=self.device.type == "cuda", kv_cache_dtype=kv_cache_dtype)
+        gpu_pool = KVCache(config, num_blocks, block_size, dtype, self.device, kv_cache_dtype=kv_cache_dtype)
+        self.kv_cache = TwoTierKVCache(gpu_pool, cpu_pool)
         # The CPU-requests' attention: the C++ kernel with the CPU's share of threads.
         self.cpu_decode = None
         if num_cpu_blocks:
-            self.cpu_decode = create_decode_backend(decode_backend, "cpu")
+            self.cpu_decode = create_decode_backend(decode_backend, "cpu", kv_layout)
             if hasattr(self.cpu_decode, "num_threads"):
                 self.cpu_decode.num_threads = self.cores.cpu_attention_threads
         self.sampler = Sampler(config.vocab_size, seed=seed)

@@ -16,6 +16,7 @@ from engine.execution.cores import CoreAssignment
 from engine.execution.queues import GpuQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
 from engine.execution.transfer import create_copy_engine
 from engine.kv import KVCache
+from engine.kv.layouts import resolve_kv_format
 from engine.model import ConfigError, ModelConfig
 from engine.profiling.cache import ProfileKey, load_or_measure, profile_path
 from engine.profiling.slicing_probe import measure_slicing_costs
@@ -90,7 +91,8 @@ def _available_host_bytes() -> int:
 def budgets(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> MemoryBudgets:
     """The planner's budgets from the flags (GiB -> bytes), defaults filled in as the engine does."""
     cache, weights = config.cache, config.weights
-    block_bytes = KVCache.bytes_per_block(model_config, cache.block_size, dtype)
+    block_bytes = KVCache.bytes_per_block(model_config, cache.block_size,
+                                          resolve_kv_format(cache.kv_cache_dtype, dtype))
     host_kv = cache.num_cpu_blocks_for(block_bytes) * block_bytes if config.cpu_attention_enabled else 0
     gpu_bytes = kv_bytes = None
     if cache.sized_by_memory_budget:
@@ -113,12 +115,14 @@ def budgets(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
         disk_bytes=disk_bytes, has_offload_dir=weights.offload_dir is not None, host_kv_cache_bytes=host_kv)
 
 
-def workload(config: EngineConfig, max_model_len: int) -> Workload:
+def workload(config: EngineConfig, max_model_len: int, dtype: torch.dtype | None = None) -> Workload:
+    """What the engine will run; `dtype` (the compute dtype) resolves an auto KV format."""
+    kv_bytes = None if dtype is None else resolve_kv_format(config.cache.kv_cache_dtype, dtype).element_bytes
     return Workload(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                     max_num_batched_tokens=config.batched_tokens_budget,
                     block_size=config.cache.block_size,
                     context_len=min(config.weights.expected_context_len or max_model_len, max_model_len),
-                    layers_in_use=2 if config.cpu_attention_enabled else 1)
+                    layers_in_use=2 if config.cpu_attention_enabled else 1, kv_element_bytes=kv_bytes)
 
 
 def _refuse_moe_streaming(model_config: ModelConfig) -> None:
@@ -193,7 +197,7 @@ def _gpu_queue(cores: CoreAssignment, device: str) -> GpuQueue:
 def planner_inputs(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int,
                    measured: Measurements) -> PlannerInputs:
     weights = config.weights
-    return PlannerInputs(model_config.shape, weight_format(config, dtype), workload(config, max_model_len),
+    return PlannerInputs(model_config.shape, weight_format(config, dtype), workload(config, max_model_len, dtype),
                          budgets(config, model_config, dtype), measured.rates, measured.costs,
                          mode=weights.placement, pipeline=weights.pipeline)
 
@@ -218,8 +222,8 @@ def plan_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dty
         def measured() -> tuple[TransferRates, ComputeCosts]:
             measurements = measure(config, model_config, dtype)
             return measurements.rates, measurements.costs
-        placement = PlacementRequest(budgets(config, model_config, dtype), workload(config, max_model_len), measured,
-                                     mode=weights.placement, pipeline=weights.pipeline)
+        placement = PlacementRequest(budgets(config, model_config, dtype), workload(config, max_model_len, dtype),
+                                     measured, mode=weights.placement, pipeline=weights.pipeline)
     slicing = costs = None
     if sliced:
         costs = slicing_costs(config, model_config, dtype)

@@ -1,7 +1,6 @@
-"""The paged KV cache: one block pool per K and V. Values are `[layers, blocks, kv_heads, block_size,
-head_dim]`; keys are transposed within a block, `[layers, blocks, kv_heads, head_dim, block_size]`, so
-the CPU kernel's vector loads take one element of several tokens and its scores need no horizontal
-sums (kernels/cpu). Both pools share the layout, so swaps stay plain block copies.
+"""The paged KV cache: one block pool per K and V, in the layout of the cache's format
+(engine/kv/layouts.py: 16-bit or fp32 elements, or group-quantized INT8/INT4 units). Either way
+`pool[layer, block]` is one block, so swaps stay plain block copies.
 
 Two tiers (Neo 3.1): the GPU pool and the host pool (pinned when the GPU is a
 CUDA GPU). A prefilled request lives wholly in one of them. Block ids come from the scheduler's
@@ -15,93 +14,65 @@ from typing import Protocol, Sequence
 import torch
 
 from engine.kv.host_memory import host_zeros
+from engine.kv.layouts import KVLayout, block_runs, create_layout
 from engine.model.config import ModelConfig
-from scheduler.block_pool import blocks_for
 from scheduler.cost_model import kv_bytes_per_token
-
-
-def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Merge (src[i] -> dst[i]) block moves into runs adjacent on both sides:
-    [(src_start, dst_start, num_blocks)], so each run is one copy."""
-    runs: list[list[int]] = []
-    for s, d in sorted(zip(src, dst)):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
-    return [tuple(r) for r in runs]
+from scheduler.kv_format import KVFormat
 
 
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", pin_memory: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", pin_memory: bool = False,
+                 kv_cache_dtype: str = "auto") -> None:
+        """`dtype`: the compute dtype (what reads return); `kv_cache_dtype`: how the pool stores
+        K/V (auto: in `dtype`)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.num_layers, num_blocks, config.num_kv_heads, block_size, config.head_dim)
-        key_shape = (*shape[:3], config.head_dim, block_size)
+        self.layout: KVLayout = create_layout(kv_cache_dtype, dtype, config.num_kv_heads, config.head_dim,
+                                              block_size)
         if torch.device(device).type == "cpu" and not pin_memory:
             zeros = host_zeros
         else:  # pinned memory comes from the CUDA allocator, which takes no page advice
             zeros = functools.partial(torch.zeros, device=device, pin_memory=pin_memory)
-        self.key, self.value = zeros(key_shape, dtype=dtype), zeros(shape, dtype=dtype)
+        self.key, self.value = self.layout.allocate(config.num_layers, num_blocks, zeros)
 
-    def key_rows(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s keys seen in the value layout [blocks, kv_heads, block_size, head_dim]
-        (a view: writes go to the pool)."""
-        return self.key[layer].transpose(-1, -2)
+    @property
+    def format(self) -> KVFormat:
+        return self.layout.format
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of `block_size` tokens in every layer of `config`."""
+    def bytes_per_block(config: ModelConfig, block_size: int, fmt: KVFormat) -> int:
+        """K and V of `block_size` tokens in every layer of `config`, stored in `fmt`."""
         return block_size * kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
-                                               dtype.itemsize)
+                                               fmt.element_bytes)
+
+    def fill_random(self) -> None:
+        """Random K/V in every slot: the profiler's scratch pools, whose pages must be written
+        (fresh zeroed host memory is the shared zero page, and reading it flatters kernels)."""
+        self.layout.fill_random(self.key, self.value)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
               slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
         """Store `key`/`value` [num_tokens, kv_heads, head_dim] at the given (block, offset) slots."""
-        # advanced indices around a slice put the token dim first: [num_tokens, kv_heads, head_dim]
-        self.key_rows(layer)[slot_blocks, :, slot_offsets] = key
-        self.value[layer][slot_blocks, :, slot_offsets] = value
+        self.layout.write(self.key[layer], self.value[layer], key, value, slot_blocks, slot_offsets)
 
     def write_blocks(self, layer: int, key: torch.Tensor, value: torch.Tensor, block_ids: Sequence[int],
                      start: int = 0) -> None:
         """Store one sequence's K/V of positions `start..` [num_tokens, kv_heads, head_dim] into its
-        table `block_ids` (from position 0), one copy per run of adjacent whole blocks. The source
-        may live on another device: this is the layer-by-layer copy-out of a prefill bound for the
-        host pool (asynchronous into pinned memory)."""
-        head = min(-start % self.block_size, key.shape[0])  # rows finishing a block begun earlier
-        if head:
-            block, offset = block_ids[start // self.block_size], start % self.block_size
-            self.key_rows(layer)[block, :, offset:offset + head] = key[:head].transpose(0, 1).to(self.key.device)
-            self.value[layer, block, :, offset:offset + head] = value[:head].transpose(0, 1).to(self.value.device)
-            key, value, start = key[head:], value[head:], start + head
-        if key.shape[0]:
-            self._write_whole_blocks(layer, key, value, block_ids[start // self.block_size:])
-
-    def _write_whole_blocks(self, layer: int, key: torch.Tensor, value: torch.Tensor,
-                            block_ids: Sequence[int]) -> None:
-        """`key`/`value` rows from the start of `block_ids[0]` on."""
-        num_tokens, kv_heads, head_dim = key.shape
-        block_ids = block_ids[:blocks_for(num_tokens, self.block_size)]
-        padded = len(block_ids) * self.block_size
-        # [blocks, block_size, kv_heads, head_dim] -> keys [blocks, kv_heads, head_dim, block_size],
-        # values [blocks, kv_heads, block_size, head_dim]: the pool's own layout, so each run's
-        # destination is contiguous
-        for cache, rows, order in ((self.key, key, (0, 2, 3, 1)), (self.value, value, (0, 2, 1, 3))):
-            if padded != num_tokens:  # the last block's tail is masked by context lengths
-                rows = torch.cat([rows, rows.new_zeros(padded - num_tokens, kv_heads, head_dim)])
-            blocks = rows.view(len(block_ids), self.block_size, kv_heads, head_dim).permute(order)
-            for src, dst, count in block_runs(range(len(block_ids)), block_ids):
-                cache[layer, dst:dst + count].copy_(blocks[src:src + count], non_blocking=True)
+        table `block_ids` (from position 0). The source may live on another device: this is the
+        layer-by-layer copy-out of a prefill bound for the host pool."""
+        self.layout.write_blocks(self.key[layer], self.value[layer], key, value, block_ids, start)
 
     def gather(self, layer: int, block_ids: Sequence[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V of a sequence's first `num_tokens` positions, from its table `block_ids`:
-        -> key, value [num_tokens, kv_heads, head_dim] (copies, on the pool's device)."""
+        -> key, value [num_tokens, kv_heads, head_dim] (copies in the compute dtype, on the pool's device)."""
         index = torch.as_tensor(block_ids, dtype=torch.int64, device=self.value.device)
-        kv_heads, head_dim = self.value.shape[2], self.value.shape[4]
+        key, value = (self.layout.read_blocks(pool[layer], index, is_key)
+                      for pool, is_key in ((self.key, True), (self.value, False)))
         # [blocks, kv_heads, block_size, head_dim] -> [blocks * block_size, kv_heads, head_dim]
-        key = self.key_rows(layer)[index].transpose(1, 2).reshape(-1, kv_heads, head_dim)
-        value = self.value[layer][index].transpose(1, 2).reshape(-1, kv_heads, head_dim)
+        kv_heads, head_dim = key.shape[1], key.shape[3]
+        key = key.transpose(1, 2).reshape(-1, kv_heads, head_dim)
+        value = value.transpose(1, 2).reshape(-1, kv_heads, head_dim)
         return key[:num_tokens], value[:num_tokens]
 
 

@@ -263,8 +263,9 @@ class LlamaModel:
         out = torch.empty_like(q) if out is None else out
         if num_prefill:
             self._store_prefill(layer, k[:num_prefill], v[:num_prefill], kv_cache, meta)
-            out[:num_prefill] = self._prefill_attention(layer, q[:num_prefill], k[:num_prefill], v[:num_prefill],
-                                                        kv_cache, meta)
+            layout = kv_cache.gpu.layout
+            stored_k, stored_v = layout.as_stored(k[:num_prefill], True), layout.as_stored(v[:num_prefill], False)
+            out[:num_prefill] = self._prefill_attention(layer, q[:num_prefill], stored_k, stored_v, kv_cache, meta)
         if meta.num_decodes:
             gpu = kv_cache.gpu
             out[num_prefill:num_rows] = self.decode_backend.forward(

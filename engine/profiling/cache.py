@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Bump whenever what is measured, or how, changes: files of older versions then miss.
-PROFILE_FORMAT_VERSION = 4  # 4: the key names what the linear stages compute from
+PROFILE_FORMAT_VERSION = 5  # 4: the key names what the linear stages compute from; 5: and the KV format
 CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/tandem/profiles")
 # 64 bits of the key's hash name the file: short, and a collision costs nothing since the stored
@@ -104,6 +104,7 @@ class ProfileKey:
     linear_weights: str
     # Kernels change speed between torch releases; a profile from another one would mislead.
     torch_version: str
+    kv_cache_dtype: str = "auto"  # how the KV pools store K/V: the attention tables read that format
     format_version: int = PROFILE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -114,14 +115,14 @@ class ProfileKey:
     @classmethod
     def create(cls, *, model: str | os.PathLike[str], load_format: str, dtype: torch.dtype, device: str,
                gpu_threads: int, cpu_attention_threads: int, block_size: int,
-               linear_weights: str = "dense") -> "ProfileKey":
+               linear_weights: str = "dense", kv_cache_dtype: str = "auto") -> "ProfileKey":
         """The key for serving `model` on this machine with these settings."""
         source, num_bytes, mtime_ns, load_format = model_identity(model, load_format)
         return cls(model=source, model_bytes=num_bytes, model_mtime_ns=mtime_ns, load_format=load_format,
                    dtype=str(dtype).removeprefix("torch."), device=device, device_name=gpu_name(device),
                    cpu_model=host_cpu_model(), gpu_threads=gpu_threads,
                    cpu_attention_threads=cpu_attention_threads, block_size=block_size,
-                   linear_weights=linear_weights, torch_version=torch.__version__)
+                   linear_weights=linear_weights, torch_version=torch.__version__, kv_cache_dtype=kv_cache_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

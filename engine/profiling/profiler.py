@@ -30,6 +30,7 @@ from engine.attention import DecodeAttentionBackend, prefill_attention
 from engine.execution.queues import GpuQueue
 from engine.execution.stats import WeightStats
 from engine.kv import KVCache, TwoTierKVCache
+from engine.kv.layouts import resolve_kv_format
 from engine.model import ModelConfig
 from engine.model.llama import LlamaModel
 from scheduler.cost_model import Curve, Grid, TableCostModel, kv_bytes_per_token
@@ -138,8 +139,9 @@ def _split_evenly(total: int, parts: int) -> list[int]:
 class _Profiler:
     def __init__(self, model: LlamaModel, gpu: GpuQueue, gpu_decode: DecodeAttentionBackend,
                  cpu_decode: DecodeAttentionBackend, block_size: int, dtype: torch.dtype, grid: ProfileGrid,
-                 bar: tqdm, weight_stats: WeightStats | None = None) -> None:
+                 bar: tqdm, weight_stats: WeightStats | None = None, kv_cache_dtype: str = "auto") -> None:
         self.model = model
+        self.kv_cache_dtype = kv_cache_dtype
         self.weight_stats = weight_stats
         self.config: ModelConfig = model.config
         self.gpu = gpu
@@ -172,9 +174,9 @@ class _Profiler:
     def scratch_cache(self, num_blocks: int, device: torch.device) -> KVCache:
         """One layer's paged K/V, filled: fresh zeroed host memory is backed by the shared zero page
         until written, and reading it would flatter memory-bound kernels."""
-        cache = KVCache(dataclasses.replace(self.config, num_layers=1), num_blocks, self.block_size, self.dtype, device)
-        cache.key.normal_()
-        cache.value.normal_()
+        cache = KVCache(dataclasses.replace(self.config, num_layers=1), num_blocks, self.block_size, self.dtype, device,
+                        kv_cache_dtype=self.kv_cache_dtype)
+        cache.fill_random()
         return cache
 
     def block_tables(self, seq_lens: Sequence[int], num_blocks: int, device: torch.device):
@@ -210,7 +212,8 @@ class _Profiler:
         """Blocks of a scratch pool to draw `largest`-block working sets from, cold."""
         cfg = self.config
         # one layer, as the scratch pools hold
-        block_bytes = self.block_size * kv_bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, self.dtype.itemsize)
+        fmt = resolve_kv_format(self.kv_cache_dtype, self.dtype)
+        block_bytes = self.block_size * kv_bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, fmt.element_bytes)
         return max(2 * largest, -(-self.grid.cold_bytes // block_bytes))
 
     def blocks_for(self, seq_lens: Sequence[int]) -> int:
@@ -314,12 +317,12 @@ class _Profiler:
     def swap_per_block(self) -> float:
         """Seconds per block of one swap-out and one swap-in, averaged, through the engine's copy path."""
         num_blocks = self.grid.swap_blocks
-        gpu_pool = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device)
+        gpu_pool = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device,
+                           kv_cache_dtype=self.kv_cache_dtype)
         host_pool = KVCache(self.config, num_blocks, self.block_size, self.dtype, "cpu",
-                            pin_memory=self.device.type == "cuda")
+                            pin_memory=self.device.type == "cuda", kv_cache_dtype=self.kv_cache_dtype)
         for cache in (gpu_pool, host_pool):  # touch every page (see scratch_cache)
-            cache.key.fill_(1.0)
-            cache.value.fill_(1.0)
+            cache.fill_random()
         pools = TwoTierKVCache(gpu_pool, host_pool)
         moves = [_BlockMove(tuple(range(num_blocks)), tuple(range(num_blocks)))]
         seconds = [
@@ -334,7 +337,7 @@ class _Profiler:
 def profile_costs(model: LlamaModel, gpu: GpuQueue, gpu_decode: DecodeAttentionBackend,
                   cpu_decode: DecodeAttentionBackend, *, block_size: int, dtype: torch.dtype,
                   grid: ProfileGrid | None = None, progress: bool = False,
-                  weight_stats: WeightStats | None = None) -> TableCostModel:
+                  weight_stats: WeightStats | None = None, kv_cache_dtype: str = "auto") -> TableCostModel:
     """Measure every table of `TableCostModel` for `model` on this machine.
 
     `gpu_decode` is the GPU's decode backend (run on `gpu`), `cpu_decode` the
@@ -346,7 +349,8 @@ def profile_costs(model: LlamaModel, gpu: GpuQueue, gpu_decode: DecodeAttentionB
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     grid = grid or ProfileGrid()
     with tqdm(total=grid.num_points, desc="profiling costs", unit="point", disable=not progress) as bar:
-        profiler = _Profiler(model, gpu, gpu_decode, cpu_decode, block_size, dtype, grid, bar, weight_stats)
+        profiler = _Profiler(model, gpu, gpu_decode, cpu_decode, block_size, dtype, grid, bar, weight_stats,
+                             kv_cache_dtype)
         try:
             return TableCostModel(
                 num_layers=model.config.num_layers,

@@ -115,6 +115,7 @@ class Workload:
     block_size: int
     context_len: int  # tokens each decoding sequence holds (its prompt and output so far)
     layers_in_use: int = 1  # layers a forward holds at once: 2 under Neo's two-batch forward
+    kv_element_bytes: float | None = None  # the KV format's (scheduler/kv_format.py); None: the compute dtype's
 
 
 @dataclass(frozen=True)
@@ -281,11 +282,16 @@ def _int4_hint(fmt: WeightFormat) -> str:
     return ", or --quantization int4 (layers about 3/8 the size of 16-bit ones)" if fmt.quantization == "none" else ""
 
 
+def _kv_block_bytes(inputs: PlannerInputs) -> int:
+    work = inputs.workload
+    return kv_block_bytes(inputs.shape, work.block_size, work.kv_element_bytes or inputs.fmt.dtype_bytes)
+
+
 def _kv_cache_bytes(inputs: PlannerInputs, other_bytes: int) -> int | str:
     """The GPU KV pool: fixed, or what the GPU budget leaves (at least one
     sequence of max_model_len tokens)."""
     budgets, work = inputs.budgets, inputs.workload
-    block_bytes = kv_block_bytes(inputs.shape, work.block_size, inputs.fmt.dtype_bytes)
+    block_bytes = _kv_block_bytes(inputs)
     min_bytes = -(-work.max_model_len // work.block_size) * block_bytes
     if budgets.kv_cache_bytes is not None:
         kv = budgets.kv_cache_bytes
@@ -346,7 +352,7 @@ def _estimate(inputs: PlannerInputs, tiers: list[Tier], num_buffers: int, kv_byt
     `link_bytes_per_s_under_compute`), the forward is replayed once with the rates alone, and
     again with each side slowed in proportion to the time the first replay ran them together."""
     work, costs, rates = inputs.workload, inputs.costs, inputs.rates
-    block_bytes = kv_block_bytes(inputs.shape, work.block_size, inputs.fmt.dtype_bytes)
+    block_bytes = _kv_block_bytes(inputs)
     blocks_per_seq = -(-work.context_len // work.block_size)
     batch = min(work.max_num_seqs, kv_bytes // block_bytes // blocks_per_seq)
     if batch < 1:
