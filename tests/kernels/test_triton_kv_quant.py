@@ -80,3 +80,99 @@ def test_write_refuses_malformed_input(writer, gen):
         writer.write_quantized(pool, pool, rows[..., :32], rows[..., :32], slots, slots, "int8", 16)
     with pytest.raises(ValueError, match="slot_offsets"):
         writer.write_quantized(pool, pool, rows, rows, slots, slots.float(), "int8", 16)
+
+
+# ---- attention over quantized pools ------------------------------------------------------------
+@pytest.fixture
+def decode(interpreted_paged_decode):
+    return interpreted_paged_decode
+
+
+def scattered_tables(gen, context_lens, block_size, num_spare_blocks=3):
+    """Each sequence's blocks scattered over a shuffled pool, a stale entry past each table's
+    blocks -> (tables [num_seqs, max_blocks + 1] int32, num_blocks)."""
+    blocks_per_seq = [max(1, -(-n // block_size)) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + num_spare_blocks
+    pool = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.randint(num_blocks, (len(context_lens), max(blocks_per_seq) + 1), generator=gen,
+                           dtype=torch.int32)
+    start = 0
+    for row, count in enumerate(blocks_per_seq):
+        tables[row, :count] = pool[start:start + count]
+        start += count
+    return tables, num_blocks
+
+
+def quantized_pools(gen, layout, num_blocks, num_kv_heads):
+    """Key and value pools with every slot quantized from random rows by the reference writer
+    (random bytes would make NaN scales): whatever lies past a context must be ignored."""
+    slots = torch.arange(num_blocks * layout.block_size)
+    pools = []
+    for is_key in (True, False):
+        pool = torch.zeros(num_blocks, num_kv_heads, layout.unit_bytes, dtype=torch.uint8)
+        rows = torch.randn(len(slots), num_kv_heads, layout.head_dim, generator=gen)
+        rows += torch.randn(len(slots), num_kv_heads, 1, generator=gen)  # off-centre groups for INT4's min
+        kv_quant.write_rows(kv_quant.unit_views(pool, layout, is_key), layout, rows, slots // layout.block_size,
+                            slots % layout.block_size)
+        pools.append(pool)
+    return pools
+
+
+def dequantized(pools, layout):
+    """The pools as the 16-bit kernels' fp32 caches: what the reference attends."""
+    return (kv_quant.dequantize_pool(pools[0], layout, is_key=True),
+            kv_quant.dequantize_pool(pools[1], layout, is_key=False))
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 1, 64), (1, 4, 128)])
+def test_decode_matches_the_reference_over_the_dequantized_pools(decode, gen, kv_format, num_kv_heads, group,
+                                                                 head_dim):
+    from kernels.cpu import reference
+
+    block_size = 16
+    layout = kv_quant.layout_for(kv_format, head_dim, block_size)
+    lens = [1, 37, 2 * block_size]
+    tables, num_blocks = scattered_tables(gen, lens, block_size)
+    pools = quantized_pools(gen, layout, num_blocks, num_kv_heads)
+    query = 3 * torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    got = decode.paged_decode_attention(query, *pools, tables, lens, scale, kv_format=kv_format,
+                                        block_size=block_size)
+    want = reference.paged_decode_attention(query, *dequantized(pools, layout), tables, lens, scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_format, block_size, dtype", [
+    ("int8", 8, torch.float32),  # a block below tl.dot's tile: broadcast products
+    ("int4", 16, torch.bfloat16),  # a half-precision query, output rounded to it
+], ids=["int8-small-blocks", "int4-bf16"])
+def test_decode_other_blocks_and_dtypes(decode, gen, kv_format, block_size, dtype):
+    from kernels.cpu import reference
+
+    layout = kv_quant.layout_for(kv_format, 64, block_size)
+    lens = [block_size + 3, 0, 5]  # an empty context gives zeros; few blocks, the interpreter's broadcasts are slow
+    tables, num_blocks = scattered_tables(gen, lens, block_size)
+    pools = quantized_pools(gen, layout, num_blocks, 1)
+    query = (3 * torch.randn(len(lens), 4, 64, generator=gen)).to(dtype)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    got = decode.paged_decode_attention(query, *pools, tables, lens, 0.125, kv_format=kv_format,
+                                        block_size=block_size)
+    want = reference.paged_decode_attention(query.float(), *dequantized(pools, layout), tables, lens, 0.125)
+    assert got.dtype == dtype and torch.equal(got[1], torch.zeros_like(got[1]))
+    tolerance = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_decode_refuses_malformed_quantized_input(decode, gen):
+    layout = kv_quant.layout_for("int4", 64, 16)
+    tables, num_blocks = scattered_tables(gen, [5], 16)
+    pools = quantized_pools(gen, layout, num_blocks, 1)
+    query, lens = torch.randn(1, 2, 64, generator=gen), torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_size"):
+        decode.paged_decode_attention(query, *pools, tables, lens, 1.0, kv_format="int4")
+    with pytest.raises(ValueError, match=r"uint8 \[num_blocks, kv_heads, 1056\]"):  # INT8's units are larger
+        decode.paged_decode_attention(query, *pools, tables, lens, 1.0, kv_format="int8", block_size=16)
+    with pytest.raises(ValueError, match="int32"):
+        decode.paged_decode_attention(query, *pools, tables.long(), lens, 1.0, kv_format="int4", block_size=16)
