@@ -96,20 +96,34 @@ class CpuPagedDecode(DecodeAttentionBackend):
 
 class TritonPagedDecode(DecodeAttentionBackend):
     """kernels/triton's paged decode attention (CUDA; CPU tensors under Triton's interpreter):
-    the new tokens' K/V stored by indexed writes, then one program per (sequence, KV head)."""
+    the new tokens' K/V stored by indexed writes, then one program per (sequence, KV head).
+    With `kv_format` (int8, int4) the caches are group-quantized pools (kernels/kv_quant.py),
+    `block_size` tokens a block: the new tokens are quantized into them by a kernel, and the
+    attention dequantizes the codes as it reads them."""
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, kv_format: str | None = None, block_size: int | None = None) -> None:
         import importlib  # noqa: F811
 
-        # by name, so that a test's interpreted import of the module is the one used
+        from kernels.kv_quant import FORMAT_CODES
+
+        if kv_format is not None and (kv_format not in FORMAT_CODES or block_size is None):
+            raise ValueError(f"a quantized KV cache needs a format of {sorted(FORMAT_CODES)} and its block_size, "
+                             f"got {kv_format!r}, {block_size!r}")
+        self.kv_format, self.block_size = kv_format, block_size
+        # by name, so that a test's interpreted import of the modules is the one used
         self._kernels = importlib.import_module("kernels.triton.paged_decode")
+        self._writer = importlib.import_module("kernels.triton.kv_quant_write") if kv_format else None
 
     def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale, new_key, new_value):
-        append_new_tokens(key_cache, value_cache, block_tables, context_lens, new_key, new_value)
+        if self.kv_format is None:
+            append_new_tokens(key_cache, value_cache, block_tables, context_lens, new_key, new_value)
+        else:
+            self._writer.append_quantized(key_cache, value_cache, block_tables, context_lens, new_key, new_value,
+                                          self.kv_format, self.block_size)
         return self._kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                                    scale)
+                                                    scale, kv_format=self.kv_format, block_size=self.block_size)
 
 
 DECODE_BACKENDS: Registry[DecodeAttentionBackend] = Registry("decode attention backend")

@@ -176,3 +176,29 @@ def test_decode_refuses_malformed_quantized_input(decode, gen):
         decode.paged_decode_attention(query, *pools, tables, lens, 1.0, kv_format="int8", block_size=16)
     with pytest.raises(ValueError, match="int32"):
         decode.paged_decode_attention(query, *pools, tables.long(), lens, 1.0, kv_format="int4", block_size=16)
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_backend_quantizes_the_new_token_in_then_attends(decode, writer, gen, kv_format):
+    from engine.attention.decode import DECODE_BACKENDS
+    from kernels.cpu import reference
+
+    block_size, num_kv_heads, head_dim = 16, 2, 64
+    layout = kv_quant.layout_for(kv_format, head_dim, block_size)
+    lens = [9, 33]
+    tables, num_blocks = scattered_tables(gen, lens, block_size)
+    pools = quantized_pools(gen, layout, num_blocks, num_kv_heads)
+    query = torch.randn(len(lens), 2 * num_kv_heads, head_dim, generator=gen)
+    new_key, new_value = (torch.randn(len(lens), num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    lens = torch.tensor(lens, dtype=torch.int32)
+    want_pools = [pool.clone() for pool in pools]
+    last = lens.long() - 1
+    blocks = tables.long().gather(1, (last // block_size)[:, None]).squeeze(1)
+    for pool, rows, is_key in ((want_pools[0], new_key, True), (want_pools[1], new_value, False)):
+        kv_quant.write_rows(kv_quant.unit_views(pool, layout, is_key), layout, rows, blocks, last % block_size)
+    backend = DECODE_BACKENDS.create("triton", kv_format=kv_format, block_size=block_size)
+    got = backend.forward(query, *pools, tables, lens, 0.125, new_key, new_value)
+    assert torch.equal(pools[0], want_pools[0]) and torch.equal(pools[1], want_pools[1])
+    want = reference.paged_decode_attention(query, *dequantized(want_pools, layout), tables, lens, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert DECODE_BACKENDS.create("triton").kv_format is None  # dense by default
