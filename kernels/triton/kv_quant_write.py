@@ -24,7 +24,7 @@ except ImportError as exc:
     raise ImportError("kernels.triton.kv_quant_write needs the triton package (pyproject's test extra installs "
                       "it)") from exc
 
-from kernels.kv_quant import GROUP_SIZE, layout_for
+from kernels.kv_quant import GROUP_SIZE, check_pools, layout_for
 
 INTERPRETED: bool = triton.knobs.runtime.interpret
 _ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -129,7 +129,7 @@ def write_quantized(key_pool: torch.Tensor, value_pool: torch.Tensor, key: torch
     not checked (that would need a host sync). Raises ValueError on malformed input."""
     num_tokens, num_kv_heads, head_dim = key.shape if key.dim() == 3 else (0, 0, 0)
     layout = layout_for(kv_format, head_dim, block_size)
-    _check(key_pool, value_pool, key, value, slot_blocks, slot_offsets, layout.unit_bytes)
+    _check(key_pool, value_pool, key, value, slot_blocks, slot_offsets, layout)
     if num_tokens == 0:
         return
     key, value = _unit_last(key), _unit_last(value)
@@ -158,21 +158,15 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check(key_pool, value_pool, key, value, slot_blocks, slot_offsets, unit_bytes: int) -> None:
+def _check(key_pool, value_pool, key, value, slot_blocks, slot_offsets, layout) -> None:
     if key.dim() != 3 or tuple(value.shape) != tuple(key.shape):
         raise ValueError(f"key and value must be [num_tokens, kv_heads, head_dim] alike, got {tuple(key.shape)}, "
                          f"{tuple(value.shape)}")
     if key.dtype not in _ROW_DTYPES or value.dtype not in _ROW_DTYPES:
         raise ValueError(f"key and value must be fp32, bf16 or fp16, got {key.dtype}, {value.dtype}")
     num_tokens, num_kv_heads, _ = key.shape
-    for name, pool in (("key_pool", key_pool), ("value_pool", value_pool)):
-        if pool.dtype != torch.uint8 or pool.dim() != 3 or pool.shape[1:] != (num_kv_heads, unit_bytes):
-            raise ValueError(f"{name} must be uint8 [num_blocks, {num_kv_heads}, {unit_bytes}], got {pool.dtype} "
-                             f"{tuple(pool.shape)}")
-        if pool.stride(2) != 1 or pool.stride(1) % 2 or pool.stride(0) % 2:
-            raise ValueError(f"{name}'s units must be contiguous and 2-byte aligned (their fp16 scales)")
-    if key_pool.shape != value_pool.shape or key_pool.stride() != value_pool.stride():
-        raise ValueError("key_pool and value_pool must have one shape and layout")
+    if check_pools(key_pool, value_pool, layout) != num_kv_heads:
+        raise ValueError(f"the pools hold {key_pool.shape[1]} KV heads, the rows {num_kv_heads}")
     for name, slots in (("slot_blocks", slot_blocks), ("slot_offsets", slot_offsets)):
         if slots.dtype not in _SLOT_DTYPES or tuple(slots.shape) != (num_tokens,):
             raise ValueError(f"{name} must be int32 or int64 [{num_tokens}], got {slots.dtype} {tuple(slots.shape)}")

@@ -18,10 +18,11 @@ into two tiles with no reordering: scores are the sum of the halves' dots and th
 low and a high half (INT8 is split the same way, one code path).
 
 On a GPU the dot inputs stay in the cache dtype (bf16/fp16 on the tensor cores, fp32 as IEEE
-fp32, not TF32); under Triton's interpreter (TRITON_INTERPRET=1 while this module is imported)
-the kernel runs on CPU tensors in fp32 throughout, which is how CI tests it
-(tests/kernels/test_triton_paged_decode.py). No autotuning: the tile shapes follow the model
-(head_dim, group size, block size).
+fp32, not TF32; over a quantized pool, the query's dtype); under Triton's interpreter
+(TRITON_INTERPRET=1 while this module is imported) the kernels run on CPU tensors in fp32
+throughout, which is how CI tests them (tests/kernels/test_triton_paged_decode.py,
+test_triton_kv_quant.py). No autotuning: the tile shapes follow the model (head_dim, group size,
+block size).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ except ImportError as exc:
     raise ImportError("kernels.triton.paged_decode needs the triton package (pyproject's test extra installs "
                       "it)") from exc
 
-from kernels.kv_quant import GROUP_SIZE, layout_for
+from kernels.kv_quant import GROUP_SIZE, check_pools, layout_for
 
 INTERPRETED: bool = triton.knobs.runtime.interpret
 MIN_DOT = 16  # tl.dot's smallest tile side
@@ -279,7 +280,7 @@ def _quantized_decode(query, key_pool, value_pool, block_tables, context_lens, s
         raise ValueError(f"a {kv_format} KV cache needs its block_size, got {block_size!r}")
     batch, num_heads, head_dim = query.shape
     layout = layout_for(kv_format, head_dim, block_size)
-    num_kv_heads = _check_pools(key_pool, value_pool, layout.unit_bytes)
+    num_kv_heads = check_pools(key_pool, value_pool, layout)
     _check_query(query, num_kv_heads, head_dim, block_tables, context_lens)
     if query.dtype not in _TL_DTYPES:
         raise ValueError(f"query must be fp32, bf16 or fp16, got {query.dtype}")
@@ -289,28 +290,14 @@ def _quantized_decode(query, key_pool, value_pool, block_tables, context_lens, s
         return out
     group = num_heads // num_kv_heads
     use_dot = block_size >= MIN_DOT
-    scale_bytes = layout.scale_bytes
     _paged_decode_quantized_kernel[(batch, num_kv_heads)](
         query, key_pool.view(layout.code_dtype), key_pool.view(torch.float16), value_pool.view(layout.code_dtype),
         value_pool.view(torch.float16), out, block_tables, context_lens, float(scale),
         query.stride(0), query.stride(1), key_pool.stride(0), key_pool.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HALF_DIM=head_dim // 2, BLOCK_SIZE=block_size, CODE_COLS=layout.code_cols,
-        SCALES_AT=layout.code_bytes // 2, MINS_AFTER=scale_bytes // 2, IS_INT4=layout.bits == 4,
+        SCALES_AT=layout.code_bytes // 2, MINS_AFTER=layout.scale_bytes // 2, IS_INT4=layout.bits == 4,
         BLOCK_G=_tile(group), BLOCK_H=_tile(head_dim // 2), BLOCK_T=_tile(block_size),
         COMPUTE=tl.float32 if INTERPRETED else _TL_DTYPES[query.dtype], USE_DOT=use_dot,
         FP32_DOT=use_dot and (INTERPRETED or query.dtype == torch.float32))
     return out
-
-
-def _check_pools(key_pool, value_pool, unit_bytes: int) -> int:
-    """The pools' number of KV heads, after checking they are one layer's units of `unit_bytes`."""
-    for name, pool in (("key_cache", key_pool), ("value_cache", value_pool)):
-        if pool.dtype != torch.uint8 or pool.dim() != 3 or pool.shape[2] != unit_bytes:
-            raise ValueError(f"a quantized {name} must be uint8 [num_blocks, kv_heads, {unit_bytes}], got "
-                             f"{pool.dtype} {tuple(pool.shape)}")
-        if pool.stride(2) != 1 or pool.stride(1) % 2 or pool.stride(0) % 2:
-            raise ValueError(f"{name}'s units must be contiguous and 2-byte aligned (their fp16 scales)")
-    if key_pool.shape != value_pool.shape or key_pool.stride() != value_pool.stride():
-        raise ValueError("key_cache and value_cache must have one shape and layout")
-    return key_pool.shape[1]
