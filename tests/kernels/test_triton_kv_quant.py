@@ -202,3 +202,90 @@ def test_backend_quantizes_the_new_token_in_then_attends(decode, writer, gen, kv
     want = reference.paged_decode_attention(query, *dequantized(want_pools, layout), tables, lens, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert DECODE_BACKENDS.create("triton").kv_format is None  # dense by default
+
+
+@pytest.fixture
+def prefill(interpreted_paged_prefill):
+    return interpreted_paged_prefill
+
+
+def prefill_reference(q, k, v, key_cache, value_cache, block_tables, num_cached, query_start, scale):
+    """SDPA over each chunk's own K/V after its prefix gathered from fp32 caches in the 16-bit layout."""
+    from engine.attention.prefill import prefill_attention
+
+    block_size, starts = value_cache.shape[2], query_start.tolist()
+    prefixes = {}
+    for seq, cached in enumerate(num_cached.tolist()):
+        positions = torch.arange(cached)
+        blocks = block_tables[seq].long()[positions // block_size]
+        prefixes[seq] = (key_cache.transpose(-1, -2)[blocks, :, positions % block_size],
+                         value_cache[blocks, :, positions % block_size])
+    seq_lens = [end - start for start, end in zip(starts, starts[1:])]
+    return prefill_attention(q, k, v, seq_lens, scale, prefixes)
+
+
+def prefill_problem(gen, layout, chunks, num_kv_heads, group, dtype=torch.float32):
+    """Chunks (num_cached, query_len) packed together over quantized pools -> (pools, the kernel's
+    other arguments)."""
+    tables, num_blocks = scattered_tables(gen, [cached + length for cached, length in chunks], layout.block_size)
+    pools = quantized_pools(gen, layout, num_blocks, num_kv_heads)
+    num_tokens, head_dim = sum(length for _, length in chunks), layout.head_dim
+    q = 3 * torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen)
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    return pools, dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), block_tables=tables,
+                       num_cached=torch.tensor([cached for cached, _ in chunks], dtype=torch.int32),
+                       query_start=torch.tensor([0] + [length for _, length in chunks]).cumsum(0).to(torch.int32),
+                       scale=head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 1, 64), (1, 4, 128)])
+def test_prefill_over_a_quantized_prefix(prefill, gen, kv_format, num_kv_heads, group, head_dim):
+    layout = kv_quant.layout_for(kv_format, head_dim, 16)
+    chunks = [(0, 19), (37, 5), (32, 24)]  # (num_cached, query_len): no prefix, unaligned, block-aligned
+    pools, problem = prefill_problem(gen, layout, chunks, num_kv_heads, group)
+    got = prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format=kv_format,
+                                          block_size=16, **problem)
+    key_cache, value_cache = dequantized(pools, layout)
+    want = prefill_reference(key_cache=key_cache, value_cache=value_cache, **problem)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_in_half_precision(prefill, gen):
+    layout = kv_quant.layout_for("int4", 64, 16)
+    pools, problem = prefill_problem(gen, layout, [(21, 9), (0, 4)], 1, 2, torch.float16)
+    got = prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format="int4",
+                                          block_size=16, **problem)
+    upcast = {name: value.float() if value.is_floating_point() else value
+              for name, value in problem.items() if isinstance(value, torch.Tensor)}
+    key_cache, value_cache = dequantized(pools, layout)
+    want = prefill_reference(key_cache=key_cache, value_cache=value_cache, scale=problem["scale"], **upcast)
+    assert got.dtype == torch.float16
+    eps = torch.finfo(torch.float16).eps
+    torch.testing.assert_close(got.float(), want, atol=2 * eps, rtol=2 * eps)
+
+
+def test_prefill_refuses_malformed_quantized_input(prefill, gen):
+    layout = kv_quant.layout_for("int8", 64, 16)
+    pools, problem = prefill_problem(gen, layout, [(5, 3)], 1, 2)
+    with pytest.raises(ValueError, match="block_size"):
+        prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format="int8", **problem)
+    with pytest.raises(ValueError, match="the key and value pools"):
+        prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1][:-1], kv_format="int8",
+                                        block_size=16, **problem)
+    with pytest.raises(ValueError, match="int32"):
+        prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format="int8", block_size=16,
+                                        **dict(problem, num_cached=problem["num_cached"].long()))
+
+
+def test_engine_prefill_wrapper_passes_the_format_on(prefill, gen):
+    from engine.attention.prefill import paged_prefill
+
+    layout = kv_quant.layout_for("int4", 64, 16)
+    pools, problem = prefill_problem(gen, layout, [(0, 6), (19, 4)], 2, 2)
+    want = prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format="int4", block_size=16,
+                                           **problem)
+    table = tuple(problem["block_tables"][1, :2].tolist())
+    got = paged_prefill(prefill, problem["q"], problem["k"], problem["v"], *pools, [6, 4], [(1, 19, table)],
+                        problem["scale"], kv_format="int4", block_size=16)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
