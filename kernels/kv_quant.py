@@ -147,6 +147,21 @@ def round_trip(rows: torch.Tensor, bits: int, is_key: bool) -> torch.Tensor:
     return rotate(dequantize(*quantize(rotate(rows.float()), bits)))
 
 
+def check_pools(key_pool: torch.Tensor, value_pool: torch.Tensor, layout: QuantLayout) -> int:
+    """The number of KV heads of one layer's key and value pools, after checking they are units of
+    `layout`, contiguous and 2-byte aligned (their fp16 parts are read through fp16 views);
+    ValueError where not."""
+    for name, pool in (("key", key_pool), ("value", value_pool)):
+        if pool.dtype != torch.uint8 or pool.dim() != 3 or pool.shape[2] != layout.unit_bytes:
+            raise ValueError(f"a quantized {name} pool must be uint8 [num_blocks, kv_heads, {layout.unit_bytes}], "
+                             f"got {pool.dtype} {tuple(pool.shape)}")
+        if pool.stride(2) != 1 or pool.stride(1) % 2 or pool.stride(0) % 2:
+            raise ValueError(f"the {name} pool's units must be contiguous and 2-byte aligned")
+    if key_pool.shape != value_pool.shape or key_pool.stride() != value_pool.stride():
+        raise ValueError("the key and value pools must have one shape and layout")
+    return key_pool.shape[1]
+
+
 # ---- a pool layer's units as views ------------------------------------------------------------
 @dataclass(frozen=True)
 class UnitViews:

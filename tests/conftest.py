@@ -60,3 +60,8 @@ def interpreted_paged_decode():
 @pytest.fixture(scope="session")
 def interpreted_paged_prefill():
     return import_interpreted("kernels.triton.paged_prefill")
+
+
+@pytest.fixture(scope="session")
+def interpreted_kv_quant_write():
+    return import_interpreted("kernels.triton.kv_quant_write")

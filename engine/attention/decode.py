@@ -126,23 +126,29 @@ class CpuPagedDecode(DecodeAttentionBackend):
 
 class TritonPagedDecode(DecodeAttentionBackend):
     """kernels/triton's paged decode attention (CUDA; CPU tensors under Triton's interpreter):
-    the new tokens' K/V stored by indexed writes, then one program per (sequence, KV head)."""
+    the new tokens' K/V stored by indexed writes, then one program per (sequence, KV head).
+    With `kv_format` (int8, int4) the caches are group-quantized pools (kernels/kv_quant.py),
+    `block_size` tokens a block: the new tokens are quantized into them by a kernel, and the
+    attention dequantizes the codes as it reads them."""
 
     name = "triton"
 
     def __init__(self, kv_layout: KVLayout | None = None) -> None:
         import importlib  # noqa: F811
 
-        if kv_layout is not None and kv_layout.format.quantized:
-            raise ValueError(f"the triton decode backend does not read a {kv_layout.format.name} KV cache yet")
-
-        # by name, so that a test's interpreted import of the module is the one used
+        self._format_args = quantized_format_args(kv_layout)
+        # by name, so that a test's interpreted import of the modules is the one used
         self._kernels = importlib.import_module("kernels.triton.paged_decode")
+        self._writer = importlib.import_module("kernels.triton.kv_quant_write") if self._format_args else None
 
     def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale, new_key, new_value):
-        append_new_tokens(key_cache, value_cache, block_tables, context_lens, new_key, new_value)
+        if self._writer is None:
+            append_new_tokens(key_cache, value_cache, block_tables, context_lens, new_key, new_value)
+        else:
+            self._writer.append_quantized(key_cache, value_cache, block_tables, context_lens, new_key, new_value,
+                                          **self._format_args)
         return self._kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                                    scale)
+                                                    scale, **self._format_args)
 
 
 DECODE_BACKENDS: Registry[DecodeAttentionBackend] = Registry("decode attention backend")

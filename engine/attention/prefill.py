@@ -46,10 +46,11 @@ def chunk_mask(num_rows: int, num_cached: int, device: torch.device) -> torch.Te
 
 def paged_prefill(kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, seq_lens: list[int], prefixes: list[tuple[int, int, tuple[int, ...]]],
-                  scale: float) -> torch.Tensor:
+                  scale: float, kv_format: str | None = None, block_size: int | None = None) -> torch.Tensor:
     """Every prefill of a batch in one call of kernels/triton/paged_prefill.py (`kernels`: that
     module), each chunk reading its cached prefix straight from one layer's pool instead of
     gathering it. `prefixes`: (prefill index, cached tokens, block ids) of the chunks that have one.
+    `kv_format`, `block_size`: the pool's, where it is group-quantized (kernels/kv_quant.py).
 
     q [num_tokens, num_heads, head_dim], k/v [num_tokens, kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]
     """
@@ -64,4 +65,4 @@ def paged_prefill(kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     query_start = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32, device=device)
     return kernels.paged_prefill_attention(q, k, v, key_cache, value_cache, block_tables,
                                            torch.tensor(num_cached, dtype=torch.int32, device=device),
-                                           query_start, scale)
+                                           query_start, scale, kv_format=kv_format, block_size=block_size)

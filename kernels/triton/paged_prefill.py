@@ -20,11 +20,18 @@ it has num_tokens // BLOCK_Q + num_seqs query tiles, an upper bound on the chunk
 each program finds its chunk by a binary search of query_start; programs past their chunk's end
 return at once.
 
+With `kv_format` (int8, int4) the caches are group-quantized pools, kernels/kv_quant.py's layout:
+a second kernel reads the prefix's codes and each token's group scales (and mins), dequantizes
+them in registers and runs the same softmax (no dequantized copy is stored). As in
+kernels/triton/paged_decode.py's quantized kernel, the head dim is split into the low and the
+high half of every group, the channels an INT4 byte's two nibbles hold, for queries, keys,
+values (the chunk's dense ones too) and the output alike.
+
 On a GPU the dot inputs stay in the cache dtype (bf16/fp16 on the tensor cores, fp32 as IEEE
-fp32, not TF32); under Triton's interpreter (TRITON_INTERPRET=1 while this module is imported)
-the kernel runs on CPU tensors in fp32 throughout, which is how CI tests it
-(tests/kernels/test_triton_paged_prefill.py). No autotuning: the tile shapes follow the model
-(head_dim, group size).
+fp32, not TF32; over a quantized pool, q's dtype); under Triton's interpreter (TRITON_INTERPRET=1
+while this module is imported) the kernels run on CPU tensors in fp32 throughout, which is how
+CI tests them (tests/kernels/test_triton_paged_prefill.py, test_triton_kv_quant.py). No
+autotuning: the tile shapes follow the model (head_dim, group size).
 """
 from __future__ import annotations
 
@@ -37,12 +44,19 @@ except ImportError as exc:
     raise ImportError("kernels.triton.paged_prefill needs the triton package (pyproject's test extra installs "
                       "it)") from exc
 
+from kernels.kv_quant import GROUP_SIZE, check_pools, layout_for, rotate
+
 INTERPRETED: bool = triton.knobs.runtime.interpret
 MIN_DOT = 16  # tl.dot's smallest tile side
 ROWS_PER_TILE = 64  # query rows (tokens x group heads) per program: a tensor-core M tile
 KEYS_PER_TILE = 32  # keys per step of the running softmax
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 NEG_INF = tl.constexpr(float("-inf"))
+# kernels/kv_quant.py's layout inside the kernels (jit code may only read globals that are constexpr)
+CHANNELS_PER_GROUP = tl.constexpr(GROUP_SIZE)
+HALF_GROUP = tl.constexpr(GROUP_SIZE // 2)  # how far a byte's high nibble channel is from its low one
+LOW_NIBBLE = tl.constexpr(0xF)
+NIBBLE_BITS = tl.constexpr(4)
 
 
 # Reductions through tl.reduce with triton's own combine functions, not tl.sum/tl.max: those are
@@ -158,6 +172,139 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, key_cache_ptr, value_cac
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+# The same as paged_decode.py's: each kernel module holds its own jit helpers, since the interpreter
+# runs only those of the module the tests imported under it (tests/conftest.py).
+@triton.jit
+def _dequantized_halves(codes_ptr, halves_ptr, low_at, high_at, scale_at, mask, MINS_AFTER: tl.constexpr,
+                        IS_INT4: tl.constexpr, COMPUTE: tl.constexpr):
+    """One tile of a pool as (low halves, high halves) of its groups' channels, code * scale (+ min)
+    in fp32, then COMPUTE. low_at, high_at: byte offsets of the codes (INT4: one packed byte holds
+    both, high_at unused); scale_at: fp16 offsets of the scales, the mins MINS_AFTER further."""
+    if IS_INT4:
+        packed = tl.load(codes_ptr + low_at, mask=mask, other=0)
+        low = (packed & LOW_NIBBLE).to(tl.float32)
+        high = (packed >> NIBBLE_BITS).to(tl.float32)
+    else:
+        low = tl.load(codes_ptr + low_at, mask=mask, other=0).to(tl.float32)
+        high = tl.load(codes_ptr + high_at, mask=mask, other=0).to(tl.float32)
+    scale = tl.load(halves_ptr + scale_at, mask=mask, other=0.0).to(tl.float32)
+    low, high = low * scale, high * scale
+    if IS_INT4:
+        minimum = tl.load(halves_ptr + scale_at + MINS_AFTER, mask=mask, other=0.0).to(tl.float32)
+        low, high = low + minimum, high + minimum
+    return low.to(COMPUTE), high.to(COMPUTE)
+
+
+@triton.jit
+def _softmax_step_halves(q_low, q_high, k_low, k_high, v_low, v_high, allowed, scale, row_max, row_sum, acc_low,
+                         acc_high, FP32_DOT: tl.constexpr):
+    """_softmax_step over a head dim split in halves: scores sum the halves' dots, each half of
+    the output accumulates its own."""
+    s = tl.where(allowed, (_dot(q_low, k_low, FP32_DOT) + _dot(q_high, k_high, FP32_DOT)) * scale, NEG_INF)
+    new_max = tl.maximum(row_max, tl.reduce(s, 1, MAX))
+    p = tl.exp(s - new_max[:, None])
+    correction = tl.exp(row_max - new_max)
+    row_sum = row_sum * correction + tl.reduce(p, 1, SUM)
+    if not FP32_DOT:
+        p = p.to(v_low.dtype)  # rounded for the tensor cores
+    acc_low = acc_low * correction[:, None] + _dot(p, v_low, FP32_DOT)
+    acc_high = acc_high * correction[:, None] + _dot(p, v_high, FP32_DOT)
+    return new_max, row_sum, acc_low, acc_high
+
+
+@triton.jit
+def _paged_prefill_quantized_kernel(q_ptr, k_ptr, v_ptr, out_ptr, key_codes_ptr, key_halves_ptr, value_codes_ptr,
+                                    value_halves_ptr, tables_ptr, num_cached_ptr, query_start_ptr, scale, num_seqs,
+                                    num_search_steps, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                                    stride_vh, stride_ot, stride_oh, stride_unit_block, stride_unit_head, stride_tb,
+                                    GROUP: tl.constexpr, HALF_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                                    CODE_COLS: tl.constexpr, SCALES_AT: tl.constexpr, MINS_AFTER: tl.constexpr,
+                                    IS_INT4: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
+                                    FP32_DOT: tl.constexpr):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_chunk(query_start_ptr, tile_id, num_seqs, num_search_steps, BLOCK_Q)
+    query_start = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_start
+    q_tile = tile_id - (query_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= query_len:  # a spare tile of the upper-bound grid
+        return
+    num_cached = tl.load(num_cached_ptr + seq)
+
+    # rows are (token, head of the group) pairs, the group's heads adjacent
+    m = tl.arange(0, BLOCK_Q * BLOCK_G)
+    row_token = q_tile * BLOCK_Q + m // BLOCK_G  # index within the chunk
+    row_head = kv_head * GROUP + m % BLOCK_G
+    row_ok = (row_token < query_len) & (m % BLOCK_G < GROUP)
+    h = tl.arange(0, BLOCK_H)  # a channel of the low half of its group; h + HALF_GROUP's is the high one
+    h_ok = h < HALF_DIM
+    low_channel = (h // HALF_GROUP) * CHANNELS_PER_GROUP + h % HALF_GROUP
+    n = tl.arange(0, BLOCK_N)
+    row_offsets = (query_start + row_token).to(tl.int64)
+    q_at = q_ptr + row_offsets[:, None] * stride_qt + row_head[:, None] * stride_qh + low_channel[None, :]
+    q_mask = row_ok[:, None] & h_ok[None, :]
+    q_low = tl.load(q_at, mask=q_mask, other=0.0).to(COMPUTE)
+    q_high = tl.load(q_at + HALF_GROUP, mask=q_mask, other=0.0).to(COMPUTE)
+    if IS_INT4:  # one byte column holds both halves
+        low_column = h
+        high_column = h
+    else:
+        low_column = low_channel
+        high_column = low_channel + HALF_GROUP
+    scale_row = SCALES_AT + (h // HALF_GROUP) * BLOCK_SIZE  # fp16 offset of each channel's group scales
+    row_max = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+    row_sum = tl.full([BLOCK_Q * BLOCK_G], 0.0, tl.float32)
+    acc_low = tl.full([BLOCK_Q * BLOCK_G, BLOCK_H], 0.0, tl.float32)
+    acc_high = tl.full([BLOCK_Q * BLOCK_G, BLOCK_H], 0.0, tl.float32)
+
+    # the cached prefix, from the pools: every row sees all of it
+    table_row = tables_ptr + seq * stride_tb
+    for key_start in range(0, num_cached, BLOCK_N):
+        position = key_start + n
+        key_ok = position < num_cached
+        block = tl.load(table_row + position // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        offset = position % BLOCK_SIZE
+        unit = block * stride_unit_block + kv_head * stride_unit_head  # bytes; the fp16 views' offset is half
+        # keys' codes [code_cols, block_size]: a [BLOCK_H, BLOCK_N] tile
+        k_low, k_high = _dequantized_halves(key_codes_ptr, key_halves_ptr,
+                                            unit[None, :] + low_column[:, None] * BLOCK_SIZE + offset[None, :],
+                                            unit[None, :] + high_column[:, None] * BLOCK_SIZE + offset[None, :],
+                                            (unit // 2)[None, :] + scale_row[:, None] + offset[None, :],
+                                            h_ok[:, None] & key_ok[None, :], MINS_AFTER, IS_INT4, COMPUTE)
+        # values' codes [block_size, code_cols]: a [BLOCK_N, BLOCK_H] tile
+        v_low, v_high = _dequantized_halves(value_codes_ptr, value_halves_ptr,
+                                            (unit + offset * CODE_COLS)[:, None] + low_column[None, :],
+                                            (unit + offset * CODE_COLS)[:, None] + high_column[None, :],
+                                            (unit // 2 + offset)[:, None] + scale_row[None, :],
+                                            key_ok[:, None] & h_ok[None, :], MINS_AFTER, IS_INT4, COMPUTE)
+        row_max, row_sum, acc_low, acc_high = _softmax_step_halves(
+            q_low, q_high, k_low, k_high, v_low, v_high, key_ok[None, :], scale, row_max, row_sum, acc_low, acc_high,
+            FP32_DOT)
+
+    # the chunk's own keys, dense and causal: none past the tile's last token is needed
+    num_own_keys = tl.minimum(query_len, (q_tile + 1) * BLOCK_Q)
+    for key_start in range(0, num_own_keys, BLOCK_N):
+        key_token = key_start + n
+        key_ok = key_token < query_len
+        key_offsets = (query_start + key_token).to(tl.int64)
+        k_at = k_ptr + key_offsets[None, :] * stride_kt + kv_head * stride_kh + low_channel[:, None]
+        k_mask = h_ok[:, None] & key_ok[None, :]
+        k_low = tl.load(k_at, mask=k_mask, other=0.0).to(COMPUTE)
+        k_high = tl.load(k_at + HALF_GROUP, mask=k_mask, other=0.0).to(COMPUTE)
+        v_at = v_ptr + key_offsets[:, None] * stride_vt + kv_head * stride_vh + low_channel[None, :]
+        v_mask = key_ok[:, None] & h_ok[None, :]
+        v_low = tl.load(v_at, mask=v_mask, other=0.0).to(COMPUTE)
+        v_high = tl.load(v_at + HALF_GROUP, mask=v_mask, other=0.0).to(COMPUTE)
+        allowed = key_ok[None, :] & (key_token[None, :] <= row_token[:, None])
+        row_max, row_sum, acc_low, acc_high = _softmax_step_halves(
+            q_low, q_high, k_low, k_high, v_low, v_high, allowed, scale, row_max, row_sum, acc_low, acc_high, FP32_DOT)
+
+    out_at = out_ptr + row_offsets[:, None] * stride_ot + row_head[:, None] * stride_oh + low_channel[None, :]
+    tl.store(out_at, (acc_low / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(out_at + HALF_GROUP, (acc_high / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
 def _tile(n: int) -> int:
     return max(MIN_DOT, triton.next_power_of_2(n))
 
@@ -169,7 +316,8 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor, num_cached: torch.Tensor,
-                            query_start: torch.Tensor, scale: float) -> torch.Tensor:
+                            query_start: torch.Tensor, scale: float, kv_format: str | None = None,
+                            block_size: int | None = None) -> torch.Tensor:
     """Causal attention of packed prefill chunks over their cached prefixes and their own tokens.
 
     q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim] (the chunks' own
@@ -178,12 +326,19 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     int32 (chunk i is rows query_start[i]:query_start[i + 1], query_start[-1] == num_tokens)
     -> out [num_tokens, num_heads, head_dim] in q's dtype. Row j of chunk i attends to positions
     0..num_cached[i] + j. The tables must hold the prefix's blocks; values are not checked (that
-    would need a host sync). Raises ValueError on malformed shapes or dtypes."""
+    would need a host sync). With `kv_format` (int8, int4) the caches are group-quantized pools
+    [num_blocks, kv_heads, unit_bytes] uint8 of kernels/kv_quant.py's layout, `block_size` tokens a
+    block (not in their shape). Raises ValueError on malformed shapes or dtypes."""
+    if kv_format is not None:
+        return _quantized_prefill(q, k, v, key_cache, value_cache, block_tables, num_cached, query_start, scale,
+                                  kv_format, block_size)
     _check(q, k, v, key_cache, value_cache, block_tables, num_cached, query_start)
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = value_cache.shape
     num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
+    # the prefix's keys are stored rotated (kv_quant): the queries and the chunk's own keys meet them so
+    q, k = rotate(q.float()).to(q.dtype), rotate(k.float()).to(k.dtype)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     block_tables, num_cached, query_start = block_tables.contiguous(), num_cached.contiguous(), query_start.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -206,10 +361,44 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     return out
 
 
+def _quantized_prefill(q, k, v, key_pool, value_pool, block_tables, num_cached, query_start, scale: float,
+                       kv_format: str, block_size: int | None) -> torch.Tensor:
+    """paged_prefill_attention over group-quantized pools."""
+    _check_dims(q, k, v)
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"a {kv_format} KV cache needs its block_size, got {block_size!r}")
+    num_tokens, num_heads, head_dim = q.shape
+    layout = layout_for(kv_format, head_dim, block_size)
+    num_kv_heads = check_pools(key_pool, value_pool, layout)
+    _check_chunks(q, k, v, num_kv_heads, head_dim)
+    _check_tables(block_tables, num_cached, query_start, (q, k, v, key_pool, value_pool))
+    num_seqs = block_tables.shape[0]
+    group = num_heads // num_kv_heads
+    # the prefix's keys are stored rotated (kv_quant): the queries and the chunk's own keys meet them so
+    q, k = rotate(q.float()).to(q.dtype), rotate(k.float()).to(k.dtype)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    block_tables, num_cached, query_start = block_tables.contiguous(), num_cached.contiguous(), query_start.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_g = triton.next_power_of_2(group)
+    block_q = max(1, ROWS_PER_TILE // block_g)
+    num_q_tiles = num_tokens // block_q + num_seqs  # >= the chunks' tiles, however ragged
+    _paged_prefill_quantized_kernel[(num_q_tiles, num_kv_heads)](
+        q, k, v, out, key_pool.view(layout.code_dtype), key_pool.view(torch.float16),
+        value_pool.view(layout.code_dtype), value_pool.view(torch.float16), block_tables, num_cached, query_start,
+        float(scale), num_seqs, num_seqs.bit_length(),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        key_pool.stride(0), key_pool.stride(1), block_tables.stride(0),
+        GROUP=group, HALF_DIM=head_dim // 2, BLOCK_SIZE=block_size, CODE_COLS=layout.code_cols,
+        SCALES_AT=layout.code_bytes // 2, MINS_AFTER=layout.scale_bytes // 2, IS_INT4=layout.bits == 4,
+        BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_H=_tile(head_dim // 2), BLOCK_N=KEYS_PER_TILE,
+        COMPUTE=tl.float32 if INTERPRETED else _TL_DTYPES[q.dtype], FP32_DOT=INTERPRETED or q.dtype == torch.float32)
+    return out
+
+
 def _check(q, k, v, key_cache, value_cache, block_tables, num_cached, query_start) -> None:
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k and v must be [num_tokens, heads, head_dim], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    _check_dims(q, k, v)
     if key_cache.dim() != 4 or value_cache.dim() != 4:
         raise ValueError(f"the caches must be 4-D, got {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
     num_blocks, num_kv_heads, block_size, head_dim = value_cache.shape
@@ -218,6 +407,20 @@ def _check(q, k, v, key_cache, value_cache, block_tables, num_cached, query_star
                          f"{(num_blocks, num_kv_heads, head_dim, block_size)}, got {tuple(key_cache.shape)}")
     if key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError("the caches' last dimension must be contiguous")
+    _check_chunks(q, k, v, num_kv_heads, head_dim)
+    if value_cache.dtype not in _TL_DTYPES or key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"the caches must share one dtype of fp32, bf16 or fp16, got {key_cache.dtype}, "
+                         f"{value_cache.dtype}")
+    _check_tables(block_tables, num_cached, query_start, (q, k, v, key_cache, value_cache))
+
+
+def _check_dims(q, k, v) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k and v must be [num_tokens, heads, head_dim], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+
+
+def _check_chunks(q, k, v, num_kv_heads: int, head_dim: int) -> None:
     num_tokens = q.shape[0]
     if tuple(k.shape) != (num_tokens, num_kv_heads, head_dim) or tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"k and v must be [num_tokens, num_kv_heads, head_dim] = "
@@ -226,9 +429,9 @@ def _check(q, k, v, key_cache, value_cache, block_tables, num_cached, query_star
         raise ValueError(f"q {tuple(q.shape)} does not fit {num_kv_heads} KV heads of {head_dim}")
     if q.dtype not in _TL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k and v must share one dtype of fp32, bf16 or fp16, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if value_cache.dtype not in _TL_DTYPES or key_cache.dtype != value_cache.dtype:
-        raise ValueError(f"the caches must share one dtype of fp32, bf16 or fp16, got {key_cache.dtype}, "
-                         f"{value_cache.dtype}")
+
+
+def _check_tables(block_tables, num_cached, query_start, tensors: tuple) -> None:
     if block_tables.dtype != torch.int32 or num_cached.dtype != torch.int32 or query_start.dtype != torch.int32:
         raise ValueError(f"block_tables, num_cached and query_start must be int32, got {block_tables.dtype}, "
                          f"{num_cached.dtype}, {query_start.dtype}")
@@ -237,6 +440,6 @@ def _check(q, k, v, key_cache, value_cache, block_tables, num_cached, query_star
         raise ValueError(f"block_tables must be [num_seqs, max_blocks], num_cached [num_seqs] and query_start "
                          f"[num_seqs + 1], got {tuple(block_tables.shape)}, {tuple(num_cached.shape)}, "
                          f"{tuple(query_start.shape)}")
-    devices = {t.device for t in (q, k, v, key_cache, value_cache, block_tables, num_cached, query_start)}
+    devices = {t.device for t in (*tensors, block_tables, num_cached, query_start)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")

@@ -1,0 +1,291 @@
+"""Triton kernels over group-quantized KV pools (kernels/kv_quant.py's layout) against its plain
+torch reference, on CPU tensors under Triton's interpreter (tests/conftest.py): the quantizing
+slot write byte for byte against `write_rows` (round-half-even ties, zero-range groups, bf16
+rows), and paged attention reading the codes against the 16-bit reference over
+`dequantize_pool`'s copy of the same pools."""
+import pytest
+import torch
+
+from kernels import kv_quant
+
+FORMATS = ["int8", "int4"]
+
+
+@pytest.fixture
+def writer(interpreted_kv_quant_write):
+    return interpreted_kv_quant_write
+
+
+def random_pool(gen, layout, num_blocks, num_kv_heads):
+    """Random bytes everywhere: the slots not written must keep theirs."""
+    return torch.randint(0, 256, (num_blocks, num_kv_heads, layout.unit_bytes), generator=gen, dtype=torch.uint8)
+
+
+def with_ties(rows, kv_format):
+    """Rows whose first groups quantize with scale exactly 1, so that x / scale lands on .5 ties
+    (round half to even tells them apart), and one group of zero range."""
+    ties = torch.arange(-7, 8).float() + 0.5  # -6.5 .. 7.5
+    if kv_format == "int8":
+        group = torch.cat([torch.tensor([127.0]), ties.repeat(5)[:63]])
+    else:
+        group = torch.cat([torch.tensor([0.0, 15.0]), (ties + 7).repeat(5)[:62]])
+    rows[0, 0, :kv_quant.GROUP_SIZE] = group
+    rows[-1, -1, -kv_quant.GROUP_SIZE:] = 0.0 if kv_format == "int8" else 0.25  # zero range: scale 0, codes 0
+    return rows
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_write_gives_the_bytes_of_write_rows(writer, gen, kv_format, head_dim, dtype):
+    block_size, num_blocks, num_kv_heads, num_tokens = 16, 5, 2, 9
+    layout = kv_quant.layout_for(kv_format, head_dim, block_size)
+    key_pool, value_pool = random_pool(gen, layout, num_blocks, num_kv_heads), random_pool(gen, layout, num_blocks,
+                                                                                            num_kv_heads)
+    key = with_ties(3 * torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen), kv_format).to(dtype)
+    value = with_ties(torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen), kv_format).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    blocks, offsets = slots // block_size, (slots % block_size).int()
+    want_key, want_value = key_pool.clone(), value_pool.clone()
+    kv_quant.write_rows(kv_quant.unit_views(want_key, layout, True), layout, key, blocks, offsets.long())
+    kv_quant.write_rows(kv_quant.unit_views(want_value, layout, False), layout, value, blocks, offsets.long())
+    writer.write_quantized(key_pool, value_pool, key, value, blocks, offsets, kv_format, block_size)
+    assert torch.equal(key_pool, want_key) and torch.equal(value_pool, want_value)
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_append_writes_each_sequence_at_its_last_position(writer, gen, kv_format):
+    block_size, head_dim, num_kv_heads = 16, 64, 2
+    layout = kv_quant.layout_for(kv_format, head_dim, block_size)
+    key_pool, value_pool = random_pool(gen, layout, 6, num_kv_heads), random_pool(gen, layout, 6, num_kv_heads)
+    tables = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    lens = torch.tensor([17, 48], dtype=torch.int32)  # slots (1, 0) and (3, 15)
+    new_key, new_value = torch.randn(2, num_kv_heads, head_dim, generator=gen), torch.randn(2, num_kv_heads, head_dim,
+                                                                                             generator=gen)
+    want_key, want_value = key_pool.clone(), value_pool.clone()
+    blocks, offsets = torch.tensor([1, 3]), torch.tensor([0, 15])
+    kv_quant.write_rows(kv_quant.unit_views(want_key, layout, True), layout, new_key, blocks, offsets)
+    kv_quant.write_rows(kv_quant.unit_views(want_value, layout, False), layout, new_value, blocks, offsets)
+    writer.append_quantized(key_pool, value_pool, tables, lens, new_key, new_value, kv_format, block_size)
+    assert torch.equal(key_pool, want_key) and torch.equal(value_pool, want_value)
+
+
+def test_write_refuses_malformed_input(writer, gen):
+    layout = kv_quant.layout_for("int8", 64, 16)
+    pool = random_pool(gen, layout, 2, 1)
+    rows, slots = torch.randn(1, 1, 64, generator=gen), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="uint8"):
+        writer.write_quantized(pool, pool, rows, rows, slots, slots, "int8", 8)  # unit of another block size
+    with pytest.raises(ValueError, match="multiple of 64"):
+        writer.write_quantized(pool, pool, rows[..., :32], rows[..., :32], slots, slots, "int8", 16)
+    with pytest.raises(ValueError, match="slot_offsets"):
+        writer.write_quantized(pool, pool, rows, rows, slots, slots.float(), "int8", 16)
+
+
+# ---- attention over quantized pools ------------------------------------------------------------
+@pytest.fixture
+def decode(interpreted_paged_decode):
+    return interpreted_paged_decode
+
+
+def scattered_tables(gen, context_lens, block_size, num_spare_blocks=3):
+    """Each sequence's blocks scattered over a shuffled pool, a stale entry past each table's
+    blocks -> (tables [num_seqs, max_blocks + 1] int32, num_blocks)."""
+    blocks_per_seq = [max(1, -(-n // block_size)) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + num_spare_blocks
+    pool = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.randint(num_blocks, (len(context_lens), max(blocks_per_seq) + 1), generator=gen,
+                           dtype=torch.int32)
+    start = 0
+    for row, count in enumerate(blocks_per_seq):
+        tables[row, :count] = pool[start:start + count]
+        start += count
+    return tables, num_blocks
+
+
+def quantized_pools(gen, layout, num_blocks, num_kv_heads):
+    """Key and value pools with every slot quantized from random rows by the reference writer
+    (random bytes would make NaN scales): whatever lies past a context must be ignored."""
+    slots = torch.arange(num_blocks * layout.block_size)
+    pools = []
+    for is_key in (True, False):
+        pool = torch.zeros(num_blocks, num_kv_heads, layout.unit_bytes, dtype=torch.uint8)
+        rows = torch.randn(len(slots), num_kv_heads, layout.head_dim, generator=gen)
+        rows += torch.randn(len(slots), num_kv_heads, 1, generator=gen)  # off-centre groups for INT4's min
+        kv_quant.write_rows(kv_quant.unit_views(pool, layout, is_key), layout, rows, slots // layout.block_size,
+                            slots % layout.block_size)
+        pools.append(pool)
+    return pools
+
+
+def dequantized(pools, layout):
+    """The pools as the 16-bit kernels' fp32 caches: what the reference attends."""
+    return (kv_quant.dequantize_pool(pools[0], layout, is_key=True),
+            kv_quant.dequantize_pool(pools[1], layout, is_key=False))
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 1, 64), (1, 4, 128)])
+def test_decode_matches_the_reference_over_the_dequantized_pools(decode, gen, kv_format, num_kv_heads, group,
+                                                                 head_dim):
+    from kernels.cpu import reference
+
+    block_size = 16
+    layout = kv_quant.layout_for(kv_format, head_dim, block_size)
+    lens = [1, 37, 2 * block_size]
+    tables, num_blocks = scattered_tables(gen, lens, block_size)
+    pools = quantized_pools(gen, layout, num_blocks, num_kv_heads)
+    query = 3 * torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    got = decode.paged_decode_attention(query, *pools, tables, lens, scale, kv_format=kv_format,
+                                        block_size=block_size)
+    want = reference.paged_decode_attention(query, *dequantized(pools, layout), tables, lens, scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_format, block_size, dtype", [
+    ("int8", 8, torch.float32),  # a block below tl.dot's tile: broadcast products
+    ("int4", 16, torch.bfloat16),  # a half-precision query, output rounded to it
+], ids=["int8-small-blocks", "int4-bf16"])
+def test_decode_other_blocks_and_dtypes(decode, gen, kv_format, block_size, dtype):
+    from kernels.cpu import reference
+
+    layout = kv_quant.layout_for(kv_format, 64, block_size)
+    lens = [block_size + 3, 0, 5]  # an empty context gives zeros; few blocks, the interpreter's broadcasts are slow
+    tables, num_blocks = scattered_tables(gen, lens, block_size)
+    pools = quantized_pools(gen, layout, num_blocks, 1)
+    query = (3 * torch.randn(len(lens), 4, 64, generator=gen)).to(dtype)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    got = decode.paged_decode_attention(query, *pools, tables, lens, 0.125, kv_format=kv_format,
+                                        block_size=block_size)
+    want = reference.paged_decode_attention(query.float(), *dequantized(pools, layout), tables, lens, 0.125)
+    assert got.dtype == dtype and torch.equal(got[1], torch.zeros_like(got[1]))
+    tolerance = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_decode_refuses_malformed_quantized_input(decode, gen):
+    layout = kv_quant.layout_for("int4", 64, 16)
+    tables, num_blocks = scattered_tables(gen, [5], 16)
+    pools = quantized_pools(gen, layout, num_blocks, 1)
+    query, lens = torch.randn(1, 2, 64, generator=gen), torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_size"):
+        decode.paged_decode_attention(query, *pools, tables, lens, 1.0, kv_format="int4")
+    with pytest.raises(ValueError, match=r"uint8 \[num_blocks, kv_heads, 1056\]"):  # INT8's units are larger
+        decode.paged_decode_attention(query, *pools, tables, lens, 1.0, kv_format="int8", block_size=16)
+    with pytest.raises(ValueError, match="int32"):
+        decode.paged_decode_attention(query, *pools, tables.long(), lens, 1.0, kv_format="int4", block_size=16)
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_backend_quantizes_the_new_token_in_then_attends(decode, writer, gen, kv_format):
+    from engine.attention.decode import DECODE_BACKENDS
+    from kernels.cpu import reference
+
+    block_size, num_kv_heads, head_dim = 16, 2, 64
+    layout = kv_quant.layout_for(kv_format, head_dim, block_size)
+    lens = [9, 33]
+    tables, num_blocks = scattered_tables(gen, lens, block_size)
+    pools = quantized_pools(gen, layout, num_blocks, num_kv_heads)
+    query = torch.randn(len(lens), 2 * num_kv_heads, head_dim, generator=gen)
+    new_key, new_value = (torch.randn(len(lens), num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    lens = torch.tensor(lens, dtype=torch.int32)
+    want_pools = [pool.clone() for pool in pools]
+    last = lens.long() - 1
+    blocks = tables.long().gather(1, (last // block_size)[:, None]).squeeze(1)
+    for pool, rows, is_key in ((want_pools[0], new_key, True), (want_pools[1], new_value, False)):
+        kv_quant.write_rows(kv_quant.unit_views(pool, layout, is_key), layout, rows, blocks, last % block_size)
+    backend = DECODE_BACKENDS.create("triton", kv_format=kv_format, block_size=block_size)
+    got = backend.forward(query, *pools, tables, lens, 0.125, new_key, new_value)
+    assert torch.equal(pools[0], want_pools[0]) and torch.equal(pools[1], want_pools[1])
+    want = reference.paged_decode_attention(query, *dequantized(want_pools, layout), tables, lens, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert DECODE_BACKENDS.create("triton").kv_format is None  # dense by default
+
+
+@pytest.fixture
+def prefill(interpreted_paged_prefill):
+    return interpreted_paged_prefill
+
+
+def prefill_reference(q, k, v, key_cache, value_cache, block_tables, num_cached, query_start, scale):
+    """SDPA over each chunk's own K/V after its prefix gathered from fp32 caches in the 16-bit layout."""
+    from engine.attention.prefill import prefill_attention
+
+    block_size, starts = value_cache.shape[2], query_start.tolist()
+    prefixes = {}
+    for seq, cached in enumerate(num_cached.tolist()):
+        positions = torch.arange(cached)
+        blocks = block_tables[seq].long()[positions // block_size]
+        prefixes[seq] = (key_cache.transpose(-1, -2)[blocks, :, positions % block_size],
+                         value_cache[blocks, :, positions % block_size])
+    seq_lens = [end - start for start, end in zip(starts, starts[1:])]
+    return prefill_attention(q, k, v, seq_lens, scale, prefixes)
+
+
+def prefill_problem(gen, layout, chunks, num_kv_heads, group, dtype=torch.float32):
+    """Chunks (num_cached, query_len) packed together over quantized pools -> (pools, the kernel's
+    other arguments)."""
+    tables, num_blocks = scattered_tables(gen, [cached + length for cached, length in chunks], layout.block_size)
+    pools = quantized_pools(gen, layout, num_blocks, num_kv_heads)
+    num_tokens, head_dim = sum(length for _, length in chunks), layout.head_dim
+    q = 3 * torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen)
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    return pools, dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), block_tables=tables,
+                       num_cached=torch.tensor([cached for cached, _ in chunks], dtype=torch.int32),
+                       query_start=torch.tensor([0] + [length for _, length in chunks]).cumsum(0).to(torch.int32),
+                       scale=head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 1, 64), (1, 4, 128)])
+def test_prefill_over_a_quantized_prefix(prefill, gen, kv_format, num_kv_heads, group, head_dim):
+    layout = kv_quant.layout_for(kv_format, head_dim, 16)
+    chunks = [(0, 19), (37, 5), (32, 24)]  # (num_cached, query_len): no prefix, unaligned, block-aligned
+    pools, problem = prefill_problem(gen, layout, chunks, num_kv_heads, group)
+    got = prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format=kv_format,
+                                          block_size=16, **problem)
+    key_cache, value_cache = dequantized(pools, layout)
+    want = prefill_reference(key_cache=key_cache, value_cache=value_cache, **problem)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_in_half_precision(prefill, gen):
+    layout = kv_quant.layout_for("int4", 64, 16)
+    pools, problem = prefill_problem(gen, layout, [(21, 9), (0, 4)], 1, 2, torch.float16)
+    got = prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format="int4",
+                                          block_size=16, **problem)
+    upcast = {name: value.float() if value.is_floating_point() else value
+              for name, value in problem.items() if isinstance(value, torch.Tensor)}
+    key_cache, value_cache = dequantized(pools, layout)
+    want = prefill_reference(key_cache=key_cache, value_cache=value_cache, scale=problem["scale"], **upcast)
+    assert got.dtype == torch.float16
+    eps = torch.finfo(torch.float16).eps
+    torch.testing.assert_close(got.float(), want, atol=2 * eps, rtol=2 * eps)
+
+
+def test_prefill_refuses_malformed_quantized_input(prefill, gen):
+    layout = kv_quant.layout_for("int8", 64, 16)
+    pools, problem = prefill_problem(gen, layout, [(5, 3)], 1, 2)
+    with pytest.raises(ValueError, match="block_size"):
+        prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format="int8", **problem)
+    with pytest.raises(ValueError, match="the key and value pools"):
+        prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1][:-1], kv_format="int8",
+                                        block_size=16, **problem)
+    with pytest.raises(ValueError, match="int32"):
+        prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format="int8", block_size=16,
+                                        **dict(problem, num_cached=problem["num_cached"].long()))
+
+
+def test_engine_prefill_wrapper_passes_the_format_on(prefill, gen):
+    from engine.attention.prefill import paged_prefill
+
+    layout = kv_quant.layout_for("int4", 64, 16)
+    pools, problem = prefill_problem(gen, layout, [(0, 6), (19, 4)], 2, 2)
+    want = prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format="int4", block_size=16,
+                                           **problem)
+    table = tuple(problem["block_tables"][1, :2].tolist())
+    got = paged_prefill(prefill, problem["q"], problem["k"], problem["v"], *pools, [6, 4], [(1, 19, table)],
+                        problem["scale"], kv_format="int4", block_size=16)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
