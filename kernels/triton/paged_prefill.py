@@ -337,8 +337,6 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     _, num_kv_heads, block_size, _ = value_cache.shape
     num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
-    # the prefix's keys are stored rotated (kv_quant): the queries and the chunk's own keys meet them so
-    q, k = rotate(q.float()).to(q.dtype), rotate(k.float()).to(k.dtype)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     block_tables, num_cached, query_start = block_tables.contiguous(), num_cached.contiguous(), query_start.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -181,6 +181,7 @@ def test_decode_refuses_malformed_quantized_input(decode, gen):
 @pytest.mark.parametrize("kv_format", FORMATS)
 def test_backend_quantizes_the_new_token_in_then_attends(decode, writer, gen, kv_format):
     from engine.attention.decode import DECODE_BACKENDS
+    from engine.kv.layouts import create_layout
     from kernels.cpu import reference
 
     block_size, num_kv_heads, head_dim = 16, 2, 64
@@ -196,12 +197,13 @@ def test_backend_quantizes_the_new_token_in_then_attends(decode, writer, gen, kv
     blocks = tables.long().gather(1, (last // block_size)[:, None]).squeeze(1)
     for pool, rows, is_key in ((want_pools[0], new_key, True), (want_pools[1], new_value, False)):
         kv_quant.write_rows(kv_quant.unit_views(pool, layout, is_key), layout, rows, blocks, last % block_size)
-    backend = DECODE_BACKENDS.create("triton", kv_format=kv_format, block_size=block_size)
+    backend = DECODE_BACKENDS.create("triton", kv_layout=create_layout(kv_format, torch.float32, num_kv_heads,
+                                                                        head_dim, block_size))
     got = backend.forward(query, *pools, tables, lens, 0.125, new_key, new_value)
     assert torch.equal(pools[0], want_pools[0]) and torch.equal(pools[1], want_pools[1])
     want = reference.paged_decode_attention(query, *dequantized(want_pools, layout), tables, lens, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert DECODE_BACKENDS.create("triton").kv_format is None  # dense by default
+    assert DECODE_BACKENDS.create("triton")._writer is None  # dense by default
 
 
 @pytest.fixture
@@ -261,8 +263,8 @@ def test_prefill_in_half_precision(prefill, gen):
     key_cache, value_cache = dequantized(pools, layout)
     want = prefill_reference(key_cache=key_cache, value_cache=value_cache, scale=problem["scale"], **upcast)
     assert got.dtype == torch.float16
-    eps = torch.finfo(torch.float16).eps
-    torch.testing.assert_close(got.float(), want, atol=2 * eps, rtol=2 * eps)
+    eps = torch.finfo(torch.float16).eps  # the rotated queries and keys are rounded to fp16 once more
+    torch.testing.assert_close(got.float(), want, atol=4 * eps, rtol=4 * eps)
 
 
 def test_prefill_refuses_malformed_quantized_input(prefill, gen):
