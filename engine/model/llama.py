@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from engine.attention import AttentionMetadata, DecodeAttentionBackend, prefill_attention
 from engine.attention.prefill import paged_prefill
-from engine.attention.decode import CpuPagedDecode
+from engine.attention.decode import CpuPagedDecode, quantized_format_args
 from engine.kv import TwoTierKVCache
 from engine.model.config import ModelConfig
 from engine.model.feed_forward import FeedForward, Make, SwiGluMlp
@@ -283,7 +283,7 @@ class LlamaModel:
             gpu = kv_cache.gpu
             return paged_prefill(self.paged_prefill_kernels, q, k, v, gpu.key[layer], gpu.value[layer],
                                  meta.prefill_seq_lens, [(p.index, p.num_cached_tokens, p.block_ids) for p in prefixes],
-                                 self.scale)
+                                 self.scale, **quantized_format_args(gpu.layout))
         prefixes_kv = self._cached_prefixes(layer, kv_cache, meta)
         return prefill_attention(q, k, v, meta.prefill_seq_lens, self.scale, prefixes_kv)
 
