@@ -105,6 +105,7 @@ class LLMEngine:
         cache = config.cache
         self.kv_format = self._kv_format()
         block_bytes = KVCache.bytes_per_block(self.model_config, cache.block_size, self.kv_format)
+        self.kv_bytes_per_token = block_bytes // cache.block_size  # every layer's K and V, scales included
         num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.cpu_attention_enabled else 0
         cpu_attention = config.cpu_attention
         cores = CoreAssignment.for_device(config.device, cpu_attention.gpu_threads, cpu_attention.cpu_attention_threads)

@@ -211,6 +211,8 @@ def plan(args: argparse.Namespace) -> int:
     import json
 
     from engine.engine import describe_scheduler, model_max_len
+    from engine.kv.layouts import resolve_kv_format
+    from scheduler.cost_model import kv_bytes_per_token
     from engine.execution.weight_plan import plan_model
     from engine.profiling import compute_dtype
     from engine.weights import create_loader
@@ -223,6 +225,10 @@ def plan(args: argparse.Namespace) -> int:
     print(f"tandem plan: {args.model}, {str(dtype).removeprefix('torch.')} ({reason}), "
           f"{'int4 ' if config.quantization == 'int4' else ''}weights, on {args.device}")
     print(f"scheduler: {describe_scheduler(config)}")
+    kv_format = resolve_kv_format(config.cache.kv_cache_dtype, dtype)
+    kv_token_bytes = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                                        kv_format.element_bytes)
+    print(f"kv cache: {kv_format.describe()}; {kv_token_bytes} bytes a token")
     model_plan, costs = plan_model(config, model_config, dtype, model_max_len(config, model_config))
     print(describe_model_plan(model_plan, config.weights.offload_dir))
     if args.json:
@@ -230,7 +236,7 @@ def plan(args: argparse.Namespace) -> int:
                      "enable_prefix_caching": config.cache.enable_prefix_caching,
                      "max_prefill_slowdown": config.prefill_slowdown_limit}
         report = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "scheduler": scheduler,
-                  **model_plan.to_dict()}
+                  "kv_cache": {"format": kv_format.name, "bytes_per_token": kv_token_bytes}, **model_plan.to_dict()}
         if costs is not None:
             report["slicing_costs"] = costs.to_dict()
         print(json.dumps(report, indent=1))
@@ -292,6 +298,7 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     metrics = Metrics(name)
     metrics.record_weights(engine.runner.model.weight_bytes())
+    metrics.record_kv_format(engine.kv_format.name, engine.kv_bytes_per_token)
     async_engine = AsyncEngine(engine, QueueBounds(args.max_waiting_requests, args.max_waiting_tokens),
                                on_iteration=metrics.record_iteration, on_abort=metrics.record_abort)
     settings = ServerSettings(served_model_name=name, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes,

@@ -65,6 +65,9 @@ class Metrics:
                                    "where they live (gpu: resident, and the buffers streamed layers pass "
                                    "through; host, disk: streamed layers).", ["model_name", "format", "tier"],
                                    registry=r)
+        self._kv_bytes_per_token = Gauge("tandem:kv_cache_bytes_per_token", "Bytes one token's keys and values "
+                                         "take in the KV pools, every layer, by the pools' format (float16, int8, "
+                                         "int4, ...): scales included.", ["model_name", "format"], registry=r)
         # ---- offloading (Neo): per tier, per mode, swaps, CPU attention, cost-model error ----------
         self._tier_running = Gauge("tandem:num_requests_running_by_tier",
                                    "Running requests by where their KV lives (gpu: GPU pool, cpu: host pool).",
@@ -249,6 +252,10 @@ class Metrics:
         """The model's weight bytes by (format, tier), set once the weights are loaded."""
         for (fmt, tier), nbytes in weight_bytes.items():
             self._weight_bytes.labels(self._model_name, fmt, tier).set(nbytes)
+
+    def record_kv_format(self, fmt: str, bytes_per_token: int) -> None:
+        """The KV pools' format and what a token takes in it, set once the pools exist."""
+        self._kv_bytes_per_token.labels(self._model_name, fmt).set(bytes_per_token)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import zlib
 
 import pytest
 
@@ -65,3 +66,12 @@ def interpreted_paged_prefill():
 @pytest.fixture(scope="session")
 def interpreted_kv_quant_write():
     return import_interpreted("kernels.triton.kv_quant_write")
+
+
+@pytest.fixture
+def gen(request):
+    """A generator seeded by the test's own id: fresh data for every test and parameter set,
+    the same from run to run."""
+    import torch
+
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
