@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.model import load_model_preset
+from scheduler.kv_format import kv_format
 from scheduler.neo import NeoKnobs
 from scheduler.roofline import HardwareProfile, RooflineCostModel, size_pools
 from scheduler.simulator import Comparison, Workload, compare
@@ -256,6 +257,44 @@ def markdown(rows: list[dict], summary: list[dict], small_pool: list[dict], num_
     return lines
 
 
+# Neo's T4 and A10G cases with the KV cache in INT8 beside 16 bits (same GPUs, same memory).
+KV_FORMAT_SETUPS = ("t4-g4dn.4xlarge", "a10g-g5.4xlarge")
+KV_FORMAT_OUTPUTS = (100, 300)
+
+
+def kv_format_rows(num_requests: int) -> list[dict]:
+    """Per setup and output length: tandem and GPU-only with 16-bit and INT8 KV, and INT8 tandem
+    over 16-bit GPU-only (the gain a user sees from both mechanisms)."""
+    rows = []
+    for setup in (s for s in SETUPS if s.hardware in KV_FORMAT_SETUPS):
+        shape, dtype_bytes = load_model_preset(setup.model)
+        hardware = HardwareProfile.load(setup.hardware)
+        for output_len in KV_FORMAT_OUTPUTS:
+            workload = Workload(num_requests, setup.input_len, output_len, seed=SEED)
+            runs = {name: compare(shape, hardware, workload, dtype_bytes=dtype_bytes,
+                                  kv_element_bytes=kv_format(name).element_bytes)
+                    for name in ("float16", "int8")}
+            base = runs["float16"].gpu_only.output_throughput
+            rows.append({"hardware": setup.hardware, "model": setup.model, "input_len": setup.input_len,
+                         "output_len": output_len, "paper_peak": setup.paper_peak,
+                         **{f"{name}_{side}": getattr(run, side).output_throughput / base
+                            for name, run in runs.items() for side in ("tandem", "gpu_only")},
+                         **{f"{name}_gpu_blocks": run.setup.num_gpu_blocks for name, run in runs.items()}})
+            print(format_kv_row(rows[-1]), flush=True)
+    return rows
+
+
+KV_HEADER = ("| machine | model | input | output | GPU-only int8 | tandem 16-bit | tandem int8 "
+             "| GPU blocks 16-bit / int8 |\n|---|---|---:|---:|---:|---:|---:|---:|")
+
+
+def format_kv_row(row: dict) -> str:
+    """Throughputs relative to GPU-only with a 16-bit cache."""
+    return (f"| {row['hardware']} | {row['model']} | {row['input_len']} | {row['output_len']} | "
+            f"{row['int8_gpu_only']:.2f}x | {row['float16_tandem']:.2f}x | **{row['int8_tandem']:.2f}x** | "
+            f"{row['float16_gpu_blocks']} / {row['int8_gpu_blocks']} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and output lengths (smoke test)")
@@ -268,7 +307,11 @@ def main() -> None:
     rows = [row for setup in SETUPS for row in run_setup(setup, output_lens, num_requests)]
     summary = summarize(rows)
     small_pool = t4_small_pool(num_requests)
+    print(KV_HEADER)
+    kv_rows = kv_format_rows(num_requests)
     lines = markdown(rows, summary, small_pool, num_requests)
+    lines += ["", "With the KV cache in INT8 (`--kv-cache-dtype int8`), throughput relative to GPU-only with a "
+              "16-bit cache, same GPU memory:", "", KV_HEADER, *map(format_kv_row, kv_rows)]
     print("\n" + "\n".join(lines))
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -278,6 +321,7 @@ def main() -> None:
         "seed": SEED,
         "summary": summary,
         "t4_small_pool": small_pool,
+        "kv_formats": kv_rows,
         "rows": rows,
     }, indent=2) + "\n")
     RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n")  # docs/benchmarks.md's block

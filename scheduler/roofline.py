@@ -218,6 +218,9 @@ class RooflineCostModel(CostModel):
     hardware: HardwareProfile
     dtype_bytes: int = 2
     block_size: int = 16  # tokens per KV block, for `swap`
+    # bytes of one stored KV element (a KVFormat's, scales included: int8 KV is read and moved in
+    # about half the bytes); None: dtype_bytes
+    kv_element_bytes: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("dtype_bytes", "block_size"):
@@ -226,7 +229,7 @@ class RooflineCostModel(CostModel):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         shape, hw, size = self.shape, self.hardware, self.dtype_bytes
         num_gpus = hw.num_gpus
-        kv_bytes = shape.kv_bytes_per_token_layer(size)
+        kv_bytes = shape.kv_bytes_per_token_layer(self.kv_element_bytes or size)
         q_width = shape.num_heads * shape.head_dim
         kv_width = shape.num_kv_heads * shape.head_dim
         derived = {
@@ -354,12 +357,13 @@ def activation_bytes_per_gpu(shape: ModelShape, num_gpus: int, dtype_bytes: int,
 
 
 def size_pools(shape: ModelShape, hardware: HardwareProfile, *, dtype_bytes: int = 2, block_size: int = 16,
-               max_num_batched_tokens: int = 2048, max_num_seqs: int = 256) -> PoolSizes:
+               max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+               kv_element_bytes: float | None = None) -> PoolSizes:
     """GPU blocks: what `GPU_MEMORY_UTILIZATION` of each GPU leaves after its weight shard and its
     activations; host blocks: `HOST_KV_FRACTION` of host memory."""
     num_gpus = hardware.num_gpus
     block_bytes = block_size * kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                                                  dtype_bytes)
+                                                  kv_element_bytes or dtype_bytes)
     weights = weight_bytes(shape, dtype_bytes)
     activations = num_gpus * activation_bytes_per_gpu(shape, num_gpus, dtype_bytes, max_num_batched_tokens,
                                                       max_num_seqs)

@@ -286,15 +286,18 @@ class SystemSetup:
 def build_scheduler(shape: ModelShape, hardware: HardwareProfile, workload: Workload, *, cpu_attention: bool,
                     dtype_bytes: int = 2, block_size: int = 16, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                     num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
-                    neo: NeoKnobs | None = None) -> tuple[NeoScheduler, SystemSetup]:
+                    neo: NeoKnobs | None = None,
+                    kv_element_bytes: float | None = None) -> tuple[NeoScheduler, SystemSetup]:
     """A NeoScheduler over a `RooflineCostModel` with pools sized by `size_pools` (or the given
     block counts), long enough for the workload's longest request; `cpu_attention=False` empties the
     host pool for the GPU-only baseline. `neo` sets the scheduler's knobs (a `NeoConfig`'s
-    `num_cpu_blocks` is replaced by the host pool's size)."""
+    `num_cpu_blocks` is replaced by the host pool's size). `kv_element_bytes`: the KV format's
+    (scheduler/kv_format.py; None: dtype_bytes): both pools hold more blocks, and attention reads fewer bytes."""
     max_model_len = workload.max_input_len + workload.max_output_len
     max_num_batched_tokens = max(max_model_len, MIN_NUM_BATCHED_TOKENS)
     pools = size_pools(shape, hardware, dtype_bytes=dtype_bytes, block_size=block_size,
-                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                       kv_element_bytes=kv_element_bytes)
     num_gpu = pools.num_gpu_blocks if num_gpu_blocks is None else num_gpu_blocks
     num_cpu = (pools.num_cpu_blocks if num_cpu_blocks is None else num_cpu_blocks) if cpu_attention else 0
     # The simulated prompts are all one token repeated: they stand for distinct prompts, so nothing is cached.
@@ -302,7 +305,7 @@ def build_scheduler(shape: ModelShape, hardware: HardwareProfile, workload: Work
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              enable_prefix_caching=False)
     neo = NeoConfig.from_knobs(neo or NeoKnobs(), num_cpu)
-    cost = RooflineCostModel(shape, hardware, dtype_bytes, block_size)
+    cost = RooflineCostModel(shape, hardware, dtype_bytes, block_size, kv_element_bytes)
     setup = SystemSetup(num_gpu, num_cpu, max_model_len, max_num_batched_tokens, max_num_seqs)
     return NeoScheduler(config, neo, cost), setup
 
