@@ -93,24 +93,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                           help="while streams decode, an iteration carrying prompt chunks takes at most this "
                                "many decode steps' time, so running streams keep their pace (0: the token budget "
                                "alone; default 3 on cpu and testbed, 0 on cuda)")
-    cache = parser.add_argument_group("KV cache")
-    cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    cache.add_argument("--num-gpu-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
-                       help="GPU KV pool blocks (default: from --kv-cache-gib); caps it to emulate a small GPU")
-    cache.add_argument("--kv-cache-gib", type=float, default=None,
-                       help="GPU KV pool size (default: from --memory-gib, else 1; on cuda 90%% of the device)")
-    cache.add_argument("--memory-gib", type=float, default=None,
-                       help="GPU memory for weights and KV pool together: the pool gets what the weights leave")
-    cache.add_argument("--num-cpu-blocks", type=int, default=None,
-                       help="host KV pool blocks (default: --cpu-kv-cache-gib)")
-    cache.add_argument("--cpu-kv-cache-gib", type=float, default=4.0, help="host KV pool size")
-    cache.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                       help="how both KV pools store keys and values: auto (the compute dtype), a float dtype, "
-                            "or int8 / int4 codes with a scale per 64 channels of a token (about 1.9x / 3.6x "
-                            "the sequences in the same memory)")
-    cache.add_argument("--prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
-                       default=True, help="reuse the KV of prompt prefixes seen before, in both KV pools "
-                                          "(--no-prefix-caching: compute every prompt in full)")
+    _add_cache_flags(parser)
     devices = parser.add_argument_group("device and CPU offloading")
     devices.add_argument("--device", default="cpu",
                          help="the GPU: cpu (the CPU plays both roles), testbed (a GPU thread on its "
@@ -160,6 +143,28 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                          help="under --mlp-slicing, ScheInfer's prefill token assignment: each forward moves the "
                               "tokens the slicing models say to the GPU with CC's weights copied over (CG'); "
                               "off: the CPU computes its slices for every token")
+
+
+def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """The KV cache's block size, pool sizes, format and prefix caching."""
+    cache = parser.add_argument_group("KV cache")
+    cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    cache.add_argument("--num-gpu-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
+                       help="GPU KV pool blocks (default: from --kv-cache-gib); caps it to emulate a small GPU")
+    cache.add_argument("--kv-cache-gib", type=float, default=None,
+                       help="GPU KV pool size (default: from --memory-gib, else 1; on cuda 90%% of the device)")
+    cache.add_argument("--memory-gib", type=float, default=None,
+                       help="GPU memory for weights and KV pool together: the pool gets what the weights leave")
+    cache.add_argument("--num-cpu-blocks", type=int, default=None,
+                       help="host KV pool blocks (default: --cpu-kv-cache-gib)")
+    cache.add_argument("--cpu-kv-cache-gib", type=float, default=4.0, help="host KV pool size")
+    cache.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                       help="how both KV pools store keys and values: auto (the compute dtype), a float dtype, "
+                            "or int8 / int4 codes with a scale per 64 channels of a token (about 1.9x / 3.6x "
+                            "the sequences in the same memory)")
+    cache.add_argument("--prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                       default=True, help="reuse the KV of prompt prefixes seen before, in both KV pools "
+                                          "(--no-prefix-caching: compute every prompt in full)")
 
 
 def engine_config(args: argparse.Namespace, **overrides):
