@@ -6,7 +6,8 @@ engine's public path as a prompt with `prompt_logprobs=1` and `max_tokens=0`: ev
 log-probability of the true next token (perplexity) and its most likely token (top-1 agreement
 with the reference at that position). Both engines compute in fp32.
 
-    python benchmarks/accuracy.py                       # embedded GGUF: int4 kept packed vs dequantized fp32
+    python benchmarks/accuracy.py                       # embedded GGUF: int4 kept packed vs dequantized fp32,
+                                                        # and int8 / int4 KV caches vs a float16 one
     python benchmarks/accuracy.py --model qwen2-0.5b    # a dummy preset: RTN int4 vs its dense weights
 
 Prints a table and writes benchmarks/results/accuracy.json and .md; `update_benchmarks_doc.py` puts the
@@ -30,6 +31,10 @@ HELD_TEXT = REPO / "tests" / "data" / "held_text.txt"
 RESULTS = REPO / "benchmarks" / "results" / "accuracy.json"
 DEFAULT_WINDOW_TOKENS = 64  # engine.quant.int4.MAX_KERNEL_ROWS: the packed kernel's path
 DUMMY_VOCAB_TOKENS_SEED = 0
+# Quantized KV caches against a 16-bit one: a prefill attends K/V as the pool stores them
+# (engine/kv/layouts.py: as_stored), so teacher-forced prompts measure the cache's format.
+KV_FORMATS = ("int8", "int4")
+KV_REFERENCE = "float16"
 
 
 @dataclass
@@ -126,6 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         dummy = {} if model == "smollm2-135m" or model.endswith(".gguf") else {"load_format": "dummy"}
         comparisons.append(compare(model, {"quantization": "int4"}, {"quantization": "none"},
                                    args.window_tokens, args.max_windows if dummy else None, **dummy))
+        print(table(comparisons[-1:]), flush=True)
+    for kv in KV_FORMATS:  # the KV cache's formats against a 16-bit cache, on the embedded model
+        comparisons.append(compare("smollm2-135m", {"kv_cache_dtype": kv}, {"kv_cache_dtype": KV_REFERENCE},
+                                   args.window_tokens))
         print(table(comparisons[-1:]), flush=True)
     rows = [asdict(c) | {"perplexity_change": c.perplexity_change} for c in comparisons]
     title = (f"Held text: {HELD_TEXT.name}, windows of {args.window_tokens} tokens, fp32, teacher-forced "
