@@ -24,6 +24,7 @@ from engine.quant import LinearWeight
 from engine.quant.dense import DenseWeight
 from engine.quant.int4 import MAX_KERNEL_ROWS, Int4Weight
 from kernels import cpu as cpu_kernels
+from kernels import kv_quant
 from kernels.cpu import int4 as int4_kernels
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # tandem::DType
@@ -109,22 +110,45 @@ class NativeDecoder:
         return out
 
     def decode(self, hidden: torch.Tensor, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *, kv_format: str | None = None,
+               block_size: int | None = None) -> torch.Tensor:
         """Every layer of a decode batch (one new token per sequence, its K/V appended to the
         paged caches key and value [layers, blocks, ...] as the decode backend's layout has them).
+        kv_format "int8"/"int4" reads group-quantized pools [layers, blocks, kv_heads, unit_bytes]
+        uint8 (kernels/kv_quant.py) of the given block_size instead of caches in the model's dtype.
         hidden [tokens, hidden] -> the last layer's output."""
         hidden = hidden.contiguous().clone()
         positions, block_tables, context_lens = positions.contiguous(), block_tables.contiguous(), context_lens.contiguous()
-        if key.dtype != self.dtype or value.dtype != self.dtype or not (key.is_contiguous() and value.is_contiguous()):
-            raise ValueError(f"the KV caches must be contiguous {self.dtype}, got {key.dtype}")
+        if not (key.is_contiguous() and value.is_contiguous()):
+            raise ValueError("the KV caches must be contiguous")
         kv = cpu_kernels._extension().PagedKV()
-        kv.key, kv.value, kv.kv_dtype = key.data_ptr(), value.data_ptr(), _DTYPE_CODES[key.dtype]
-        kv.num_blocks, kv.block_size = value.shape[1], value.shape[3]
+        kv.key, kv.value = key.data_ptr(), value.data_ptr()
+        if kv_format is None:
+            if key.dtype != self.dtype or value.dtype != self.dtype:
+                raise ValueError(f"the KV caches must be {self.dtype}, got {key.dtype}")
+            kv.kv_dtype, kv.block_size = _DTYPE_CODES[key.dtype], value.shape[3]
+        else:
+            self._check_quantized_pools(key, value, kv_format, block_size)
+            kv.kv_dtype, kv.block_size = kv_quant.FORMAT_CODES[kv_format], block_size
+        kv.num_blocks = value.shape[1]
         kv.block_tables, kv.context_lens = block_tables.data_ptr(), context_lens.data_ptr()
         kv.max_blocks_per_seq, kv.scale = block_tables.shape[1], float(scale)
         kv.threads = max(1, min(cpu_kernels.default_num_threads(), hidden.shape[0] // MIN_SEQUENCES_PER_ATTENTION_THREAD))
         self.decoder.decode(hidden.data_ptr(), positions.data_ptr(), hidden.shape[0], kv)
         return hidden
+
+    def _check_quantized_pools(self, key: torch.Tensor, value: torch.Tensor, kv_format: str,
+                               block_size: int | None) -> None:
+        """ValueError unless key and value are kv_format pools [layers, blocks, kv_heads, unit_bytes]."""
+        if block_size is None or block_size % cpu_kernels.QUANTIZED_BLOCK_MULTIPLE:
+            raise ValueError(f"a {kv_format} KV cache needs block_size, a multiple of "
+                             f"{cpu_kernels.QUANTIZED_BLOCK_MULTIPLE}, got {block_size}")
+        layout = kv_quant.layout_for(kv_format, self.head_dim, block_size)
+        expected = (key.shape[0], key.shape[1], self.num_kv_heads, layout.unit_bytes)
+        for name, pool in (("key", key), ("value", value)):
+            if pool.dtype != torch.uint8 or tuple(pool.shape) != expected:
+                raise ValueError(f"the {kv_format} {name} pools must be uint8 {expected}, got {pool.dtype} "
+                                 f"{tuple(pool.shape)}")
 
 
 def _pointer(tensor: torch.Tensor, dtype: torch.dtype) -> int:

@@ -3,8 +3,9 @@
 The compiled extension (`_cpu_kernels`: this attention and the INT4 matmul of kernels/cpu/int4.py) is built by `python -m kernels.cpu.build`.
 Caches are per layer: values `[num_blocks, num_kv_heads, block_size, head_dim]`, keys transposed
 within a block, `[num_blocks, num_kv_heads, head_dim, block_size]` (a vector load then takes one
-element of several tokens, so scores need no horizontal sums); fp32, bf16 or fp16, arithmetic in
-fp32. kernels.cpu.reference holds the torch ground truth.
+element of several tokens, so scores need no horizontal sums); fp32, bf16 or fp16, or the
+group-quantized INT8/INT4 units of kernels/kv_quant.py, arithmetic in fp32. kernels.cpu.reference
+holds the torch ground truth.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 from typing import Callable
 
 import torch
+
+from kernels import kv_quant
 
 BUILD_COMMAND = ".venv/bin/python -m kernels.cpu.build"
 
@@ -28,6 +31,8 @@ except ImportError as exc:
 
 # Codes of tandem::DType in attention.h.
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# A quantized pool's block_size must be a multiple of this (kv_quant.h: whole vectors of scales).
+QUANTIZED_BLOCK_MULTIPLE = 16
 
 # Calibration problem for default_num_threads: a Llama-3-8B layer (8 kv heads
 # of 128, 4 query heads each) over 16 x 1024 tokens of bf16 KV, 64 MiB, larger
@@ -84,7 +89,7 @@ def _check_shape(name: str, tensor: torch.Tensor, shape: tuple) -> None:
 
 def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, *, out=None,
                            new_key=None, new_value=None, num_threads=None, whole_sequences=False,
-                           isa=None) -> torch.Tensor:
+                           isa=None, kv_format: str | None = None, block_size: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache.
 
     query [batch, num_heads, head_dim] fp32/bf16/fp16; key_cache [num_blocks,
@@ -101,18 +106,21 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     thread gives the same bits every time, and so does whole_sequences=True at any
     thread count (each sequence attended by one thread, none taking another's work;
     the batch's sequences are the most threads used).
+
+    kv_format "int8" or "int4" (kernels/kv_quant.py) reads group-quantized pools instead: key_cache
+    and value_cache uint8 [num_blocks, num_kv_heads, unit_bytes], block_size given (a multiple of
+    16), head_dim a multiple of 64; new_key/new_value then come in the query's dtype and are
+    quantized into their slots.
     """
     ext = _extension()
     _check_tensor("query", query, 3, _DTYPE_CODES)
-    _check_tensor("key_cache", key_cache, 4, _DTYPE_CODES)
-    _check_tensor("value_cache", value_cache, 4, (key_cache.dtype,))
     batch, num_heads, head_dim = query.shape
-    num_blocks, num_kv_heads, block_size, cache_head_dim = value_cache.shape
-    _check_shape("key_cache", key_cache, (num_blocks, num_kv_heads, cache_head_dim, block_size))
-    if cache_head_dim != head_dim:
-        raise ValueError(f"value_cache head_dim {cache_head_dim} does not match query head_dim {head_dim}")
-    if block_size < 1:
-        raise ValueError("value_cache block_size must be at least 1")
+    if kv_format is None:
+        num_blocks, num_kv_heads, block_size = _check_dense_caches(key_cache, value_cache, head_dim)
+        kv_code, new_kv_dtype = _DTYPE_CODES[key_cache.dtype], key_cache.dtype
+    else:
+        num_blocks, num_kv_heads = _check_quantized_caches(key_cache, value_cache, kv_format, head_dim, block_size)
+        kv_code, new_kv_dtype = kv_quant.FORMAT_CODES[kv_format], query.dtype
     _check_tensor("block_tables", block_tables, 2, (torch.int32,))
     if block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must have {batch} rows (the batch), got {block_tables.shape[0]}")
@@ -127,19 +135,51 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
         raise ValueError("new_key and new_value must be given together")
     if new_key is not None:
         for name, tensor in (("new_key", new_key), ("new_value", new_value)):
-            _check_tensor(name, tensor, 3, (key_cache.dtype,))
+            _check_tensor(name, tensor, 3, (new_kv_dtype,))
             _check_shape(name, tensor, (batch, num_kv_heads, head_dim))
     if num_threads is None:
         num_threads = default_num_threads()
     ext.paged_decode_attention(
         query.data_ptr(), out.data_ptr(), _DTYPE_CODES[query.dtype],
-        key_cache.data_ptr(), value_cache.data_ptr(), _DTYPE_CODES[key_cache.dtype], num_blocks,
+        key_cache.data_ptr(), value_cache.data_ptr(), kv_code, num_blocks,
         block_tables.data_ptr(), context_lens.data_ptr(), batch, block_tables.shape[1],
         num_heads, num_kv_heads, head_dim, block_size, float(scale),
         0 if new_key is None else new_key.data_ptr(), 0 if new_value is None else new_value.data_ptr(),
         int(num_threads), bool(whole_sequences), isa or "",
     )
     return out
+
+
+def _check_dense_caches(key_cache, value_cache, head_dim: int) -> tuple[int, int, int]:
+    """Checks 16-bit or fp32 caches against the query's head_dim -> (num_blocks, num_kv_heads, block_size)."""
+    _check_tensor("key_cache", key_cache, 4, _DTYPE_CODES)
+    _check_tensor("value_cache", value_cache, 4, (key_cache.dtype,))
+    num_blocks, num_kv_heads, block_size, cache_head_dim = value_cache.shape
+    _check_shape("key_cache", key_cache, (num_blocks, num_kv_heads, cache_head_dim, block_size))
+    if cache_head_dim != head_dim:
+        raise ValueError(f"value_cache head_dim {cache_head_dim} does not match query head_dim {head_dim}")
+    if block_size < 1:
+        raise ValueError("value_cache block_size must be at least 1")
+    return num_blocks, num_kv_heads, block_size
+
+
+def _check_quantized_caches(key_cache, value_cache, kv_format: str, head_dim: int,
+                            block_size: int | None) -> tuple[int, int]:
+    """Checks kv_format pools [num_blocks, num_kv_heads, unit_bytes] uint8 -> (num_blocks, num_kv_heads)."""
+    if block_size is None:
+        raise ValueError(f"a {kv_format} KV cache needs block_size: its pools' shape does not hold it")
+    layout = kv_quant.layout_for(kv_format, head_dim, block_size)  # ValueError for a bad format or head_dim
+    if block_size < 1 or block_size % QUANTIZED_BLOCK_MULTIPLE:
+        raise ValueError(f"a {kv_format} KV cache needs block_size a multiple of {QUANTIZED_BLOCK_MULTIPLE}, "
+                         f"got {block_size}")
+    _check_tensor("key_cache", key_cache, 3, (torch.uint8,))
+    _check_tensor("value_cache", value_cache, 3, (torch.uint8,))
+    num_blocks, num_kv_heads, unit_bytes = key_cache.shape
+    if unit_bytes != layout.unit_bytes:
+        raise ValueError(f"a {kv_format} unit of head_dim {head_dim} and block_size {block_size} holds "
+                         f"{layout.unit_bytes} bytes, but the pools' last dimension is {unit_bytes}")
+    _check_shape("value_cache", value_cache, tuple(key_cache.shape))
+    return num_blocks, num_kv_heads
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, isa: str | None = None) -> torch.Tensor:

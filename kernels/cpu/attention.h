@@ -19,6 +19,7 @@
 
 #include "dtypes.h"
 #include "int4.h"
+#include "kv_quant.h"
 
 namespace tandem {
 
@@ -34,7 +35,7 @@ struct Problem {
   DType query_dtype;
   const void* key_cache;      // [num_blocks, num_kv_heads, head_dim, block_size], kv_dtype
   const void* value_cache;    // [num_blocks, num_kv_heads, block_size, head_dim], kv_dtype
-  DType kv_dtype;
+  DType kv_dtype;             // or kInt8/kInt4: both caches [num_blocks, num_kv_heads, KvUnit bytes]
   const int32_t* block_tables;  // [batch, max_blocks_per_seq]
   const int32_t* context_lens;  // [batch], including the token being decoded
   int64_t num_blocks;
@@ -102,20 +103,31 @@ inline size_t score_stride_floats(const Problem& p) {
   return (static_cast<size_t>(p.block_size) + kHeadDimMultiple - 1) / kHeadDimMultiple * kHeadDimMultiple;
 }
 
-// Floats of one kv head's running state: query copy + accumulator, running max, running sum lanes.
+// Quantization groups of a head (0 where head_dim is below one group: a dense cache).
+inline size_t quant_groups(const Problem& p) { return static_cast<size_t>(p.head_dim) / kQuantGroup; }
+
+// Floats of one kv head's running state: query copy + accumulator, running max, running sum lanes,
+// and the query's sums over each quantization group (the INT4 keys' min term).
 inline size_t head_state_floats(const Problem& p) {
   const size_t g = static_cast<size_t>(p.group_size());
-  return 2 * g * p.head_dim + g + g * kHeadDimMultiple;
+  return 2 * g * p.head_dim + g + g * kHeadDimMultiple + g * quant_groups(p);
+}
+
+// Floats of a quantized unit's value coefficients, probability times scale: [num_groups,
+// group_size, score_stride]; none for a dense cache.
+inline size_t value_coefficient_floats(const Problem& p) {
+  return is_quantized(p.kv_dtype) ? quant_groups(p) * p.group_size() * score_stride_floats(p) : 0;
 }
 
 // Floats per key row of the tail tile: one token span (at most 16 fp32 or 32 bf16 tokens).
 constexpr int kTailRowFloats = 16;
 
-// Floats of per-thread scratch one segment needs: the block scores, every kv head's state, then
-// the tail tile that holds a partial token span of key columns ([head_dim, kTailRowFloats]).
+// Floats of per-thread scratch one segment needs: the block scores, every kv head's state, the
+// tail tile that holds a partial token span of key columns ([head_dim, kTailRowFloats]), then the
+// value coefficients of a quantized unit.
 inline size_t segment_scratch_floats(const Problem& p) {
   return static_cast<size_t>(p.group_size()) * score_stride_floats(p) + p.num_kv_heads * head_state_floats(p) +
-         static_cast<size_t>(p.head_dim) * kTailRowFloats;
+         static_cast<size_t>(p.head_dim) * kTailRowFloats + value_coefficient_floats(p);
 }
 
 // Entry points one instruction set provides.

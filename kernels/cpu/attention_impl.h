@@ -410,20 +410,26 @@ struct HeadState {
   float* acc;        // [group_size, head_dim] (split order when kValueSplit)
   float* run_max;    // [group_size]
   float* sum_lanes;  // [group_size, kWidth]
+  float* q_sums;     // [group_size, quant_groups]: q's sum over each quantization group
 };
 
 // A thread's segment scratch (segment_scratch_floats) is the block scores
-// [group_size, score_stride], every kv head's state, then the tail tile.
+// [group_size, score_stride], every kv head's state, the tail tile, then the value coefficients.
 inline HeadState head_state(const Problem& p, float* scratch, int kv_head) {
   const int g = p.group_size();
   float* base = scratch + g * score_stride_floats(p) + kv_head * head_state_floats(p);
   float* acc = base + g * p.head_dim;
   float* run_max = acc + g * p.head_dim;
-  return HeadState{base, acc, run_max, run_max + g};
+  float* sum_lanes = run_max + g;
+  return HeadState{base, acc, run_max, sum_lanes, sum_lanes + g * kWidth};
 }
 
 inline float* tail_tile(const Problem& p, float* scratch) {  // [head_dim, kTailRowFloats]
   return scratch + p.group_size() * score_stride_floats(p) + p.num_kv_heads * head_state_floats(p);
+}
+
+inline float* value_coefficients(const Problem& p, float* scratch) {  // value_coefficient_floats
+  return tail_tile(p, scratch) + static_cast<size_t>(p.head_dim) * kTailRowFloats;
 }
 
 void start_head(const Problem& p, int seq, int kv_head, const HeadState& state) {
@@ -434,6 +440,16 @@ void start_head(const Problem& p, int seq, int kv_head, const HeadState& state) 
   for (int h = 0; h < group_size; ++h) {
     state.run_max[h] = -__builtin_inff();
     Isa::store(state.sum_lanes + h * kWidth, Isa::zero());
+  }
+  if (!is_quantized(p.kv_dtype)) return;
+  const int num_groups = static_cast<int>(quant_groups(p));
+  for (int h = 0; h < group_size; ++h) {
+    for (int g = 0; g < num_groups; ++g) {
+      Vec sum = Isa::zero();
+      const float* q = state.q + h * p.head_dim + g * kQuantGroup;
+      for (int d = 0; d < kQuantGroup; d += kWidth) sum = Isa::add(sum, Isa::load(q + d));
+      state.q_sums[h * num_groups + g] = Isa::reduce_add(sum);
+    }
   }
 }
 
@@ -526,6 +542,14 @@ void finish_segment_typed(const Problem& p, const Segment& seg, float* scratch, 
   }
 }
 
+}  // namespace
+}  // namespace tandem
+
+#include "attention_quant_impl.h"
+
+namespace tandem {
+namespace {
+
 // The KV element type and split reads of one problem, as types.
 template <class Kv, bool kKeySplit, bool kValueSplit>
 struct Layout {
@@ -545,6 +569,8 @@ void with_layout(const Problem& p, F&& f) {
     case DType::kFloat32: f(Layout<float, false, false>{}); return;
     case DType::kFloat16: f(Layout<Float16, false, false>{}); return;
     case DType::kBFloat16: break;
+    case DType::kInt8:
+    case DType::kInt4: return;  // attend_quantized_units
   }
   const bool keys = kKeysCanSplit && p.block_size % (2 * kWidth) == 0;
   const bool values = kValuesCanSplit && p.head_dim % (2 * kWidth) == 0;
@@ -561,6 +587,8 @@ void with_layout(const Problem& p, F&& f) {
 
 void attend_units(const Problem& p, const Segment& piece, int64_t segment_begin, int64_t prefetch_end,
                   float* scratch) {
+  if (p.kv_dtype == DType::kInt8) return attend_quantized_units<Int8Codes>(p, piece, segment_begin, prefetch_end, scratch);
+  if (p.kv_dtype == DType::kInt4) return attend_quantized_units<Int4Codes>(p, piece, segment_begin, prefetch_end, scratch);
   with_layout(p, [&](auto layout) {
     using L = decltype(layout);
     attend_units_typed<typename L::KvType, L::kKeys, L::kValues>(p, piece, segment_begin, prefetch_end, scratch);
@@ -568,6 +596,7 @@ void attend_units(const Problem& p, const Segment& piece, int64_t segment_begin,
 }
 
 void finish_segment(const Problem& p, const Segment& segment, float* scratch, float* partials) {
+  if (is_quantized(p.kv_dtype)) return finish_segment_typed<false>(p, segment, scratch, partials);  // natural order
   with_layout(p, [&](auto layout) { finish_segment_typed<decltype(layout)::kValues>(p, segment, scratch, partials); });
 }
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "kv_quant.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -64,8 +65,6 @@ const KernelTable& select_kernels(const std::string& isa) {
   throw std::invalid_argument("isa '" + isa + "' is not usable on this CPU/build; usable: " + names);
 }
 
-size_t dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
-
 std::string block_error(const Problem& p, int seq, int block) {
   return "block_tables[" + std::to_string(seq) + "][" + std::to_string(block) + "] = " +
          std::to_string(p.block_tables[static_cast<size_t>(seq) * p.max_blocks_per_seq + block]) +
@@ -86,28 +85,59 @@ void check_context_lens(const Problem& p, bool appending) {
   }
 }
 
-// Writes each sequence's new K column and V row at position context_len - 1
-// (the block tables have been checked).
+// The (block, kv head) unit that sequence s's newest token (position context_len - 1) goes to,
+// and the token's slot in it (the block tables have been checked).
+struct TokenSlot {
+  size_t unit;
+  int offset;
+};
+
+TokenSlot newest_token_slot(const Problem& p, int s, int kv_head) {
+  const int position = p.context_lens[s] - 1;
+  const int64_t physical = p.block_tables[static_cast<size_t>(s) * p.max_blocks_per_seq + position / p.block_size];
+  return TokenSlot{static_cast<size_t>(physical) * p.num_kv_heads + kv_head, position % p.block_size};
+}
+
+// Writes each sequence's new K column and V row, in the caches' dtype, at its newest slot.
 void append_tokens(const Problem& p, const void* new_key, const void* new_value) {
   const size_t elem_bytes = dtype_size(p.kv_dtype);
   const size_t row_bytes = p.head_dim * elem_bytes;
   char* key_cache = static_cast<char*>(const_cast<void*>(p.key_cache));
   char* value_cache = static_cast<char*>(const_cast<void*>(p.value_cache));
   for (int s = 0; s < p.batch; ++s) {
-    const int position = p.context_lens[s] - 1;
-    const int block = position / p.block_size;
-    const int64_t physical = p.block_tables[static_cast<size_t>(s) * p.max_blocks_per_seq + block];
     for (int h = 0; h < p.num_kv_heads; ++h) {
-      const size_t unit = static_cast<size_t>(physical) * p.num_kv_heads + h;  // [head_dim, block_size] elements
-      const size_t offset = position % p.block_size;
+      const TokenSlot slot = newest_token_slot(p, s, h);  // units of [head_dim, block_size] elements
       const size_t source = (static_cast<size_t>(s) * p.num_kv_heads + h) * row_bytes;
       const char* key = static_cast<const char*>(new_key) + source;
       for (int d = 0; d < p.head_dim; ++d) {
-        std::memcpy(key_cache + ((unit * p.head_dim + d) * p.block_size + offset) * elem_bytes, key + d * elem_bytes,
-                    elem_bytes);
+        std::memcpy(key_cache + ((slot.unit * p.head_dim + d) * p.block_size + slot.offset) * elem_bytes,
+                    key + d * elem_bytes, elem_bytes);
       }
-      std::memcpy(value_cache + (unit * p.block_size + offset) * row_bytes,
+      std::memcpy(value_cache + (slot.unit * p.block_size + slot.offset) * row_bytes,
                   static_cast<const char*>(new_value) + source, row_bytes);
+    }
+  }
+}
+
+// Quantizes each sequence's new K and V rows (in the query's dtype) into their newest slots.
+void append_quantized_tokens(const Problem& p, const KernelTable& kernels, const void* new_key,
+                             const void* new_value) {
+  const KvUnit layout{p.kv_dtype, p.head_dim, p.block_size};
+  const size_t row_elems = static_cast<size_t>(p.num_kv_heads) * p.head_dim;
+  std::vector<float> keys(row_elems), values(row_elems);  // one sequence's rows in fp32
+  uint8_t* key_cache = static_cast<uint8_t*>(const_cast<void*>(p.key_cache));
+  uint8_t* value_cache = static_cast<uint8_t*>(const_cast<void*>(p.value_cache));
+  const size_t row_bytes = row_elems * dtype_size(p.query_dtype);
+  for (int s = 0; s < p.batch; ++s) {
+    kernels.convert(static_cast<const char*>(new_key) + s * row_bytes, p.query_dtype, keys.data(), DType::kFloat32,
+                    row_elems);
+    kernels.convert(static_cast<const char*>(new_value) + s * row_bytes, p.query_dtype, values.data(),
+                    DType::kFloat32, row_elems);
+    for (int h = 0; h < p.num_kv_heads; ++h) {
+      const TokenSlot slot = newest_token_slot(p, s, h);
+      const size_t unit_start = slot.unit * layout.bytes();
+      write_quantized_token(layout, true, keys.data() + h * p.head_dim, slot.offset, key_cache + unit_start);
+      write_quantized_token(layout, false, values.data() + h * p.head_dim, slot.offset, value_cache + unit_start);
     }
   }
 }
@@ -238,7 +268,7 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
                                 std::to_string(total_units) + "; split the batch");
   }
   const int threads = static_cast<int>(std::min<int64_t>(num_threads, whole_sequences ? p.batch : total_units));
-  const int64_t unit_bytes = 2 * static_cast<int64_t>(p.block_size) * p.head_dim * dtype_size(p.kv_dtype);
+  const int64_t unit_bytes = 2 * static_cast<int64_t>(KvUnit{p.kv_dtype, p.head_dim, p.block_size}.bytes());
   const int64_t claim_units = std::max<int64_t>(1, kClaimBytes / unit_bytes);
 
   // Only a range's first and last segment can be cut (middle ones are whole
@@ -330,6 +360,24 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
   }
 }
 
+// A quantized KV format's unit needs whole groups of channels and whole vectors of scales.
+void check_kv_format(DType kv_dtype, int head_dim, int block_size) {
+  if (kv_dtype < DType::kFloat32 || kv_dtype > DType::kInt4) {
+    throw std::invalid_argument("unknown kv dtype code " + std::to_string(static_cast<int>(kv_dtype)));
+  }
+  if (!is_quantized(kv_dtype)) return;
+  const std::string name = kv_dtype == DType::kInt8 ? "int8" : "int4";
+  if (head_dim % kQuantGroup != 0) {
+    throw std::invalid_argument("a " + name + " KV cache needs head_dim a multiple of " + std::to_string(kQuantGroup) +
+                                ", got " + std::to_string(head_dim) + "; use a 16-bit KV cache for this model");
+  }
+  if (block_size % kQuantBlockMultiple != 0) {
+    throw std::invalid_argument("a " + name + " KV cache needs block_size a multiple of " +
+                                std::to_string(kQuantBlockMultiple) + ", got " + std::to_string(block_size) +
+                                "; choose a block size of 16 or 32");
+  }
+}
+
 void paged_decode_attention(uintptr_t query, uintptr_t out, int query_dtype, uintptr_t key_cache,
                             uintptr_t value_cache, int kv_dtype, int64_t num_blocks,
                             uintptr_t block_tables, uintptr_t context_lens, int batch,
@@ -347,6 +395,7 @@ void paged_decode_attention(uintptr_t query, uintptr_t out, int query_dtype, uin
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) {
     throw std::invalid_argument("num_heads must be a multiple of num_kv_heads");
   }
+  check_kv_format(static_cast<DType>(kv_dtype), head_dim, block_size);
   const KernelTable& kernels = select_kernels(isa);
   const Problem p{reinterpret_cast<const void*>(query), reinterpret_cast<void*>(out), static_cast<DType>(query_dtype),
                   reinterpret_cast<const void*>(key_cache), reinterpret_cast<const void*>(value_cache),
@@ -356,7 +405,11 @@ void paged_decode_attention(uintptr_t query, uintptr_t out, int query_dtype, uin
   const bool appending = new_key != 0;
   check_context_lens(p, appending);
   check_block_tables(p);  // before the append, so a rejected call leaves the caches as they were
-  if (appending) append_tokens(p, reinterpret_cast<const void*>(new_key), reinterpret_cast<const void*>(new_value));
+  if (appending && is_quantized(p.kv_dtype)) {
+    append_quantized_tokens(p, kernels, reinterpret_cast<const void*>(new_key), reinterpret_cast<const void*>(new_value));
+  } else if (appending) {
+    append_tokens(p, reinterpret_cast<const void*>(new_key), reinterpret_cast<const void*>(new_value));
+  }
   run_attention(p, kernels, num_threads, whole_sequences);
 }
 

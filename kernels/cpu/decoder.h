@@ -19,6 +19,7 @@
 #include <pybind11/stl.h>
 
 #include "attention.h"
+#include "kv_quant.h"
 
 namespace tandem {
 namespace {
@@ -58,8 +59,10 @@ struct DecoderShape {
 
 // A decode step's paged KV: every layer's caches in one tensor each, layer after layer.
 struct PagedKV {
-  uintptr_t key = 0, value = 0;  // [layers, blocks, kv_heads, head_dim, block_size] and [..., block_size, head_dim]
-  int kv_dtype = 0;
+  // [layers, blocks, kv_heads, head_dim, block_size] and [..., block_size, head_dim] in the compute
+  // dtype, or for a quantized format both [layers, blocks, kv_heads, unit bytes] (kv_quant.h)
+  uintptr_t key = 0, value = 0;
+  int kv_dtype = 0;  // DType: the compute dtype or kInt8/kInt4
   int64_t num_blocks = 0;
   int block_size = 0;
   uintptr_t block_tables = 0;  // [tokens, max_blocks_per_seq] int32
@@ -110,8 +113,8 @@ class Decoder {
     char* k = buffer(k_buf_, kv_size);
     char* v = buffer(v_buf_, kv_size);
     char* attn = buffer(attn_buf_, q_size);
-    const size_t layer_elems = static_cast<size_t>(kv.num_blocks) * s_.num_kv_heads * s_.head_dim * kv.block_size;
-    const size_t layer_bytes = layer_elems * dtype_size(static_cast<DType>(kv.kv_dtype));
+    const KvUnit unit{static_cast<DType>(kv.kv_dtype), s_.head_dim, kv.block_size};
+    const size_t layer_bytes = static_cast<size_t>(kv.num_blocks) * s_.num_kv_heads * unit.bytes();
     for (int i = 0; i < num_layers(); ++i) {
       run_pre_proj(layers_[i], ptr(hidden), reinterpret_cast<const int64_t*>(positions), tokens, q, k, v);
       const int64_t start = now_ns();

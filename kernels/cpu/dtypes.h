@@ -1,11 +1,19 @@
 // The element types the CPU kernels read and write, shared by the attention and the INT4 matmul.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace tandem {
 
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// kInt8 and kInt4 are KV cache formats only (group-quantized units, kv_quant.h); the codes match
+// kernels.kv_quant.FORMAT_CODES.
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3, kInt4 = 4 };
+
+inline bool is_quantized(DType dtype) { return dtype == DType::kInt8 || dtype == DType::kInt4; }
+
+// Bytes of one element of a float dtype.
+inline size_t dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 // Distinct 16-bit storage types so overloads pick the right conversion.
 struct BFloat16 { uint16_t bits; };

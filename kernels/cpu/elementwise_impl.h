@@ -37,6 +37,8 @@ void add_rows(const void* a, const void* b, void* out, DType dtype, int rows, in
       add_rows_typed(static_cast<const Float16*>(a), static_cast<const Float16*>(b), static_cast<Float16*>(out),
                      rows, cols, b_rows);
       break;
+    case DType::kInt8:
+    case DType::kInt4: break;  // KV cache formats, never a compute dtype
   }
 }
 
@@ -69,6 +71,8 @@ void silu_mul_rows(const void* gate_up, void* out, DType dtype, int rows, int wi
     case DType::kFloat16:
       silu_mul_typed(static_cast<const Float16*>(gate_up), static_cast<Float16*>(out), rows, width);
       break;
+    case DType::kInt8:
+    case DType::kInt4: break;  // KV cache formats, never a compute dtype
   }
 }
 
@@ -83,6 +87,8 @@ void convert_from(const From* x, void* out, DType to, size_t count) {
     case DType::kFloat32: convert_typed(x, static_cast<float*>(out), count); break;
     case DType::kBFloat16: convert_typed(x, static_cast<BFloat16*>(out), count); break;
     case DType::kFloat16: convert_typed(x, static_cast<Float16*>(out), count); break;
+    case DType::kInt8:
+    case DType::kInt4: break;  // KV cache formats, never a compute dtype
   }
 }
 
@@ -91,6 +97,8 @@ void convert(const void* x, DType from, void* out, DType to, size_t count) {
     case DType::kFloat32: convert_from(static_cast<const float*>(x), out, to, count); break;
     case DType::kBFloat16: convert_from(static_cast<const BFloat16*>(x), out, to, count); break;
     case DType::kFloat16: convert_from(static_cast<const Float16*>(x), out, to, count); break;
+    case DType::kInt8:
+    case DType::kInt4: break;  // KV cache formats, never a compute dtype
   }
 }
 

@@ -40,6 +40,8 @@ inline void store_lanes(const Int4Problem& p, size_t offset, typename Dot::FVec 
     case DType::kFloat32: std::copy(lanes, lanes + count, static_cast<float*>(p.y) + offset); break;
     case DType::kBFloat16: store_converted(static_cast<BFloat16*>(p.y) + offset, lanes, count); break;
     case DType::kFloat16: store_converted(static_cast<Float16*>(p.y) + offset, lanes, count); break;
+    case DType::kInt8:
+    case DType::kInt4: break;  // KV cache formats, never a compute dtype
   }
 }
 
@@ -123,6 +125,8 @@ void int4_quantize_rows(const Int4Activations& a, int row_begin, int row_end) {
         case DType::kFloat32: Isa::store(widened.data() + i, Isa::load(static_cast<const float*>(a.x) + first + i)); break;
         case DType::kBFloat16: Isa::store(widened.data() + i, Isa::load(static_cast<const BFloat16*>(a.x) + first + i)); break;
         case DType::kFloat16: Isa::store(widened.data() + i, Isa::load(static_cast<const Float16*>(a.x) + first + i)); break;
+        case DType::kInt8:
+        case DType::kInt4: break;  // KV cache formats, never a compute dtype
       }
     }
     const float* x = widened.data();
@@ -189,6 +193,8 @@ void int4_dequantize(const Int4Problem& p, void* out, DType dtype, int row_begin
     case DType::kFloat32: int4_dequantize_typed(p, static_cast<float*>(out), row_begin, row_end); break;
     case DType::kBFloat16: int4_dequantize_typed(p, static_cast<BFloat16*>(out), row_begin, row_end); break;
     case DType::kFloat16: int4_dequantize_typed(p, static_cast<Float16*>(out), row_begin, row_end); break;
+    case DType::kInt8:
+    case DType::kInt4: break;  // KV cache formats, never a compute dtype
   }
 }
 

@@ -40,6 +40,16 @@ struct Isa : ExpConstants {
   static Vec load(const Float16* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  // 16 INT8 KV codes: sign-extended by the load itself (vpmovsxbd), then converted.
+  static Vec load_int8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  // 16 bytes of packed INT4 KV codes: their low nibbles and their high nibbles.
+  static void load_nibbles(const uint8_t* p, Vec* low, Vec* high) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    *low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xf)));
+    *high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  }
   static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
   // Round to nearest even; NaNs stay NaN (quiet bit forced so rounding cannot make them inf).
   static void store(BFloat16* p, Vec v) {

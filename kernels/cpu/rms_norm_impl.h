@@ -44,6 +44,8 @@ void rms_norm_rows(const void* x, const void* weight, void* out, DType dtype, in
       rms_norm_typed(static_cast<const Float16*>(x), static_cast<const Float16*>(weight), static_cast<Float16*>(out),
                      rows, hidden, eps);
       break;
+    case DType::kInt8:
+    case DType::kInt4: break;  // KV cache formats, never a compute dtype
   }
 }
 

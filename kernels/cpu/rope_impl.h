@@ -44,6 +44,8 @@ void rope_rows(const void* x, void* out, DType dtype, const int64_t* positions, 
       rope_typed(static_cast<const Float16*>(x), static_cast<Float16*>(out), positions, cos, sin, tokens, heads,
                  head_dim);
       break;
+    case DType::kInt8:
+    case DType::kInt4: break;  // KV cache formats, never a compute dtype
   }
 }
 

@@ -3,7 +3,8 @@
 With this CPU's best kernels it must give the very bits the op-by-op fused path gives (it calls
 the same kernels with the same roundings): stage by stage on the embedded model (INT4 and dense)
 and on a tiny random model with a bias, and whole decode steps' logits through the runner. Every
-instruction set this CPU has is checked against the torch-op path within rounding.
+instruction set this CPU has is checked against the torch-op path within rounding, and a decode
+over INT8/INT4 KV pools against the stages with the plain quantized-KV reference.
 """
 import pytest
 import torch
@@ -15,7 +16,8 @@ from engine.model import LlamaModel
 from engine.model.native import NativeDecoder
 from engine.quant import create_linear_method
 from engine.weights import create_loader, embedded_gguf_path
-from kernels import cpu
+from kernels import cpu, kv_quant
+from kernels.cpu import reference
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import Sequence
@@ -143,3 +145,81 @@ def test_a_mixed_batch_or_too_many_rows_take_the_op_by_op_stages(tiny_path):
                              None, None)
     model.native = native
     assert not model._native_decode_applies(hidden[:3], meta, None)
+
+
+# The tiny Qwen2 with 64-wide heads: the quantized KV formats' group is 64 channels.
+TINY_HEAD_64 = {**TINY, "hidden_size": 256}
+QUANT_BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_head_64_path(tmp_path_factory):
+    torch.manual_seed(1)
+    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**TINY_HEAD_64),
+                                                             torch_dtype=torch.float32)
+    path = tmp_path_factory.mktemp("tiny-qwen2-head-64")
+    hf_model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def quantized_pools(fmt: str, cfg, num_blocks: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's key and value pools [layers, blocks, kv_heads, unit_bytes], each slot quantized from random rows."""
+    layout = kv_quant.layout_for(fmt, cfg.head_dim, QUANT_BLOCK_SIZE)
+    shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, layout.unit_bytes)
+    pools = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
+    blocks = torch.arange(num_blocks).repeat_interleave(QUANT_BLOCK_SIZE)
+    offsets = torch.arange(QUANT_BLOCK_SIZE).repeat(num_blocks)
+    for pool, is_key in zip(pools, (True, False)):
+        for layer in range(cfg.num_layers):
+            rows = torch.randn(len(blocks), cfg.num_kv_heads, cfg.head_dim, generator=gen)
+            kv_quant.write_rows(kv_quant.unit_views(pool[layer], layout, is_key), layout, rows, blocks, offsets)
+    return pools
+
+
+@pytest.mark.parametrize("fmt", sorted(kv_quant.FORMAT_CODES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_over_quantized_pools_matches_the_op_by_op_stages(tiny_head_64_path, fmt, dtype):
+    # The reference runs each layer op by op: the model's stages, the new K/V quantized by
+    # kv_quant.write_rows, torch attention over the dequantized pools. The pools must come out
+    # byte for byte the same, the hidden states within the attention's fp32 summation order.
+    model = op_by_op_model(tiny_head_64_path, dtype, "dense")
+    native = NativeDecoder.build(model)
+    cfg = model.config
+    gen = torch.Generator().manual_seed(5)
+    context_lens = torch.tensor([5, 40, 100], dtype=torch.int32)
+    block_tables = torch.randperm(24, generator=gen, dtype=torch.int32).view(3, 8)
+    positions = context_lens.long() - 1
+    hidden = torch.randn(3, cfg.hidden_size, generator=gen).to(dtype)
+    key, value = quantized_pools(fmt, cfg, 24, gen)
+    ref_key, ref_value = key.clone(), value.clone()
+
+    got = native.decode(hidden, positions, key, value, block_tables, context_lens, model.scale, kv_format=fmt,
+                        block_size=QUANT_BLOCK_SIZE)
+
+    layout = kv_quant.layout_for(fmt, cfg.head_dim, QUANT_BLOCK_SIZE)
+    slot_blocks = block_tables[torch.arange(3), positions // QUANT_BLOCK_SIZE].long()
+    want = hidden
+    for layer in range(cfg.num_layers):
+        q, k, v = model.pre_proj(layer, want, positions)
+        for pool, rows, is_key in ((ref_key[layer], k, True), (ref_value[layer], v, False)):
+            kv_quant.write_rows(kv_quant.unit_views(pool, layout, is_key), layout, rows, slot_blocks,
+                                positions % QUANT_BLOCK_SIZE)
+        attn = reference.paged_decode_attention(q.float(), kv_quant.dequantize_pool(ref_key[layer], layout, True),
+                                                kv_quant.dequantize_pool(ref_value[layer], layout, False),
+                                                block_tables, context_lens, model.scale)
+        want = model.post_proj(layer, want, attn.to(dtype).view(3, -1))
+    assert torch.equal(key, ref_key) and torch.equal(value, ref_value)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+
+
+def test_decode_refuses_quantized_pools_of_the_wrong_shape(tiny_head_64_path):
+    model = op_by_op_model(tiny_head_64_path, torch.float32, "dense")
+    native = NativeDecoder.build(model)
+    key, value = quantized_pools("int4", model.config, 4, torch.Generator().manual_seed(0))
+    args = (torch.zeros(1, model.config.hidden_size), torch.zeros(1, dtype=torch.int64), key, value,
+            torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), model.scale)
+    with pytest.raises(ValueError, match="needs block_size"):
+        native.decode(*args, kv_format="int4")
+    with pytest.raises(ValueError, match="pools must be uint8"):
+        native.decode(*args, kv_format="int8", block_size=QUANT_BLOCK_SIZE)

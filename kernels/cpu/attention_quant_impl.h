@@ -1,0 +1,299 @@
+// The decode attention over group-quantized KV units (kv_quant.h; kernels/kv_quant.py is the
+// spec), included by attention_impl.h after the pieces it shares with the 16-bit path (softmax,
+// head state, prefetch, tile heads), once per instruction set.
+//
+// Codes are widened to fp32 in registers; no dequantized copy of a unit is ever written. A key
+// score is sum_g scale[g, t] * sum_{d in g} q[d] code[d, t] (+ min[g, t] * sum_{d in g} q[d] for
+// INT4): the group's dot product runs on raw codes and is scaled once per group and token. The
+// values fold each token's scale into its probability once per block (coef = p * scale), so a code
+// costs one fma per head, as a 16-bit element does; INT4's mins add sum_t p[t] min[g, t] to a
+// group's channels once per block.
+#pragma once
+
+#include "attention.h"
+
+namespace tandem {
+namespace {
+
+// How a format's codes widen: one load of kWidth bytes gives kVectors vectors. INT8: kWidth
+// channels (values) or tokens (keys) of one code row. INT4: the low nibbles (channel j) and the
+// high ones (channel j + 32 of the group), kv_quant's packing.
+struct Int8Codes {
+  static constexpr int kVectors = 1;
+  static constexpr int kGroupBytes = kQuantGroup;  // one token's codes of one group
+  static constexpr bool kHasMin = false;
+  static TANDEM_ALWAYS_INLINE void load(const uint8_t* p, Vec* v) {
+    v[0] = Isa::load_int8(reinterpret_cast<const int8_t*>(p));
+  }
+};
+
+struct Int4Codes {
+  static constexpr int kVectors = 2;
+  static constexpr int kGroupBytes = kQuantGroup / 2;
+  static constexpr bool kHasMin = true;
+  static TANDEM_ALWAYS_INLINE void load(const uint8_t* p, Vec* v) { Isa::load_nibbles(p, &v[0], &v[1]); }
+};
+
+inline const Float16* unit_scales(const uint8_t* unit, const KvUnit& u) {  // [num_groups, block_size]
+  return reinterpret_cast<const Float16*>(unit + u.scales_offset());
+}
+
+inline const Float16* unit_mins(const uint8_t* unit, const KvUnit& u) {  // [num_groups, block_size], INT4
+  return reinterpret_cast<const Float16*>(unit + u.mins_offset());
+}
+
+// Scores of kHeads query rows (q [heads, head_dim], pre-scaled; q_sums [heads, num_groups])
+// against the kWidth tokens at t0 of a key unit, whose codes are [code_cols, block_size]. Per
+// group, kPhases accumulator sets take every kPhases-th code row (one load; INT4's holds two
+// channels), then the span's scales (and mins) turn the group's sums into score terms. Parts
+// [first_part, first_part + num_groups * kPrefetchPieces) of `prefetch` are issued over the rows.
+template <class Codes, int kHeads>
+TANDEM_ALWAYS_INLINE void score_quantized_span(const float* q, const float* q_sums, const uint8_t* unit,
+                                               const KvUnit& u, int t0, float* scores, int score_stride,
+                                               const Prefetch& prefetch, int first_part) {
+  static_assert(kHeads <= kTile, "tile exceeds the register budget");
+  constexpr int kPhases = floor_pow2(kTile / kHeads);
+  constexpr int kRows = Codes::kGroupBytes;  // code rows of one group
+  static_assert(kRows % kPhases == 0, "phases split a group's rows evenly");
+  constexpr int kSteps = kRows / kPhases;
+  const int head_dim = u.head_dim;
+  const int block_size = u.block_size;
+  const int num_groups = u.num_groups();
+  for (int g = 0; g < num_groups; ++g) {
+    Vec acc[kPhases * kHeads];
+#pragma GCC unroll 16
+    for (int i = 0; i < kPhases * kHeads; ++i) acc[i] = Isa::zero();
+    const uint8_t* rows = unit + static_cast<size_t>(g) * kRows * block_size + t0;
+    const float* q_group = q + g * kQuantGroup;
+    for (int piece = 0; piece < kPrefetchPieces; ++piece) {
+      prefetch.part(first_part + g * kPrefetchPieces + piece);
+      const int end = kSteps * (piece + 1) / kPrefetchPieces;
+      for (int step = kSteps * piece / kPrefetchPieces; step < end; ++step) {
+#pragma GCC unroll 16
+        for (int phase = 0; phase < kPhases; ++phase) {
+          const int row = step * kPhases + phase;
+          Vec k[Codes::kVectors];
+          Codes::load(rows + static_cast<size_t>(row) * block_size, k);
+#pragma GCC unroll 8
+          for (int h = 0; h < kHeads; ++h) {
+#pragma GCC unroll 2
+            for (int v = 0; v < Codes::kVectors; ++v) {
+              const Vec qd = Isa::set1(q_group[h * head_dim + row + v * kRows]);
+              acc[phase * kHeads + h] = Isa::fma(qd, k[v], acc[phase * kHeads + h]);
+            }
+          }
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int phase = 1; phase < kPhases; ++phase) {
+#pragma GCC unroll 8
+      for (int h = 0; h < kHeads; ++h) acc[h] = Isa::add(acc[h], acc[phase * kHeads + h]);
+    }
+    const Vec scale = Isa::load(unit_scales(unit, u) + g * block_size + t0);
+#pragma GCC unroll 8
+    for (int h = 0; h < kHeads; ++h) {
+      float* s = scores + h * score_stride;
+      Vec total = Isa::fma(scale, acc[h], g == 0 ? Isa::zero() : Isa::load(s));
+      if constexpr (Codes::kHasMin) {
+        const Vec min = Isa::load(unit_mins(unit, u) + g * block_size + t0);
+        total = Isa::fma(min, Isa::set1(q_sums[h * num_groups + g]), total);
+      }
+      Isa::store(s, total);
+    }
+  }
+}
+
+// Scores of every query row of the group against the tokens [0, num_tokens) of a key unit;
+// columns [num_tokens, score_stride) come out as -inf (stale slots' scales may be anything).
+// block_size is a multiple of every kWidth, so spans never pass the unit's end. The next unit
+// is prefetched over the first pass when next_unit is set.
+template <class Codes>
+inline void score_quantized_block(const float* q, const float* q_sums, const uint8_t* unit, const KvUnit& u,
+                                  int group_size, int num_tokens, float* scores, int score_stride,
+                                  const uint8_t* next_unit) {
+  constexpr int kPassHeads = min_int(kTile, kMaxTileHeads);
+  const int num_groups = u.num_groups();
+  const int num_spans = (num_tokens + kWidth - 1) / kWidth;
+  const Prefetch prefetch = Prefetch::of(next_unit, u.bytes(), num_spans * num_groups * kPrefetchPieces);
+  const Prefetch none;
+  for (int span = 0; span < num_spans; ++span) {
+    const int t0 = span * kWidth;
+    for (int h = 0; h < group_size; h += kPassHeads) {
+      with_tile_heads(min_int(group_size - h, kPassHeads), [&](auto heads) {
+        constexpr int kHeads = decltype(heads)::value;
+        if constexpr (kHeads <= kPassHeads) {
+          score_quantized_span<Codes, kHeads>(q + h * u.head_dim, q_sums + h * num_groups, unit, u, t0,
+                                              scores + h * score_stride + t0, score_stride, h == 0 ? prefetch : none,
+                                              span * num_groups * kPrefetchPieces);
+        }
+      });
+    }
+  }
+  for (int h = 0; h < group_size; ++h) {
+    for (int t = num_tokens; t < score_stride; ++t) scores[h * score_stride + t] = -__builtin_inff();
+  }
+}
+
+// coef [num_groups, group_size, stride] = probs [group_size, stride] times each group's scales, over
+// the vectors covering num_tokens: a value code's weight in its head's sum.
+inline void fold_value_scales(const float* probs, int stride, const uint8_t* unit, const KvUnit& u, int group_size,
+                              int num_tokens, float* coef) {
+  const Float16* scales = unit_scales(unit, u);
+  for (int g = 0; g < u.num_groups(); ++g) {
+    for (int h = 0; h < group_size; ++h) {
+      float* out = coef + static_cast<size_t>(g * group_size + h) * stride;
+      for (int t = 0; t < num_tokens; t += kWidth) {
+        Isa::store(out + t, Isa::mul(Isa::load(probs + h * stride + t), Isa::load(scales + g * u.block_size + t)));
+      }
+    }
+  }
+}
+
+// Vector i of a value tile's loads covers channels channel_of(i) .. + kWidth from the tile's first.
+template <class Codes>
+constexpr int tile_channel(int i) {
+  return (i / Codes::kVectors) * kWidth + (i % Codes::kVectors) * Codes::kGroupBytes;
+}
+
+// acc[h, the tile's channels] += sum_t coef[h, t] * code[t, channel] for kLoads loads of kWidth
+// bytes from each token's row (codes: the tile's first byte in token 0's row; acc: the tile's
+// first channel of head 0). kHeads * kVectors * kLoads accumulators stay in registers.
+template <class Codes, int kHeads, int kLoads>
+TANDEM_ALWAYS_INLINE void value_quantized_tile(const float* coef, int coef_stride, const uint8_t* codes,
+                                               size_t code_cols, int num_tokens, float* acc, int head_dim) {
+  constexpr int kVecs = kLoads * Codes::kVectors;
+  Vec a[kHeads * kVecs];
+#pragma GCC unroll 8
+  for (int h = 0; h < kHeads; ++h) {
+#pragma GCC unroll 16
+    for (int i = 0; i < kVecs; ++i) a[h * kVecs + i] = Isa::load(acc + h * head_dim + tile_channel<Codes>(i));
+  }
+  for (int t = 0; t < num_tokens; ++t) {
+    Vec v[kVecs];
+#pragma GCC unroll 16
+    for (int l = 0; l < kLoads; ++l) Codes::load(codes + t * code_cols + l * kWidth, v + l * Codes::kVectors);
+#pragma GCC unroll 8
+    for (int h = 0; h < kHeads; ++h) {
+      const Vec p = Isa::set1(coef[h * coef_stride + t]);
+#pragma GCC unroll 16
+      for (int i = 0; i < kVecs; ++i) a[h * kVecs + i] = Isa::fma(p, v[i], a[h * kVecs + i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int h = 0; h < kHeads; ++h) {
+#pragma GCC unroll 16
+    for (int i = 0; i < kVecs; ++i) Isa::store(acc + h * head_dim + tile_channel<Codes>(i), a[h * kVecs + i]);
+  }
+}
+
+// One group's channels of kHeads heads, in tiles of as many loads as the registers hold (a tile
+// stays inside the group: one coefficient per token and head).
+template <class Codes, int kHeads>
+inline void value_quantized_group(const float* coef, int coef_stride, const uint8_t* codes, size_t code_cols,
+                                  int num_tokens, float* acc, int head_dim) {
+  constexpr int kLoadsPerGroup = Codes::kGroupBytes / kWidth;
+  constexpr int kFit = kTile / (kHeads * Codes::kVectors);
+  constexpr int kLoads = kFit < 1 ? 1 : min_int(kFit, kLoadsPerGroup);
+  int l = 0;
+  for (; l + kLoads <= kLoadsPerGroup; l += kLoads) {
+    value_quantized_tile<Codes, kHeads, kLoads>(coef, coef_stride, codes + l * kWidth, code_cols, num_tokens,
+                                                acc + l * kWidth, head_dim);
+  }
+  for (; l < kLoadsPerGroup; ++l) {
+    value_quantized_tile<Codes, kHeads, 1>(coef, coef_stride, codes + l * kWidth, code_cols, num_tokens,
+                                           acc + l * kWidth, head_dim);
+  }
+}
+
+// acc [group_size, head_dim] += the block's value codes weighted by coef (fold_value_scales). The
+// next unit is prefetched a group at a time when next_unit is set.
+template <class Codes>
+inline void accumulate_quantized_block(const float* coef, int stride, const uint8_t* unit, const KvUnit& u,
+                                       int group_size, int num_tokens, float* acc, const uint8_t* next_unit) {
+  // INT4 loads widen into two vectors: half the heads per pass keep the tile in registers.
+  constexpr int kPassHeads = min_int(kMaxTileHeads, kTile / Codes::kVectors);
+  const Prefetch prefetch = Prefetch::of(next_unit, u.bytes(), u.num_groups());
+  for (int g = 0; g < u.num_groups(); ++g) {
+    prefetch.part(g);
+    for (int h = 0; h < group_size; h += kPassHeads) {
+      with_tile_heads(min_int(group_size - h, kPassHeads), [&](auto heads) {
+        constexpr int kHeads = decltype(heads)::value;
+        if constexpr (kHeads <= kPassHeads) {
+          value_quantized_group<Codes, kHeads>(coef + static_cast<size_t>(g * group_size + h) * stride, stride,
+                                               unit + g * Codes::kGroupBytes, u.code_cols(), num_tokens,
+                                               acc + h * u.head_dim + g * kQuantGroup, u.head_dim);
+        }
+      });
+    }
+  }
+}
+
+// INT4: acc[h, channels of g] += sum_{t < num_tokens} probs[h, t] * min[g, t], once per block and
+// group (after softmax_update rescaled acc). Stale slots' mins are never read into the sum.
+inline void add_value_mins(const float* probs, int stride, const uint8_t* unit, const KvUnit& u, int group_size,
+                           int num_tokens, float* acc) {
+  const int whole = num_tokens / kWidth * kWidth;
+  for (int g = 0; g < u.num_groups(); ++g) {
+    const Float16* mins = unit_mins(unit, u) + g * u.block_size;
+    for (int h = 0; h < group_size; ++h) {
+      const float* p = probs + h * stride;
+      Vec sum = Isa::zero();
+      for (int t = 0; t < whole; t += kWidth) sum = Isa::fma(Isa::load(p + t), Isa::load(mins + t), sum);
+      float total = Isa::reduce_add(sum);
+      if (whole < num_tokens) {
+        float tail[kWidth];
+        Isa::store(tail, Isa::load(mins + whole));
+        for (int t = whole; t < num_tokens; ++t) total += p[t] * tail[t - whole];
+      }
+      const Vec add = Isa::set1(total);
+      float* a = acc + h * u.head_dim + g * kQuantGroup;
+      for (int d = 0; d < kQuantGroup; d += kWidth) Isa::store(a + d, Isa::add(Isa::load(a + d), add));
+    }
+  }
+}
+
+// attend_units_typed for a quantized pool: the same walk over units, the same softmax and head
+// state, with the codes scored and accumulated by the functions above.
+template <class Codes>
+void attend_quantized_units(const Problem& p, const Segment& piece, int64_t segment_begin, int64_t prefetch_end,
+                            float* scratch) {
+  const int group_size = p.group_size();
+  const int num_kv_heads = p.num_kv_heads;
+  const int score_stride = static_cast<int>(score_stride_floats(p));
+  const KvUnit u{p.kv_dtype, p.head_dim, p.block_size};
+  const size_t unit_bytes = u.bytes();
+  float* scores = scratch;  // [group_size, score_stride]
+  float* coef = value_coefficients(p, scratch);
+  const uint8_t* key_cache = static_cast<const uint8_t*>(p.key_cache);
+  const uint8_t* value_cache = static_cast<const uint8_t*>(p.value_cache);
+  const int32_t* table = p.block_tables + static_cast<size_t>(piece.seq) * p.max_blocks_per_seq;
+  const int context_len = p.context_lens[piece.seq];
+
+  const auto unit_start = [&](int64_t unit) {  // byte offset, the same in both pools
+    return (static_cast<size_t>(table[unit / num_kv_heads]) * num_kv_heads + unit % num_kv_heads) * unit_bytes;
+  };
+
+  for (int64_t unit = piece.unit_begin; unit < piece.unit_end; ++unit) {
+    const int b = static_cast<int>(unit / num_kv_heads);
+    const int kv_head = static_cast<int>(unit % num_kv_heads);
+    const HeadState state = head_state(p, scratch, kv_head);
+    if (unit < segment_begin + num_kv_heads) start_head(p, piece.seq, kv_head, state);
+    const size_t start = unit_start(unit);
+    const int num_tokens = min_int(p.block_size, context_len - b * p.block_size);
+    const bool has_next = unit + 1 < prefetch_end;  // as attend_units_typed: the next unit's bytes ahead
+    const uint8_t* keys = key_cache + start;
+    const uint8_t* values = value_cache + start;
+    score_quantized_block<Codes>(state.q, state.q_sums, keys, u, group_size, num_tokens, scores, score_stride,
+                                 has_next ? key_cache + unit_start(unit + 1) : nullptr);
+    touch_lines(values, unit_bytes);
+    softmax_update(scores, score_stride, group_size, p.head_dim, state.run_max, state.sum_lanes, state.acc);
+    fold_value_scales(scores, score_stride, values, u, group_size, num_tokens, coef);
+    accumulate_quantized_block<Codes>(coef, score_stride, values, u, group_size, num_tokens, state.acc,
+                                      has_next ? value_cache + unit_start(unit + 1) : nullptr);
+    if constexpr (Codes::kHasMin) add_value_mins(scores, score_stride, values, u, group_size, num_tokens, state.acc);
+  }
+}
+
+}  // namespace
+}  // namespace tandem
