@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import functools
-
 import torch
 
 GROUP_SIZE = 64
@@ -82,19 +80,18 @@ def layout_for(name: str, head_dim: int, block_size: int) -> QuantLayout:
 
 
 # ---- the keys' rotation ----------------------------------------------------------------------
-@functools.lru_cache(maxsize=8)
-def hadamard(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """H [GROUP_SIZE, GROUP_SIZE]: Sylvester's Hadamard matrix / sqrt(GROUP_SIZE)."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < GROUP_SIZE:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return (h / GROUP_SIZE ** 0.5).to(device=device, dtype=dtype)
-
-
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """Each group of x [..., head_dim] times H (its own inverse), in x's dtype."""
+    """Each group of x [..., head_dim] times H (its own inverse), in x's dtype: a fast
+    Walsh-Hadamard transform whose butterflies run in the C++ kernels' order (kv_quant.h), so
+    both give the same bits."""
     groups = x.unflatten(-1, (-1, GROUP_SIZE))
-    return (groups @ hadamard(x.device, x.dtype)).flatten(-2)
+    span = 1
+    while span < GROUP_SIZE:
+        pairs = groups.unflatten(-1, (-1, 2, span))  # [..., GROUP_SIZE / (2 span), 2, span]
+        low, high = pairs[..., 0, :], pairs[..., 1, :]
+        groups = torch.stack([low + high, low - high], dim=-2).flatten(-3)
+        span *= 2
+    return (groups * GROUP_SIZE ** -0.5).flatten(-2)
 
 
 # ---- quantization of token rows -------------------------------------------------------------
@@ -106,7 +103,7 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
         scales = (groups.abs().amax(-1) / 127).half()
         codes = _divide(groups, scales.float()).round().clamp(-127, 127).to(torch.int8)
         return codes.flatten(-2), scales, None
-    low, high = groups.amin(-1), groups.amax(-1)
+    low, high = groups.amin(-1) + 0.0, groups.amax(-1)  # + 0.0: which zero amin keeps is not defined
     scales, mins = ((high - low) / 15).half(), low.half()
     codes = _divide(groups - mins.float()[..., None], scales.float()).round().clamp(0, 15).to(torch.uint8)
     return codes.flatten(-2), scales, mins

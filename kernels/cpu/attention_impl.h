@@ -446,7 +446,8 @@ void start_head(const Problem& p, int seq, int kv_head, const HeadState& state) 
   for (int h = 0; h < group_size; ++h) {
     for (int g = 0; g < num_groups; ++g) {
       Vec sum = Isa::zero();
-      const float* q = state.q + h * p.head_dim + g * kQuantGroup;
+      float* q = state.q + h * p.head_dim + g * kQuantGroup;
+      hadamard_rotate(q);  // q . k = (q H) . (k H): the stored keys are rotated
       for (int d = 0; d < kQuantGroup; d += kWidth) sum = Isa::add(sum, Isa::load(q + d));
       state.q_sums[h * num_groups + g] = Isa::reduce_add(sum);
     }

@@ -15,6 +15,7 @@
 namespace tandem {
 
 constexpr int kQuantGroup = 64;  // channels sharing one scale (and min): kv_quant.GROUP_SIZE
+constexpr float kHadamardNorm = 0.125f;  // 1 / sqrt(kQuantGroup): H is orthonormal, its own inverse
 // A quantized pool's block_size must be a multiple of this: the widest vector of scales (16 fp16
 // tokens) then never straddles a unit's end.
 constexpr int kQuantBlockMultiple = 16;
@@ -45,6 +46,22 @@ struct KvUnit {
   }
 };
 
+// x [kQuantGroup] times H, Sylvester's Hadamard matrix / sqrt(kQuantGroup), in place: the keys'
+// rotation (kernels/kv_quant.py: rotate). The butterflies run in kv_quant.rotate's order, so both
+// give the same bits.
+inline void hadamard_rotate(float* x) {
+  for (int h = 1; h < kQuantGroup; h *= 2) {
+    for (int i = 0; i < kQuantGroup; i += 2 * h) {
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+  for (int i = 0; i < kQuantGroup; ++i) x[i] *= kHadamardNorm;
+}
+
 // A group's codes as kv_quant.quantize makes them: x / scale rounded half to even in fp32, with
 // the fp16-rounded scale (and min); a group of zero range gets codes 0. INT8 codes are stored
 // as their two's-complement bytes, INT4 codes in [0, 15], one a byte, natural order.
@@ -56,7 +73,7 @@ inline void quantize_group(const float* x, bool int4, uint8_t* codes, uint16_t* 
     absmax = std::max(absmax, std::fabs(x[i]));
   }
   *scale = float_to_half(int4 ? (high - low) / kInt4MaxCode : absmax / kInt8MaxCode);
-  *min = float_to_half(low);
+  *min = float_to_half(low + 0.0f);  // -0 becomes +0, as in kv_quant.quantize
   const float step = half_to_float(*scale);
   const float offset = int4 ? half_to_float(*min) : 0.0f;
   const float lowest = int4 ? 0.0f : -kInt8MaxCode;
@@ -75,7 +92,10 @@ inline void write_quantized_token(const KvUnit& u, bool is_key, const float* x, 
   for (int g = 0; g < u.num_groups(); ++g) {
     uint8_t codes[kQuantGroup];
     uint16_t scale, min;
-    quantize_group(x + g * kQuantGroup, u.has_min(), codes, &scale, &min);
+    float group[kQuantGroup];
+    std::memcpy(group, x + g * kQuantGroup, sizeof(group));
+    if (is_key) hadamard_rotate(group);  // keys are stored rotated
+    quantize_group(group, u.has_min(), codes, &scale, &min);
     const size_t slot = static_cast<size_t>(g) * u.block_size + offset;
     std::memcpy(unit + u.scales_offset() + slot * sizeof(uint16_t), &scale, sizeof(scale));
     if (u.has_min()) std::memcpy(unit + u.mins_offset() + slot * sizeof(uint16_t), &min, sizeof(min));
