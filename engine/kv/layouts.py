@@ -27,6 +27,10 @@ class KVLayout(Protocol):
     def allocate(self, num_layers: int, num_blocks: int, zeros: Zeros) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed key and value pools."""
 
+    def reads_as(self, compute_dtype: torch.dtype) -> bool:
+        """Whether kernels take new K/V for these pools in `compute_dtype` as they are (a dense pool
+        of another dtype needs them converted first)."""
+
     def fill_random(self, key_pool: torch.Tensor, value_pool: torch.Tensor) -> None:
         """Every slot of the pools (all layers) random, as K/V of this format."""
 
@@ -57,6 +61,9 @@ class DenseLayout:
         shape = (num_layers, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         key_shape = (*shape[:3], self.head_dim, self.block_size)
         return zeros(key_shape, dtype=self.dtype), zeros(shape, dtype=self.dtype)
+
+    def reads_as(self, compute_dtype):
+        return self.dtype == compute_dtype
 
     def fill_random(self, key_pool, value_pool):
         key_pool.normal_()
@@ -109,6 +116,9 @@ class QuantizedLayout:
     def allocate(self, num_layers, num_blocks, zeros):
         shape = (num_layers, num_blocks, self.num_kv_heads, self.units.unit_bytes)
         return zeros(shape, dtype=torch.uint8), zeros(shape, dtype=torch.uint8)
+
+    def reads_as(self, compute_dtype):
+        return True  # quantized from any float dtype
 
     def fill_random(self, key_pool, value_pool):
         for pool, is_key in ((key_pool, True), (value_pool, False)):

@@ -325,7 +325,7 @@ class LlamaModel:
         backend is the C++ kernel, which it calls itself."""
         return (self.native is not None and self.native.applies(hidden) and meta.num_prefill_tokens == 0
                 and meta.num_decodes == hidden.shape[0] and isinstance(self.decode_backend, CpuPagedDecode)
-                and kv_cache.gpu.key.is_cpu)
+                and kv_cache.gpu.key.is_cpu and kv_cache.gpu.layout.reads_as(hidden.dtype))
 
     def post_layer(self, hidden: torch.Tensor, output_rows: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the rows whose logits are wanted: each sequence's last token,
@@ -340,7 +340,7 @@ class LlamaModel:
         if self._native_decode_applies(hidden, meta, kv_cache):
             gpu = kv_cache.gpu
             hidden = self.native.decode(hidden, positions, gpu.key, gpu.value, meta.decode_block_tables,
-                                        meta.decode_context_lens, self.scale)
+                                        meta.decode_context_lens, self.scale, **quantized_format_args(gpu.layout))
             return self.post_layer(hidden, output_rows)
         for layer in range(self.config.num_layers):
             self.layer_store.acquire(layer)
