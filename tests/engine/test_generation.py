@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from scheduler.kv_format import kv_format
 from engine import LLM, ParamError, SamplingParams
 from engine.config import ACTIVATION_RESERVE_GIB
 from engine.model import ConfigError
@@ -158,7 +159,7 @@ def test_memory_budget_sizes_the_kv_pool_from_the_loaded_weights():
     for quantization in ("none", "int4"):
         with LLM(quantization=quantization, dtype="float32", memory_gib=1.0) as llm:
             runner = llm.engine.runner
-            block_bytes = runner.kv_cache.gpu.bytes_per_block(llm.engine.model_config, 16, torch.float32)
+            block_bytes = runner.kv_cache.gpu.bytes_per_block(llm.engine.model_config, 16, kv_format("float32"))
             free_bytes = (1.0 - ACTIVATION_RESERVE_GIB) * 2**30 - runner.model.gpu_weight_bytes()
             blocks[quantization] = runner.kv_cache.gpu.num_blocks
             assert blocks[quantization] == int(free_bytes // block_bytes)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scheduler.kv_format import kv_format
 from engine.model import ModelConfig
 from engine.kv import HUGE_PAGE_BYTES, KVCache, host_zeros
 from engine.weights import EMBEDDED_MODEL
@@ -59,7 +60,7 @@ def test_host_pool_is_advised_onto_huge_pages():
 
 def test_bytes_per_block_is_what_the_pools_take():
     # Llama-3.1-8B in bf16: 16 tokens x 2 (K, V) x 32 layers x 8 KV heads x 128 dims x 2 bytes
-    assert KVCache.bytes_per_block(ModelConfig.from_preset("llama-3.1-8b"), 16, torch.bfloat16) == 16 * 128 * 1024
+    assert KVCache.bytes_per_block(ModelConfig.from_preset("llama-3.1-8b"), 16, kv_format("bfloat16")) == 16 * 128 * 1024
     config = ModelConfig.from_preset(EMBEDDED_MODEL)
     cache = KVCache(config, num_blocks=3, block_size=4, dtype=torch.float16)
-    assert cache.key.nbytes + cache.value.nbytes == 3 * KVCache.bytes_per_block(config, 4, torch.float16)
+    assert cache.key.nbytes + cache.value.nbytes == 3 * KVCache.bytes_per_block(config, 4, kv_format("float16"))
