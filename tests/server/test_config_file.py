@@ -22,7 +22,7 @@ EVERY_FLAG = {
     "cpu-ops": "torch", "seed": 3,
     "max-model-len": 512, "max-num-seqs": 5, "max-num-batched-tokens": 1024, "max-prefill-slowdown": 2.5,
     "prefix-caching": False, "block-size": 32, "num-gpu-blocks": 40, "kv-cache-gib": 0.5, "memory-gib": 6.0, "num-cpu-blocks": 300,
-    "cpu-kv-cache-gib": 2.0,
+    "cpu-kv-cache-gib": 2.0, "kv-cache-dtype": "int8",
     "device": "cuda:1", "cpu-attention": "on", "gpu-threads": 3, "cpu-attention-threads": 5,
     "cost-tables": "/tmp/costs.json", "profile-cache-dir": "/tmp/profiles",
     "log-level": "warning",
