@@ -183,10 +183,12 @@ TANDEM_ALWAYS_INLINE void add_nibble_sums(const Vec* sums, float* acc, int head_
 
 // acc[h, the tile's channels] += sum_t coef[h, t] * code[t, channel] for kLoads loads of kWidth
 // bytes from each token's row (codes: the tile's first byte in token 0's row; acc: the tile's
-// first channel of head 0). kHeads * kVectors * kLoads accumulators stay in registers.
+// first channel of head 0). kHeads * kVectors * kLoads accumulators stay in registers. Part
+// first_part + t of `prefetch` is issued at token t.
 template <class Codes, int kHeads, int kLoads>
 TANDEM_ALWAYS_INLINE void value_quantized_tile(const float* coef, int coef_stride, const uint8_t* codes,
-                                               size_t code_cols, int num_tokens, float* acc, int head_dim) {
+                                               size_t code_cols, int num_tokens, float* acc, int head_dim,
+                                               const Prefetch& prefetch, int first_part) {
   constexpr int kVecs = kLoads * Codes::kVectors;
   constexpr bool kBytes = Codes::kVectors == 2;  // INT4: sums of p * low and p * byte, from zero
   Vec a[kHeads * kVecs];
@@ -198,6 +200,7 @@ TANDEM_ALWAYS_INLINE void value_quantized_tile(const float* coef, int coef_strid
     }
   }
   for (int t = 0; t < num_tokens; ++t) {
+    prefetch.part(first_part + t);
     Vec v[kVecs];
 #pragma GCC unroll 16
     for (int l = 0; l < kLoads; ++l) Codes::load(codes + t * code_cols + l * kWidth, v + l * Codes::kVectors);
@@ -220,41 +223,47 @@ TANDEM_ALWAYS_INLINE void value_quantized_tile(const float* coef, int coef_strid
 }
 
 // One group's channels of kHeads heads, in tiles of as many loads as the registers hold (a tile
-// stays inside the group: one coefficient per token and head).
+// stays inside the group: one coefficient per token and head). The first tile issues parts
+// [first_part, first_part + num_tokens) of `prefetch`, one a token.
 template <class Codes, int kHeads>
 inline void value_quantized_group(const float* coef, int coef_stride, const uint8_t* codes, size_t code_cols,
-                                  int num_tokens, float* acc, int head_dim) {
+                                  int num_tokens, float* acc, int head_dim, const Prefetch& prefetch,
+                                  int first_part) {
   constexpr int kLoadsPerGroup = Codes::kGroupBytes / kWidth;
   constexpr int kFit = kTile / (kHeads * Codes::kVectors);
   constexpr int kLoads = kFit < 1 ? 1 : min_int(kFit, kLoadsPerGroup);
-  int l = 0;
-  for (; l + kLoads <= kLoadsPerGroup; l += kLoads) {
+  const Prefetch none;
+  constexpr int kWholeTiles = kLoadsPerGroup / kLoads;
+  for (int tile = 0; tile < kWholeTiles; ++tile) {
+    const int l = tile * kLoads;
     value_quantized_tile<Codes, kHeads, kLoads>(coef, coef_stride, codes + l * kWidth, code_cols, num_tokens,
-                                                acc + l * kWidth, head_dim);
+                                                acc + l * kWidth, head_dim, tile == 0 ? prefetch : none, first_part);
   }
-  for (; l < kLoadsPerGroup; ++l) {
+  for (int l = kWholeTiles * kLoads; l < kLoadsPerGroup; ++l) {  // the loads a whole tile leaves over
     value_quantized_tile<Codes, kHeads, 1>(coef, coef_stride, codes + l * kWidth, code_cols, num_tokens,
-                                           acc + l * kWidth, head_dim);
+                                           acc + l * kWidth, head_dim, none, first_part);
   }
 }
 
 // acc [group_size, head_dim] += the block's value codes weighted by coef (fold_value_scales). The
-// next unit is prefetched a group at a time when next_unit is set.
+// next unit is prefetched over the first pass, a share at each token (in bursts, the prefetches
+// stalled on the line fill buffers).
 template <class Codes>
 inline void accumulate_quantized_block(const float* coef, int stride, const uint8_t* unit, const KvUnit& u,
                                        int group_size, int num_tokens, float* acc, const uint8_t* next_unit) {
   // INT4 loads widen into two vectors: half the heads per pass keep the tile in registers.
   constexpr int kPassHeads = min_int(kMaxTileHeads, kTile / Codes::kVectors);
-  const Prefetch prefetch = Prefetch::of(next_unit, u.bytes(), u.num_groups());
+  const Prefetch prefetch = Prefetch::of(next_unit, u.bytes(), u.num_groups() * num_tokens);
+  const Prefetch none;
   for (int g = 0; g < u.num_groups(); ++g) {
-    prefetch.part(g);
     for (int h = 0; h < group_size; h += kPassHeads) {
       with_tile_heads(min_int(group_size - h, kPassHeads), [&](auto heads) {
         constexpr int kHeads = decltype(heads)::value;
         if constexpr (kHeads <= kPassHeads) {
           value_quantized_group<Codes, kHeads>(coef + static_cast<size_t>(g * group_size + h) * stride, stride,
                                                unit + g * Codes::kGroupBytes, u.code_cols(), num_tokens,
-                                               acc + h * u.head_dim + g * kQuantGroup, u.head_dim);
+                                               acc + h * u.head_dim + g * kQuantGroup, u.head_dim,
+                                               h == 0 ? prefetch : none, g * num_tokens);
         }
       });
     }
