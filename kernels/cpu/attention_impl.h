@@ -2,7 +2,8 @@
 //
 // Each isa_*.cpp translation unit defines `struct Isa` (vector type, width, loads
 // with bf16/fp16 widening, fma, exp; optionally split bf16 loads and the
-// matching interleaved store) and then includes
+// matching interleaved store; INT8 and packed INT4 code loads for quantized
+// pools, attention_quant_impl.h) and then includes
 // this file, which must be included exactly once per translation unit. Every
 // name here has internal linkage (unnamed namespace), so the same inline code
 // compiled with different -m flags never merges across translation units.
@@ -448,7 +449,7 @@ inline float* value_coefficients(const Problem& p, float* scratch) {  // value_c
 inline void start_quantized_query(const Problem& p, const HeadState& state) {
   const int num_groups = static_cast<int>(quant_groups(p));
   const int half = kQuantGroup / 2;
-  const Vec inverse_weight = Isa::set1(1.0f / 16);
+  const Vec inverse_weight = Isa::set1(1.0f / kNibbleWeight);
   for (int h = 0; h < p.group_size(); ++h) {
     for (int g = 0; g < num_groups; ++g) {
       float* q = state.q + h * p.head_dim + g * kQuantGroup;

@@ -37,7 +37,6 @@ struct Int4Codes {
   static constexpr int kGroupBytes = kQuantGroup / 2;
   static constexpr bool kHasMin = true;
   static TANDEM_ALWAYS_INLINE void load(const uint8_t* p, Vec* v) { Isa::load_nibbles(p, &v[0], &v[1]); }
-  static constexpr float kHighWeight = 16.0f;  // byte = low + 16 * high
 };
 
 inline const Float16* unit_scales(const uint8_t* unit, const KvUnit& u) {  // [num_groups, block_size]
@@ -166,7 +165,7 @@ constexpr int tile_channel(int i) {
 // channels take the first, the high ones (byte - low) / 16.
 template <class Codes, int kHeads, int kLoads>
 TANDEM_ALWAYS_INLINE void add_nibble_sums(const Vec* sums, float* acc, int head_dim) {
-  const Vec inverse_weight = Isa::set1(1.0f / Codes::kHighWeight);
+  const Vec inverse_weight = Isa::set1(1.0f / kNibbleWeight);
 #pragma GCC unroll 8
   for (int h = 0; h < kHeads; ++h) {
 #pragma GCC unroll 8
