@@ -26,6 +26,13 @@ allocated as the engine's host pool is (engine.kv.host_zeros: transparent
 At GQA 4 every bf16 element read costs four fp32 fmas, at MHA one: the MHA
 table shows the kernel's streaming with a quarter of the arithmetic per byte.
 
+Each (batch, context) is timed with the bf16 caches, then with INT8 and INT4 pools
+(kernels/kv_quant.py: group-quantized units, random codes, scales giving values in
+[-1, 1]) of the same tokens, in consecutive rows of the same run; "x bf16" is a row's
+kernel time over the bf16 row's (the issue's targets at contexts >= 1024: <= 0.6 for
+INT8, <= 0.4 for INT4). A quantized row's bytes are its units' (codes and scales), and
+its torch reference is not timed: it would attend dequantized fp32 copies.
+
     .venv/bin/python benchmarks/cpu_attention.py [--quick] [--shape gqa4|mha]
 Prints a markdown table per shape and writes benchmarks/results/<shape's name>.json and .md.
 """
@@ -48,12 +55,17 @@ from pathlib import Path
 import torch
 
 from engine.kv import host_zeros
-from kernels import cpu
+from kernels import cpu, kv_quant
 from kernels.cpu import reference
 from kernels.cpu.build import BuildError, default_compiler, run_command
 
 KV_DTYPE = torch.bfloat16
 QUERY_DTYPE = torch.bfloat16
+# Each row's KV formats: the 16-bit caches first, the quantized pools' rows beside them.
+KV_FORMATS = ("bf16", "int8", "int4")
+DENSE_FORMAT = "bf16"
+# Largest fp32 copy of a quantized layer the error check dequantizes (the reference attends it).
+MAX_DEQUANTIZED_BYTES = 512 << 20
 BATCHES = [1, 8, 32, 128]
 CONTEXTS = [256, 1024, 2048, 4096, 8192]
 # Largest single-layer KV (K + V) a configuration may use; bigger ones are skipped.
@@ -126,11 +138,12 @@ class PatternReader:
              num_threads: int, reps: int, first_layer: int = 0) -> tuple[float, float]:
         """(seconds per call, checksum) over reps + 1 calls, the first untimed; call i reads layer
         (first_layer + i) % num_layers of the caches (values [layers, blocks, kv_heads, block_size,
-        head_dim], keys the same size per (block, head), in any order within it).
+        head_dim] or quantized pools [layers, blocks, kv_heads, unit_bytes], keys the same size
+        per (block, head), in any order within it).
         The checksum sums every fp32 word read (see pattern_reader.cpp)."""
-        num_layers, num_blocks, num_kv_heads, block_size, head_dim = value_cache.shape
+        num_layers, num_blocks, num_kv_heads = value_cache.shape[:3]
         batch, blocks_per_seq = block_tables.shape
-        head_bytes = block_size * head_dim * value_cache.element_size()
+        head_bytes = value_cache[0, 0, 0].numel() * value_cache.element_size()
         if head_bytes % 64 or not (key_cache.is_contiguous() and value_cache.is_contiguous()
                                    and block_tables.is_contiguous() and block_tables.dtype == torch.int32):
             raise ValueError("the pattern reader needs contiguous caches with 64-byte (block, head) slices "
@@ -170,9 +183,15 @@ class Shape:
     head_dim: int = 128
     block_size: int = 16
 
-    def kv_bytes(self, batch: int, context: int) -> int:
-        """K and V bytes one call reads."""
-        return 2 * batch * context * self.num_kv_heads * self.head_dim * KV_DTYPE.itemsize
+    def kv_bytes(self, batch: int, context: int, kv_format: str = DENSE_FORMAT) -> int:
+        """K and V bytes one call reads: bf16 elements, or a quantized pool's whole units."""
+        if kv_format == DENSE_FORMAT:
+            return 2 * batch * context * self.num_kv_heads * self.head_dim * KV_DTYPE.itemsize
+        blocks = math.ceil(context / self.block_size)
+        return 2 * batch * blocks * self.num_kv_heads * self.layout(kv_format).unit_bytes
+
+    def layout(self, kv_format: str) -> kv_quant.QuantLayout:
+        return kv_quant.layout_for(kv_format, self.head_dim, self.block_size)
 
     def describe(self) -> str:
         ratio = self.num_heads // self.num_kv_heads
@@ -190,29 +209,63 @@ SHAPES = {
 class Problem:
     """Random caches in `shape` of num_layers layers for `batch` sequences of `context` tokens each, blocks
     scattered at random: values [layers, blocks, kv_heads, block_size, head_dim], keys transposed
-    within a block, [layers, blocks, kv_heads, head_dim, block_size]. By default on 2 MiB pages as
-    the engine holds them; `allocate(size, dtype)` gives other memory."""
+    within a block, [layers, blocks, kv_heads, head_dim, block_size]; or for a quantized kv_format
+    pools [layers, blocks, kv_heads, unit_bytes]. By default on 2 MiB pages as the engine holds
+    them; `allocate(size, dtype)` gives other memory."""
 
-    def __init__(self, shape: Shape, batch: int, context: int, num_layers: int, allocate=host_zeros):
+    def __init__(self, shape: Shape, batch: int, context: int, num_layers: int, allocate=host_zeros,
+                 kv_format: str = DENSE_FORMAT):
         blocks_per_seq = math.ceil(context / shape.block_size)
         num_blocks = batch * blocks_per_seq
         blocks = (num_layers, num_blocks, shape.num_kv_heads)
-        self.key_cache = allocate((*blocks, shape.head_dim, shape.block_size), KV_DTYPE).uniform_(-1, 1)
-        self.value_cache = allocate((*blocks, shape.block_size, shape.head_dim), KV_DTYPE).uniform_(-1, 1)
+        self.shape, self.kv_format = shape, kv_format
+        if kv_format == DENSE_FORMAT:
+            self.key_cache = allocate((*blocks, shape.head_dim, shape.block_size), KV_DTYPE).uniform_(-1, 1)
+            self.value_cache = allocate((*blocks, shape.block_size, shape.head_dim), KV_DTYPE).uniform_(-1, 1)
+        else:
+            self.key_cache, self.value_cache = (random_pools(shape.layout(kv_format), blocks, allocate, is_key)
+                                                for is_key in (True, False))
         self.block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(batch, blocks_per_seq)
         self.context_lens = torch.full((batch,), context, dtype=torch.int32)
         self.query = torch.randn(batch, shape.num_heads, shape.head_dim).to(QUERY_DTYPE)
         self.out = torch.empty_like(self.query)
         self.scale = 1 / math.sqrt(shape.head_dim)
-        self.kv_bytes = shape.kv_bytes(batch, context)
+        self.kv_bytes = shape.kv_bytes(batch, context, kv_format)
+        quantized = kv_format != DENSE_FORMAT
+        self.format_args = dict(kv_format=kv_format, block_size=shape.block_size) if quantized else {}
 
     def run_kernel(self, layer: int, num_threads: int) -> None:
         cpu.paged_decode_attention(self.query, self.key_cache[layer], self.value_cache[layer], self.block_tables,
-                                   self.context_lens, self.scale, out=self.out, num_threads=num_threads)
+                                   self.context_lens, self.scale, out=self.out, num_threads=num_threads,
+                                   **self.format_args)
 
-    def run_reference(self) -> torch.Tensor:
-        return reference.paged_decode_attention(self.query, self.key_cache[0], self.value_cache[0],
-                                                self.block_tables, self.context_lens, self.scale)
+    def run_reference(self) -> torch.Tensor | None:
+        """The torch reference on layer 0 (over dequantized fp32 copies of quantized pools, None
+        where those would exceed MAX_DEQUANTIZED_BYTES)."""
+        key_cache, value_cache = self.key_cache[0], self.value_cache[0]
+        if self.kv_format != DENSE_FORMAT:
+            if 2 * key_cache.shape[0] * key_cache.shape[1] * self.shape.block_size * self.shape.head_dim * 4 \
+                    > MAX_DEQUANTIZED_BYTES:
+                return None
+            layout = self.shape.layout(self.kv_format)
+            key_cache = kv_quant.dequantize_pool(key_cache, layout, is_key=True)
+            value_cache = kv_quant.dequantize_pool(value_cache, layout, is_key=False)
+        return reference.paged_decode_attention(self.query, key_cache, value_cache, self.block_tables,
+                                                self.context_lens, self.scale)
+
+
+def random_pools(layout: kv_quant.QuantLayout, blocks: tuple, allocate, is_key: bool) -> torch.Tensor:
+    """Pools [*blocks, unit_bytes] of random codes whose scales (and INT4 mins) map them onto
+    [-1, 1], the bf16 caches' range."""
+    pools = allocate((*blocks, layout.unit_bytes), torch.uint8).random_(0, 256)
+    for layer in pools:
+        views = kv_quant.unit_views(layer, layout, is_key)
+        if layout.has_min:
+            views.scales.fill_(2 / 15)
+            views.mins.fill_(-1.0)
+        else:
+            views.scales.fill_(1 / 127)
+    return pools
 
 
 class InCacheRate:
@@ -225,10 +278,11 @@ class InCacheRate:
     KV_BYTES = 8 << 20  # one sequence
     REPS = 15
 
-    def __init__(self, shape: Shape, num_threads: int):
+    def __init__(self, shape: Shape, num_threads: int, kv_format: str = DENSE_FORMAT):
         self.num_threads = num_threads
-        context = self.KV_BYTES // shape.kv_bytes(1, 1)
-        self.problem = Problem(shape, 1, context, 1, allocate=lambda size, dtype: torch.empty(size, dtype=dtype))
+        context = self.KV_BYTES // shape.kv_bytes(1, shape.block_size, kv_format) * shape.block_size
+        self.problem = Problem(shape, 1, context, 1, allocate=lambda size, dtype: torch.empty(size, dtype=dtype),
+                               kv_format=kv_format)
 
     def sample(self) -> float:
         return self.problem.kv_bytes / median_time(lambda: self.problem.run_kernel(0, self.num_threads), self.REPS,
@@ -236,10 +290,11 @@ class InCacheRate:
 
 
 def bench_config(shape: Shape, batch: int, context: int, num_threads: int, reference_reps: int,
-                 bandwidth: ReadBandwidth, reader: PatternReader | None, in_cache: InCacheRate) -> dict:
+                 bandwidth: ReadBandwidth, reader: PatternReader | None, in_cache: InCacheRate,
+                 kv_format: str = DENSE_FORMAT) -> dict:
     whole_blocks = math.ceil(context / shape.block_size) * shape.block_size
-    num_layers = max(1, math.ceil(ROTATION_BYTES / shape.kv_bytes(batch, whole_blocks)))
-    problem = Problem(shape, batch, context, num_layers)
+    num_layers = max(1, math.ceil(ROTATION_BYTES / shape.kv_bytes(batch, whole_blocks, kv_format)))
+    problem = Problem(shape, batch, context, num_layers, kv_format=kv_format)
     layer = 0
 
     def run_kernel():
@@ -267,14 +322,15 @@ def bench_config(shape: Shape, batch: int, context: int, num_threads: int, refer
     reader_s = statistics.median(reader_times) if reader_times else None
     expected = problem.run_reference()
     problem.run_kernel(0, num_threads)
-    max_error = (problem.out.float() - expected.float()).abs().max().item()
+    max_error = None if expected is None else (problem.out.float() - expected.float()).abs().max().item()
     reference_s = None
-    if reference_reps:
+    if reference_reps and kv_format == DENSE_FORMAT:
         torch.set_num_threads(num_threads)
         wait_for_idle_pool()
         reference_s = median_time(problem.run_reference, reference_reps, warmup=0)
     kv_bytes_read = problem.kv_bytes
     return {
+        "kv_format": kv_format,
         "batch": batch,
         "context": context,
         "kv_mib": kv_bytes_read / 2**20,
@@ -292,11 +348,24 @@ def bench_config(shape: Shape, batch: int, context: int, num_threads: int, refer
     }
 
 
+def table_line(row: dict) -> str:
+    """One results-table row; "-" where a quantized row has no reader or reference figures."""
+    reader_percent = row["pattern_reader_percent_of_read_bandwidth"]
+    reader_cells = ("- | -" if reader_percent is None else
+                    f"{reader_percent:.0f}% | {row['percent_of_read_bandwidth'] / reader_percent:.2f}")
+    reference_cells = ("- | -" if row["reference_ms"] is None else
+                       f"{row['reference_ms']:.1f} | {row['speedup']:.1f}x")
+    return (f"| {row['batch']} | {row['context']} | {row['kv_format']} | {row['kv_mib']:.0f} | "
+            f"{row['kernel_ms']:.3f} | {row['time_vs_bf16']:.2f} | {row['kernel_gbps']:.1f} | "
+            f"{row['read_bandwidth_gbps']:.1f} | {row['in_cache_gbps']:.1f} | {row['percent_of_read_bandwidth']:.0f}% | "
+            f"{reader_cells} | {reference_cells} |")
+
+
 def bench_shape(shape: Shape, batches: list[int], contexts: list[int], num_threads: int,
                 bandwidth: ReadBandwidth, reader: PatternReader | None) -> None:
     """Runs the table of one shape and writes its results files."""
-    in_cache = InCacheRate(shape, num_threads)
-    title = (f"{shape.describe()}; isa {cpu.usable_isas()[0]}, {num_threads} kernel threads (cores available: "
+    in_cache = {kv_format: InCacheRate(shape, num_threads, kv_format) for kv_format in KV_FORMATS}
+    title = (f"{shape.describe()}, and the same tokens in INT8 and INT4 pools; isa {cpu.usable_isas()[0]}, {num_threads} kernel threads (cores available: "
              f"{len(os.sched_getaffinity(0))}); read BW: torch.sum over 2 GiB on {num_threads} threads, "
              f"median of {ROUNDS} samples interleaved with each row's kernel rounds; in-cache: the kernel on "
              f"8 MiB of KV held in the last-level cache, same rounds; pattern reader: the kernel's access "
@@ -304,9 +373,9 @@ def bench_shape(shape: Shape, batches: list[int], contexts: list[int], num_threa
     print(title + "\n")
     lines = [title, ""]
     rows = []
-    header = ("| batch | context | KV MiB | kernel ms | GB/s | read BW GB/s | in-cache GB/s | % of read BW "
-              "| pattern reader % | kernel / reader | torch ref ms | speed-up |\n"
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    header = ("| batch | context | KV | KV MiB | kernel ms | x bf16 | GB/s | read BW GB/s | in-cache GB/s "
+              "| % of read BW | pattern reader % | kernel / reader | torch ref ms | speed-up |\n"
+              "|---:|---:|:--|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(header)
     lines.append(header)
     for batch in batches:
@@ -314,24 +383,24 @@ def bench_shape(shape: Shape, batches: list[int], contexts: list[int], num_threa
             call_bytes = shape.kv_bytes(batch, context)
             if call_bytes > MAX_KV_BYTES:
                 continue
-            row = bench_config(shape, batch, context, num_threads, REFERENCE_REPS if call_bytes <= 256 << 20 else 1,
-                               bandwidth, reader, in_cache)
-            rows.append(row)
-            reader_percent = row["pattern_reader_percent_of_read_bandwidth"]
-            reader_cells = ("- | -" if reader_percent is None else
-                            f"{reader_percent:.0f}% | {row['percent_of_read_bandwidth'] / reader_percent:.2f}")
-            lines.append(f"| {batch} | {context} | {row['kv_mib']:.0f} | {row['kernel_ms']:.3f} | "
-                         f"{row['kernel_gbps']:.1f} | {row['read_bandwidth_gbps']:.1f} | "
-                         f"{row['in_cache_gbps']:.1f} | {row['percent_of_read_bandwidth']:.0f}% | {reader_cells} | "
-                         f"{row['reference_ms']:.1f} | {row['speedup']:.1f}x |")
-            print(lines[-1], flush=True)
+            dense_ms = None
+            for kv_format in KV_FORMATS:
+                row = bench_config(shape, batch, context, num_threads,
+                                   REFERENCE_REPS if call_bytes <= 256 << 20 else 1, bandwidth, reader,
+                                   in_cache[kv_format], kv_format)
+                dense_ms = dense_ms or row["kernel_ms"]
+                row["time_vs_bf16"] = row["kernel_ms"] / dense_ms
+                rows.append(row)
+                lines.append(table_line(row))
+                print(lines[-1], flush=True)
 
     results = RESULTS_DIR / f"{shape.name}.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({
         "machine": {"processor": platform.processor() or platform.machine(),
                     "cores": len(os.sched_getaffinity(0)), "isa": cpu.usable_isas()[0]},
-        "shape": {**dataclasses.asdict(shape), "kv_dtype": str(KV_DTYPE), "query_dtype": str(QUERY_DTYPE)},
+        "shape": {**dataclasses.asdict(shape), "kv_dtype": str(KV_DTYPE), "query_dtype": str(QUERY_DTYPE),
+                  "kv_formats": list(KV_FORMATS)},
         "kernel_threads": num_threads,
         "rows": rows,
     }, indent=2) + "\n")

@@ -107,10 +107,11 @@ inline size_t score_stride_floats(const Problem& p) {
 inline size_t quant_groups(const Problem& p) { return static_cast<size_t>(p.head_dim) / kQuantGroup; }
 
 // Floats of one kv head's running state: query copy + accumulator, running max, running sum lanes,
-// and the query's sums over each quantization group (the INT4 keys' min term).
+// the query's sums over each quantization group (the INT4 keys' min term), and the INT4 values'
+// running sums of probability times min, as lanes per group.
 inline size_t head_state_floats(const Problem& p) {
   const size_t g = static_cast<size_t>(p.group_size());
-  return 2 * g * p.head_dim + g + g * kHeadDimMultiple + g * quant_groups(p);
+  return 2 * g * p.head_dim + g + g * kHeadDimMultiple + g * quant_groups(p) * (1 + kHeadDimMultiple);
 }
 
 // Floats of a quantized unit's value coefficients, probability times scale: [num_groups,

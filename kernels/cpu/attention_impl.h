@@ -2,7 +2,8 @@
 //
 // Each isa_*.cpp translation unit defines `struct Isa` (vector type, width, loads
 // with bf16/fp16 widening, fma, exp; optionally split bf16 loads and the
-// matching interleaved store) and then includes
+// matching interleaved store; INT8 and packed INT4 code loads for quantized
+// pools, attention_quant_impl.h) and then includes
 // this file, which must be included exactly once per translation unit. Every
 // name here has internal linkage (unnamed namespace), so the same inline code
 // compiled with different -m flags never merges across translation units.
@@ -139,19 +140,22 @@ inline void store_row(const float* src, float scale, int count, void* dst, DType
 // The cache lines of [start, start + bytes) cut into `parts` nearly equal
 // parts, prefetched one part at a time so the requests are spread over the
 // work instead of flooding the miss buffers at once. A default Prefetch does nothing.
+// Counts are 32-bit: a 64-bit division per part cost several percent of a quantized unit's time.
 struct Prefetch {
   const char* start = nullptr;
-  size_t lines = 0;
-  int parts = 1;
+  uint32_t lines = 0;
+  uint32_t parts = 1;
 
   static Prefetch of(const void* start, size_t bytes, int parts) {
     if (start == nullptr) return Prefetch{};
-    return Prefetch{static_cast<const char*>(start), (bytes + kCacheLine - 1) / kCacheLine, parts};
+    return Prefetch{static_cast<const char*>(start), static_cast<uint32_t>((bytes + kCacheLine - 1) / kCacheLine),
+                    static_cast<uint32_t>(parts)};
   }
   TANDEM_ALWAYS_INLINE void part(int i) const {
     if (start == nullptr) return;
-    const size_t first = i * lines / parts;
-    prefetch_lines(start + first * kCacheLine, ((i + 1) * lines / parts - first) * kCacheLine);
+    const uint32_t first = static_cast<uint32_t>(i) * lines / parts;
+    const uint32_t end = static_cast<uint32_t>(i + 1) * lines / parts;
+    prefetch_lines(start + static_cast<size_t>(first) * kCacheLine, static_cast<size_t>(end - first) * kCacheLine);
   }
 };
 
@@ -377,9 +381,11 @@ inline void accumulate_block(const float* probs, int prob_stride, const Kv* valu
 // to the updated running max and rescales the accumulator when the max grew.
 // Padding columns [num_tokens, score_stride) hold -inf and come out as 0.
 // Each head's running sum stays as kWidth lanes (sum_lanes [group_size, kWidth]),
-// summed once at the end rather than by a horizontal reduction per block.
+// summed once at the end rather than by a horizontal reduction per block. Lanes of
+// other running sums, extra_lanes [group_size, num_extra, kWidth], are rescaled with them.
 inline void softmax_update(float* scores, int score_stride, int group_size, int head_dim,
-                           float* run_max, float* sum_lanes, float* acc) {
+                           float* run_max, float* sum_lanes, float* acc, float* extra_lanes = nullptr,
+                           int num_extra = 0) {
   for (int h = 0; h < group_size; ++h) {
     float* s = scores + h * score_stride;
     Vec m = Isa::set1(run_max[h]);
@@ -392,6 +398,8 @@ inline void softmax_update(float* scores, int score_stride, int group_size, int 
       sum = Isa::mul(sum, cv);
       float* a = acc + h * head_dim;
       for (int c = 0; c < head_dim; c += kWidth) Isa::store(a + c, Isa::mul(Isa::load(a + c), cv));
+      float* extra = extra_lanes + h * num_extra * kWidth;
+      for (int i = 0; i < num_extra * kWidth; i += kWidth) Isa::store(extra + i, Isa::mul(Isa::load(extra + i), cv));
       run_max[h] = new_max;
     }
     const Vec mv = Isa::set1(run_max[h]);
@@ -411,6 +419,7 @@ struct HeadState {
   float* run_max;    // [group_size]
   float* sum_lanes;  // [group_size, kWidth]
   float* q_sums;     // [group_size, quant_groups]: q's sum over each quantization group
+  float* min_lanes;  // [group_size, quant_groups, kWidth]: INT4 values' sum of p * min, as lanes
 };
 
 // A thread's segment scratch (segment_scratch_floats) is the block scores
@@ -421,7 +430,8 @@ inline HeadState head_state(const Problem& p, float* scratch, int kv_head) {
   float* acc = base + g * p.head_dim;
   float* run_max = acc + g * p.head_dim;
   float* sum_lanes = run_max + g;
-  return HeadState{base, acc, run_max, sum_lanes, sum_lanes + g * kWidth};
+  float* q_sums = sum_lanes + g * kWidth;
+  return HeadState{base, acc, run_max, sum_lanes, q_sums, q_sums + g * quant_groups(p)};
 }
 
 inline float* tail_tile(const Problem& p, float* scratch) {  // [head_dim, kTailRowFloats]
@@ -430,6 +440,32 @@ inline float* tail_tile(const Problem& p, float* scratch) {  // [head_dim, kTail
 
 inline float* value_coefficients(const Problem& p, float* scratch) {  // value_coefficient_floats
   return tail_tile(p, scratch) + static_cast<size_t>(p.head_dim) * kTailRowFloats;
+}
+
+// The query terms a quantized cache needs: each group rotated as the stored keys are, q's sum over
+// each rotated group (INT4 keys' mins), and for INT4 each group's channel pairs (j, j + 32)
+// rewritten for keys read as low nibble and whole byte (attention_quant_impl.h):
+// q_j low + q_{j+32} high = (q_j - q_{j+32} / 16) low + q_{j+32} / 16 byte.
+inline void start_quantized_query(const Problem& p, const HeadState& state) {
+  const int num_groups = static_cast<int>(quant_groups(p));
+  const int half = kQuantGroup / 2;
+  const Vec inverse_weight = Isa::set1(1.0f / kNibbleWeight);
+  for (int h = 0; h < p.group_size(); ++h) {
+    for (int g = 0; g < num_groups; ++g) {
+      float* q = state.q + h * p.head_dim + g * kQuantGroup;
+      hadamard_rotate(q);  // q . k = (q H) . (k H): the stored keys are rotated
+      Vec sum = Isa::zero();
+      for (int d = 0; d < kQuantGroup; d += kWidth) sum = Isa::add(sum, Isa::load(q + d));
+      state.q_sums[h * num_groups + g] = Isa::reduce_add(sum);
+      if (p.kv_dtype != DType::kInt4) continue;
+      Isa::store(state.min_lanes + (h * num_groups + g) * kWidth, Isa::zero());
+      for (int j = 0; j < half; j += kWidth) {
+        const Vec high = Isa::mul(Isa::load(q + half + j), inverse_weight);
+        Isa::store(q + j, Isa::sub(Isa::load(q + j), high));
+        Isa::store(q + half + j, high);
+      }
+    }
+  }
 }
 
 void start_head(const Problem& p, int seq, int kv_head, const HeadState& state) {
@@ -441,15 +477,17 @@ void start_head(const Problem& p, int seq, int kv_head, const HeadState& state) 
     state.run_max[h] = -__builtin_inff();
     Isa::store(state.sum_lanes + h * kWidth, Isa::zero());
   }
-  if (!is_quantized(p.kv_dtype)) return;
+  if (is_quantized(p.kv_dtype)) start_quantized_query(p, state);
+}
+
+// INT4 values: each group's channels take the head's running sum of p * min (its lanes summed).
+inline void add_min_lanes(const Problem& p, const HeadState& state) {
   const int num_groups = static_cast<int>(quant_groups(p));
-  for (int h = 0; h < group_size; ++h) {
+  for (int h = 0; h < p.group_size(); ++h) {
     for (int g = 0; g < num_groups; ++g) {
-      Vec sum = Isa::zero();
-      float* q = state.q + h * p.head_dim + g * kQuantGroup;
-      hadamard_rotate(q);  // q . k = (q H) . (k H): the stored keys are rotated
-      for (int d = 0; d < kQuantGroup; d += kWidth) sum = Isa::add(sum, Isa::load(q + d));
-      state.q_sums[h * num_groups + g] = Isa::reduce_add(sum);
+      const Vec total = Isa::set1(Isa::reduce_add(Isa::load(state.min_lanes + (h * num_groups + g) * kWidth)));
+      float* a = state.acc + h * p.head_dim + g * kQuantGroup;
+      for (int d = 0; d < kQuantGroup; d += kWidth) Isa::store(a + d, Isa::add(Isa::load(a + d), total));
     }
   }
 }
@@ -460,6 +498,7 @@ void finish_head(const Problem& p, int seq, int kv_head, const HeadState& state,
   const int group_size = p.group_size();
   const int head_dim = p.head_dim;
   if (kValueSplit) from_split_order(state.acc, group_size, head_dim);
+  if (p.kv_dtype == DType::kInt4) add_min_lanes(p, state);
   if (partial != nullptr) {
     for (int h = 0; h < group_size; ++h) {
       partial->max[h] = state.run_max[h];

@@ -7,7 +7,12 @@
 // INT4): the group's dot product runs on raw codes and is scaled once per group and token. The
 // values fold each token's scale into its probability once per block (coef = p * scale), so a code
 // costs one fma per head, as a 16-bit element does; INT4's mins add sum_t p[t] min[g, t] to a
-// group's channels once per block.
+// group's channels, kept as running lanes like the softmax sum and added when the head finishes.
+//
+// An INT4 byte is read as its low nibble and its whole value rather than as two nibbles (one
+// instruction fewer per vector: Isa::load_nibbles). Keys fold that into the query, whose channel
+// pair (j, j + 32) start_head rewrites as (q_j - q_{j+32} / 16, q_{j+32} / 16); value tiles sum
+// p * low and p * byte and turn them into the pair's sums when the tile ends.
 #pragma once
 
 #include "attention.h"
@@ -17,7 +22,7 @@ namespace {
 
 // How a format's codes widen: one load of kWidth bytes gives kVectors vectors. INT8: kWidth
 // channels (values) or tokens (keys) of one code row. INT4: the low nibbles (channel j) and the
-// high ones (channel j + 32 of the group), kv_quant's packing.
+// whole bytes (whose high nibbles are channel j + 32 of the group), kv_quant's packing.
 struct Int8Codes {
   static constexpr int kVectors = 1;
   static constexpr int kGroupBytes = kQuantGroup;  // one token's codes of one group
@@ -156,20 +161,45 @@ constexpr int tile_channel(int i) {
   return (i / Codes::kVectors) * kWidth + (i % Codes::kVectors) * Codes::kGroupBytes;
 }
 
+// An INT4 value tile's sums of p * low and p * byte, per load, added to its channel pair: the low
+// channels take the first, the high ones (byte - low) / 16.
+template <class Codes, int kHeads, int kLoads>
+TANDEM_ALWAYS_INLINE void add_nibble_sums(const Vec* sums, float* acc, int head_dim) {
+  const Vec inverse_weight = Isa::set1(1.0f / kNibbleWeight);
+#pragma GCC unroll 8
+  for (int h = 0; h < kHeads; ++h) {
+#pragma GCC unroll 8
+    for (int l = 0; l < kLoads; ++l) {
+      const Vec low = sums[(h * kLoads + l) * 2];
+      const Vec byte = sums[(h * kLoads + l) * 2 + 1];
+      float* low_channels = acc + h * head_dim + tile_channel<Codes>(2 * l);
+      float* high_channels = acc + h * head_dim + tile_channel<Codes>(2 * l + 1);
+      Isa::store(low_channels, Isa::add(Isa::load(low_channels), low));
+      Isa::store(high_channels, Isa::fma(Isa::sub(byte, low), inverse_weight, Isa::load(high_channels)));
+    }
+  }
+}
+
 // acc[h, the tile's channels] += sum_t coef[h, t] * code[t, channel] for kLoads loads of kWidth
 // bytes from each token's row (codes: the tile's first byte in token 0's row; acc: the tile's
-// first channel of head 0). kHeads * kVectors * kLoads accumulators stay in registers.
+// first channel of head 0). kHeads * kVectors * kLoads accumulators stay in registers. Part
+// first_part + t of `prefetch` is issued at token t.
 template <class Codes, int kHeads, int kLoads>
 TANDEM_ALWAYS_INLINE void value_quantized_tile(const float* coef, int coef_stride, const uint8_t* codes,
-                                               size_t code_cols, int num_tokens, float* acc, int head_dim) {
+                                               size_t code_cols, int num_tokens, float* acc, int head_dim,
+                                               const Prefetch& prefetch, int first_part) {
   constexpr int kVecs = kLoads * Codes::kVectors;
+  constexpr bool kBytes = Codes::kVectors == 2;  // INT4: sums of p * low and p * byte, from zero
   Vec a[kHeads * kVecs];
 #pragma GCC unroll 8
   for (int h = 0; h < kHeads; ++h) {
 #pragma GCC unroll 16
-    for (int i = 0; i < kVecs; ++i) a[h * kVecs + i] = Isa::load(acc + h * head_dim + tile_channel<Codes>(i));
+    for (int i = 0; i < kVecs; ++i) {
+      a[h * kVecs + i] = kBytes ? Isa::zero() : Isa::load(acc + h * head_dim + tile_channel<Codes>(i));
+    }
   }
   for (int t = 0; t < num_tokens; ++t) {
+    prefetch.part(first_part + t);
     Vec v[kVecs];
 #pragma GCC unroll 16
     for (int l = 0; l < kLoads; ++l) Codes::load(codes + t * code_cols + l * kWidth, v + l * Codes::kVectors);
@@ -180,75 +210,86 @@ TANDEM_ALWAYS_INLINE void value_quantized_tile(const float* coef, int coef_strid
       for (int i = 0; i < kVecs; ++i) a[h * kVecs + i] = Isa::fma(p, v[i], a[h * kVecs + i]);
     }
   }
+  if constexpr (kBytes) {
+    add_nibble_sums<Codes, kHeads, kLoads>(a, acc, head_dim);
+  } else {
 #pragma GCC unroll 8
-  for (int h = 0; h < kHeads; ++h) {
+    for (int h = 0; h < kHeads; ++h) {
 #pragma GCC unroll 16
-    for (int i = 0; i < kVecs; ++i) Isa::store(acc + h * head_dim + tile_channel<Codes>(i), a[h * kVecs + i]);
+      for (int i = 0; i < kVecs; ++i) Isa::store(acc + h * head_dim + tile_channel<Codes>(i), a[h * kVecs + i]);
+    }
   }
 }
 
 // One group's channels of kHeads heads, in tiles of as many loads as the registers hold (a tile
-// stays inside the group: one coefficient per token and head).
+// stays inside the group: one coefficient per token and head). The first tile issues parts
+// [first_part, first_part + num_tokens) of `prefetch`, one a token.
 template <class Codes, int kHeads>
 inline void value_quantized_group(const float* coef, int coef_stride, const uint8_t* codes, size_t code_cols,
-                                  int num_tokens, float* acc, int head_dim) {
+                                  int num_tokens, float* acc, int head_dim, const Prefetch& prefetch,
+                                  int first_part) {
   constexpr int kLoadsPerGroup = Codes::kGroupBytes / kWidth;
   constexpr int kFit = kTile / (kHeads * Codes::kVectors);
   constexpr int kLoads = kFit < 1 ? 1 : min_int(kFit, kLoadsPerGroup);
-  int l = 0;
-  for (; l + kLoads <= kLoadsPerGroup; l += kLoads) {
+  const Prefetch none;
+  constexpr int kWholeTiles = kLoadsPerGroup / kLoads;
+  for (int tile = 0; tile < kWholeTiles; ++tile) {
+    const int l = tile * kLoads;
     value_quantized_tile<Codes, kHeads, kLoads>(coef, coef_stride, codes + l * kWidth, code_cols, num_tokens,
-                                                acc + l * kWidth, head_dim);
+                                                acc + l * kWidth, head_dim, tile == 0 ? prefetch : none, first_part);
   }
-  for (; l < kLoadsPerGroup; ++l) {
+  for (int l = kWholeTiles * kLoads; l < kLoadsPerGroup; ++l) {  // the loads a whole tile leaves over
     value_quantized_tile<Codes, kHeads, 1>(coef, coef_stride, codes + l * kWidth, code_cols, num_tokens,
-                                           acc + l * kWidth, head_dim);
+                                           acc + l * kWidth, head_dim, none, first_part);
   }
 }
 
 // acc [group_size, head_dim] += the block's value codes weighted by coef (fold_value_scales). The
-// next unit is prefetched a group at a time when next_unit is set.
+// next unit is prefetched over the first pass, a share at each token (in bursts, the prefetches
+// stalled on the line fill buffers).
 template <class Codes>
 inline void accumulate_quantized_block(const float* coef, int stride, const uint8_t* unit, const KvUnit& u,
                                        int group_size, int num_tokens, float* acc, const uint8_t* next_unit) {
   // INT4 loads widen into two vectors: half the heads per pass keep the tile in registers.
   constexpr int kPassHeads = min_int(kMaxTileHeads, kTile / Codes::kVectors);
-  const Prefetch prefetch = Prefetch::of(next_unit, u.bytes(), u.num_groups());
+  const Prefetch prefetch = Prefetch::of(next_unit, u.bytes(), u.num_groups() * num_tokens);
+  const Prefetch none;
   for (int g = 0; g < u.num_groups(); ++g) {
-    prefetch.part(g);
     for (int h = 0; h < group_size; h += kPassHeads) {
       with_tile_heads(min_int(group_size - h, kPassHeads), [&](auto heads) {
         constexpr int kHeads = decltype(heads)::value;
         if constexpr (kHeads <= kPassHeads) {
           value_quantized_group<Codes, kHeads>(coef + static_cast<size_t>(g * group_size + h) * stride, stride,
                                                unit + g * Codes::kGroupBytes, u.code_cols(), num_tokens,
-                                               acc + h * u.head_dim + g * kQuantGroup, u.head_dim);
+                                               acc + h * u.head_dim + g * kQuantGroup, u.head_dim,
+                                               h == 0 ? prefetch : none, g * num_tokens);
         }
       });
     }
   }
 }
 
-// INT4: acc[h, channels of g] += sum_{t < num_tokens} probs[h, t] * min[g, t], once per block and
-// group (after softmax_update rescaled acc). Stale slots' mins are never read into the sum.
-inline void add_value_mins(const float* probs, int stride, const uint8_t* unit, const KvUnit& u, int group_size,
-                           int num_tokens, float* acc) {
+// INT4: min_lanes[h, g] += probs[h, t] * min[g, t] over the block's tokens, lane by lane: every
+// channel of group g takes sum_t p[t] min[g, t], summed once when the head finishes (add_min_lanes)
+// rather than reduced per block. Stale slots' mins (which may be anything) are read as 0.
+inline void accumulate_value_mins(const float* probs, int stride, const uint8_t* unit, const KvUnit& u,
+                                  int group_size, int num_tokens, float* min_lanes) {
+  const int num_groups = u.num_groups();
   const int whole = num_tokens / kWidth * kWidth;
-  for (int g = 0; g < u.num_groups(); ++g) {
+  for (int g = 0; g < num_groups; ++g) {
     const Float16* mins = unit_mins(unit, u) + g * u.block_size;
+    float tail[kWidth];  // the last partial span's mins, stale slots zeroed
+    if (whole < num_tokens) {
+      Isa::store(tail, Isa::load(mins + whole));
+      for (int t = num_tokens - whole; t < kWidth; ++t) tail[t] = 0.0f;
+    }
     for (int h = 0; h < group_size; ++h) {
       const float* p = probs + h * stride;
-      Vec sum = Isa::zero();
+      float* lanes = min_lanes + (h * num_groups + g) * kWidth;
+      Vec sum = Isa::load(lanes);
       for (int t = 0; t < whole; t += kWidth) sum = Isa::fma(Isa::load(p + t), Isa::load(mins + t), sum);
-      float total = Isa::reduce_add(sum);
-      if (whole < num_tokens) {
-        float tail[kWidth];
-        Isa::store(tail, Isa::load(mins + whole));
-        for (int t = whole; t < num_tokens; ++t) total += p[t] * tail[t - whole];
-      }
-      const Vec add = Isa::set1(total);
-      float* a = acc + h * u.head_dim + g * kQuantGroup;
-      for (int d = 0; d < kQuantGroup; d += kWidth) Isa::store(a + d, Isa::add(Isa::load(a + d), add));
+      if (whole < num_tokens) sum = Isa::fma(Isa::load(p + whole), Isa::load(tail), sum);
+      Isa::store(lanes, sum);
     }
   }
 }
@@ -287,11 +328,14 @@ void attend_quantized_units(const Problem& p, const Segment& piece, int64_t segm
     score_quantized_block<Codes>(state.q, state.q_sums, keys, u, group_size, num_tokens, scores, score_stride,
                                  has_next ? key_cache + unit_start(unit + 1) : nullptr);
     touch_lines(values, unit_bytes);
-    softmax_update(scores, score_stride, group_size, p.head_dim, state.run_max, state.sum_lanes, state.acc);
+    softmax_update(scores, score_stride, group_size, p.head_dim, state.run_max, state.sum_lanes, state.acc,
+                   state.min_lanes, Codes::kHasMin ? u.num_groups() : 0);
     fold_value_scales(scores, score_stride, values, u, group_size, num_tokens, coef);
     accumulate_quantized_block<Codes>(coef, score_stride, values, u, group_size, num_tokens, state.acc,
                                       has_next ? value_cache + unit_start(unit + 1) : nullptr);
-    if constexpr (Codes::kHasMin) add_value_mins(scores, score_stride, values, u, group_size, num_tokens, state.acc);
+    if constexpr (Codes::kHasMin) {
+      accumulate_value_mins(scores, score_stride, values, u, group_size, num_tokens, state.min_lanes);
+    }
   }
 }
 

@@ -37,11 +37,12 @@ struct Isa : ExpConstants {
   static Vec load_int8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
-  // 8 bytes of packed INT4 KV codes: their low nibbles and their high nibbles.
-  static void load_nibbles(const uint8_t* p, Vec* low, Vec* high) {
+  // 8 bytes of packed INT4 KV codes: their low nibbles and their whole byte values (the high
+  // nibble is (byte - low) / 16, which saves the shift).
+  static void load_nibbles(const uint8_t* p, Vec* low, Vec* byte) {
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     *low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xf)));
-    *high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    *byte = _mm256_cvtepi32_ps(bytes);
   }
   static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
   // Stores 16 floats whose even elements are `even` and odd ones `odd` (the

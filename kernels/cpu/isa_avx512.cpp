@@ -44,11 +44,14 @@ struct Isa : ExpConstants {
   static Vec load_int8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  // 16 bytes of packed INT4 KV codes: their low nibbles and their high nibbles.
-  static void load_nibbles(const uint8_t* p, Vec* low, Vec* high) {
+  // 16 bytes of packed INT4 KV codes: their low nibbles and their whole byte values (the high
+  // nibble is (byte - low) / 16). vpermps reads only an index's low 4 bits, so the nibble is a
+  // lookup in a 0..15 table with no mask and no conversion.
+  static void load_nibbles(const uint8_t* p, Vec* low, Vec* byte) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    *low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xf)));
-    *high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+    const Vec nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    *low = _mm512_permutexvar_ps(bytes, nibbles);
+    *byte = _mm512_cvtepi32_ps(bytes);
   }
   static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
   // Round to nearest even; NaNs stay NaN (quiet bit forced so rounding cannot make them inf).

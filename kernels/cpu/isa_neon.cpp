@@ -31,14 +31,15 @@ struct Isa : ExpConstants {
     const int8x8_t bytes = vreinterpret_s8_s32(vdup_n_s32(word));
     return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(bytes))));
   }
-  // 4 bytes of packed INT4 KV codes: their low nibbles and their high nibbles.
-  static void load_nibbles(const uint8_t* p, Vec* low, Vec* high) {
+  // 4 bytes of packed INT4 KV codes: their low nibbles and their whole byte values (the high
+  // nibble is (byte - low) / 16).
+  static void load_nibbles(const uint8_t* p, Vec* low, Vec* byte) {
     uint32_t word;
     std::memcpy(&word, p, sizeof(word));
     const uint8x8_t bytes = vreinterpret_u8_u32(vdup_n_u32(word));
     const uint32x4_t wide = vmovl_u16(vget_low_u16(vmovl_u8(bytes)));
     *low = vcvtq_f32_u32(vandq_u32(wide, vdupq_n_u32(0xf)));
-    *high = vcvtq_f32_u32(vshrq_n_u32(wide, 4));
+    *byte = vcvtq_f32_u32(wide);
   }
   static void store(float* p, Vec v) { vst1q_f32(p, v); }
   // Round to nearest even; NaNs stay NaN (quiet bit forced so rounding cannot make them inf).

@@ -18,10 +18,10 @@ struct Isa {
   static Vec load(const BFloat16* p) { return bits_to_float(static_cast<uint32_t>(p->bits) << 16); }
   static Vec load(const Float16* p) { return half_to_float(p->bits); }
   static Vec load_int8(const int8_t* p) { return static_cast<float>(*p); }
-  // One byte of packed INT4 KV codes: its low nibble and its high nibble.
-  static void load_nibbles(const uint8_t* p, Vec* low, Vec* high) {
+  // One byte of packed INT4 KV codes: its low nibble and its whole value (high = (byte - low) / 16).
+  static void load_nibbles(const uint8_t* p, Vec* low, Vec* byte) {
     *low = static_cast<float>(*p & 0xf);
-    *high = static_cast<float>(*p >> 4);
+    *byte = static_cast<float>(*p);
   }
   static void store(float* p, Vec v) { *p = v; }
   static void store(BFloat16* p, Vec v) {

@@ -21,6 +21,7 @@ constexpr float kHadamardNorm = 0.125f;  // 1 / sqrt(kQuantGroup): H is orthonor
 constexpr int kQuantBlockMultiple = 16;
 constexpr int kInt8MaxCode = 127;
 constexpr int kInt4MaxCode = 15;
+constexpr float kNibbleWeight = 16.0f;  // a packed INT4 byte = low nibble + 16 * high nibble
 
 // One (block, kv head) unit of a KV pool. Dense: [head_dim, block_size] (keys) or [block_size,
 // head_dim] (values) elements. Quantized: codes (keys [code_cols, block_size], values
