@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-stream bench-slicing bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -173,6 +173,17 @@ bench-neo: install
 	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --kv-cache-gib 4 --cpu-attention off' \
 		--system 'tandem=$(NEO_SERVE) --kv-cache-gib 4' \
 		--all-at-once $(NEO_LOAD) --no-plot --output benchmarks/results/neo_testbed_uncapped.json
+	$(MAKE) bench-neo-kv
+
+# The KV format axis: tandem (Neo on) with one capped GPU pool size in 16-bit, INT8 and INT4 KV.
+NEO_KV_GIB := 0.135
+bench-neo-kv: install
+	for kv in float16 int8 int4; do $(PY) -m server.cli profile --device testbed --kv-cache-dtype $$kv \
+		--log-level warning > /dev/null || exit 1; done
+	$(PY) benchmarks/serve.py --system 'float16=$(NEO_SERVE) --kv-cache-gib $(NEO_KV_GIB) --kv-cache-dtype float16' \
+		--system 'int8=$(NEO_SERVE) --kv-cache-gib $(NEO_KV_GIB) --kv-cache-dtype int8' \
+		--system 'int4=$(NEO_SERVE) --kv-cache-gib $(NEO_KV_GIB) --kv-cache-dtype int4' \
+		--all-at-once $(NEO_LOAD) --no-plot --output benchmarks/results/neo_testbed_kv.json
 	$(PY) benchmarks/update_benchmarks_doc.py
 
 # Weight streaming (PIPO) on the host-only testbed: the pipeline against copy-then-compute and

@@ -130,6 +130,12 @@ class QuantizedLayout:
                     views.mins.uniform_(-0.1, 0.0)
 
     def write(self, key_pool, value_pool, key, value, slot_blocks, slot_offsets):
+        if key_pool.is_cuda:  # one Triton launch quantizes every row on the GPU
+            from kernels.triton import kv_quant_write
+
+            kv_quant_write.write_quantized(key_pool, value_pool, key, value, slot_blocks, slot_offsets,
+                                           self.format.name, self.block_size)
+            return
         for pool, rows, is_key in ((key_pool, key, True), (value_pool, value, False)):
             kv_quant.write_rows(kv_quant.unit_views(pool, self.units, is_key), self.units, rows, slot_blocks,
                                 slot_offsets)
