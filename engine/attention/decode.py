@@ -127,26 +127,23 @@ class CpuPagedDecode(DecodeAttentionBackend):
 class TritonPagedDecode(DecodeAttentionBackend):
     """kernels/triton's paged decode attention (CUDA; CPU tensors under Triton's interpreter):
     the new tokens' K/V stored by indexed writes, then one program per (sequence, KV head).
-    With `kv_format` (int8, int4) the caches are group-quantized pools (kernels/kv_quant.py),
-    `block_size` tokens a block: the new tokens are quantized into them by a kernel, and the
-    attention dequantizes the codes as it reads them."""
+    With a quantized layout the caches are group-quantized pools (kernels/kv_quant.py): the new
+    tokens are quantized into them by the layout's write, and the attention dequantizes the codes
+    as it reads them."""
 
     name = "triton"
 
     def __init__(self, kv_layout: KVLayout | None = None) -> None:
         import importlib  # noqa: F811
 
+        self.kv_layout = kv_layout  # None: dense pools, read off the tensors
         self._format_args = quantized_format_args(kv_layout)
-        # by name, so that a test's interpreted import of the modules is the one used
+        # by name, so that a test's interpreted import of the module is the one used
         self._kernels = importlib.import_module("kernels.triton.paged_decode")
-        self._writer = importlib.import_module("kernels.triton.kv_quant_write") if self._format_args else None
 
     def forward(self, query, key_cache, value_cache, block_tables, context_lens, scale, new_key, new_value):
-        if self._writer is None:
-            append_new_tokens(key_cache, value_cache, block_tables, context_lens, new_key, new_value)
-        else:
-            self._writer.append_quantized(key_cache, value_cache, block_tables, context_lens, new_key, new_value,
-                                          **self._format_args)
+        # a quantized CUDA pool's layout writes through kernels/triton/kv_quant_write.py
+        append_new_tokens(key_cache, value_cache, block_tables, context_lens, new_key, new_value, self.kv_layout)
         return self._kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
                                                     scale, **self._format_args)
 

@@ -110,8 +110,11 @@ class QuantizedLayout:
     def __init__(self, fmt: KVFormat, compute_dtype: torch.dtype, num_kv_heads: int, head_dim: int,
                  block_size: int) -> None:
         self.format, self.compute_dtype, self.num_kv_heads = fmt, compute_dtype, num_kv_heads
-        self.block_size = block_size
         self.units = kv_quant.layout_for(fmt.name, head_dim, block_size)
+
+    @property
+    def block_size(self) -> int:
+        return self.units.block_size
 
     def allocate(self, num_layers, num_blocks, zeros):
         shape = (num_layers, num_blocks, self.num_kv_heads, self.units.unit_bytes)
@@ -144,8 +147,7 @@ class QuantizedLayout:
         # quantized where the rows are, then the codes land in the pool's slots
         positions = torch.arange(start, start + key.shape[0], device=key_pool.device)
         table = torch.as_tensor(block_ids, dtype=torch.int64, device=key_pool.device)
-        block_size = self.units.block_size
-        self.write(key_pool, value_pool, key, value, table[positions // block_size], positions % block_size)
+        self.write(key_pool, value_pool, key, value, table[positions // self.block_size], positions % self.block_size)
 
     def read_blocks(self, pool, block_ids, is_key):
         views = kv_quant.unit_views(pool, self.units, is_key)

@@ -5,8 +5,8 @@ group, fp16 scales and mins after the codes), and the bytes written are exactly 
 `write_rows`: the scale (and min) rounded to fp16 half to even, codes round-half-even(x / scale)
 in fp32 with the fp16-rounded scale and min, a group of zero range getting scale 0 and codes 0.
 One program quantizes one (token, KV head): its key row and its value row, every group at once.
-`write_quantized` serves prefill chunks (any slots), `append_quantized` the decode step (each
-sequence's slot at context_len - 1, found on the device: no host sync).
+`write_quantized` takes any slots: prefill chunks and the decode step's appends (engine/kv/layouts.py's
+QuantizedLayout.write on a CUDA pool).
 
 Divisions are tl.math.div_rn (IEEE, as torch divides), not `/`, which compiles to an approximate
 division on a GPU. Under Triton's interpreter (TRITON_INTERPRET=1 while this module is imported)
@@ -140,17 +140,6 @@ def write_quantized(key_pool: torch.Tensor, value_pool: torch.Tensor, key: torch
         NUM_GROUPS=layout.num_groups, BLOCK_SIZE=block_size, CODE_COLS=layout.code_cols,
         CODE_BYTES=layout.code_bytes, IS_INT4=layout.bits == 4,
         BLOCK_GROUPS=triton.next_power_of_2(layout.num_groups))
-
-
-def append_quantized(key_pool: torch.Tensor, value_pool: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, kv_format: str,
-                     block_size: int) -> None:
-    """The decode append: each sequence's new_key/new_value [batch, kv_heads, head_dim] quantized
-    into its slot at context_len - 1 (block_tables [batch, max_blocks], context_lens [batch]),
-    the slots computed on the device."""
-    last = context_lens.long() - 1
-    slot_blocks = block_tables.long().gather(1, (last // block_size)[:, None]).squeeze(1)
-    write_quantized(key_pool, value_pool, new_key, new_value, slot_blocks, last % block_size, kv_format, block_size)
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:

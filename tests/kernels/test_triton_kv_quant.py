@@ -66,7 +66,10 @@ def test_append_writes_each_sequence_at_its_last_position(writer, gen, kv_format
     blocks, offsets = torch.tensor([1, 3]), torch.tensor([0, 15])
     kv_quant.write_rows(kv_quant.unit_views(want_key, layout, True), layout, new_key, blocks, offsets)
     kv_quant.write_rows(kv_quant.unit_views(want_value, layout, False), layout, new_value, blocks, offsets)
-    writer.append_quantized(key_pool, value_pool, tables, lens, new_key, new_value, kv_format, block_size)
+    from engine.attention.decode import new_token_slots
+
+    slot_blocks, slot_offsets = new_token_slots(tables, lens, block_size)  # the decode append's slots
+    writer.write_quantized(key_pool, value_pool, new_key, new_value, slot_blocks, slot_offsets, kv_format, block_size)
     assert torch.equal(key_pool, want_key) and torch.equal(value_pool, want_value)
 
 
@@ -203,7 +206,7 @@ def test_backend_quantizes_the_new_token_in_then_attends(decode, writer, gen, kv
     assert torch.equal(pools[0], want_pools[0]) and torch.equal(pools[1], want_pools[1])
     want = reference.paged_decode_attention(query, *dequantized(want_pools, layout), tables, lens, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert DECODE_BACKENDS.create("triton")._writer is None  # dense by default
+    assert DECODE_BACKENDS.create("triton").kv_layout is None  # dense by default
 
 
 @pytest.fixture
