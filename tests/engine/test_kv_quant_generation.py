@@ -42,7 +42,8 @@ def test_int8_greedy_tokens_equal_a_16_bit_cache_until_a_near_tie():
     assert num_equal_else_near_ties(runs["float16"], got, NEAR_TIE_NATS["int8"]) >= len(PROMPTS) // 2
 
 
-@pytest.mark.parametrize("kv", ["int8", pytest.param("int4", marks=pytest.mark.slow)])  # make test-slow: INT4
+@pytest.mark.slow  # make test-slow: two engines per format, which make test has no minutes for
+@pytest.mark.parametrize("kv", ["int8", "int4"])
 def test_quantized_blocks_hit_swap_demote_and_promote(kv, tmp_path):
     prompts = [SYSTEM + q for q in QUESTIONS]
     with LLM(dtype="float32", cpu_attention="off", kv_cache_dtype=kv, **WHOLE) as plain:
