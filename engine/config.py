@@ -27,6 +27,9 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", 
 CPU_ATTENTION_MODES = ("auto", "on", "off")
 # --quantization -> the linear method (engine/quant) every decoder-layer matmul uses
 QUANTIZATION_METHODS = {"none": "dense", "int4": "int4"}
+# auto: the fit (engine/execution/fit.py) chooses: 4-bit blocks a GGUF stores stay packed, and
+# 16-bit weights are quantized only where memory binds and the performance model predicts a gain
+QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_METHODS)
 PROFILE_GRIDS = ("default", "quick")  # quick: a coarse profile, for tests
 # cpu: the CPU plays both roles; testbed: a GPU thread on its own cores beside the CPU
 # attention (Neo's overlap on a CPU-only host); cuda[:N]: a GPU
@@ -86,6 +89,7 @@ DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 2048, "testbed": 2048}
 # tens of decode steps. On CUDA, unmeasured here, the token budget alone (vLLM's behaviour).
 DEFAULT_PREFILL_SLOWDOWN = {"cuda": 0.0, "cpu": 3.0, "testbed": 3.0}
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
+DEFAULT_CPU_KV_CACHE_MEMORY_GIB = 4.0
 # What --memory-gib keeps back from the KV pool for activations, logits and scratch buffers.
 ACTIVATION_RESERVE_GIB = 0.25
 
@@ -104,7 +108,8 @@ class CacheConfig:
     kv_cache_memory_gib: float | None = None
     memory_gib: float | None = None  # the GPU memory for weights and the KV pool together
     num_cpu_blocks: int | None = None  # the host pool, when offloading; None: from cpu_kv_cache_memory_gib
-    cpu_kv_cache_memory_gib: float = 4.0
+    # None: the fit sizes the host pool (DEFAULT_CPU_KV_CACHE_MEMORY_GIB, or from --host-memory-gib)
+    cpu_kv_cache_memory_gib: float | None = None
     # Automatic prefix caching (scheduler/prefix_cache.py): full blocks a prompt shares with an
     # earlier one are taken from the cache instead of being computed again.
     enable_prefix_caching: bool = True
@@ -125,10 +130,9 @@ class CacheConfig:
         _require_int(self, "num_blocks", 1, none_means="size the pool by memory")
         _require_int(self, "num_cpu_blocks", 1,
                      none_means="size the pool by cpu_kv_cache_memory_gib; cpu_attention='off' drops the pool")
-        for name in ("kv_cache_memory_gib", "memory_gib"):
+        for name in ("kv_cache_memory_gib", "memory_gib", "cpu_kv_cache_memory_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
-        _require_positive(self, "cpu_kv_cache_memory_gib")
         if self.kv_cache_memory_gib is not None and self.memory_gib is not None:
             raise ConfigError("give kv_cache_memory_gib (the KV pool alone) or memory_gib (weights and KV pool "
                               "together), not both")
@@ -163,7 +167,7 @@ class CacheConfig:
         `cpu_kv_cache_memory_gib` holds (at least one)."""
         if self.num_cpu_blocks is not None:
             return self.num_cpu_blocks
-        return _blocks_in(self.cpu_kv_cache_memory_gib, block_bytes)
+        return _blocks_in(self.cpu_kv_cache_memory_gib or DEFAULT_CPU_KV_CACHE_MEMORY_GIB, block_bytes)
 
 
 @dataclass(frozen=True)
@@ -286,7 +290,14 @@ class EngineConfig:
     # steps' time (scheduler/prefill_pacing.py); 0: the token budget alone; None: the device's default
     max_prefill_slowdown: float | None = None
     decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
-    quantization: str = "none"  # none: weights dense in `dtype` | int4: round-to-nearest INT4 at load (cpu, cuda)
+    # auto: chosen by the fit | none: weights dense in `dtype` | int4: packed INT4 (GGUF Q4 blocks as stored,
+    # else round-to-nearest at load; devices cpu and cuda)
+    quantization: str = "auto"
+    # The fit's two budgets (engine/execution/fit.py): the GPU's memory for weights, layer buffers,
+    # activations and its KV pool (None: cuda 90% of the device; cpu and testbed, the host's), and
+    # host memory for streamed layers and the host KV pool (None: 80% of what the host has available)
+    gpu_memory_gib: float | None = None
+    host_memory_gib: float | None = None
     # How a CPU model's decoder layers run: layers (a decode batch's layers in C++, engine/model/native.py),
     # fused (op by op from Python, RMSNorm and RoPE as C++ kernels) or torch (every op a torch op)
     cpu_ops: str = "layers"
@@ -309,7 +320,10 @@ class EngineConfig:
         if slowdown is not None and (not isinstance(slowdown, (int, float)) or isinstance(slowdown, bool)
                                      or not (slowdown == 0 or slowdown > 1)):
             raise ConfigError(f"max_prefill_slowdown must be 0 (off) or a number > 1, got {slowdown!r}")
-        _require_choice(self, "quantization", tuple(QUANTIZATION_METHODS))
+        _require_choice(self, "quantization", QUANTIZATION_CHOICES)
+        for name in ("gpu_memory_gib", "host_memory_gib"):
+            if getattr(self, name) is not None:
+                _require_positive(self, name)
         _require_choice(self, "cpu_ops", CPU_OPS)
         if self.quantization == "int4" and self.device == "testbed":
             raise ConfigError("quantization int4 runs on device cpu or cuda, not on the testbed: its GPU "

@@ -19,6 +19,7 @@ import torch
 
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.execution import CoreAssignment, ModelRunner
+from engine.execution.fit import describe_fit, fit_config
 from engine.execution.layer_store import create_layer_store
 from engine.execution.stats import WeightStats
 from engine.execution.weight_plan import conversion_key, plan_model, slicing_costs, weight_format
@@ -95,6 +96,8 @@ class LLMEngine:
         # resolved here, once: `auto` runs the dtype probe, and everything after uses this value
         self.dtype, reason = compute_dtype(config.dtype, config.torch_device)
         logger.info("compute dtype: %s (%s)", str(self.dtype).removeprefix("torch."), reason)
+        # the weight and KV formats, the layers' places and both pools from the budgets (LM-Offload)
+        self.config = config = self._fit(config, loader)
         # each decoder layer's tier and MLP slice rates, with the slicing models they were solved with
         self.plan, self.slicing_costs = plan_model(config, self.model_config, self.dtype, self._model_max_len())
         self.placement: WeightPlacement | None = self.plan.placement  # the whole-layer streaming part
@@ -141,6 +144,11 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = IterationStats()
+
+    def _fit(self, config: EngineConfig, loader) -> EngineConfig:
+        fitted, self.fit = fit_config(config, loader, self.dtype, model_max_len(config, loader.config))
+        logger.info("%s", describe_fit(self.fit, fitted))
+        return fitted
 
     def _kv_format(self) -> KVFormat:
         """--kv-cache-dtype resolved (auto: the compute dtype's); ConfigError where the model's

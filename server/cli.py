@@ -75,9 +75,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"],
                        help="auto: from --model (a .gguf file, a directory, a preset)")
     model.add_argument("--dtype", default="auto", help="auto (measured), float32, bfloat16 or float16")
-    model.add_argument("--quantization", default="none", choices=["none", "int4"],
-                       help="int4: decoder-layer weights quantized at load (round-to-nearest, groups of 32) "
-                            "and kept packed; devices cpu and cuda")
+    model.add_argument("--quantization", default="auto", choices=["auto", "none", "int4"],
+                       help="decoder-layer weights: auto (a GGUF's 4-bit blocks stay packed; 16-bit weights become "
+                            "int4 only where memory binds and the fit predicts a gain), none (dense in --dtype), int4 "
+                            "(packed; round-to-nearest in groups of 32 where not stored so; devices cpu and cuda)")
     model.add_argument("--cpu-ops", default="layers", choices=["layers", "fused", "torch"],
                        help="how the decoder layers run on a CPU device: layers (a decode batch's layers in one "
                             "C++ call), fused (op by op, RMSNorm, RoPE and SiLU*up as C++ kernels), torch (torch ops)")
@@ -93,6 +94,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                           help="while streams decode, an iteration carrying prompt chunks takes at most this "
                                "many decode steps' time, so running streams keep their pace (0: the token budget "
                                "alone; default 3 on cpu and testbed, 0 on cuda)")
+    memory = parser.add_argument_group(
+        "memory: the fit divides two budgets among weights, layer buffers and both KV pools, and picks the "
+        "weight and KV formats (the older knobs below stay as overrides)")
+    memory.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="the GPU's memory for weights, layer buffers, activations and its KV pool (default: "
+                             "cuda 90%% of the device; cpu and testbed, the host's memory)")
+    memory.add_argument("--host-memory-gib", type=float, default=None,
+                        help="host memory for streamed layers and the host KV pool (default: 80%% of what the host "
+                             "has available)")
     _add_cache_flags(parser)
     devices = parser.add_argument_group("device and CPU offloading")
     devices.add_argument("--device", default="cpu",
@@ -157,10 +167,11 @@ def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
                        help="GPU memory for weights and KV pool together: the pool gets what the weights leave")
     cache.add_argument("--num-cpu-blocks", type=int, default=None,
                        help="host KV pool blocks (default: --cpu-kv-cache-gib)")
-    cache.add_argument("--cpu-kv-cache-gib", type=float, default=4.0, help="host KV pool size")
+    cache.add_argument("--cpu-kv-cache-gib", type=float, default=None,
+                       help="host KV pool size (default: 4, or what --host-memory-gib leaves)")
     cache.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                       help="how both KV pools store keys and values: auto (the compute dtype), a float dtype, "
-                            "or int8 / int4 codes with a scale per 64 channels of a token (about 1.9x / 3.6x "
+                       help="how both KV pools store keys and values: auto (the compute dtype; int8 or int4 only "
+                            "where memory binds and the fit predicts a gain), a float dtype, or int8 / int4 codes with a scale per 64 channels of a token (about 1.9x / 3.6x "
                             "the sequences in the same memory)")
     cache.add_argument("--prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
                        default=True, help="reuse the KV of prompt prefixes seen before, in both KV pools "
@@ -174,6 +185,7 @@ def engine_config(args: argparse.Namespace, **overrides):
     return EngineConfig.from_flat(**{**dict(
         model=args.model, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
         quantization=args.quantization, cpu_ops=args.cpu_ops,
+        gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_slowdown=args.max_prefill_slowdown,
         block_size=args.block_size,
@@ -216,6 +228,7 @@ def plan(args: argparse.Namespace) -> int:
     import json
 
     from engine.engine import describe_scheduler, model_max_len
+    from engine.execution.fit import describe_fit, fit_config
     from engine.kv.layouts import resolve_kv_format
     from scheduler.cost_model import kv_bytes_per_token
     from engine.execution.weight_plan import plan_model
@@ -225,10 +238,14 @@ def plan(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
-    model_config = create_loader(config.model, config.load_format, seed=config.seed).config  # the shape only
+    loader = create_loader(config.model, config.load_format, seed=config.seed)  # the shape only
+    model_config = loader.config
     dtype, reason = compute_dtype(config.dtype, config.torch_device)
+    config, fitted = fit_config(config, loader, dtype, model_max_len(config, model_config), predict_always=True)
     print(f"tandem plan: {args.model}, {str(dtype).removeprefix('torch.')} ({reason}), "
           f"{'int4 ' if config.quantization == 'int4' else ''}weights, on {args.device}")
+    print(describe_fit(fitted, config))
+    print(f"as flags: {' '.join(fitted_flags(config))}")
     print(f"scheduler: {describe_scheduler(config)}")
     kv_format = resolve_kv_format(config.cache.kv_cache_dtype, dtype)
     kv_token_bytes = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
@@ -241,11 +258,31 @@ def plan(args: argparse.Namespace) -> int:
                      "enable_prefix_caching": config.cache.enable_prefix_caching,
                      "max_prefill_slowdown": config.prefill_slowdown_limit}
         report = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "scheduler": scheduler,
-                  "kv_cache": {"format": kv_format.name, "bytes_per_token": kv_token_bytes}, **model_plan.to_dict()}
+                  "kv_cache": {"format": kv_format.name, "bytes_per_token": kv_token_bytes},
+                  "fit": None if fitted is None else fitted.to_dict(), **model_plan.to_dict()}
         if costs is not None:
             report["slicing_costs"] = costs.to_dict()
         print(json.dumps(report, indent=1))
     return 0
+
+
+def fitted_flags(config) -> list[str]:
+    """The flags that run what the fit chose (`tandem serve` with them skips nothing it decides)."""
+    cache, weights = config.cache, config.weights
+    flags = [f"--quantization {config.quantization}", f"--kv-cache-dtype {cache.kv_cache_dtype}"]
+    if cache.num_blocks is not None:
+        flags.append(f"--num-gpu-blocks {cache.num_blocks}")
+    if cache.num_cpu_blocks is not None:
+        flags.append(f"--num-cpu-blocks {cache.num_cpu_blocks}")
+    if weights.gpu_gib is not None:
+        flags.append(f"--weights-gpu-gib {weights.gpu_gib:.6g}")
+    if weights.host_gib is not None:
+        flags.append(f"--weights-cpu-gib {weights.host_gib:.6g}")
+    if weights.pipeline != "auto":
+        flags.append(f"--weight-pipeline {weights.pipeline}")
+    if weights.offload_dir:
+        flags.append(f"--offload-dir {weights.offload_dir}")
+    return flags
 
 
 def convert(args: argparse.Namespace) -> int:

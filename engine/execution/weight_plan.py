@@ -77,7 +77,7 @@ def conversion_key(config: EngineConfig, source: str, dtype: torch.dtype) -> Con
                                 seed=config.seed if config.load_format == "dummy" else 0)
 
 
-def _available_host_bytes() -> int:
+def available_host_bytes() -> int:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -104,7 +104,7 @@ def budgets(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
         kv_bytes = cache.num_gpu_blocks_for(block_bytes) * block_bytes
     host = weights.host_gib
     host_bytes = (int(host * GIB_BYTES) if host is not None
-                  else max(0, int(HOST_MEMORY_FRACTION * _available_host_bytes()) - host_kv))
+                  else max(0, int(HOST_MEMORY_FRACTION * available_host_bytes()) - host_kv))
     disk_bytes = None
     if weights.offload_dir:
         os.makedirs(weights.offload_dir, exist_ok=True)  # serve writes its layer files there
@@ -115,9 +115,19 @@ def budgets(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
         disk_bytes=disk_bytes, has_offload_dir=weights.offload_dir is not None, host_kv_cache_bytes=host_kv)
 
 
-def workload(config: EngineConfig, max_model_len: int, dtype: torch.dtype | None = None) -> Workload:
-    """What the engine will run; `dtype` (the compute dtype) resolves an auto KV format."""
+def workload(config: EngineConfig, max_model_len: int, dtype: torch.dtype | None = None,
+             model_config: ModelConfig | None = None) -> Workload:
+    """What the engine will run; `dtype` (the compute dtype) resolves an auto KV format. With
+    `model_config`, a GPU pool of fixed size caps max_model_len where it is not given, as the engine
+    caps it."""
     kv_bytes = None if dtype is None else resolve_kv_format(config.cache.kv_cache_dtype, dtype).element_bytes
+    cache = config.cache
+    pool_fixed = cache.num_blocks is not None or cache.kv_cache_memory_gib is not None or not (
+        cache.sized_by_memory_budget or config.device.startswith("cuda"))
+    if model_config is not None and dtype is not None and config.max_model_len is None and pool_fixed:
+        block_bytes = KVCache.bytes_per_block(model_config, cache.block_size,
+                                              resolve_kv_format(cache.kv_cache_dtype, dtype))
+        max_model_len = min(max_model_len, cache.num_gpu_blocks_for(block_bytes) * cache.block_size)
     return Workload(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                     max_num_batched_tokens=config.batched_tokens_budget,
                     block_size=config.cache.block_size,
@@ -134,21 +144,50 @@ def measure(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
     """Copy and disk rates and compute times on this machine, as the engine will run them (each
     measured once per process: every engine of a process runs on the same hardware)."""
     _refuse_moe_streaming(model_config)
+    costs = measure_compute_costs(config, model_config, dtype, config.quantization)  # first: the link beside it
+    rates, direct = measure_rates(config)
+    logger.info("measured: host->GPU %.2f GB/s (%.2f beside compute)%s; one layer's linear work at %d "
+                "tokens %.1f ms (%.1f beside a copy)", rates.link_bytes_per_s / 1e9,
+                rates.link_bytes_per_s_under_compute / 1e9,
+                "" if rates.disk_bytes_per_s is None else
+                f", disk {rates.disk_bytes_per_s / 1e9:.2f} GB/s ({'O_DIRECT' if direct else 'page cache'})",
+                DECODE_PROBE_TOKENS, costs.linear(DECODE_PROBE_TOKENS) * 1e3,
+                costs.linear_under_transfer(DECODE_PROBE_TOKENS) * 1e3)
+    return Measurements(rates, costs, direct)
+
+
+def measure_rates(config: EngineConfig) -> tuple[TransferRates, bool | None]:
+    """The link's rate alone and beside compute (as measured with the compute costs, which go
+    first), and the offload directory's read rate (None without one), with whether its reads
+    bypassed the page cache."""
     weights = config.weights
-    cores = CoreAssignment.for_device(config.device, config.cpu_attention.gpu_threads,
-                                      config.cpu_attention.cpu_attention_threads)
+    cores = engine_cores(config)
     link = _link_bytes_per_s(config.torch_device, cores)
     disk, direct = (None, None) if not weights.offload_dir else _disk_bytes_per_s(weights.offload_dir,
                                                                                   weights.num_io_threads)
-    layer_bytes = layer_image_bytes(model_config.shape, weight_format(config, dtype))
-    costs, link_busy = _compute_costs(model_config, dtype, config.quantization, config.torch_device, cores,
-                                      layer_bytes)
-    logger.info("measured: host->GPU %.2f GB/s (%.2f beside compute)%s; one layer's linear work at %d "
-                "tokens %.1f ms (%.1f beside a copy)", link / 1e9, link_busy / 1e9,
-                "" if disk is None else f", disk {disk / 1e9:.2f} GB/s ({'O_DIRECT' if direct else 'page cache'})",
-                DECODE_PROBE_TOKENS, costs.linear(DECODE_PROBE_TOKENS) * 1e3,
-                costs.linear_under_transfer(DECODE_PROBE_TOKENS) * 1e3)
-    return Measurements(TransferRates(link, disk, DEFAULT_BLOCK_BYTES, link_busy), costs, direct)
+    link_busy = _link_busy_bytes_per_s(config.torch_device, cores)
+    return TransferRates(link, disk, DEFAULT_BLOCK_BYTES, link_busy), direct
+
+
+def measure_compute_costs(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                          quantization: str) -> ComputeCosts:
+    """One layer's linear work, decode attention and the head on the GPU, weights in `quantization`."""
+    layer_bytes = layer_image_bytes(model_config.shape, WeightFormat(quantization, dtype.itemsize))
+    return _compute_costs(model_config, dtype, quantization, config.torch_device, engine_cores(config), layer_bytes)[0]
+
+
+def engine_cores(config: EngineConfig) -> CoreAssignment:
+    cpu_attention = config.cpu_attention
+    return CoreAssignment.for_device(config.device, cpu_attention.gpu_threads, cpu_attention.cpu_attention_threads)
+
+
+def _link_busy_bytes_per_s(device: str, cores: CoreAssignment) -> float:
+    """The link beside a decode-sized linear stage (measured with the first compute costs: the
+    embedded model's shape stands in for any, as the bus is what they share)."""
+    return _link_beside_compute.get((device, cores)) or _link_bytes_per_s(device, cores)
+
+
+_link_beside_compute: dict[tuple[str, CoreAssignment], float] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,7 +214,10 @@ def _compute_costs(model_config: ModelConfig, dtype: torch.dtype, quantization: 
     queue = _gpu_queue(cores, device)
     engine = _copy_engine(device, cores)
     try:
-        return measure_compute(model_config, dtype, QUANTIZATION_METHODS[quantization], queue, layer_bytes, engine)
+        costs, link_busy = measure_compute(model_config, dtype, QUANTIZATION_METHODS[quantization], queue,
+                                           layer_bytes, engine)
+        _link_beside_compute.setdefault((device, cores), link_busy)
+        return costs, link_busy
     finally:
         engine.close()
         queue.close()
@@ -222,8 +264,9 @@ def plan_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dty
         def measured() -> tuple[TransferRates, ComputeCosts]:
             measurements = measure(config, model_config, dtype)
             return measurements.rates, measurements.costs
-        placement = PlacementRequest(budgets(config, model_config, dtype), workload(config, max_model_len, dtype),
-                                     measured, mode=weights.placement, pipeline=weights.pipeline)
+        placement = PlacementRequest(budgets(config, model_config, dtype),
+                                     workload(config, max_model_len, dtype, model_config), measured,
+                                     mode=weights.placement, pipeline=weights.pipeline)
     slicing = costs = None
     if sliced:
         costs = slicing_costs(config, model_config, dtype)

@@ -82,6 +82,11 @@ class WeightLoader(ABC):
         tensors hands out `load_layer`'s."""
         return self.load_layer(index, dtype)
 
+    def stores_int4(self) -> bool:
+        """Whether the int4 method takes this checkpoint's linear weights without loss: some are
+        4-bit blocks it holds exactly and none would be quantized at load (the rest it keeps dense)."""
+        return False
+
     def _check_layer_index(self, index: int) -> None:
         if not 0 <= index < self.config.num_layers:
             raise IndexError(f"{self.source}: layer {index} out of range [0, {self.config.num_layers})")

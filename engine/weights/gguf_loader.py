@@ -209,6 +209,14 @@ class GGUFLoader(WeightLoader):
                     weights[f"{key}_bias"] = _unpermute_rows(weights[f"{key}_bias"], num_heads)
         return weights
 
+    def stores_int4(self) -> bool:
+        handlings = {_int4_handling(self._tensors[name].tensor_type) for name in self._linear_tensor_names()}
+        return _Int4Handling.PACKED in handlings and _Int4Handling.QUANTIZED not in handlings
+
+    def _linear_tensor_names(self) -> list[str]:
+        return [name for index in range(self.config.num_layers)
+                for name, (_, keys) in _layer_tensor_shapes(self.config, index).items() if _is_linear(keys[0])]
+
     def _load_for_int4(self, name: str, dtype: torch.dtype) -> torch.Tensor | PackedInt4 | KeepDense:
         """A linear weight as the int4 method takes it (see _int4_handling)."""
         handling = _int4_handling(self._tensors[name].tensor_type)
@@ -239,9 +247,7 @@ class GGUFLoader(WeightLoader):
                 # the model keeps the embeddings and LM head dense whatever the linear method
                 items.append(f"{role} ({_GLOBAL_NAMES[key]}, {qtype.name}) -> "
                              f"{_read_as(qtype, dtype)}{', kept dense' if for_int4 else ''}")
-        counts = Counter(self._tensors[name].tensor_type
-                         for index in range(self.config.num_layers)
-                         for name, (_, keys) in _layer_tensor_shapes(self.config, index).items() if _is_linear(keys[0]))
+        counts = Counter(self._tensors[name].tensor_type for name in self._linear_tensor_names())
         for qtype, count in sorted(counts.items(), key=lambda item: (-item[1], item[0].name)):
             becomes = _int4_becomes(qtype, dtype) if for_int4 else _read_as(qtype, dtype)
             items.append(f"{count} {qtype.name} linear weight{'s' if count != 1 else ''} -> {becomes}")

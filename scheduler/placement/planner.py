@@ -190,7 +190,7 @@ def plan_placement(inputs: PlannerInputs) -> WeightPlacement:
     reasons: list[str] = []
     for num_resident in resident_counts:
         for pipeline in pipelines if num_resident < num_layers else [None]:
-            candidate = _candidate(inputs, num_resident, pipeline)
+            candidate = candidate_placement(inputs, num_resident, pipeline)
             if isinstance(candidate, str):
                 reasons.append(candidate)
             elif best is None or is_better(candidate, best):
@@ -233,7 +233,7 @@ def num_layer_buffers(workload: Workload, num_streamed: int, pipeline: str | Non
     return min(num_streamed, workload.layers_in_use + (pipeline == PIPELINE_PERFORMANCE))
 
 
-def _candidate(inputs: PlannerInputs, num_resident: int, pipeline: str | None) -> WeightPlacement | str:
+def candidate_placement(inputs: PlannerInputs, num_resident: int, pipeline: str | None) -> WeightPlacement | str:
     """The placement with `num_resident` resident layers, or why it does not fit."""
     shape, fmt, budgets = inputs.shape, inputs.fmt, inputs.budgets
     num_buffers = num_layer_buffers(inputs.workload, shape.num_layers - num_resident, pipeline)
@@ -346,34 +346,43 @@ def _num_host_layers(host_weight_bytes: int | None, num_streamed: int, layer_byt
 def _estimate(inputs: PlannerInputs, tiers: list[Tier], num_buffers: int, kv_bytes: int,
               layer_bytes: int) -> tuple[ThroughputEstimate, dict[Tier, float]] | str:
     """Decode throughput: as many sequences of `context_len` tokens as the KV pool and
-    max_num_seqs allow, one token each per forward; and one layer's load per tier.
-
-    Where loads and computes slow each other (measured: `linear_under_transfer`,
-    `link_bytes_per_s_under_compute`), the forward is replayed once with the rates alone, and
-    again with each side slowed in proportion to the time the first replay ran them together."""
-    work, costs, rates = inputs.workload, inputs.costs, inputs.rates
+    max_num_seqs allow, one token each per forward; and one layer's load per tier."""
+    work = inputs.workload
     block_bytes = _kv_block_bytes(inputs)
     blocks_per_seq = -(-work.context_len // work.block_size)
     batch = min(work.max_num_seqs, kv_bytes // block_bytes // blocks_per_seq)
     if batch < 1:
         return f"the KV pool ({_gib(kv_bytes)}) holds no {work.context_len}-token sequence"
-    attention_s = costs.attention_s_per_context_token * batch * work.context_len
+    attention_s = inputs.costs.attention_s_per_context_token * batch * work.context_len
+    timeline, load_s = forward_timeline(inputs, tiers, num_buffers, layer_bytes, batch, attention_s)
+    return ThroughputEstimate(batch, work.context_len, timeline), load_s
+
+
+def forward_timeline(inputs: PlannerInputs, tiers: Sequence[Tier], num_buffers: int, layer_bytes: int,
+                     num_tokens: int, attention_s: float) -> tuple[ForwardTimeline, dict[Tier, float]]:
+    """One forward of `num_tokens` tokens whose layers each also spend `attention_s` on the GPU,
+    its streamed layers loaded through the ring; and one layer's load per tier.
+
+    Where loads and computes slow each other (measured: `linear_under_transfer`,
+    `link_bytes_per_s_under_compute`), the forward is replayed once with the rates alone, and
+    again with each side slowed in proportion to the time the first replay ran them together."""
+    work, costs, rates = inputs.workload, inputs.costs, inputs.rates
     streamed_tiers = [tier for tier in (Tier.HOST, Tier.DISK) if tier in tiers]
 
     def replay(compute_share: float, load_share: float) -> tuple[ForwardTimeline, dict[Tier, float]]:
-        alone = costs.linear(batch)
-        busy = costs.linear_under_transfer(batch) if costs.linear_under_transfer else alone
+        alone = costs.linear(num_tokens)
+        busy = costs.linear_under_transfer(num_tokens) if costs.linear_under_transfer else alone
         layer_s = alone + (busy - alone) * compute_share + attention_s
         load_s = {tier: (1 - load_share) * rates.load_s(tier, layer_bytes)
                   + load_share * rates.load_s(tier, layer_bytes, under_compute=True) for tier in streamed_tiers}
         timeline = simulate_forward([layer_s] * len(tiers), [load_s.get(tier) for tier in tiers], num_buffers,
-                                    costs.head(batch), work.layers_in_use)
+                                    costs.head(num_tokens), work.layers_in_use)
         return timeline, load_s
 
     timeline, load_s = replay(0.0, 0.0)
     if streamed_tiers and timeline.overlap_s > 0:
         timeline, load_s = replay(timeline.overlap_s / timeline.compute_s, timeline.overlap_s / timeline.transfer_s)
-    return ThroughputEstimate(batch, work.context_len, timeline), load_s
+    return timeline, load_s
 
 
 # ---- reporting ------------------------------------------------------------------------------

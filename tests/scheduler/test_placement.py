@@ -26,7 +26,7 @@ from scheduler.placement import (
     simulate_forward,
 )
 from scheduler.placement.memory import image_layout, resident_global_bytes
-from scheduler.placement.planner import _candidate, spread
+from scheduler.placement.planner import candidate_placement, spread
 
 # A 1B Llama-3.2 shape: 16 layers of ~116 MiB in bf16, embeddings ~0.5 GiB
 SHAPE = ModelShape(num_layers=16, hidden_size=2048, intermediate_size=8192, num_heads=32, num_kv_heads=8,
@@ -155,7 +155,7 @@ def test_resident_layers_are_weighed_against_kv_space():
     slow = plan_placement(inputs(budgets, link_s_per_layer=0.5, workload=Workload(max_num_seqs=16, **work)))
     assert fast.num_layers_in(TIER_GPU) == 0 and fast.estimate.batch > 16
     assert slow.num_layers_in(TIER_GPU) > 0 and slow.estimate.batch == 16
-    one_more = _candidate(inputs(budgets, link_s_per_layer=0.5, workload=Workload(max_num_seqs=16, **work)),
+    one_more = candidate_placement(inputs(budgets, link_s_per_layer=0.5, workload=Workload(max_num_seqs=16, **work)),
                           slow.num_layers_in(TIER_GPU) + 1, slow.pipeline)
     assert isinstance(one_more, str) or one_more.estimate.batch < 16  # one more resident layer costs batch
     for placement in (fast, slow):

@@ -31,7 +31,8 @@ def test_a_flag_that_cannot_work_is_refused_in_one_line(flags, message, capsys):
 
 
 def test_plan_prints_the_breakdown_and_the_expected_speed_without_loading_weights(capsys):
-    assert main(["plan", "--dtype", "float32", "--weights-gpu-gib", "0.25", "--log-level", "warning"]) == 0
+    assert main(["plan", "--dtype", "float32", "--quantization", "none", "--weights-gpu-gib", "0.25",
+                 "--log-level", "warning"]) == 0
     out = capsys.readouterr().out
     assert "weight placement (auto):" in out and "streamed (" in out and "memory (GiB):" in out
     assert "KV pool" in out and "activations" in out and "tokens/s" in out
@@ -61,7 +62,7 @@ def slicing_cache_dir(tmp_path_factory):
 def test_plan_shows_the_mlp_slicing_rates_when_asked(slicing, moving, expected, capsys, monkeypatch,
                                                      slicing_cache_dir):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(slicing_cache_dir))
-    assert main(["plan", "--dtype", "float32", "--weights-gpu-gib", "0.25", "--mlp-slicing", slicing,
+    assert main(["plan", "--dtype", "float32", "--quantization", "none", "--weights-gpu-gib", "0.25", "--mlp-slicing", slicing,
                  "--mlp-prefill-moving", moving, "--log-level", "warning"]) == 0
     out = capsys.readouterr().out
     assert expected in out and "predicted" in out

@@ -1,0 +1,117 @@
+"""LM-Offload's performance model (sec. 3.2), adapted to tandem's iteration. Plain Python, no torch.
+
+A decode iteration's time is the maximum of the tasks that overlap in it (LM-Offload eq. 2):
+- the GPU: every layer's linear work for the batch in the weight format (dense GEMMs, or the INT4
+  kernels, whose per-use dequantization above their packed batch limit is in the measured curve),
+  the streamed layers' loads from host memory or disk through the ring (the placement planner's
+  pipeline, replayed in simulated time), and the decode attention of the sequences whose KV is
+  in the GPU pool, read in the KV format;
+- the CPU side (Neo): the decode attention of the sequences whose KV is in the host pool, in
+  the KV format, plus a hand-off per layer.
+A quantized KV format pays its quantization at every write and its widening at every read: both
+are in the attention costs, measured with the kernels' fused append per format. With no host
+pool the iteration is the GPU's alone (LM-Offload "without attention offloading", where a
+sequence's KV must fit the GPU pool); with one, the better of the GPU pool's sequences alone and
+all of them with the CPU's attention beside the GPU's work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from scheduler.kv_format import KVFormat
+from scheduler.placement.planner import PlannerInputs, forward_timeline
+from scheduler.placement.tiers import Tier
+
+
+@dataclass(frozen=True)
+class AttentionCosts:
+    """One layer's decode attention per context token, by KV format name: on the GPU and on the
+    CPU side (at its thread count); `handoff_s`: a layer's Q/K/V to the CPU and its output back."""
+
+    gpu_s_per_token: Mapping[str, float]
+    cpu_s_per_token: Mapping[str, float]
+    handoff_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu_s_per_token": dict(self.gpu_s_per_token), "cpu_s_per_token": dict(self.cpu_s_per_token),
+                "handoff_s": self.handoff_s}
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """Tokens each KV pool holds."""
+
+    gpu_tokens: int
+    host_tokens: int  # 0 without Neo's host pool
+
+    def sequences(self, context_len: int, block_size: int) -> tuple[int, int]:
+        """Sequences of `context_len` tokens each pool holds, whole blocks each."""
+        seq_tokens = -(-context_len // block_size) * block_size
+        return self.gpu_tokens // seq_tokens, self.host_tokens // seq_tokens
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the model expects of one configuration at the expected workload."""
+
+    batch: int  # sequences decoded per iteration
+    num_cpu_seqs: int  # of them, attended on the CPU (KV in the host pool)
+    gpu_s: float  # the GPU's share of an iteration: linear work, loads, GPU attention
+    cpu_s: float  # the CPU side's: attention of the CPU's sequences and its hand-offs
+    ttft_s: float  # one expected-context prompt prefilled alone, chunk by chunk
+    transfer_s: float = 0.0  # the ring loading streamed layers within an iteration
+
+    @property
+    def iteration_s(self) -> float:
+        return max(self.gpu_s, self.cpu_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.iteration_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch": self.batch, "num_cpu_seqs": self.num_cpu_seqs, "gpu_s": self.gpu_s, "cpu_s": self.cpu_s,
+                "iteration_s": self.iteration_s, "transfer_s": self.transfer_s, "ttft_s": self.ttft_s,
+                "tokens_per_s": self.tokens_per_s}
+
+
+def predict(inputs: PlannerInputs, tiers: Sequence[Tier], num_buffers: int, layer_bytes: int, kv: KVFormat,
+            attention: AttentionCosts, capacity: KVCapacity) -> Prediction | str:
+    """The decode iteration and TTFT of this configuration (`inputs` carries the weight format's
+    compute costs and the transfer rates; `tiers` each layer's), or why it serves no sequence."""
+    work = inputs.workload
+    context_len, num_layers = work.context_len, len(tiers)
+    gpu_seqs, host_seqs = capacity.sequences(context_len, work.block_size)
+    batch = min(work.max_num_seqs, gpu_seqs + host_seqs)
+    if batch < 1:
+        return f"neither KV pool holds a {context_len}-token sequence"
+
+    def gpu_forward(num_gpu_seqs: int, num_tokens: int) -> tuple[float, float]:
+        attention_s = attention.gpu_s_per_token[kv.name] * num_gpu_seqs * context_len
+        timeline, _ = forward_timeline(inputs, tiers, num_buffers, layer_bytes, num_tokens, attention_s)
+        return timeline.iteration_s, timeline.transfer_s
+
+    ttft_s = _prefill_s(work.max_num_batched_tokens, context_len, gpu_forward)
+    on_gpu = min(batch, gpu_seqs)
+    choices = []
+    if on_gpu:
+        gpu_s, transfer_s = gpu_forward(on_gpu, on_gpu)
+        choices.append(Prediction(on_gpu, 0, gpu_s, 0.0, ttft_s, transfer_s))
+    if batch > on_gpu:
+        num_cpu = batch - on_gpu
+        gpu_s, transfer_s = gpu_forward(on_gpu, batch)
+        cpu_s = num_layers * (attention.cpu_s_per_token[kv.name] * num_cpu * context_len + attention.handoff_s)
+        choices.append(Prediction(batch, num_cpu, gpu_s, cpu_s, ttft_s, transfer_s))
+    return max(choices, key=lambda p: p.tokens_per_s)
+
+
+def _prefill_s(chunk_tokens: int, prompt_len: int, gpu_forward) -> float:
+    """A prompt's forwards, `chunk_tokens` at a time (attention within the chunk is not charged:
+    small beside the linear work at the contexts the chunks run)."""
+    total, done = 0.0, 0
+    while done < prompt_len:
+        num_tokens = min(chunk_tokens, prompt_len - done)
+        total += gpu_forward(0, num_tokens)[0]
+        done += num_tokens
+    return total
