@@ -6,8 +6,8 @@ The fit's answer is an EngineConfig with those knobs set, so the engine runs exa
 giving the same flags would run. Flags a user gives stay as given: a fixed weight or KV format
 leaves only that option; --num-gpu-blocks, --kv-cache-gib, --num-cpu-blocks and
 --cpu-kv-cache-gib fix the pools; the placement knobs (--weights-gpu-gib, --weights-cpu-gib,
---weight-placement, --mlp-slicing) leave the layers to the placement and slicing planners as
-before, the fit taking the lossless formats. Measuring happens only where speed decides.
+--weight-placement, --mlp-slicing) and the older --memory-gib leave the layers and the pool to
+the placement and slicing planners as before, the fit taking the lossless formats. Measuring happens only where speed decides.
 """
 from __future__ import annotations
 
@@ -51,17 +51,29 @@ def fit_config(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, m
     """`config` with the fit's choices in place of its auto and unset knobs, and the fit (None where
     the user placed the layers); FitError, a PlacementError, where nothing fits, naming the flag
     to change."""
+    options = fit_options(config, loader.stores_int4(), dtype, loader.config.head_dim)
+    if _placement_pinned(config, loader.config):
+        return _lossless(config, options[0]), None
+    request = fit_request(config, loader, dtype, max_model_len, predict_always)
+    result = fit(request)
+    return apply_fit(config, result, loader.config, _offload_dir(config, loader)), result
+
+
+def fit_request(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, max_model_len: int,
+                predict_always: bool = False) -> FitRequest:
+    """What the fit weighs for `config`: its options, budgets, workload and fixed choices, and how
+    to measure this machine."""
     model_config = loader.config
     options = fit_options(config, loader.stores_int4(), dtype, model_config.head_dim)
-    if _placement_pinned(config, model_config):
-        return _lossless(config, options[0]), None
-    offload_dir = config.weights.offload_dir or default_offload_dir(loader.source)
-    request = FitRequest(model_config.shape, dtype.itemsize, options,
-                         workload(config, max_model_len, dtype), fit_budgets(config, offload_dir),
-                         lambda: measure_probes(config, model_config, dtype, options, offload_dir),
-                         fixed_choices(config), predict_always=predict_always)
-    result = fit(request)
-    return apply_fit(config, result, model_config, offload_dir), result
+    offload_dir = _offload_dir(config, loader)
+    return FitRequest(model_config.shape, dtype.itemsize, options, workload(config, max_model_len, dtype),
+                      fit_budgets(config, offload_dir),
+                      lambda: measure_probes(config, model_config, dtype, options, offload_dir),
+                      fixed_choices(config), predict_always=predict_always)
+
+
+def _offload_dir(config: EngineConfig, loader: WeightLoader) -> str:
+    return config.weights.offload_dir or default_offload_dir(loader.source)
 
 
 def _lossless(config: EngineConfig, option: FitOption) -> EngineConfig:
@@ -96,10 +108,11 @@ def _kv_format_fits(fmt: KVFormat, head_dim: int, block_size: int) -> bool:
 
 
 def _placement_pinned(config: EngineConfig, model_config: ModelConfig) -> bool:
-    """Whether the user placed the layers (or a MoE model's experts are placed by slicing only)."""
+    """Whether the user placed the layers or sized the GPU by the older --memory-gib (the pool takes
+    what the weights leave), or a MoE model's experts are placed by slicing only."""
     weights = config.weights
     return (weights.streaming_requested or weights.host_gib is not None or weights.mlp_slicing != "off"
-            or model_config.is_moe)
+            or config.cache.memory_gib is not None or model_config.is_moe)
 
 
 def fit_budgets(config: EngineConfig, offload_dir: str) -> FitBudgets:
@@ -108,7 +121,7 @@ def fit_budgets(config: EngineConfig, offload_dir: str) -> FitBudgets:
     host's."""
     host_bytes = int(config.host_memory_gib * GIB_BYTES if config.host_memory_gib
                      else HOST_MEMORY_FRACTION * available_host_bytes())
-    gpu_gib = config.gpu_memory_gib or config.cache.memory_gib
+    gpu_gib = config.gpu_memory_gib
     cuda = config.device.startswith("cuda")
     if gpu_gib:
         gpu_bytes, shared = int(gpu_gib * GIB_BYTES), False
@@ -168,8 +181,8 @@ def measure_probes(config: EngineConfig, model_config: ModelConfig, dtype: torch
     logger.info("fit: measured link %.2f GB/s%s; attention per 1k context tokens a layer: %s",
                 rates.link_bytes_per_s / 1e9,
                 "" if rates.disk_bytes_per_s is None else f", disk {rates.disk_bytes_per_s / 1e9:.2f} GB/s",
-                ", ".join(f"{name} GPU {attention.gpu_s_per_token[name] * 1e6:.0f} us / CPU "
-                          f"{attention.cpu_s_per_token[name] * 1e6:.0f} us" for name in kv_names))
+                ", ".join(f"{name} GPU {attention.gpu_s_per_token[name] * 1e9:.0f} us / CPU "
+                          f"{attention.cpu_s_per_token[name] * 1e9:.0f} us" for name in kv_names))
     return FitProbes(rates, compute_costs, attention)
 
 
@@ -216,8 +229,8 @@ def describe_fit(result: Fit | None, config: EngineConfig) -> str:
     """The fit's choice as `tandem plan` prints it and the engine logs it."""
     if result is None:
         return (f"fit: weights {config.quantization}, KV {config.cache.kv_cache_dtype} (lossless; the layers are "
-                f"placed by the weight flags given, --weights-gpu-gib / --weights-cpu-gib / --weight-placement / "
-                f"--mlp-slicing)")
+                f"placed by the flags given, --weights-gpu-gib / --weights-cpu-gib / --weight-placement / "
+                f"--mlp-slicing / --memory-gib)")
     c = result.chosen
     lines = [f"fit: weights {c.option.quantization}, {c.option.kv.describe()} ({result.reason})",
              f"  GPU {c.gpu_bytes / GIB_BYTES:.2f} GiB: weights and layer buffers {c.gpu_weight_bytes / GIB_BYTES:.2f}, "

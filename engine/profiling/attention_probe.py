@@ -6,6 +6,7 @@ per format."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -20,6 +21,7 @@ PROBE_CONTEXT_TOKENS = 1024
 POOL_BYTES = 128 * 2**20  # blocks are spread over a pool past the last-level cache
 
 
+@functools.lru_cache(maxsize=None)  # once per process: every engine of a process runs on the same hardware
 def measure_attention_s_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str, block_size: int,
                                   num_threads: int) -> float:
     """One layer's decode attention per context token held, KV stored as `kv_cache_dtype`, on the

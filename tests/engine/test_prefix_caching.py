@@ -60,7 +60,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def plain():
     """The engine as it was: every prompt whole, nothing cached."""
-    with LLM(dtype="float32", cpu_attention="off", **WHOLE) as llm:
+    with LLM(dtype="float32", quantization="none", cpu_attention="off", **WHOLE) as llm:
         yield llm
 
 
@@ -71,7 +71,7 @@ def reference(plain, prompts):
 
 @pytest.fixture(scope="module")
 def cached_llm():
-    with LLM(dtype="float32", cpu_attention="off", **CHUNKED) as llm:
+    with LLM(dtype="float32", quantization="none", cpu_attention="off", **CHUNKED) as llm:
         yield llm
 
 
@@ -127,7 +127,7 @@ def test_prompt_logprobs_across_chunks_equal_whole(cached_llm, plain, prompts):
 def test_preemption_with_cached_blocks_gives_the_same_tokens(prompts, reference):
     # 12 blocks of 16 tokens: the shared system prompt and the first blocks of a few questions,
     # which grow into each other
-    with LLM(dtype="float32", cpu_attention="off", num_blocks=12, max_model_len=192, **CHUNKED) as llm:
+    with LLM(dtype="float32", quantization="none", cpu_attention="off", num_blocks=12, max_model_len=192, **CHUNKED) as llm:
         outputs = token_ids(llm.generate(prompts, GREEDY))
         assert llm.engine.scheduler.num_preemptions > 0
         assert_blocks_back(llm)
@@ -139,7 +139,7 @@ def test_host_tier_demotes_promotes_and_swaps_with_the_same_tokens(prompts, refe
     evicts are demoted, later prompts find them in the host pool (promoted, or decoded there),
     sequences swap both ways; the tokens stay those of the plain engine."""
     tables = write_cost_tables(tmp_path, create_loader(EMBEDDED_MODEL).config.num_layers)
-    with LLM(dtype="float32", cpu_attention="on", cost_tables=tables, num_blocks=12, num_cpu_blocks=400,
+    with LLM(dtype="float32", quantization="none", cpu_attention="on", cost_tables=tables, num_blocks=12, num_cpu_blocks=400,
              max_model_len=192, **CHUNKED) as llm:
         first = token_ids(llm.generate(prompts[:1], GREEDY))
         llm.generate([OTHER], GREEDY)  # fills the GPU pool: the first prompt's cached blocks go to the host pool

@@ -265,10 +265,11 @@ def test_tokenize_needs_prompt_or_messages(http):
                     reason="every weight is resident only without extra serve flags; test_streaming_server "
                            "checks the tiers of streamed weights")
 def test_weight_bytes_are_exported_by_format_and_tier(http, llm):
-    expected = llm.engine.runner.model.weight_bytes()
-    assert expected == {("float32", "gpu"): expected[("float32", "gpu")]}
-    assert metric(scrape(http), "weight_bytes", format="float32", tier="gpu") == \
-        expected[("float32", "gpu")]
+    expected = llm.engine.runner.model.weight_bytes()  # the GGUF's 4-bit blocks stay packed (quantization auto)
+    assert set(expected) == {("float32", "gpu"), ("int4", "gpu")}
+    samples = scrape(http)
+    for (fmt, tier), nbytes in expected.items():
+        assert metric(samples, "weight_bytes", format=fmt, tier=tier) == nbytes
 
 
 # ---- prefix caching ------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def test_solved_slicing_beside_layers_streamed_whole_serves_the_engines_text(sta
     """`--mlp-slicing auto` under a budget too small for every layer's attention weights: the one
     plan streams some layers whole and slices the rest; the server's text is the resident engine's."""
     server = start_server("--cpu-attention", "off", "--max-model-len", "128", "--mlp-slicing", "auto",
-                          *STREAMING_FLAGS)
+                          "--quantization", "none", *STREAMING_FLAGS)  # dense: the budget binds
     samples = serves_the_engines_texts(server, llm, PROMPTS[:2])
     assert metric(samples, "weight_streamed_bytes_total", tier="host") > 0  # the layers streamed whole
     assert metric(samples, "mlp_cpu_seconds_total") > 0  # the sliced layers' CPU parts
