@@ -179,14 +179,18 @@ class ThreadPlan:
         return self.chosen.predicted_s
 
     def describe(self) -> str:
+        if self.predicted_s == 0.0:  # no task's time known: nothing was measured to choose by
+            return f"{self.split.describe()} (today's split: nothing measured to plan from)"
         text = f"{self.split.describe()} (an iteration predicted {self.predicted_s * 1e3:.2f} ms"
         if self.chosen.split == self.default.split:
             return text + f"; today's split, best of {len(self.candidates)} evaluated)"
         return text + f"; today's {self.default.split.describe()}: {self.default.predicted_s * 1e3:.2f} ms)"
 
     def to_dict(self) -> dict[str, Any]:
+        """The chosen and today's split with their predictions (the candidates, thousands on a
+        big host, only counted)."""
         return {"chosen": self.chosen.to_dict(), "default": self.default.to_dict(),
-                "candidates": [c.to_dict() for c in self.candidates]}
+                "num_candidates": len(self.candidates)}
 
 
 # ---- the planner --------------------------------------------------------------------------------
