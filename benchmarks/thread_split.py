@@ -201,7 +201,8 @@ def to_markdown(result: dict) -> str:
              f"Planned ({summary['planned']}): {summary['planned_tokens_per_s']:.1f} tok/s, "
              f"{summary['planned_vs_best']:.2f}x the best split's ({summary['best']}) and "
              f"{summary['planned_vs_default']:.2f}x today's default ({summary['default']}).", "",
-             "| split | predicted iteration (ms) | output tok/s | two-batch iterations | |", "|---|---|---|---|---|"]
+             "| split | predicted iteration (ms) | output tok/s | two-batch iterations | |",
+             "|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['split']} | {row['predicted_ms']:.2f} | {row['tokens_per_s']:.1f} | "
                      f"{row['pipelined_share']:.0%} | {', '.join(row['marks'])} |")
@@ -251,7 +252,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
     parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS)
     for task in ("gpu", "cpu", "copy", "io"):
-        parser.add_argument(f"--{task}-threads", type=int, nargs="+", default=None, help="the grid's counts (default: all)")
+        parser.add_argument(f"--{task}-threads", type=int, nargs="+", default=None,
+                            help="the grid's counts (default: all)")
     parser.add_argument("--profile-grid", default="quick", choices=["quick", "default"],
                         help="the Neo cost tables' grid, profiled once per split and cached")
     parser.add_argument("--cost-tables", default=None, help="one cost-table file for every split instead")

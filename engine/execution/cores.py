@@ -44,8 +44,8 @@ class CoreAssignment:
         side and the copy engine the rest; on cuda the CPU side takes them all."""
         kind, cores = device_kind(device), host_cores()
         if kind == "cuda":  # the host's cores are all the CPU attention's while the GPU computes
-            return cls(kind, cpu_attention_cores=frozenset(cores), cpu_attention_threads=cpu_attention_threads or len(cores),
-                       copy_threads=len(cores))
+            return cls(kind, cpu_attention_cores=frozenset(cores),
+                       cpu_attention_threads=cpu_attention_threads or len(cores), copy_threads=len(cores))
         if kind != "testbed":
             # serial on one CPU: torch's pool owns the cores between ops (CpuPagedDecode.IN_ENGINE_THREADS)
             return cls(kind, cpu_attention_threads=cpu_attention_threads or 1)
