@@ -245,7 +245,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=EMBEDDED_MODEL)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--weights-gpu-gib", type=float, default=None,
-                        help=f"default: the globals and {1 - STREAMED_LAYER_SHARE:.0%} of the layers")
+                        help=f"default: room for the embeddings, head, norms and "
+                             f"{round((1 - STREAMED_LAYER_SHARE) * 100)}%% of the layers (the rest stream)")
     parser.add_argument("--offload-dir", type=Path, default=None, help="with --weights-cpu-gib: some layers on disk")
     parser.add_argument("--weights-cpu-gib", type=float, default=0.05)
     parser.add_argument("--reps", type=int, default=3)
