@@ -67,6 +67,15 @@ SECTIONS = (
             "gap that overlaps its prefill (its send to its first token); TPOT is over each stream's whole run,\n"
             "and ITL p99 / TPOT p50 (target: at most 3) says how many decode steps the worst stall lasts.",
             "## CPU decode attention"),
+    Section("thread_split", "### Thread split (LM-Offload's Algorithm 3) on the host-only testbed "
+            "(`benchmarks/thread_split.py`)",
+            "Run by `nice -n 10 .venv/bin/python benchmarks/thread_split.py` on a quiet machine: the embedded model with\n"
+            "Neo's CPU attention, weight streaming and MLP slicing all on, a fresh engine per split generating for a batch\n"
+            "at once, every split of the grid (cores playing the GPU, CPU-side threads, copy engine threads, disk reader\n"
+            "threads) beside the split the thread planner chooses from this machine's thread profile and today's default\n"
+            "(half the cores to the GPU); repetitions interleaved, medians. The predicted column is the planner's\n"
+            "iteration time for the split, so its ranking can be read against the measured one.",
+            "## Compute dtype"),
 )
 
 

@@ -10,6 +10,7 @@ from engine.outputs import RequestOutput
 from scheduler.placement import TIER_DISK, TIER_HOST
 from scheduler.scheduler import PLAN_MODES
 from scheduler.sequence import SequenceStatus, Tier
+from scheduler.thread_plan import THREAD_TASKS, ThreadSplit
 
 STREAMED_TIERS = (TIER_HOST, TIER_DISK)  # where streamed layers come from
 KV_TIERS = tuple(tier.value for tier in Tier)  # where a request's KV lives
@@ -68,6 +69,10 @@ class Metrics:
         self._kv_bytes_per_token = Gauge("tandem:kv_cache_bytes_per_token", "Bytes one token's keys and values "
                                          "take in the KV pools, every layer, by the pools' format (float16, int8, "
                                          "int4, ...): scales included.", ["model_name", "format"], registry=r)
+        self._threads = Gauge("tandem:threads", "Host threads each task takes, as planned at start: gpu (the "
+                              "testbed's cores playing the GPU; 0 elsewhere), cpu (the CPU side's decoding attention "
+                              "and CC parts), copy (the host copy engine; 0 where a DMA engine copies), io (O_DIRECT "
+                              "reads in flight).", ["model_name", "task"], registry=r)
         # ---- offloading (Neo): per tier, per mode, swaps, CPU attention, cost-model error ----------
         self._tier_running = Gauge("tandem:num_requests_running_by_tier",
                                    "Running requests by where their KV lives (gpu: GPU pool, cpu: host pool).",
@@ -159,6 +164,8 @@ class Metrics:
             self._swapped_blocks.labels(name, direction)
         for tier in STREAMED_TIERS:  # at 0 where nothing streams
             self._weight_streamed_bytes.labels(name, tier)
+        for task in THREAD_TASKS:  # set by record_threads once the split is planned
+            self._threads.labels(name, task)
 
     def request_success(self, finished_reason: str):
         return self._success.labels(self._model_name, finished_reason)
@@ -256,6 +263,11 @@ class Metrics:
     def record_kv_format(self, fmt: str, bytes_per_token: int) -> None:
         """The KV pools' format and what a token takes in it, set once the pools exist."""
         self._kv_bytes_per_token.labels(self._model_name, fmt).set(bytes_per_token)
+
+    def record_threads(self, split: ThreadSplit) -> None:
+        """The host threads each task takes (scheduler/thread_plan.py), set once the split is planned."""
+        for task, num_threads in split.by_task().items():
+            self._threads.labels(self._model_name, task).set(num_threads)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

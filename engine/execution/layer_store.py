@@ -248,10 +248,10 @@ def create_layer_store(plan: ModelPlan, device: torch.device, cores: CoreAssignm
 def create_transfer(plan: ModelPlan, device: torch.device, cores: CoreAssignment,
                     num_io_threads: int) -> tuple[CopyEngine, DirectReader | None]:
     """The copy engine and (with disk-placed layers) the disk reader a store streams with:
-    transfer threads on the host-side cores (all of them where the GPU has none of its
-    own), disk reads `num_io_threads` at a time."""
+    `cores.copy_threads` transfer threads on the host-side cores (all of them where the GPU has
+    none of its own), disk reads `num_io_threads` at a time."""
     host_cores = cores.cpu_attention_cores or None
-    engine = create_copy_engine(device, len(cores.cpu_attention_cores) or 1, host_cores)
+    engine = create_copy_engine(device, cores.copy_threads, host_cores)
     reader = None
     if plan.num_layers_in(Tier.DISK):
         reader = DirectReader(num_io_threads, initializer=pin_to(host_cores))

@@ -225,7 +225,7 @@ def _compute_costs(model_config: ModelConfig, dtype: torch.dtype, quantization: 
 
 def _copy_engine(device: str, cores: CoreAssignment):
     """The copy engine the streamed layers will use (as create_layer_store makes it)."""
-    return create_copy_engine(device, len(cores.cpu_attention_cores) or 1, cores.cpu_attention_cores or None)
+    return create_copy_engine(device, cores.copy_threads, cores.cpu_attention_cores or None)
 
 
 def _gpu_queue(cores: CoreAssignment, device: str) -> GpuQueue:
