@@ -18,9 +18,10 @@ from typing import Callable
 import torch
 
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
-from engine.execution import CoreAssignment, ModelRunner
+from engine.execution import ModelRunner
 from engine.execution.fit import describe_fit, fit_config
 from engine.execution.layer_store import create_layer_store
+from engine.execution.thread_split import core_assignment, plan_thread_split
 from engine.execution.stats import WeightStats
 from engine.execution.weight_plan import conversion_key, plan_model, slicing_costs, weight_format
 from engine.kv import KVCache
@@ -110,8 +111,10 @@ class LLMEngine:
         block_bytes = KVCache.bytes_per_block(self.model_config, cache.block_size, self.kv_format)
         self.kv_bytes_per_token = block_bytes // cache.block_size  # every layer's K and V, scales included
         num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.cpu_attention_enabled else 0
-        cpu_attention = config.cpu_attention
-        cores = CoreAssignment.for_device(config.device, cpu_attention.gpu_threads, cpu_attention.cpu_attention_threads)
+        # the host's cores among the GPU thread, the CPU side, copies and reads (Algorithm 3)
+        self.thread_plan = plan_thread_split(config, self.model_config, self.dtype, self.plan, self._model_max_len(),
+                                             copy_threads=config.weights.num_copy_threads)
+        cores = core_assignment(config, self.thread_plan.split)
         self.runner = ModelRunner(
             self.model_config, loader, dtype=self.dtype, device=config.device,
             num_blocks=self._kv_pool_size(block_bytes), num_cpu_blocks=num_cpu_blocks, cores=cores,
@@ -179,7 +182,8 @@ class LLMEngine:
         budget = None if weights.gpu_gib is None else int(weights.gpu_gib * GIB_BYTES)
         global_bytes = plan.placement.memory.global_bytes if plan.placement is not None else 0
         moved_tokens = self._moved_tokens(plan.rates) if plan.rates is not None else None
-        return functools.partial(create_layer_store, plan, files=files, num_io_threads=weights.num_io_threads,
+        return functools.partial(create_layer_store, plan, files=files,
+                                 num_io_threads=self.thread_plan.split.io_threads or weights.num_io_threads,
                                  gpu_weight_budget_bytes=budget, global_weight_bytes=global_bytes,
                                  moved_tokens=moved_tokens, stats=self.weight_stats)
 

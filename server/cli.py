@@ -114,10 +114,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
              "and cuda, chosen per iteration by the cost model; off: GPU-only")
     add_deprecated_flag(devices, "--offload", cpu_attention)
     gpu_threads = devices.add_argument("--gpu-threads", type=int, default=None,
-                                       help="testbed: cores playing the GPU (default: half)")
+                                       help="testbed: cores playing the GPU (default: planned from this machine's "
+                                            "thread profile, LM-Offload's Algorithm 3)")
     add_deprecated_flag(devices, "--accelerator-threads", gpu_threads)
     devices.add_argument("--cpu-attention-threads", type=int, default=None,
-                         help="threads of the CPU decoding attention (default: the testbed's other cores, else 1)")
+                         help="threads of the CPU side: decoding attention and CPU-computed MLP parts (default: "
+                              "planned; device cpu: 1)")
     devices.add_argument("--cost-tables", default=None,
                          help="a JSON file of cost tables instead of this machine's profile")
     devices.add_argument("--profile-cache-dir", default=None,
@@ -142,6 +144,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                          help="performance: the next streamed layer preloads (one buffer more); memory: one "
                               "buffer per layer in use; auto: by estimated throughput")
     weights.add_argument("--weight-io-threads", type=int, default=4, help="disk reads in flight per layer load")
+    weights.add_argument("--weight-copy-threads", type=int, default=None,
+                         help="threads of the host copy engine streamed layers pass through (default: planned)")
     weights.add_argument("--expected-context-len", type=int, default=None,
                          help="tokens per sequence the placement's throughput estimate assumes (default: max-model-len)")
     weights.add_argument("--mlp-slicing", default="off", metavar="off|auto|CC,CG",
@@ -197,7 +201,8 @@ def engine_config(args: argparse.Namespace, **overrides):
         cost_tables=args.cost_tables, profile_cache_dir=args.profile_cache_dir, show_progress=True,
         weight_placement=args.weight_placement, weights_gpu_gib=args.weights_gpu_gib,
         weights_cpu_gib=args.weights_cpu_gib, offload_dir=args.offload_dir, weight_pipeline=args.weight_pipeline,
-        weight_io_threads=args.weight_io_threads, expected_context_len=args.expected_context_len,
+        weight_io_threads=args.weight_io_threads, weight_copy_threads=args.weight_copy_threads,
+        expected_context_len=args.expected_context_len,
         mlp_slicing=args.mlp_slicing, mlp_prefill_moving=args.mlp_prefill_moving), **overrides})
 
 
@@ -229,6 +234,7 @@ def plan(args: argparse.Namespace) -> int:
 
     from engine.engine import describe_scheduler, model_max_len
     from engine.execution.fit import describe_fit, fit_config
+    from engine.execution.thread_split import plan_thread_split
     from engine.kv.layouts import resolve_kv_format
     from scheduler.cost_model import kv_bytes_per_token
     from engine.execution.weight_plan import plan_model
@@ -253,13 +259,17 @@ def plan(args: argparse.Namespace) -> int:
     print(f"kv cache: {kv_format.describe()}; {kv_token_bytes} bytes a token")
     model_plan, costs = plan_model(config, model_config, dtype, model_max_len(config, model_config))
     print(describe_model_plan(model_plan, config.weights.offload_dir))
+    thread_plan = plan_thread_split(config, model_config, dtype, model_plan, model_max_len(config, model_config),
+                                    copy_threads=config.weights.num_copy_threads)
+    print(f"threads: {thread_plan.describe()}")
     if args.json:
         scheduler = {"max_num_batched_tokens": config.batched_tokens_budget,
                      "enable_prefix_caching": config.cache.enable_prefix_caching,
                      "max_prefill_slowdown": config.prefill_slowdown_limit}
         report = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "scheduler": scheduler,
                   "kv_cache": {"format": kv_format.name, "bytes_per_token": kv_token_bytes},
-                  "fit": None if fitted is None else fitted.to_dict(), **model_plan.to_dict()}
+                  "fit": None if fitted is None else fitted.to_dict(), "threads": thread_plan.to_dict(),
+                  **model_plan.to_dict()}
         if costs is not None:
             report["slicing_costs"] = costs.to_dict()
         print(json.dumps(report, indent=1))
@@ -341,6 +351,7 @@ def serve(args: argparse.Namespace) -> int:
     metrics = Metrics(name)
     metrics.record_weights(engine.runner.model.weight_bytes())
     metrics.record_kv_format(engine.kv_format.name, engine.kv_bytes_per_token)
+    metrics.record_threads(engine.thread_plan.split)
     async_engine = AsyncEngine(engine, QueueBounds(args.max_waiting_requests, args.max_waiting_tokens),
                                on_iteration=metrics.record_iteration, on_abort=metrics.record_abort)
     settings = ServerSettings(served_model_name=name, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes,

@@ -27,7 +27,7 @@ EVERY_FLAG = {
     "cost-tables": "/tmp/costs.json", "profile-cache-dir": "/tmp/profiles",
     "log-level": "warning",
     "weight-placement": "cpu", "weights-gpu-gib": 0.5, "weights-cpu-gib": 2.0, "offload-dir": "/tmp/offload",
-    "weight-pipeline": "memory", "weight-io-threads": 2, "expected-context-len": 300, "mlp-slicing": "0.25,0.5",
+    "weight-pipeline": "memory", "weight-io-threads": 2, "weight-copy-threads": 1, "expected-context-len": 300, "mlp-slicing": "0.25,0.5",
     "mlp-prefill-moving": "off",
 }
 # Former flag names -> (the flag now, a value unlike its default); each still works and warns (deprecated)

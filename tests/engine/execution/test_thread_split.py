@@ -36,7 +36,7 @@ def model_config():
 
 
 def config(**flat) -> EngineConfig:
-    return EngineConfig.from_flat(**MODEL, max_model_len=MAX_MODEL_LEN, **flat)
+    return EngineConfig.from_flat(**MODEL, max_model_len=MAX_MODEL_LEN, **{"quantization": "none", **flat})  # as fitted
 
 
 def layer_parts(model_config, engine_config) -> tuple[int, int]:
