@@ -44,7 +44,7 @@ MODEL = "smollm2-135m"  # on the testbed in float32: 0.50 GiB of weights, 46 KB 
 # streamed, most layers streamed
 BUDGETS = ((0.8, 1.0), (0.6, 0.5), (0.45, 1.0), (0.35, 0.4))
 # name -> (sequences, prompt tokens, output tokens)
-WORKLOADS = {"short chat": (16, 64, 48), "long context": (6, 1024, 24)}
+WORKLOADS = {"short chat": (16, 64, 48), "long context": (4, 768, 24)}
 MAX_MODEL_LEN = 2048
 
 

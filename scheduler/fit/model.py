@@ -8,11 +8,14 @@ A decode iteration's time is the maximum of the tasks that overlap in it (LM-Off
   in the GPU pool, read in the KV format;
 - the CPU side (Neo): the decode attention of the sequences whose KV is in the host pool, in
   the KV format, plus a hand-off per layer.
+Neo's scheduler picks, per iteration, the GPU pool's sequences alone; all of them in one pass, each
+layer's CPU attention beside its GPU attention; or its two sub-batches, the CPU's sequences'
+linear work a second pass over the weights while the CPU attends (asymmetric pipelining). The
+model predicts each and keeps the fastest.
 A quantized KV format pays its quantization at every write and its widening at every read: both
 are in the attention costs, measured with the kernels' fused append per format. With no host
 pool the iteration is the GPU's alone (LM-Offload "without attention offloading", where a
-sequence's KV must fit the GPU pool); with one, the better of the GPU pool's sequences alone and
-all of them with the CPU's attention beside the GPU's work.
+sequence's KV must fit the GPU pool).
 """
 from __future__ import annotations
 
@@ -98,12 +101,31 @@ def predict(inputs: PlannerInputs, tiers: Sequence[Tier], num_buffers: int, laye
     if on_gpu:
         gpu_s, transfer_s = gpu_forward(on_gpu, on_gpu)
         choices.append(Prediction(on_gpu, 0, gpu_s, 0.0, ttft_s, transfer_s))
-    if batch > on_gpu:
-        num_cpu = batch - on_gpu
-        gpu_s, transfer_s = gpu_forward(on_gpu, batch)
-        cpu_s = num_layers * (attention.cpu_s_per_token[kv.name] * num_cpu * context_len + attention.handoff_s)
-        choices.append(Prediction(batch, num_cpu, gpu_s, cpu_s, ttft_s, transfer_s))
+    num_cpu = batch - on_gpu
+    if num_cpu:
+        cpu_layer_s = attention.cpu_s_per_token[kv.name] * num_cpu * context_len + attention.handoff_s
+        choices += [_one_batch(inputs, tiers, num_buffers, layer_bytes, batch, num_cpu, cpu_layer_s,
+                               attention.gpu_s_per_token[kv.name] * on_gpu * context_len, ttft_s),
+                    _two_batches(inputs, on_gpu, num_cpu, cpu_layer_s, gpu_forward, ttft_s)]
     return max(choices, key=lambda p: p.tokens_per_s)
+
+
+def _one_batch(inputs: PlannerInputs, tiers: Sequence[Tier], num_buffers: int, layer_bytes: int, batch: int,
+               num_cpu: int, cpu_layer_s: float, gpu_attention_s: float, ttft_s: float) -> Prediction:
+    """Neo's one-batch plan: every sequence in one pass, each layer's CPU attention beside its GPU
+    attention (the layer waits for the slower)."""
+    timeline, _ = forward_timeline(inputs, tiers, num_buffers, layer_bytes, batch, max(gpu_attention_s, cpu_layer_s))
+    return Prediction(batch, num_cpu, timeline.iteration_s, 0.0, ttft_s, timeline.transfer_s)
+
+
+def _two_batches(inputs: PlannerInputs, on_gpu: int, num_cpu: int, cpu_layer_s: float, gpu_forward,
+                 ttft_s: float) -> Prediction:
+    """Neo's asymmetric pipeline: the GPU's sequences in batch-0, the CPU's in batch-1, whose
+    linear work is a second pass over each layer's weights while the CPU attends to it."""
+    num_layers = inputs.shape.num_layers
+    gpu_s, transfer_s = gpu_forward(on_gpu, on_gpu) if on_gpu else (0.0, 0.0)
+    gpu_s += num_layers * inputs.costs.linear(num_cpu)
+    return Prediction(on_gpu + num_cpu, num_cpu, gpu_s, num_layers * cpu_layer_s, ttft_s, transfer_s)
 
 
 def _prefill_s(chunk_tokens: int, prompt_len: int, gpu_forward) -> float:
