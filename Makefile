@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -69,6 +69,7 @@ bench: install
 	$(MAKE) bench-long-prompt
 	$(MAKE) bench-stream
 	$(MAKE) bench-slicing
+	$(MAKE) bench-fit
 	$(PY) benchmarks/offline.py
 	$(PY) benchmarks/serve.py --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
@@ -200,6 +201,13 @@ bench-stream: install
 # docs/benchmarks.md.
 bench-slicing: install
 	nice -n 10 $(PY) benchmarks/mlp_slicing.py
+	$(PY) benchmarks/update_benchmarks_doc.py
+
+# LM-Offload's fit: the automatic configuration against every fixed one it weighs (testbed, a grid of
+# budgets x workloads), and the thread planner's split against a grid of splits.
+bench-fit: install
+	nice -n 10 $(PY) benchmarks/fit_grid.py
+	nice -n 10 $(PY) benchmarks/thread_split.py
 	$(PY) benchmarks/update_benchmarks_doc.py
 
 # On a CUDA GPU: the Triton INT4 matmul against dense bf16; Neo (Llama-3.1-8B shape, random

@@ -76,6 +76,15 @@ SECTIONS = (
             "(half the cores to the GPU); repetitions interleaved, medians. The predicted column is the planner's\n"
             "iteration time for the split, so its ranking can be read against the measured one.",
             "## Compute dtype"),
+    Section("fit_grid", "### The fit (LM-Offload) against every fixed configuration (`benchmarks/fit_grid.py`)",
+            "Run by `nice -n 10 .venv/bin/python benchmarks/fit_grid.py` (also `make bench-fit`) on a quiet machine:\n"
+            "the embedded model in float32 on the host-only testbed, per cell of GPU/host budgets x workload the fit as\n"
+            "`tandem serve --gpu-memory-gib G --host-memory-gib H --max-num-seqs N --expected-context-len C` runs it, and\n"
+            "each KV format at its most and fewest resident layers that fit (and the fit's placement of it), each a fresh\n"
+            "engine on the same random prompts all at once (greedy, no early stop); repetitions interleaved, medians.\n"
+            "Output tokens/s is over the whole run (prefills included); decode is over the decode-only iterations, which\n"
+            "is what the model predicts. The weight format is fixed here: INT4 does not run on the testbed.",
+            "## Compute dtype"),
 )
 
 

@@ -99,7 +99,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "weight and KV formats (the older knobs below stay as overrides)")
     memory.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="the GPU's memory for weights, layer buffers, activations and its KV pool (default: "
-                             "cuda 90%% of the device; cpu and testbed, the host's memory)")
+                             "cuda 90%% of the device's free memory; cpu and testbed, the host's memory)")
     memory.add_argument("--host-memory-gib", type=float, default=None,
                         help="host memory for streamed layers and the host KV pool (default: 80%% of what the host "
                              "has available)")

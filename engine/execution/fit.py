@@ -35,8 +35,10 @@ from engine.model import ModelConfig
 from engine.profiling.attention_probe import measure_attention_s_per_token
 from engine.profiling.cache import CACHE_DIR_ENV
 from engine.weights import WeightLoader
-from scheduler.fit import AttentionCosts, Fit, FitBudgets, FitOption, FitProbes, FitRequest, FixedChoices, fit
+from scheduler.fit import AttentionCosts, Fit, FitBudgets, FitError, FitOption, FitProbes, FitRequest, FixedChoices, fit
 from scheduler.kv_format import QUANTIZED_KV_BLOCK_MULTIPLE, KVFormat, kv_format
+from scheduler.placement import WeightFormat, layer_image_bytes
+from scheduler.placement.memory import resident_global_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ def fit_config(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, m
     to change."""
     options = fit_options(config, loader.stores_int4(), dtype, loader.config.head_dim)
     if _placement_pinned(config, loader.config):
+        if loader.config.is_moe and not config.weights.streaming_requested:
+            _check_moe_fits(config, loader, dtype, options[0])
         return _lossless(config, options[0]), None
     request = fit_request(config, loader, dtype, max_model_len, predict_always)
     result = fit(request)
@@ -74,6 +78,22 @@ def fit_request(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, 
 
 def _offload_dir(config: EngineConfig, loader: WeightLoader) -> str:
     return config.weights.offload_dir or default_offload_dir(loader.source)
+
+
+def _check_moe_fits(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, option: FitOption) -> None:
+    """A mixture-of-experts model's layers do not stream whole (their experts are placed by
+    slicing), so with no weight budget every layer must fit the GPU; FitError naming the flags
+    that place its experts where it does not."""
+    shape = loader.config.shape
+    fmt = WeightFormat(option.quantization, dtype.itemsize)
+    weight_bytes = resident_global_bytes(shape, fmt.dtype_bytes) + shape.num_layers * layer_image_bytes(shape, fmt)
+    budgets = fit_budgets(config, _offload_dir(config, loader))
+    room = budgets.host_bytes if budgets.shared_memory else budgets.gpu_bytes
+    if weight_bytes > room:
+        raise FitError(f"{loader.config.architecture}: its weights ({weight_bytes / GIB_BYTES:.1f} GiB as "
+                       f"{option.quantization}) exceed the GPU's {room / GIB_BYTES:.1f} GiB, and a mixture-of-experts "
+                       f"model's layers do not stream whole: place its experts with --mlp-slicing auto "
+                       f"--weights-gpu-gib {0.8 * room / GIB_BYTES:.1f} (its experts computed on the CPU or streamed)")
 
 
 def _lossless(config: EngineConfig, option: FitOption) -> EngineConfig:
@@ -202,7 +222,7 @@ def measure_attention(config: EngineConfig, model_config: ModelConfig, dtype: to
     else:
         gpu = {name: measure_attention_s_per_token(model_config, dtype, name, block_size, cores.gpu_threads)
                for name in kv_names}
-    return AttentionCosts(gpu, cpu)
+    return AttentionCosts(gpu, cpu, copies_on_cpu=not config.device.startswith("cuda"))
 
 
 def apply_fit(config: EngineConfig, result: Fit, model_config: ModelConfig, offload_dir: str) -> EngineConfig:

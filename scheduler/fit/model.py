@@ -7,7 +7,8 @@ A decode iteration's time is the maximum of the tasks that overlap in it (LM-Off
   pipeline, replayed in simulated time), and the decode attention of the sequences whose KV is
   in the GPU pool, read in the KV format;
 - the CPU side (Neo): the decode attention of the sequences whose KV is in the host pool, in
-  the KV format, plus a hand-off per layer.
+  the KV format, plus a hand-off per layer, plus the ring's copies where a host copy engine makes
+  them on the same cores (the testbed).
 Neo's scheduler picks, per iteration, the GPU pool's sequences alone; all of them in one pass, each
 layer's CPU attention beside its GPU attention; or its two sub-batches, the CPU's sequences'
 linear work a second pass over the weights while the CPU attends (asymmetric pipelining). The
@@ -30,15 +31,18 @@ from scheduler.placement.tiers import Tier
 @dataclass(frozen=True)
 class AttentionCosts:
     """One layer's decode attention per context token, by KV format name: on the GPU and on the
-    CPU side (at its thread count); `handoff_s`: a layer's Q/K/V to the CPU and its output back."""
+    CPU side (at its thread count); `handoff_s`: a layer's Q/K/V to the CPU and its output back;
+    `copies_on_cpu`: the ring's copies are memcpy on the CPU side's cores (a host copy engine, as on
+    the testbed), so the CPU side spends their time too."""
 
     gpu_s_per_token: Mapping[str, float]
     cpu_s_per_token: Mapping[str, float]
     handoff_s: float = 0.0
+    copies_on_cpu: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"gpu_s_per_token": dict(self.gpu_s_per_token), "cpu_s_per_token": dict(self.cpu_s_per_token),
-                "handoff_s": self.handoff_s}
+                "handoff_s": self.handoff_s, "copies_on_cpu": self.copies_on_cpu}
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,8 @@ def predict(inputs: PlannerInputs, tiers: Sequence[Tier], num_buffers: int, laye
     num_cpu = batch - on_gpu
     if num_cpu:
         cpu_layer_s = attention.cpu_s_per_token[kv.name] * num_cpu * context_len + attention.handoff_s
+        if attention.copies_on_cpu:  # each layer's share of the forward's loads, on the same cores
+            cpu_layer_s += gpu_forward(on_gpu, batch)[1] / num_layers
         choices += [_one_batch(inputs, tiers, num_buffers, layer_bytes, batch, num_cpu, cpu_layer_s,
                                attention.gpu_s_per_token[kv.name] * on_gpu * context_len, ttft_s),
                     _two_batches(inputs, on_gpu, num_cpu, cpu_layer_s, gpu_forward, ttft_s)]
