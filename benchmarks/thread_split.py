@@ -75,7 +75,8 @@ def base_flags(args) -> dict:
     the planner assumes set to this workload."""
     max_model_len = PROMPT_TOKENS + args.output_tokens
     blocks_per_seq = -(-max_model_len // BLOCK_SIZE)
-    flags = dict(model=args.model, dtype=args.dtype, device="testbed", cpu_attention="on", mlp_slicing=MLP_SLICING,
+    flags = dict(model=args.model, dtype=args.dtype, quantization="none", device="testbed", cpu_attention="on",
+                 mlp_slicing=MLP_SLICING,
                  weights_gpu_gib=args.weights_gpu_gib, block_size=BLOCK_SIZE, max_model_len=max_model_len,
                  max_num_seqs=args.num_prompts, num_blocks=blocks_per_seq * args.num_prompts // 2,
                  num_cpu_blocks=blocks_per_seq * args.num_prompts,
@@ -98,7 +99,7 @@ def default_budget_gib(model: str, dtype_name: str) -> float:
     """Embeddings, head and norms, and the layers STREAMED_LAYER_SHARE leaves resident."""
     model_config = create_loader(model).config
     dtype, _ = compute_dtype(dtype_name, "cpu")
-    fmt = weight_format(EngineConfig.from_flat(model=model), dtype)
+    fmt = weight_format(EngineConfig.from_flat(model=model, quantization="none"), dtype)
     num_resident = round((1 - STREAMED_LAYER_SHARE) * model_config.num_layers)
     return (resident_global_bytes(model_config.shape, dtype.itemsize)
             + num_resident * layer_image_bytes(model_config.shape, fmt)) / 2**30

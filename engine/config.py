@@ -208,7 +208,8 @@ class WeightsConfig:
     host_gib: float | None = field(default=None, metadata={FLAT_NAME: "weights_cpu_gib"})  # None: what the host has
     offload_dir: str | None = None  # where disk-placed layers' files live (`tandem convert` writes them)
     pipeline: str = field(default="auto", metadata={FLAT_NAME: "weight_pipeline"})  # auto | performance | memory
-    num_io_threads: int = field(default=4, metadata={FLAT_NAME: "weight_io_threads"})  # disk reads in flight
+    # disk reads in flight; None: planned (scheduler/thread_plan.py: on 2 cores 1 beat 4 by 1.15x)
+    num_io_threads: int | None = field(default=None, metadata={FLAT_NAME: "weight_io_threads"})
     # the host copy engine's threads for streamed layers; None: planned (scheduler/thread_plan.py)
     num_copy_threads: int | None = field(default=None, metadata={FLAT_NAME: "weight_copy_threads"})
     # the decode the planner's throughput estimate is for: tokens a sequence holds; None: max_model_len
@@ -229,7 +230,7 @@ class WeightsConfig:
         for name in ("gpu_gib", "host_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
-        _require_int(self, "num_io_threads", 1)
+        _require_int(self, "num_io_threads", 1, none_means="planned")
         _require_int(self, "num_copy_threads", 1, none_means="planned")
         _require_int(self, "expected_context_len", 1, none_means="max_model_len")
         if self.placement == "disk" and not self.offload_dir:

@@ -22,6 +22,7 @@ from engine.execution import ModelRunner
 from engine.execution.fit import describe_fit, fit_config
 from engine.execution.layer_store import create_layer_store
 from engine.execution.thread_split import core_assignment, plan_thread_split
+from scheduler.thread_plan import DEFAULT_IO_THREADS
 from engine.execution.stats import WeightStats
 from engine.execution.weight_plan import conversion_key, plan_model, slicing_costs, weight_format
 from engine.kv import KVCache
@@ -183,7 +184,7 @@ class LLMEngine:
         global_bytes = plan.placement.memory.global_bytes if plan.placement is not None else 0
         moved_tokens = self._moved_tokens(plan.rates) if plan.rates is not None else None
         return functools.partial(create_layer_store, plan, files=files,
-                                 num_io_threads=self.thread_plan.split.io_threads or weights.num_io_threads,
+                                 num_io_threads=self.thread_plan.split.io_threads or DEFAULT_IO_THREADS,
                                  gpu_weight_budget_bytes=budget, global_weight_bytes=global_bytes,
                                  moved_tokens=moved_tokens, stats=self.weight_stats)
 

@@ -143,7 +143,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     weights.add_argument("--weight-pipeline", default="auto", choices=["auto", "performance", "memory"],
                          help="performance: the next streamed layer preloads (one buffer more); memory: one "
                               "buffer per layer in use; auto: by estimated throughput")
-    weights.add_argument("--weight-io-threads", type=int, default=4, help="disk reads in flight per layer load")
+    weights.add_argument("--weight-io-threads", type=int, default=None,
+                         help="disk reads in flight per layer load (default: planned)")
     weights.add_argument("--weight-copy-threads", type=int, default=None,
                          help="threads of the host copy engine streamed layers pass through (default: planned)")
     weights.add_argument("--expected-context-len", type=int, default=None,

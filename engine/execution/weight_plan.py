@@ -27,6 +27,7 @@ from engine.profiling.streaming_probe import (
     measure_link_bytes_per_s,
 )
 from engine.weights.direct_io import DEFAULT_BLOCK_BYTES, DirectReader
+from scheduler.thread_plan import DEFAULT_IO_THREADS
 from engine.weights.layer_files import ConversionKey
 from scheduler.placement import (
     ComputeCosts,
@@ -163,8 +164,8 @@ def measure_rates(config: EngineConfig) -> tuple[TransferRates, bool | None]:
     weights = config.weights
     cores = engine_cores(config)
     link = _link_bytes_per_s(config.torch_device, cores)
-    disk, direct = (None, None) if not weights.offload_dir else _disk_bytes_per_s(weights.offload_dir,
-                                                                                  weights.num_io_threads)
+    io_threads = weights.num_io_threads or DEFAULT_IO_THREADS
+    disk, direct = (None, None) if not weights.offload_dir else _disk_bytes_per_s(weights.offload_dir, io_threads)
     link_busy = _link_busy_bytes_per_s(config.torch_device, cores)
     return TransferRates(link, disk, DEFAULT_BLOCK_BYTES, link_busy), direct
 
