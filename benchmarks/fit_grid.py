@@ -144,7 +144,8 @@ def to_markdown(result: dict) -> str:
         lines.append(f"| {cell['gpu_gib']} / {cell['host_gib']} | {cell['workload']} | {cell['auto']} | "
                      f"{cell['auto_vs_best']:.2f} | {cell['auto_vs_worst']:.2f} | "
                      f"{'-' if ratio is None else f'{ratio:.2f}'} |")
-    lines += ["", "Each cell's configurations (output tokens/s over the run; decode-only iterations; predicted decode):", ""]
+    lines += ["", "Each cell's configurations (output tokens/s over the run; decode-only iterations; "
+              "predicted decode):", ""]
     for cell in result["cells"]:
         rows = "; ".join(f"{key}: {row['output_tokens_per_s']:.1f} / {row['decode_tokens_per_s']:.1f} / "
                          f"{cell['predicted'][key]:.1f}" for key, row in cell["rows"].items())

@@ -198,8 +198,8 @@ def plan_threads(num_cores: int, device_kind: str, profiles: IterationProfiles, 
                  io_bytes: int = 0, fixed: FixedThreads = FixedThreads()) -> ThreadPlan:
     """Algorithm 3 on `num_cores` host cores: every compute split the device allows, with the
     transfer threads given by bytes per forward (`copy_bytes` host -> GPU, `io_bytes` read from
-    disk), predicted from `profiles`; the fastest, on a tie the least oversubscribed, then today's. Counts in `fixed` are
-    kept. ValueError for a device kind, core count or fixed count that cannot be served."""
+    disk), predicted from `profiles`; the fastest, on a tie the one with fewest disk readers beyond
+    their cores, then today's. Counts in `fixed` are kept. ValueError for a device kind, core count or fixed count that cannot be served."""
     _check(num_cores, device_kind, fixed)
     volumes = (copy_bytes, io_bytes)
 

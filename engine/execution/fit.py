@@ -7,7 +7,8 @@ giving the same flags would run. Flags a user gives stay as given: a fixed weigh
 leaves only that option; --num-gpu-blocks, --kv-cache-gib, --num-cpu-blocks and
 --cpu-kv-cache-gib fix the pools; the placement knobs (--weights-gpu-gib, --weights-cpu-gib,
 --weight-placement, --mlp-slicing) and the older --memory-gib leave the layers and the pool to
-the placement and slicing planners as before, the fit taking the lossless formats. Measuring happens only where speed decides.
+the placement and slicing planners as before, the fit taking the lossless formats. Measuring
+happens only where speed decides.
 """
 from __future__ import annotations
 
@@ -252,14 +253,16 @@ def describe_fit(result: Fit | None, config: EngineConfig) -> str:
                 f"placed by the flags given, --weights-gpu-gib / --weights-cpu-gib / --weight-placement / "
                 f"--mlp-slicing / --memory-gib)")
     c = result.chosen
+    gib = lambda nbytes: f"{nbytes / GIB_BYTES:.2f}"  # noqa: E731
     lines = [f"fit: weights {c.option.quantization}, {c.option.kv.describe()} ({result.reason})",
-             f"  GPU {c.gpu_bytes / GIB_BYTES:.2f} GiB: weights and layer buffers {c.gpu_weight_bytes / GIB_BYTES:.2f}, "
-             f"activations {c.activation_bytes / GIB_BYTES:.2f}, KV pool {c.gpu_kv_bytes / GIB_BYTES:.2f}",
-             f"  host {c.host_bytes / GIB_BYTES:.2f} GiB: streamed layers and staging {c.host_layer_bytes / GIB_BYTES:.2f}, "
-             f"KV pool {c.host_kv_bytes / GIB_BYTES:.2f}; disk {c.disk_layer_bytes / GIB_BYTES:.2f} GiB"]
+             f"  GPU {gib(c.gpu_bytes)} GiB: weights and layer buffers {gib(c.gpu_weight_bytes)}, "
+             f"activations {gib(c.activation_bytes)}, KV pool {gib(c.gpu_kv_bytes)}",
+             f"  host {gib(c.host_bytes)} GiB: streamed layers and staging {gib(c.host_layer_bytes)}, "
+             f"KV pool {gib(c.host_kv_bytes)}; disk {gib(c.disk_layer_bytes)} GiB"]
     if c.prediction is not None:
         p = c.prediction
-        lines.append(f"  expected at {config.max_num_seqs} sequences of {config.weights.expected_context_len or c.max_model_len} "
+        context_len = min(config.weights.expected_context_len or c.max_model_len, c.max_model_len)
+        lines.append(f"  expected at {config.max_num_seqs} sequences of {context_len} "
                      f"tokens: {p.tokens_per_s:.1f} tokens/s (batch {p.batch}, {p.num_cpu_seqs} attended on the CPU; "
                      f"GPU {p.gpu_s * 1e3:.1f} ms, CPU {p.cpu_s * 1e3:.1f} ms an iteration), TTFT {p.ttft_s:.2f} s")
     for other in result.options:

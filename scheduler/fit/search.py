@@ -281,7 +281,8 @@ def _configurations(request: FitRequest, option: FitOption, probes: FitProbes | 
     inputs = _planner_inputs(request, option, probes)
     num_layers = request.shape.num_layers
     counts = {"gpu": [num_layers], "cpu": [0], "disk": [0]}.get(request.fixed.placement, range(num_layers, -1, -1))
-    pipelines = [PIPELINE_PERFORMANCE, PIPELINE_MEMORY] if request.fixed.pipeline == "auto" else [request.fixed.pipeline]
+    pipelines = ([PIPELINE_PERFORMANCE, PIPELINE_MEMORY] if request.fixed.pipeline == "auto"
+                 else [request.fixed.pipeline])
     out: list[Configuration | str] = []
     for num_resident in counts:
         for pipeline in pipelines if num_resident < num_layers else [None]:

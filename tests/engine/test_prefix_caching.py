@@ -127,7 +127,8 @@ def test_prompt_logprobs_across_chunks_equal_whole(cached_llm, plain, prompts):
 def test_preemption_with_cached_blocks_gives_the_same_tokens(prompts, reference):
     # 12 blocks of 16 tokens: the shared system prompt and the first blocks of a few questions,
     # which grow into each other
-    with LLM(dtype="float32", quantization="none", cpu_attention="off", num_blocks=12, max_model_len=192, **CHUNKED) as llm:
+    with LLM(dtype="float32", quantization="none", cpu_attention="off", num_blocks=12, max_model_len=192,
+             **CHUNKED) as llm:
         outputs = token_ids(llm.generate(prompts, GREEDY))
         assert llm.engine.scheduler.num_preemptions > 0
         assert_blocks_back(llm)
@@ -139,8 +140,8 @@ def test_host_tier_demotes_promotes_and_swaps_with_the_same_tokens(prompts, refe
     evicts are demoted, later prompts find them in the host pool (promoted, or decoded there),
     sequences swap both ways; the tokens stay those of the plain engine."""
     tables = write_cost_tables(tmp_path, create_loader(EMBEDDED_MODEL).config.num_layers)
-    with LLM(dtype="float32", quantization="none", cpu_attention="on", cost_tables=tables, num_blocks=12, num_cpu_blocks=400,
-             max_model_len=192, **CHUNKED) as llm:
+    with LLM(dtype="float32", quantization="none", cpu_attention="on", cost_tables=tables, num_blocks=12,
+             num_cpu_blocks=400, max_model_len=192, **CHUNKED) as llm:
         first = token_ids(llm.generate(prompts[:1], GREEDY))
         llm.generate([OTHER], GREEDY)  # fills the GPU pool: the first prompt's cached blocks go to the host pool
         counters = llm.engine.scheduler.prefix_cache.counters

@@ -22,7 +22,8 @@ from scheduler.fit import (
 )
 from scheduler.fit.search import _configurations, _predicted
 from scheduler.kv_format import kv_format
-from scheduler.placement import GIB_BYTES, ComputeCosts, MemoryBudgets, PlannerInputs, TransferRates, WeightFormat, Workload
+from scheduler.placement import (GIB_BYTES, ComputeCosts, MemoryBudgets, PlannerInputs, TransferRates, WeightFormat,
+                                 Workload)
 from scheduler.placement.memory import layer_image_bytes, resident_global_bytes
 from scheduler.placement.tiers import Tier
 
@@ -43,7 +44,8 @@ def probes(attention_s: dict[str, float] | None = None, int4_speedup: float = 2.
         return ComputeCosts(Curve.from_points([(1, layer_s), (64, layer_s * 1.2)]), 1e-9,
                             Curve.from_points([(1, 1e-3), (64, 2e-3)]))
     per_token = attention_s or {"bfloat16": 2e-8, "int8": 1.2e-8, "int4": 0.8e-8}
-    return FitProbes(TransferRates(10e9, 2e9), compute, AttentionCosts(per_token, {k: 3 * v for k, v in per_token.items()}))
+    cpu = {name: 3 * seconds for name, seconds in per_token.items()}
+    return FitProbes(TransferRates(10e9, 2e9), compute, AttentionCosts(per_token, cpu))
 
 
 def request(gpu_gib: float, host_gib: float = 8.0, options=OPTIONS, measured=None, fixed=FixedChoices(),

@@ -62,7 +62,8 @@ def slicing_cache_dir(tmp_path_factory):
 def test_plan_shows_the_mlp_slicing_rates_when_asked(slicing, moving, expected, capsys, monkeypatch,
                                                      slicing_cache_dir):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(slicing_cache_dir))
-    assert main(["plan", "--dtype", "float32", "--quantization", "none", "--weights-gpu-gib", "0.25", "--mlp-slicing", slicing,
+    assert main(["plan", "--dtype", "float32", "--quantization", "none", "--weights-gpu-gib", "0.25",
+                 "--mlp-slicing", slicing,
                  "--mlp-prefill-moving", moving, "--log-level", "warning"]) == 0
     out = capsys.readouterr().out
     assert expected in out and "predicted" in out
