@@ -207,7 +207,8 @@ bench-slicing: install
 # budgets x workloads), and the thread planner's split against a grid of splits.
 bench-fit: install
 	nice -n 10 $(PY) benchmarks/fit_grid.py
-	nice -n 10 $(PY) benchmarks/thread_split.py
+	dir=$$(mktemp -d) && trap 'rm -rf "$$dir"' EXIT && nice -n 10 $(PY) benchmarks/thread_split.py \
+		--offload-dir $$dir --copy-threads 1 2 --io-threads 1 2 4
 	$(PY) benchmarks/update_benchmarks_doc.py
 
 # On a CUDA GPU: the Triton INT4 matmul against dense bf16; Neo (Llama-3.1-8B shape, random
