@@ -22,7 +22,6 @@ from engine.execution import ModelRunner
 from engine.execution.fit import describe_fit, fit_config
 from engine.execution.layer_store import create_layer_store
 from engine.execution.thread_split import core_assignment, plan_thread_split
-from scheduler.thread_plan import DEFAULT_IO_THREADS
 from engine.execution.stats import WeightStats
 from engine.execution.weight_plan import conversion_key, plan_model, slicing_costs, weight_format
 from engine.kv import KVCache
@@ -46,6 +45,7 @@ from scheduler.placement.slicing_plan import layer_works
 from scheduler.placement.tiers import Tier
 from scheduler.prefix_cache import PrefixCacheCounters
 from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig
+from scheduler.thread_plan import DEFAULT_IO_THREADS
 
 logger = logging.getLogger(__name__)
 

@@ -94,15 +94,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                           help="while streams decode, an iteration carrying prompt chunks takes at most this "
                                "many decode steps' time, so running streams keep their pace (0: the token budget "
                                "alone; default 3 on cpu and testbed, 0 on cuda)")
-    memory = parser.add_argument_group(
-        "memory: the fit divides two budgets among weights, layer buffers and both KV pools, and picks the "
-        "weight and KV formats (the older knobs below stay as overrides)")
-    memory.add_argument("--gpu-memory-gib", type=float, default=None,
-                        help="the GPU's memory for weights, layer buffers, activations and its KV pool (default: "
-                             "cuda 90%% of the device's free memory; cpu and testbed, the host's memory)")
-    memory.add_argument("--host-memory-gib", type=float, default=None,
-                        help="host memory for streamed layers and the host KV pool (default: 80%% of what the host "
-                             "has available)")
+    _add_memory_flags(parser)
     _add_cache_flags(parser)
     devices = parser.add_argument_group("device and CPU offloading")
     devices.add_argument("--device", default="cpu",
@@ -158,6 +150,19 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                          help="under --mlp-slicing, ScheInfer's prefill token assignment: each forward moves the "
                               "tokens the slicing models say to the GPU with CC's weights copied over (CG'); "
                               "off: the CPU computes its slices for every token")
+
+
+def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
+    """The fit's two budgets (engine/execution/fit.py)."""
+    memory = parser.add_argument_group(
+        "memory: the fit divides two budgets among weights, layer buffers and both KV pools, and picks the "
+        "weight and KV formats (the older knobs below stay as overrides)")
+    memory.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="the GPU's memory for weights, layer buffers, activations and its KV pool (default: "
+                             "cuda 90%% of the device's free memory; cpu and testbed, the host's memory)")
+    memory.add_argument("--host-memory-gib", type=float, default=None,
+                        help="host memory for streamed layers and the host KV pool (default: 80%% of what the host "
+                             "has available)")
 
 
 def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
