@@ -36,7 +36,7 @@ from engine.profiling import compute_dtype  # noqa: E402
 from engine.profiling.cache import host_cpu_model  # noqa: E402
 from engine.weights import create_loader  # noqa: E402
 from scheduler.fit import Configuration, Fit  # noqa: E402
-from scheduler.fit.search import _configurations, _predicted  # noqa: E402
+from scheduler.fit.search import placements_of, with_predictions  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m"  # on the testbed in float32: 0.50 GiB of weights, 46 KB of KV a token
@@ -59,7 +59,7 @@ def fixed_configurations(fitted: Fit, request_of) -> list[Configuration]:
     """Per option weighed: its most and fewest resident placements that fit, and the fit's own."""
     chosen = []
     for best in fitted.options:
-        every = [c for c in _predicted(*request_of(best)) if not isinstance(c, str)]
+        every = [c for c in with_predictions(*request_of(best)) if not isinstance(c, str)]
         if not every:
             continue
         for c in (max(every, key=lambda c: c.num_resident), min(every, key=lambda c: c.num_resident), best):
@@ -111,7 +111,7 @@ def run_cell(gpu_gib: float, host_gib: float, name: str, workload: tuple[int, in
     auto_config, fitted = fit_config(config, loader, dtype, model_max_len(config, loader.config), predict_always=True)
     offload_dir = default_offload_dir(loader.source)
     request = fit_request(config, loader, dtype, model_max_len(config, loader.config))
-    fixed = fixed_configurations(fitted, lambda best: (request, _configurations(request, best.option, None),
+    fixed = fixed_configurations(fitted, lambda best: (request, placements_of(request, best.option, None),
                                                        request.measure()))
     engines = {label(c): apply_fit(config, dataclasses.replace(fitted, chosen=c), loader.config, offload_dir)
                for c in fixed}

@@ -181,15 +181,15 @@ class Fit:
 def fit(request: FitRequest) -> Fit:
     """The configuration to run; FitError naming what does not fit and the flag to change."""
     lossless = request.options[0]
-    first = _configurations(request, lossless, None)
+    first = placements_of(request, lossless, None)
     resident = [c for c in first if not isinstance(c, str) and not c.streams]
     if resident and not _memory_binds(request, resident[0]) and not request.predict_always:
         return Fit(resident[0], "everything fits resident; nothing is quantized that is not stored so")
     probes = request.measure()
-    weighed = [first] + [_configurations(request, option, None) for option in request.options[1:]]
+    weighed = [first] + [placements_of(request, option, None) for option in request.options[1:]]
     best, refused = [], {}
     for option, configurations in zip(request.options, weighed):
-        measured = _best(_predicted(request, configurations, probes))
+        measured = _best(with_predictions(request, configurations, probes))
         if isinstance(measured, str) or measured is None:
             refused[option.describe()] = measured or _why_nothing(request, option)
         else:
@@ -241,8 +241,10 @@ def _best(configurations: list[Configuration | str]) -> Configuration | str | No
     return max(fitting, key=lambda c: (round(c.prediction.tokens_per_s, 9), c.num_resident, -c.gpu_bytes))
 
 
-def _predicted(request: FitRequest, configurations: list[Configuration | str],
-               probes: FitProbes) -> list[Configuration | str]:
+def with_predictions(request: FitRequest, configurations: list[Configuration | str],
+                     probes: FitProbes) -> list[Configuration | str]:
+    """Each configuration with the model's prediction (the length capped as its GPU pool caps it),
+    or why it serves no sequence; reasons passed through."""
     out: list[Configuration | str] = []
     for c in configurations:
         if isinstance(c, str):
@@ -275,7 +277,7 @@ def _planner_inputs(request: FitRequest, option: FitOption, probes: FitProbes | 
                          mode=fixed.placement, pipeline=fixed.pipeline)
 
 
-def _configurations(request: FitRequest, option: FitOption, probes: FitProbes | None) -> list[Configuration | str]:
+def placements_of(request: FitRequest, option: FitOption, probes: FitProbes | None) -> list[Configuration | str]:
     """Every placement of this option (most resident layers first) with its memory, or why it
     does not fit."""
     inputs = _planner_inputs(request, option, probes)

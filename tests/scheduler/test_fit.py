@@ -20,7 +20,7 @@ from scheduler.fit import (
     fit,
     predict,
 )
-from scheduler.fit.search import _configurations, _predicted
+from scheduler.fit.search import placements_of, with_predictions
 from scheduler.kv_format import kv_format
 from scheduler.placement import (GIB_BYTES, ComputeCosts, MemoryBudgets, PlannerInputs, TransferRates, WeightFormat,
                                  Workload)
@@ -125,7 +125,7 @@ def test_each_option_takes_its_fastest_placement():
         except FitError:
             continue
         for chosen in result.options:
-            every = [c for c in _predicted(r, _configurations(r, chosen.option, None), measured)
+            every = [c for c in with_predictions(r, placements_of(r, chosen.option, None), measured)
                      if not isinstance(c, str)]
             best = max(c.prediction.tokens_per_s for c in every)
             assert chosen.prediction.tokens_per_s == pytest.approx(best)
