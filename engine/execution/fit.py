@@ -59,17 +59,17 @@ def fit_config(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, m
         if loader.config.is_moe and not config.weights.streaming_requested:
             _check_moe_fits(config, loader, dtype, options[0])
         return _lossless(config, options[0]), None
-    request = fit_request(config, loader, dtype, max_model_len, predict_always)
-    result = fit(request)
-    return apply_fit(config, result, loader.config, _offload_dir(config, loader)), result
+    offload_dir = _offload_dir(config, loader)
+    result = fit(fit_request(config, loader, dtype, max_model_len, predict_always, options))
+    return apply_fit(config, result, loader.config, offload_dir), result
 
 
 def fit_request(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, max_model_len: int,
-                predict_always: bool = False) -> FitRequest:
-    """What the fit weighs for `config`: its options, budgets, workload and fixed choices, and how
-    to measure this machine."""
+                predict_always: bool = False, options: tuple[FitOption, ...] | None = None) -> FitRequest:
+    """What the fit weighs for `config`: its options (`fit_options` where not given), budgets,
+    workload and fixed choices, and how to measure this machine."""
     model_config = loader.config
-    options = fit_options(config, loader.stores_int4(), dtype, model_config.head_dim)
+    options = options or fit_options(config, loader.stores_int4(), dtype, model_config.head_dim)
     offload_dir = _offload_dir(config, loader)
     return FitRequest(model_config.shape, dtype.itemsize, options, workload(config, max_model_len, dtype),
                       fit_budgets(config, offload_dir),
@@ -188,15 +188,11 @@ def measure_probes(config: EngineConfig, model_config: ModelConfig, dtype: torch
                    options: tuple[FitOption, ...], offload_dir: str) -> FitProbes:
     """This machine's rates, compute costs (per weight format, on first use) and attention per KV format."""
     measured = dataclasses.replace(config, weights=dataclasses.replace(config.weights, offload_dir=offload_dir))
-    compute = {}
+    def compute_costs(quantization: str):  # measured once per process (weight_plan caches them)
+        return measure_compute_costs(measured, model_config, dtype, quantization)[0]
 
-    def compute_costs(quantization: str):
-        if quantization not in compute:
-            compute[quantization] = measure_compute_costs(measured, model_config, dtype, quantization)
-        return compute[quantization]
-
-    compute_costs(options[0].quantization)  # before the rates: the link is also timed beside it
-    rates, _ = measure_rates(measured)
+    _, link_busy = measure_compute_costs(measured, model_config, dtype, options[0].quantization)
+    rates, _ = measure_rates(measured, link_busy)
     kv_names = list(dict.fromkeys(option.kv.name for option in options))
     attention = measure_attention(config, model_config, dtype, kv_names, compute_costs(options[0].quantization))
     logger.info("fit: measured link %.2f GB/s%s; attention per 1k context tokens a layer: %s",

@@ -145,8 +145,8 @@ def measure(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
     """Copy and disk rates and compute times on this machine, as the engine will run them (each
     measured once per process: every engine of a process runs on the same hardware)."""
     _refuse_moe_streaming(model_config)
-    costs = measure_compute_costs(config, model_config, dtype, config.quantization)  # first: the link beside it
-    rates, direct = measure_rates(config)
+    costs, link_busy = measure_compute_costs(config, model_config, dtype, config.quantization)
+    rates, direct = measure_rates(config, link_busy)
     logger.info("measured: host->GPU %.2f GB/s (%.2f beside compute)%s; one layer's linear work at %d "
                 "tokens %.1f ms (%.1f beside a copy)", rates.link_bytes_per_s / 1e9,
                 rates.link_bytes_per_s_under_compute / 1e9,
@@ -157,38 +157,29 @@ def measure(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
     return Measurements(rates, costs, direct)
 
 
-def measure_rates(config: EngineConfig) -> tuple[TransferRates, bool | None]:
-    """The link's rate alone and beside compute (as measured with the compute costs, which go
-    first), and the offload directory's read rate (None without one), with whether its reads
-    bypassed the page cache."""
+def measure_rates(config: EngineConfig, link_busy: float) -> tuple[TransferRates, bool | None]:
+    """The link's rate alone and beside compute (`link_busy`, measured with the compute costs), and
+    the offload directory's read rate (None without one), with whether its reads bypassed the page
+    cache."""
     weights = config.weights
     cores = engine_cores(config)
     link = _link_bytes_per_s(config.torch_device, cores)
     io_threads = weights.num_io_threads or DEFAULT_IO_THREADS
     disk, direct = (None, None) if not weights.offload_dir else _disk_bytes_per_s(weights.offload_dir, io_threads)
-    link_busy = _link_busy_bytes_per_s(config.torch_device, cores)
     return TransferRates(link, disk, DEFAULT_BLOCK_BYTES, link_busy), direct
 
 
 def measure_compute_costs(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
-                          quantization: str) -> ComputeCosts:
-    """One layer's linear work, decode attention and the head on the GPU, weights in `quantization`."""
+                          quantization: str) -> tuple[ComputeCosts, float]:
+    """One layer's linear work, decode attention and the head on the GPU, weights in `quantization`;
+    and the link's bytes/s beside that linear work."""
     layer_bytes = layer_image_bytes(model_config.shape, WeightFormat(quantization, dtype.itemsize))
-    return _compute_costs(model_config, dtype, quantization, config.torch_device, engine_cores(config), layer_bytes)[0]
+    return _compute_costs(model_config, dtype, quantization, config.torch_device, engine_cores(config), layer_bytes)
 
 
 def engine_cores(config: EngineConfig) -> CoreAssignment:
     cpu_attention = config.cpu_attention
     return CoreAssignment.for_device(config.device, cpu_attention.gpu_threads, cpu_attention.cpu_attention_threads)
-
-
-def _link_busy_bytes_per_s(device: str, cores: CoreAssignment) -> float:
-    """The link beside a decode-sized linear stage (measured with the first compute costs: the
-    embedded model's shape stands in for any, as the bus is what they share)."""
-    return _link_beside_compute.get((device, cores)) or _link_bytes_per_s(device, cores)
-
-
-_link_beside_compute: dict[tuple[str, CoreAssignment], float] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,10 +206,7 @@ def _compute_costs(model_config: ModelConfig, dtype: torch.dtype, quantization: 
     queue = _gpu_queue(cores, device)
     engine = _copy_engine(device, cores)
     try:
-        costs, link_busy = measure_compute(model_config, dtype, QUANTIZATION_METHODS[quantization], queue,
-                                           layer_bytes, engine)
-        _link_beside_compute.setdefault((device, cores), link_busy)
-        return costs, link_busy
+        return measure_compute(model_config, dtype, QUANTIZATION_METHODS[quantization], queue, layer_bytes, engine)
     finally:
         engine.close()
         queue.close()

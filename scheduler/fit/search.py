@@ -191,7 +191,7 @@ def fit(request: FitRequest) -> Fit:
     for option, configurations in zip(request.options, weighed):
         measured = _best(with_predictions(request, configurations, probes))
         if isinstance(measured, str) or measured is None:
-            refused[option.describe()] = measured or _why_nothing(request, option)
+            refused[option.describe()] = measured or f"no placement of {option.describe()} fits"
         else:
             best.append(measured)
     return _choose(request, tuple(best), refused)
@@ -367,10 +367,6 @@ def _capacity(request: FitRequest, kv: KVFormat, gpu_kv_bytes: int, host_kv_byte
     block_bytes = kv_block_bytes(request.shape, request.workload.block_size, kv.element_bytes)
     block_size = request.workload.block_size
     return KVCapacity(gpu_kv_bytes // block_bytes * block_size, host_kv_bytes // block_bytes * block_size)
-
-
-def _why_nothing(request: FitRequest, option: FitOption) -> str:
-    return f"no placement of {option.describe()} fits"
 
 
 def _refusal(request: FitRequest, refused: dict[str, str]) -> str:
