@@ -144,7 +144,8 @@ class LLMEngine:
             self.scheduler = Scheduler(scheduler_config)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.eos_token_ids = tuple(dict.fromkeys((*eos, *self.model_config.eos_token_ids)))
-        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                     self.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = IterationStats()

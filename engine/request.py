@@ -12,12 +12,17 @@ logprobs, so nothing about a sample is kept twice.
 """
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.structured import GrammarBackend, GrammarError, create_grammar_backend
 from engine.text import IncrementalDetokenizer, Tokenizer
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.sequence import Sequence
+from scheduler.structured_output import GrammarState
 
 
 @dataclass(frozen=True)
@@ -27,22 +32,45 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    new_grammar: Callable[[], GrammarState] | None = None  # a sample's start in its structured output's grammar
 
 
 class InputProcessor:
-    """Tokenizes and checks requests against the model. Touches no engine state, so it is safe
-    to call from any thread (the server calls it on the event loop)."""
+    """Tokenizes and checks requests against the model, and compiles their structured outputs.
+    Touches no engine state, so it is safe to call from any thread (the server calls it on the
+    event loop, or on a worker thread when there is a grammar to compile)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self._grammar_backend: GrammarBackend | None = None  # built at the first structured request
+        self._grammar_lock = threading.Lock()
 
     def prepare(self, prompt: str | list[int], params: SamplingParams | None = None) -> PreparedRequest:
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         self._check_vocabulary(params)
-        return PreparedRequest(text, token_ids, self._fit_context(token_ids, params))
+        params = self._fit_context(token_ids, params)
+        return PreparedRequest(text, token_ids, params, self._compile_grammar(params))
+
+    def _compile_grammar(self, params: SamplingParams) -> Callable[[], GrammarState] | None:
+        structured = params.structured
+        if structured is None:
+            return None
+        if self.tokenizer is None:
+            raise ParamError(structured.param, "structured outputs need the model's tokenizer; "
+                                               "this model has none (dummy weights)")
+        with self._grammar_lock:
+            if self._grammar_backend is None:
+                self._grammar_backend = create_grammar_backend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        try:
+            compiled = self._grammar_backend.compile(structured)
+        except GrammarError as exc:
+            raise ParamError(structured.param, f"{structured.param} cannot be compiled into a grammar: {exc}") from None
+        return functools.partial(self._grammar_backend.start, compiled)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -100,7 +128,8 @@ class Request:
                 request_id if params.n == 1 else f"{request_id}#{index}", list(prompt_ids), sample_params,
                 eos_token_ids=eos_token_ids, arrival_time=metrics.arrival_time, request_id=request_id,
                 text=IncrementalDetokenizer(tokenizer, prompt_ids, sample_params) if tokenizer else None,
-                logprobs=[] if params.logprobs is not None else None))
+                logprobs=[] if params.logprobs is not None else None,
+                grammar=prepared.new_grammar() if prepared.new_grammar else None))
         return cls(request_id, prepared.prompt, prompt_ids, sequences, metrics)
 
     @property

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.structured_output import StructuredOutput
 
 MAX_TOP_LOGPROBS = 20
 
@@ -44,6 +48,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # what the output must match (a JSON schema, ...)
 
     def __post_init__(self) -> None:
         # normalize list-typed inputs so the object stays hashable and immutable

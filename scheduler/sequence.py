@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from scheduler.sampling_params import SamplingParams
+from scheduler.structured_output import GrammarState
 
 
 class Tier(enum.Enum):
@@ -72,6 +73,7 @@ class Sequence:
     logprobs: list[Any] | None = None  # one entry per output token, when the request asked for them
     partial_prompt_logprobs: list[Any] = field(default_factory=lambda: [None])  # the entries so far, chunk by chunk
     num_reported_tokens: int = 0  # output tokens already handed to the client
+    grammar: GrammarState | None = None  # what its output must match (structured output)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,8 +116,10 @@ class Sequence:
         self.partial_prompt_logprobs.extend(entries)
 
     def append_token(self, token_id: int, logprob: Any = None) -> None:
-        """One sampled token: into the token ids, the logprobs and the text."""
+        """One sampled token: into the token ids, the logprobs, the text and the grammar."""
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.logprobs is not None:
             self.logprobs.append(logprob)
         if self.text is not None:
@@ -125,12 +129,15 @@ class Sequence:
 def stop_check(seq: Sequence, max_model_len: int) -> tuple[SequenceStatus, int | str | None] | None:
     """Whether `seq` is finished after its last token, and why: (status, stop reason) or None.
 
-    The one place a generation's end is decided. In order: EOS and stop token ids (once
+    The one place a generation's end is decided. In order: a structured output's grammar that
+    took its end token, EOS and stop token ids (once
     min_tokens are out), max_tokens or the context length, then a stop string the text matched
     (the text stream itself ignores stop strings before min_tokens). Aborts are the scheduler's.
     """
     params = seq.sampling_params
     token_id = seq.output_token_ids[-1]
+    if seq.grammar is not None and seq.grammar.is_terminated():  # ends even before min_tokens or with ignore_eos
+        return SequenceStatus.FINISHED_STOPPED, None
     if seq.num_output_tokens >= params.min_tokens:
         if not params.ignore_eos and token_id in seq.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED, None

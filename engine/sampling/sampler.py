@@ -1,7 +1,7 @@
 """Turn a batch of next-token logits into tokens, one row per sequence.
 
 Processing follows vLLM V1's order: min_tokens masking and logit_bias, then the repetition,
-frequency and presence penalties. Greedy rows take the argmax of those logits; sampled rows are
+frequency and presence penalties, then a structured output's grammar mask. Greedy rows take the argmax of those logits; sampled rows are
 divided by their temperature, filtered by top_k, top_p and min_p (in that order) and drawn by an
 exponential race, argmax(logits - log(noise)) with noise ~ Exp(1), which is a draw from
 softmax(logits) without a softmax or a cumulative sum.
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenLogprob
+from engine.structured import apply_token_masks
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
 
@@ -66,14 +67,17 @@ class Sampler:
         return _output(logits, token_ids, params)
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """fp32 logits after min_tokens masking, logit_bias and penalties: what greedy rows argmax.
+        """fp32 logits after min_tokens masking, logit_bias, penalties and grammar masks: what greedy
+        rows argmax.
 
         Leaves `logits` untouched; returns a new [batch, vocab] tensor.
         """
         logits = self._vocab_logits(logits, seqs).to(torch.float32, copy=True)
         _mask_stop_tokens_before_min_tokens(logits, seqs)
         _add_logit_bias(logits, seqs)
-        return _apply_penalties(logits, seqs)
+        logits = _apply_penalties(logits, seqs)
+        apply_token_masks(logits, seqs)
+        return logits
 
     def _vocab_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] < self.vocab_size:
@@ -136,7 +140,7 @@ class Sampler:
 
 def _needs_processing(seqs: list[Sequence]) -> bool:
     return any(_min_tokens_active(r) or _uses_penalties(r.sampling_params) or r.sampling_params.logit_bias
-               for r in seqs)
+               or r.grammar is not None for r in seqs)
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -152,7 +156,8 @@ def _mask_stop_tokens_before_min_tokens(logits: torch.Tensor, seqs: list[Sequenc
     cols: list[int] = []
     vocab_size = logits.shape[1]
     for i, seq in enumerate(seqs):
-        if not _min_tokens_active(seq):
+        # a grammar decides when a structured output ends: it may allow nothing but the end token
+        if not _min_tokens_active(seq) or seq.grammar is not None:
             continue
         params = seq.sampling_params
         stop_ids = set(params.stop_token_ids)
