@@ -6,18 +6,20 @@ ParamError handler answers with a 400 (through `param_error`).
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+import json
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scheduler.sampling_params import ParamError, SamplingParams
+from scheduler.structured_output import StructuredOutput
 from server.errors import APIError, bad_request
 
 # Parameters of the OpenAI API that tandem does not implement: refused, never ignored.
 UNSUPPORTED_PARAMS = {
-    "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
-    "function_call": "function calling", "parallel_tool_calls": "tool calling",
-    "response_format": "structured output", "best_of": "best_of", "suffix": "suffix (insertion)",
+    "functions": "the deprecated function calling (send 'tools')",
+    "function_call": "the deprecated function calling (send 'tool_choice')",
+    "best_of": "best_of", "suffix": "suffix (insertion)",
     "audio": "audio output", "modalities": "output modalities", "prediction": "predicted outputs",
     "web_search_options": "web search", "reasoning_effort": "reasoning effort",
 }
@@ -33,6 +35,41 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")  # `schema` would shadow a BaseModel method
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: exactly one of a JSON schema, any JSON object, a regular
+    expression, a list of choices or an EBNF grammar (xgrammar's dialect of GBNF)."""
+    json_schema: dict[str, Any] | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def structured_output(self) -> StructuredOutput:
+        given = {name: value for name, value in self.model_dump(by_alias=True).items() if value not in (None, False)}
+        if len(given) != 1:
+            raise ParamError("structured_outputs", "structured_outputs takes exactly one of json, json_object, "
+                                                   f"regex, choice, grammar; got {sorted(given) or 'none'}")
+        (name, value), = given.items()
+        if name == "choice" and not value:
+            raise ParamError("structured_outputs.choice", "choice must list at least one string")
+        kind = {"json": "json_schema"}.get(name, name)
+        spec = json.dumps(value) if name in ("json", "choice") else ("" if name == "json_object" else value)
+        return StructuredOutput(kind, spec, param="structured_outputs")
 
 
 class _SamplingFields(_Strict):
@@ -57,10 +94,28 @@ class _SamplingFields(_Strict):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What the output must match: response_format or structured_outputs, not both."""
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            if self.structured_outputs is not None:
+                raise ParamError("structured_outputs", "send response_format or structured_outputs, not both")
+            if response_format.type == "json_object":
+                return StructuredOutput("json_object")
+            if response_format.json_schema is None:
+                raise ParamError("response_format.json_schema", "response_format of type json_schema needs "
+                                                                "a json_schema object with the schema")
+            return StructuredOutput("json_schema", json.dumps(response_format.json_schema.json_schema))
+        return self.structured_outputs.structured_output() if self.structured_outputs is not None else None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """Map the fields both endpoints share onto SamplingParams; a ParamError names the field."""
+                         prompt_logprobs: int | None = None,
+                         structured: StructuredOutput | None = None) -> SamplingParams:
+        """Map the fields both endpoints share onto SamplingParams; a ParamError names the field.
+        `structured`: what the output must match (default: what response_format asks)."""
         if self.n > MAX_N:
             raise ParamError("n", f"n must be at most {MAX_N}, got {self.n}")
         bias = None
@@ -82,6 +137,7 @@ class _SamplingFields(_Strict):
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured=structured or self.structured_output(),
         )
 
 
@@ -116,10 +172,24 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Strict):
+    """A call an assistant message made, sent back in the history."""
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages: the call this result answers
 
     def text(self) -> str:
         if self.content is None:
@@ -129,19 +199,46 @@ class ChatMessage(_Strict):
         return "\n".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice naming the one function the model must call."""
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
-    def sampling_params(self) -> SamplingParams:
-        """The request as SamplingParams; a ParamError may name the engine's field (see `param_renames`)."""
+    def sampling_params(self, structured: StructuredOutput | None = None) -> SamplingParams:
+        """The request as SamplingParams; a ParamError may name the engine's field (see `param_renames`).
+        `structured`: what a forced tool call must match, in place of response_format."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                     structured=structured)
 
     def param_renames(self) -> dict[str, str]:
         """The engine's field names -> this request's: chat sends messages, not a prompt, and

@@ -1,6 +1,7 @@
 """Handing one HTTP request's prompts to the AsyncEngine as engine requests, and taking them back."""
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 
@@ -34,11 +35,15 @@ class Submission:
                 self.async_engine.abort(request_id)
 
 
-def submit(async_engine: AsyncEngine, prompts: list, params: SamplingParams) -> Submission:
+async def submit(async_engine: AsyncEngine, prompts: list, params: SamplingParams) -> Submission:
     """Validate and tokenize every prompt (ParamError names the field), then queue them all or
-    none: 429 with Retry-After when the waiting queue is full, 503 when the engine is dead."""
+    none: 429 with Retry-After when the waiting queue is full, 503 when the engine is dead.
+    A structured output's grammar is compiled on a worker thread, off the event loop."""
+    def prepare() -> list[PreparedRequest]:
+        return [async_engine.prepare(prompt, params) for prompt in prompts]
+
     try:
-        prepared = [async_engine.prepare(prompt, params) for prompt in prompts]
+        prepared = await asyncio.to_thread(prepare) if params.structured is not None else prepare()
     except TokenizerError as exc:
         raise ParamError("prompt", str(exc)) from None
     base_id = uuid.uuid4().hex

@@ -26,7 +26,7 @@ async def chat_completions(request: Request, ctx: Context):
     request.state.param_renames = req.param_renames()  # read by the app's ParamError handler
     tokenizer = require_tokenizer(ctx)
     prompt_ids = render_chat(tokenizer, req.messages, req.add_generation_prompt)
-    submission = submit(ctx.async_engine, [prompt_ids], req.sampling_params())
+    submission = await submit(ctx.async_engine, [prompt_ids], req.sampling_params())
     shaper = _ChatShaper(req, submission, tokenizer, ctx.model_name, int(time.time()))
     if not req.stream:
         (final,) = await collect_final_outputs(request, submission)

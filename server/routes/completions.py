@@ -26,7 +26,7 @@ async def completions(request: Request, ctx: Context):
     prompts = req.prompts()
     if any(isinstance(p, str) for p in prompts):
         require_tokenizer(ctx)
-    submission = submit(ctx.async_engine, prompts, req.sampling_params())
+    submission = await submit(ctx.async_engine, prompts, req.sampling_params())
     shaper = _CompletionShaper(req, submission, ctx.tokenizer, ctx.model_name, int(time.time()))
     if not req.stream:
         return shaper.response(await collect_final_outputs(request, submission))
