@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -70,6 +70,7 @@ bench: install
 	$(MAKE) bench-stream
 	$(MAKE) bench-slicing
 	$(MAKE) bench-fit
+	$(MAKE) bench-structured
 	$(PY) benchmarks/offline.py
 	$(PY) benchmarks/serve.py --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
@@ -209,6 +210,12 @@ bench-fit: install
 	nice -n 10 $(PY) benchmarks/fit_grid.py
 	dir=$$(mktemp -d) && trap 'rm -rf "$$dir"' EXIT && nice -n 10 $(PY) benchmarks/thread_split.py \
 		--offload-dir $$dir --copy-threads 1 2 --io-threads 1 2 4
+	$(PY) benchmarks/update_benchmarks_doc.py
+
+# Structured outputs: 8 decoding streams with none, half and all held to a JSON schema; xgrammar
+# and llguidance filling the same schemas' masks.
+bench-structured: install
+	nice -n 10 $(PY) benchmarks/structured_decode.py
 	$(PY) benchmarks/update_benchmarks_doc.py
 
 # On a CUDA GPU: the Triton INT4 matmul against dense bf16; Neo (Llama-3.1-8B shape, random

@@ -85,6 +85,14 @@ SECTIONS = (
             "Output tokens/s is over the whole run (prefills included); decode is over the decode-only iterations, which\n"
             "is what the model predicts. The weight format is fixed here: INT4 does not run on the testbed.",
             "## Compute dtype"),
+    Section("structured_decode", "## Structured outputs (`benchmarks/structured_decode.py`)",
+            "Run by `make bench-structured` on a quiet machine: one engine on the embedded model decoding 8 greedy\n"
+            "streams at once, none, half or all of them held to a JSON schema (an array of at least 200 integers, so\n"
+            "every stream runs to max_tokens); decode tokens/s from the first iteration after every prefill;\n"
+            "repetitions interleaved, medians. Then xgrammar (the engine's grammar library) and llguidance compile\n"
+            "the same schemas for the embedded model's tokenizer, with compact JSON whitespace, and follow a valid\n"
+            "document's tokens, filling the next-token mask before each.",
+            "## Compute dtype"),
 )
 
 
