@@ -32,12 +32,13 @@ class ToolCallStream:
         self._parser = parser
         self._text = ""
         self._num_content_chars_sent = 0
+        self._content_end = 0  # where in the text the content sent so far ends
         self._num_calls_sent = 0
 
     def feed(self, delta_text: str) -> StreamDelta:
         self._text += delta_text
         safe_end = self._parser.content_safe_end(self._text)
-        delta = StreamDelta(self._new_content(self._text[:safe_end].strip()))
+        delta = StreamDelta(self._new_safe_content(safe_end))
         if safe_end < len(self._text):  # held-back text may hold calls that are complete
             delta.tool_calls = self._new_calls(self._parser.parse(self._text, final=False).tool_calls)
         return delta
@@ -47,9 +48,18 @@ class ToolCallStream:
         parsed = self._parser.parse(self._text)
         return StreamDelta(self._new_content(parsed.content or ""), self._new_calls(parsed.tool_calls))
 
+    def _new_safe_content(self, safe_end: int) -> str:
+        """The safe text not yet sent, stripped the way the parse strips content: nothing before the
+        first non-space, trailing spaces held. Only the unsent part is read, to stay linear in the text."""
+        piece = self._text[self._content_end:safe_end].rstrip()
+        self._content_end += len(piece)
+        new = piece if self._num_content_chars_sent else piece.lstrip()
+        self._num_content_chars_sent += len(new)
+        return new
+
     def _new_content(self, content_so_far: str) -> str:
-        """The part of `content_so_far` not yet sent. The content sent is always a prefix of the final
-        content: safe text is stripped the way the parse strips it and lies before any call."""
+        """The part of `content_so_far` not yet sent. What was sent is always a prefix of the final
+        content: safe text lies before any call and is stripped as the parse strips it."""
         new = content_so_far[self._num_content_chars_sent:]
         self._num_content_chars_sent += len(new)
         return new
