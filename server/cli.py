@@ -12,6 +12,7 @@ from typing import Mapping
 import kernels  # noqa: F401  (before torch loads: caps its OpenMP spinning, kernels/__init__.py)
 from scheduler.kv_format import KV_CACHE_DTYPES
 from server.flag_sources import CONFIG_ENV, FlagSourceError, RepeatableFlag, add_deprecated_flag, layered_defaults
+from server.tool_calls.registry import AUTO_PARSER, PARSER_NAMES
 
 API_KEY_ENV = "TANDEM_API_KEY"  # one key, or several separated by commas
 
@@ -62,6 +63,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--cors-origins", default="", help="comma-separated allowed origins ('*' for any)")
     http.add_argument("--shutdown-grace", type=float, default=10.0,
                       help="seconds in-flight requests may finish after SIGTERM/SIGINT")
+    http.add_argument("--tool-call-parser", choices=(AUTO_PARSER, *PARSER_NAMES), default=AUTO_PARSER,
+                      help="the format the model writes tool calls in (auto: the one its chat template teaches; "
+                           "hermes where the template renders no tools, which tandem then describes itself)")
     admission = parser.add_argument_group("admission (beyond these bounds: 429 with Retry-After)")
     admission.add_argument("--max-waiting-requests", type=int, default=256, help="queued requests")
     admission.add_argument("--max-waiting-tokens", type=int, default=262144, help="queued prompt tokens")
@@ -361,7 +365,8 @@ def serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine, QueueBounds(args.max_waiting_requests, args.max_waiting_tokens),
                                on_iteration=metrics.record_iteration, on_abort=metrics.record_abort)
     settings = ServerSettings(served_model_name=name, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes,
-                              cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))
+                              cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+                              tool_call_parser=args.tool_call_parser)
     app = create_app(async_engine, settings, metrics)
     url = f"http://{args.host}:{args.port}"
     auth = ' -H "Authorization: Bearer $TANDEM_API_KEY"' if keys else ""

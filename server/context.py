@@ -20,6 +20,7 @@ class ServerSettings:
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 2**20
     cors_origins: tuple[str, ...] = ()
+    tool_call_parser: str = "auto"  # the format tool calls are read in; auto: the chat template's
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from server.protocol import ChatCompletionRequest
 from server.routes.shared import has_news, read_request, render_chat, require_tokenizer, usage
 from server.sse import event_stream_response, merge_streams, sse_event
 from server.submission import Submission, submit
+from server.tool_calls import ToolCallStream
+from server.tool_calls.tool_use import ToolUse, plan_tool_use
 
 router = APIRouter()
 
@@ -25,9 +27,10 @@ async def chat_completions(request: Request, ctx: Context):
     req = await read_request(request, ChatCompletionRequest, ctx)
     request.state.param_renames = req.param_renames()  # read by the app's ParamError handler
     tokenizer = require_tokenizer(ctx)
-    prompt_ids = render_chat(tokenizer, req.messages, req.add_generation_prompt)
-    submission = await submit(ctx.async_engine, [prompt_ids], req.sampling_params())
-    shaper = _ChatShaper(req, submission, tokenizer, ctx.model_name, int(time.time()))
+    tool_use = plan_tool_use(req, tokenizer.chat_template, ctx.settings.tool_call_parser)
+    prompt_ids = render_chat(tokenizer, req.messages, req.add_generation_prompt, tool_use)
+    submission = await submit(ctx.async_engine, [prompt_ids], req.sampling_params(tool_use.structured))
+    shaper = _ChatShaper(req, submission, tokenizer, ctx.model_name, int(time.time()), tool_use)
     if not req.stream:
         (final,) = await collect_final_outputs(request, submission)
         return shaper.response(final)
@@ -36,20 +39,33 @@ async def chat_completions(request: Request, ctx: Context):
 
 @dataclass(frozen=True)
 class _ChatShaper:
-    """Shapes one request's engine outputs into a chat.completion body or its stream of chunks."""
+    """Shapes one request's engine outputs into a chat.completion body or its stream of chunks;
+    with tools, the output's tool calls become the message's `tool_calls`."""
     request: ChatCompletionRequest
     submission: Submission
     tokenizer: Tokenizer
     model_name: str
     created: int
+    tool_use: ToolUse
 
     def response(self, final: RequestOutput) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
+        choices = [{"index": c.index, **self._message(c), "logprobs": self._logprobs(c.logprobs),
                     "stop_reason": c.stop_reason} for c in final.outputs]
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         return {"id": self._id(), "object": "chat.completion", "created": self.created, "model": self.model_name,
                 "choices": choices, "usage": usage(self.submission, num_generated)}
+
+    def _message(self, completion: CompletionOutput) -> dict:
+        """The choice's message and finish_reason: "tool_calls" when it ended by calling tools."""
+        if self.tool_use.parser is None:
+            return {"message": {"role": "assistant", "content": completion.text},
+                    "finish_reason": completion.finish_reason}
+        parsed = self.tool_use.parser.parse(completion.text)
+        calls = [call.as_openai() for call in parsed.tool_calls[:None if self.tool_use.parallel else 1]]
+        message = {"role": "assistant", "content": parsed.content}
+        if calls:
+            message["tool_calls"] = calls
+        return {"message": message, "finish_reason": _finish_reason(completion.finish_reason, bool(calls))}
 
     async def events(self) -> AsyncIterator[str]:
         num_generated = 0
@@ -57,21 +73,44 @@ class _ChatShaper:
             yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
         finished: set[int] = set()
+        tool_streams = {index: ToolCallStream(self.tool_use.parser) for index in range(self.request.n)
+                        if self.tool_use.parser is not None}
         async for _, output in merge_streams(self.submission.streams):
             for completion in output.outputs:
                 if not has_news(completion, completion.index, finished):
                     continue
                 num_generated += len(completion.delta_token_ids)
-                yield self._chunk([self._delta_choice(completion)])
+                choice = self._delta_choice(completion, tool_streams.get(completion.index))
+                if choice is not None:
+                    yield self._chunk([choice])
         if self._include_usage():
             yield self._chunk([], usage=usage(self.submission, num_generated))
 
-    def _delta_choice(self, completion: CompletionOutput) -> dict:
-        # the finishing chunk has no content key unless it brings text
-        has_content = completion.delta_text or completion.finish_reason is None
-        return {"index": completion.index, "delta": {"content": completion.delta_text} if has_content else {},
-                "logprobs": self._logprobs(completion.delta_logprobs), "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason}
+    def _delta_choice(self, completion: CompletionOutput, tool_stream: ToolCallStream | None) -> dict | None:
+        """The choice's chunk; None when a tool-call stream holds all of its news back."""
+        finish_reason = completion.finish_reason
+        if tool_stream is None:  # the finishing chunk has no content key unless it brings text
+            has_content = completion.delta_text or finish_reason is None
+            delta = {"content": completion.delta_text} if has_content else {}
+        else:
+            delta = self._tool_delta(completion, tool_stream)
+            finish_reason = _finish_reason(finish_reason, tool_stream.num_calls_sent > 0)
+            if not delta and finish_reason is None and not self.request.logprobs:
+                return None
+        return {"index": completion.index, "delta": delta, "logprobs": self._logprobs(completion.delta_logprobs),
+                "finish_reason": finish_reason, "stop_reason": completion.stop_reason}
+
+    def _tool_delta(self, completion: CompletionOutput, tool_stream: ToolCallStream) -> dict:
+        news = tool_stream.feed(completion.delta_text)
+        if completion.finish_reason is not None:
+            rest = tool_stream.finish()
+            news.content += rest.content
+            news.tool_calls += rest.tool_calls
+        delta = {"content": news.content} if news.content else {}
+        calls = [call for call in news.tool_calls if self.tool_use.parallel or call["index"] == 0]
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
 
     def _chunk(self, choices: list[dict], **extra) -> str:
         body = {"id": self._id(), "object": "chat.completion.chunk", "created": self.created,
@@ -88,6 +127,11 @@ class _ChatShaper:
 
     def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
         return chat_logprobs(self.tokenizer, entries or []) if self.request.logprobs else None
+
+
+def _finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
+    """OpenAI's "tool_calls" for a turn that ended by itself after calling tools."""
+    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:

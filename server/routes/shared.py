@@ -14,6 +14,8 @@ from server.context import ServerContext
 from server.errors import APIError, bad_request
 from server.middleware import read_json_body
 from server.submission import Submission
+from server.tool_calls.registry import renders_tools
+from server.tool_calls.tool_use import ToolUse, template_messages
 
 RequestBody = TypeVar("RequestBody", bound=BaseModel)
 
@@ -34,12 +36,15 @@ def require_tokenizer(ctx: ServerContext) -> Tokenizer:
     return ctx.tokenizer
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[protocol.ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """The token ids of `messages` through the model's chat template; a template error is a 400."""
-    # OpenAI's newer 'developer' role is what chat templates know as 'system'
-    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def render_chat(tokenizer: Tokenizer, messages: list[protocol.ChatMessage], add_generation_prompt: bool,
+                tool_use: ToolUse | None = None) -> list[int]:
+    """The token ids of `messages` (and the tools of `tool_use`) through the model's chat template;
+    a template error is a 400."""
+    tool_use = tool_use or ToolUse(native=renders_tools(tokenizer.chat_template or ""))
+    conversation = template_messages(messages, tool_use)
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                             **tool_use.template_kwargs())
     except TokenizerError as exc:
         raise bad_request(str(exc), param="messages") from None
     # the template writes its own special tokens

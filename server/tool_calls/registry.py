@@ -19,6 +19,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     MistralParser.name: MistralParser,
 }
 PARSER_NAMES: tuple[str, ...] = tuple(PARSERS)
+AUTO_PARSER = "auto"  # --tool-call-parser's default: the template's own format, else Hermes
 # Llama 3.2's template has no python tag, but its tool results go in the "ipython" role
 LLAMA_TOOL_ROLE = "ipython"
 _TOOLS_WORD = re.compile(r"\btools\b")
@@ -35,7 +36,7 @@ def detect_parser(chat_template: str | None) -> str | None:
     """The parser a chat template's own tool format calls for, or None when the template does not
     render tools, or renders them in a format none of PARSER_NAMES reads (then the route falls back
     to 'hermes' with tools described in a system message)."""
-    if not chat_template or not _renders_tools(chat_template):
+    if not chat_template or not renders_tools(chat_template):
         return None
     if OPEN_TAG in chat_template:
         return HermesParser.name
@@ -46,7 +47,7 @@ def detect_parser(chat_template: str | None) -> str | None:
     return None
 
 
-def _renders_tools(chat_template: str) -> bool:
+def renders_tools(chat_template: str) -> bool:
     """Whether the template reads the variable `tools`. The word in its prose does not count; a
     template Jinja cannot parse (a tag of an extension we lack) is searched for the word instead."""
     environment = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, jinja2.ext.do])

@@ -35,6 +35,10 @@ class ToolCallStream:
         self._content_end = 0  # where in the text the content sent so far ends
         self._num_calls_sent = 0
 
+    @property
+    def num_calls_sent(self) -> int:
+        return self._num_calls_sent
+
     def feed(self, delta_text: str) -> StreamDelta:
         self._text += delta_text
         safe_end = self._parser.content_safe_end(self._text)

@@ -18,9 +18,7 @@ from server.tool_calls.constrained import NamedCallParser, RequiredCallsParser
 from server.tool_calls.calls import ToolCallParser
 from server.tool_calls.hermes import HermesParser
 from server.tool_calls.prompt import NO_PARAMETERS, render_tool_calls_as_text, tools_system_prompt
-from server.tool_calls.registry import create_parser, detect_parser, renders_tools
-
-AUTO_PARSER = "auto"  # --tool-call-parser's default: the template's own format, else Hermes
+from server.tool_calls.registry import AUTO_PARSER, create_parser, detect_parser, renders_tools
 
 
 @dataclass(frozen=True)
