@@ -20,6 +20,9 @@ from server.tool_calls.hermes import HermesParser
 from server.tool_calls.prompt import NO_PARAMETERS, render_tool_calls_as_text, tools_system_prompt
 from server.tool_calls.registry import AUTO_PARSER, create_parser, detect_parser, renders_tools
 
+# the most calls a forced turn may make: a small model left an open-ended array repeats its call to the end
+MAX_FORCED_CALLS = 8
+
 
 @dataclass(frozen=True)
 class ToolUse:
@@ -80,9 +83,8 @@ def _required_grammar(tools: list[dict], parallel: bool) -> StructuredOutput:
               "properties": {"name": {"const": tool["function"]["name"]},
                              "arguments": tool["function"].get("parameters") or NO_PARAMETERS}}
              for tool in tools]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    if not parallel:
-        schema["maxItems"] = 1
+    schema = {"type": "array", "minItems": 1, "maxItems": MAX_FORCED_CALLS if parallel else 1,
+              "items": {"anyOf": calls}}
     return StructuredOutput("json_schema", json.dumps(schema), param="tools")
 
 
