@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from scheduler.sampling_params import ParamError
-
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
@@ -26,9 +24,13 @@ class StructuredOutput:
     param: str = "response_format"
 
     def __post_init__(self) -> None:
-        if self.kind not in STRUCTURED_KINDS:
-            raise ParamError(self.param, f"unknown structured output kind {self.kind!r}; "
-                                         f"expected one of {', '.join(STRUCTURED_KINDS)}")
+        if self.kind not in STRUCTURED_KINDS:  # the server builds only these: another is a caller's bug
+            raise ValueError(f"unknown structured output kind {self.kind!r}; expected one of "
+                             f"{', '.join(STRUCTURED_KINDS)}")
+
+
+class GrammarError(ValueError):
+    """A structured output spec the grammar library cannot compile; the message says why."""
 
 
 class GrammarState(Protocol):

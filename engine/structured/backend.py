@@ -9,11 +9,9 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from engine.text import Tokenizer
-from scheduler.structured_output import GrammarState, StructuredOutput
+from scheduler.structured_output import GrammarError, GrammarState, StructuredOutput
 
-
-class GrammarError(ValueError):
-    """A structured output spec the library cannot compile; the message says why."""
+__all__ = ["GRAMMAR_BACKENDS", "GrammarBackend", "GrammarError", "create_grammar_backend"]
 
 
 class GrammarBackend(Protocol):

@@ -8,9 +8,8 @@ import re
 
 import xgrammar as xgr
 
-from engine.structured.backend import GrammarError
 from engine.text import Tokenizer
-from scheduler.structured_output import StructuredOutput
+from scheduler.structured_output import GrammarError, StructuredOutput
 
 logger = logging.getLogger(__name__)
 

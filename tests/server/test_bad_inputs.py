@@ -103,10 +103,16 @@ CASES = {
     "model_unknown_completion": Case(C, completion(model="gpt-4"), 404, "model", ("gpt-4",)),
     "model_unknown_chat": Case(CH, chat(model="gpt-4"), 404, "model"),
     # unsupported or unknown parameters: refused by name, never ignored
-    "tools": Case(CH, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", ("tools",)),
-    "tool_choice": Case(CH, chat(tool_choice="auto"), 400, "tool_choice", ("tool_choice",)),
-    "response_format": Case(CH, chat(response_format={"type": "json_object"}), 400, "response_format",
-                            ("response_format",)),
+    "functions": Case(CH, chat(functions=[{"name": "f"}]), 400, "functions", ("functions",)),
+    # tools and structured outputs
+    "tool_type_unknown": Case(CH, chat(tools=[{"type": "retrieval"}]), 400, "tools.0.type"),
+    "tool_choice_without_tools": Case(CH, chat(tool_choice="auto"), 400, "tool_choice", ("tools",)),
+    "response_format_type_unknown": Case(CH, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
+    "json_schema_not_an_object": Case(C, completion(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}), 400,
+        "response_format"),
+    "structured_outputs_two_kinds": Case(C, completion(structured_outputs={"regex": "a", "choice": ["a"]}), 400,
+                                         "structured_outputs"),
     "best_of": Case(C, completion(best_of=2), 400, "best_of", ("best_of",)),
     "suffix": Case(C, completion(suffix="!"), 400, "suffix", ("suffix",)),
     "unknown_field": Case(C, completion(frobnicate=1), 400, "frobnicate", ("frobnicate",)),
