@@ -13,20 +13,8 @@ from engine.structured import GrammarError, apply_token_masks, create_grammar_ba
 from engine.structured.mask import unpack_bitmask
 from scheduler.sequence import Sequence, SequenceStatus, stop_check
 from scheduler.structured_output import StructuredOutput
+from json_schemas import PERSON_SCHEMA  # tests/ is on sys.path through tests/conftest.py
 
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]},
-                 "minItems": 1, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                                      "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"]},
-    },
-    "required": ["name", "age", "tags", "address"],
-}
 PERSON = StructuredOutput("json_schema", json.dumps(PERSON_SCHEMA))
 
 

@@ -14,21 +14,9 @@ import pytest
 from server.protocol import ChatCompletionRequest
 from server.routes.shared import render_chat
 from server.tool_calls.tool_use import MAX_FORCED_CALLS, plan_tool_use
+from json_schemas import PERSON_SCHEMA  # tests/ is on sys.path through tests/conftest.py
 from tandem_server import MODEL, assert_openai_error
 
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]},
-                 "minItems": 1, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                                      "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"]},
-    },
-    "required": ["name", "age", "tags", "address"],
-}
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
 PERSON_MESSAGES = [{"role": "user", "content": "Describe a person as JSON with name, age, tags and address."}]
 WEATHER = {"type": "function", "function": {
