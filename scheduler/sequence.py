@@ -116,13 +116,14 @@ class Sequence:
         self.partial_prompt_logprobs.extend(entries)
 
     def append_token(self, token_id: int, logprob: Any = None) -> None:
-        """One sampled token: into the token ids, the logprobs, the text and the grammar."""
+        """One sampled token: into the token ids, the logprobs, the text and the grammar. An EOS
+        that ends the sequence is no part of its text (as in vLLM), even with special tokens kept."""
         self.output_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
         if self.logprobs is not None:
             self.logprobs.append(logprob)
-        if self.text is not None:
+        if self.text is not None and not ends_on_eos(self):
             self.text.add(token_id)
 
 
@@ -130,17 +131,16 @@ def stop_check(seq: Sequence, max_model_len: int) -> tuple[SequenceStatus, int |
     """Whether `seq` is finished after its last token, and why: (status, stop reason) or None.
 
     The one place a generation's end is decided. In order: a structured output's grammar that
-    took its end token, EOS and stop token ids (once
-    min_tokens are out), max_tokens or the context length, then a stop string the text matched
+    took its end token, EOS and stop token ids (once min_tokens are out), max_tokens or the context length, then a stop string the text matched
     (the text stream itself ignores stop strings before min_tokens). Aborts are the scheduler's.
     """
     params = seq.sampling_params
     token_id = seq.output_token_ids[-1]
     if seq.grammar is not None and seq.grammar.is_terminated():  # ends even before min_tokens or with ignore_eos
         return SequenceStatus.FINISHED_STOPPED, None
+    if ends_on_eos(seq):
+        return SequenceStatus.FINISHED_STOPPED, None
     if seq.num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and token_id in seq.eos_token_ids:
-            return SequenceStatus.FINISHED_STOPPED, None
         if token_id in params.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED, token_id
     max_tokens = params.max_tokens
@@ -149,3 +149,13 @@ def stop_check(seq: Sequence, max_model_len: int) -> tuple[SequenceStatus, int |
     if seq.text is not None and seq.text.stop_string is not None:
         return SequenceStatus.FINISHED_STOPPED, seq.text.stop_string
     return None
+
+
+def ends_on_eos(seq: Sequence) -> bool:
+    """Whether the last token is an EOS that ends `seq`: with min_tokens reached and EOS not
+    ignored, or as the end its structured output's grammar took."""
+    if seq.output_token_ids[-1] not in seq.eos_token_ids:
+        return False
+    if seq.grammar is not None and seq.grammar.is_terminated():
+        return True
+    return seq.num_output_tokens >= seq.sampling_params.min_tokens and not seq.sampling_params.ignore_eos

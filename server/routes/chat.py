@@ -29,7 +29,8 @@ async def chat_completions(request: Request, ctx: Context):
     tokenizer = require_tokenizer(ctx)
     tool_use = plan_tool_use(req, tokenizer.chat_template, ctx.settings.tool_call_parser)
     prompt_ids = render_chat(tokenizer, req.messages, req.add_generation_prompt, tool_use)
-    submission = await submit(ctx.async_engine, [prompt_ids], req.sampling_params(tool_use.structured))
+    params = tool_use.sampling_params(req.sampling_params(tool_use.structured))
+    submission = await submit(ctx.async_engine, [prompt_ids], params)
     shaper = _ChatShaper(req, submission, tokenizer, ctx.model_name, int(time.time()), tool_use)
     if not req.stream:
         (final,) = await collect_final_outputs(request, submission)

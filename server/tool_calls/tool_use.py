@@ -9,9 +9,9 @@ Hermes `<tool_call>` blocks, earlier calls written as such blocks and results as
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from scheduler.sampling_params import ParamError
+from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.structured_output import StructuredOutput
 from server.protocol import ChatCompletionRequest, ChatMessage
 from server.tool_calls.constrained import NamedCallParser, RequiredCallsParser
@@ -20,6 +20,8 @@ from server.tool_calls.hermes import HermesParser
 from server.tool_calls.prompt import NO_PARAMETERS, render_tool_calls_as_text, tools_system_prompt
 from server.tool_calls.registry import AUTO_PARSER, create_parser, detect_parser, renders_tools
 
+# formats whose markers ([TOOL_CALLS], <|python_tag|>) are special tokens, which decoding must keep
+_SPECIAL_MARKER_FORMATS = ("mistral", "llama3_json")
 # the most calls a forced turn may make: a small model left an open-ended array repeats its call to the end
 MAX_FORCED_CALLS = 8
 
@@ -35,6 +37,12 @@ class ToolUse:
 
     def template_kwargs(self) -> dict:
         return {"tools": self.tools} if self.native and self.tools else {}
+
+    def sampling_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the special tokens kept in the text where the format's markers are some."""
+        if self.parser is not None and self.parser.name in _SPECIAL_MARKER_FORMATS:
+            return replace(params, skip_special_tokens=False)
+        return params
 
 
 def plan_tool_use(req: ChatCompletionRequest, chat_template: str | None, parser_name: str = AUTO_PARSER) -> ToolUse:

@@ -104,3 +104,13 @@ def test_an_aborted_sequence_takes_no_token():
     sched.abort_sequences([seq.seq_id])
     assert sched.update(plan, [5]) == []
     assert seq.output_token_ids == [] and seq.text.added == []
+
+
+@pytest.mark.parametrize("params, eos_in_text", [({}, False), ({"ignore_eos": True}, True),
+                                                  ({"min_tokens": 3}, True)])
+def test_an_eos_that_ends_the_sequence_is_not_fed_to_its_text(params, eos_in_text):
+    text = StopOnToken()
+    seq = make_sequence(text=text, **params)
+    seq.append_token(5)
+    seq.append_token(EOS)
+    assert text.added == ([5, EOS] if eos_in_text else [5])
