@@ -155,7 +155,8 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    # the chat template raises on an empty conversation: refused here, it is a 400 naming the field
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -99,6 +99,8 @@ CASES = {
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]), 400,
         "messages.0.content"),
     "tokenize_neither": Case("/tokenize", {"model": MODEL}, 400, "prompt"),
+    # the chat template raised on an empty conversation: was a 500 (found by schemathesis)
+    "tokenize_messages_empty": Case("/tokenize", {"model": MODEL, "messages": []}, 400, "messages"),
     # unknown model
     "model_unknown_completion": Case(C, completion(model="gpt-4"), 404, "model", ("gpt-4",)),
     "model_unknown_chat": Case(CH, chat(model="gpt-4"), 404, "model"),
