@@ -6,6 +6,7 @@ ParamError handler answers with a 400 (through `param_error`).
 """
 from __future__ import annotations
 
+import re
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -23,6 +24,8 @@ UNSUPPORTED_PARAMS = {
 }
 # OpenAI's bound on n; also keeps one request from queueing an unbounded number of sequences
 MAX_N = 128
+# a logit_bias key: a token id in ASCII digits (str.isdigit also takes '²', which int() refuses)
+TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 
 
 class _Strict(BaseModel):
@@ -67,7 +70,7 @@ class _SamplingFields(_Strict):
         if self.logit_bias:
             bias = {}
             for key, value in self.logit_bias.items():
-                if not key.lstrip("-").isdigit():
+                if not TOKEN_ID_KEY.fullmatch(key):
                     raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
                 bias[int(key)] = value
         if self.stream_options is not None and not self.stream:

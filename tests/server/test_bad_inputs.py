@@ -85,6 +85,9 @@ CASES = {
     "prompt_lists_with_empty": Case(C, completion(prompt=[[1, 2], []]), 400, "prompt"),
     "stop_token_ids_beyond_vocab": Case(C, completion(stop_token_ids=[10**9]), 400, "stop_token_ids"),
     "logit_bias_key_not_id": Case(C, completion(logit_bias={"abc": 1}), 400, "logit_bias"),
+    # keys that str.isdigit took but int() refuses: were 500s
+    "logit_bias_key_double_minus": Case(C, completion(logit_bias={"--5": 1}), 400, "logit_bias"),
+    "logit_bias_key_superscript": Case(C, completion(logit_bias={"\u00b2": 1}), 400, "logit_bias"),
     "logit_bias_key_beyond_vocab": Case(C, completion(logit_bias={str(VOCAB_SIZE): 1}), 400, "logit_bias"),
     "detokenize_beyond_vocab": Case("/detokenize", {"model": MODEL, "tokens": [VOCAB_SIZE]}, 400, "tokens"),
     # empty or missing
