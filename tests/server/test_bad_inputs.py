@@ -128,6 +128,16 @@ CASES = {
     "non_utf8": Case(C, b'{"model": "smollm2-135m", "prompt": "\xff\xfe"}', 400, None, ("UTF-8",)),
     "json_array": Case(C, b"[1, 2]", 400, None),
     "empty_body": Case(C, b"", 400, None),
+    # JSON that Python decodes but nothing downstream takes: were 500s
+    "number_too_long": Case(C, raw(f'{{"model": "{MODEL}", "prompt": "Hi", "max_tokens": 1{"0" * 5000}}}'), 400, None,
+                            ("number",)),
+    "nested_too_deeply": Case(C, b"[" * 100_000 + b"]" * 100_000, 400, None, ("deeply",)),
+    "lone_surrogate_prompt": Case(C, raw(f'{{"model": "{MODEL}", "prompt": "\\ud800"}}'), 400, None,
+                                  ("surrogate",)),
+    "lone_surrogate_message": Case(CH, raw(f'{{"model": "{MODEL}", "messages": [{{"role": "user", '
+                                           f'"content": "\\udfff"}}]}}'), 400, None, ("surrogate",)),
+    "lone_surrogate_tokenize": Case("/tokenize", raw('{"prompt": "a\\ud83d"}'), 400, None, ("surrogate",)),
+    "lone_surrogate_model": Case(C, raw('{"model": "\\ud800", "prompt": "Hi"}'), 400, None, ("surrogate",)),
     "oversized_body": Case(C, b'{"model": "smollm2-135m", "prompt": "' + b"a" * (BODY_LIMIT + 1) + b'"}', 413,
                            None, (str(BODY_LIMIT),)),
 }
