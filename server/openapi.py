@@ -27,9 +27,12 @@ ERROR_DESCRIPTIONS = {
     503: "the engine is not running",
 }
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
-# 200 of the generation routes with `stream: true`: server-sent events, `data: <json>` then `data: [DONE]`
+# 200 of the generation routes with `stream: true`: server-sent events, `data: <json>` then `data: [DONE]`.
+# The schema is one event's, as OpenAPI 3.2's itemSchema and schemathesis read an event stream's.
+SERVER_SENT_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk; `[DONE]` ends the stream"}}}
 EVENT_STREAM = {200: {"description": "the completion as JSON, or with `stream: true` as server-sent events",
-                      "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                      "content": {"text/event-stream": {"schema": SERVER_SENT_EVENT}}}}
 
 
 def json_body(model: type[BaseModel]) -> dict:

@@ -1,18 +1,14 @@
 """/openapi.json: every route's body, errors and content types, derived from the pydantic models.
-
-The document is built from an app around a stand-in engine (the document needs only the routes),
-then checked against what the live server serves."""
+The document is built without a model (tandem_server.openapi_document), then compared with what
+the live server serves."""
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 
 from server import protocol
-from server.app import create_app
-from server.context import ServerSettings
 from server.errors import APIError, ErrorResponse
 from server.middleware import AuthMiddleware
+from tandem_server import openapi_document
 
 BODY_MODELS = {"/v1/completions": protocol.CompletionRequest, "/v1/chat/completions": protocol.ChatCompletionRequest,
                "/tokenize": protocol.TokenizeRequest, "/detokenize": protocol.DetokenizeRequest}
@@ -20,15 +16,9 @@ ERROR_REF = "#/components/schemas/ErrorResponse"
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 
 
-def build_document(*api_keys: str) -> dict:
-    stand_in = SimpleNamespace(engine=SimpleNamespace(tokenizer=None))
-    app = create_app(stand_in, ServerSettings("served-model", api_keys=api_keys), metrics=None)
-    return app.openapi()
-
-
 @pytest.fixture(scope="module")
 def document() -> dict:
-    return build_document()
+    return openapi_document()
 
 
 def operations(document: dict):
@@ -109,8 +99,9 @@ def test_statuses_each_route_answers(document, path, statuses):
 
 def test_content_types(document):
     for path in ("/v1/completions", "/v1/chat/completions"):
-        assert set(document["paths"][path]["post"]["responses"]["200"]["content"]) == \
-            {"application/json", "text/event-stream"}
+        content = document["paths"][path]["post"]["responses"]["200"]["content"]
+        assert set(content) == {"application/json", "text/event-stream"}
+        assert content["text/event-stream"]["schema"]["required"] == ["data"]  # one event's schema
     assert "content" not in document["paths"]["/health"]["get"]["responses"]["200"]
     assert set(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert {"/v1/models", "/version"} <= set(document["paths"])
@@ -118,7 +109,7 @@ def test_content_types(document):
 
 def test_key_is_documented_only_where_required(document):
     assert "securitySchemes" not in document["components"]
-    keyed = build_document("secret")
+    keyed = openapi_document("secret")
     (scheme,) = keyed["components"]["securitySchemes"].values()
     assert scheme == {"type": "http", "scheme": "bearer"}
     for path, method, operation in operations(keyed):
