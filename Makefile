@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-api test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -49,6 +49,11 @@ INTEGRATION_PACKAGES := prometheus buildah podman runc debootstrap
 # minute each, kept out of `make test`'s time.
 test-slow: install
 	$(PY) -m pytest tests -m slow --slow
+
+# schemathesis against a live server (tests marked api): every operation of /openapi.json fuzzed,
+# bodies valid and not, checking for no 5xx, OpenAI-shaped 4xx and responses as documented.
+test-api: install
+	$(PY) -m pytest tests -m api --api
 
 test-integration: install
 	@missing=$$(for tool in $(INTEGRATION_TOOLS); do command -v $$tool > /dev/null || echo $$tool; done); \

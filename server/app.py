@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from engine.async_engine import AsyncEngine
 from scheduler.sampling_params import ParamError
-from server import VERSION, protocol
+from server import VERSION, openapi, protocol
 from server.context import ServerContext, ServerSettings
 from server.errors import APIError
 from server.metrics import Metrics
@@ -41,8 +41,9 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(ParamError, _param_error)
     app.add_exception_handler(Exception, _internal_error)
-    for family in (completions, chat, utility):
-        app.include_router(family.router)
+    for family in (completions, chat, utility):  # any route can fail internally: _internal_error's 500
+        app.include_router(family.router, responses=openapi.error_responses(500))
+    openapi.install(app, requires_key=bool(settings.api_keys))
     return app
 
 

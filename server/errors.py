@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 
 class APIError(Exception):
@@ -24,3 +25,15 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None  # the request field at fault, as the client spelled it
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (what APIError.body() writes), for /openapi.json."""
+    error: ErrorDetail

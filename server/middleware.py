@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.errors import APIError, bad_request
+
+# JSON may spell a UTF-16 surrogate as an escape (\ud800): a cheap test whether a body needs the full look
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class AuthMiddleware:
@@ -58,10 +62,39 @@ async def read_json_body(request: Request, max_body_bytes: int) -> object:
             raise APIError(413, f"request body exceeds the limit of {max_body_bytes} bytes",
                            code="request_too_large")
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    return _decode_json(b"".join(chunks))
+
+
+def _decode_json(raw: bytes) -> object:
+    """`raw` as JSON; anything Python's decoder or a later encoder cannot take is a 400."""
     try:
-        return json.loads(raw.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise bad_request("the request body is not valid UTF-8") from None
     except json.JSONDecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # an integer beyond Python's limit on the digits it converts
+        raise bad_request("the request body holds a number too long to decode") from None
+    except RecursionError:
+        raise bad_request("the request body nests arrays or objects too deeply") from None
+    # an unpaired surrogate is no character: tokenizers, and the encoder of any reply quoting it, fail on it
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
+        raise bad_request("the request body holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)")
+    return body
+
+
+def _has_lone_surrogate(body: object) -> bool:
+    pending = [body]  # a stack, not recursion: the body may nest as deeply as the decoder allowed
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(value, dict):
+            pending.extend(value)
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return False

@@ -7,6 +7,7 @@ ParamError handler answers with a 400 (through `param_error`).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -25,6 +26,8 @@ UNSUPPORTED_PARAMS = {
 }
 # OpenAI's bound on n; also keeps one request from queueing an unbounded number of sequences
 MAX_N = 128
+# a logit_bias key: a token id in ASCII digits (str.isdigit also takes '²', which int() refuses)
+TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 
 
 class _Strict(BaseModel):
@@ -122,7 +125,7 @@ class _SamplingFields(_Strict):
         if self.logit_bias:
             bias = {}
             for key, value in self.logit_bias.items():
-                if not key.lstrip("-").isdigit():
+                if not TOKEN_ID_KEY.fullmatch(key):
                     raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
                 bias[int(key)] = value
         if self.stream_options is not None and not self.stream:
@@ -252,7 +255,8 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    # the chat template raises on an empty conversation: refused here, it is a 400 naming the field
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -8,9 +8,11 @@ import pytest
 
 INTEGRATION_OPTION = "--integration"
 SLOW_OPTION = "--slow"
+API_OPTION = "--api"
 # Markers whose tests skip unless their option is given, so that `make test` stays within its time:
 # marker -> (option, the make target that runs them)
-OPT_IN_MARKERS = {"integration": (INTEGRATION_OPTION, "make test-integration"), "slow": (SLOW_OPTION, "make test-slow")}
+OPT_IN_MARKERS = {"integration": (INTEGRATION_OPTION, "make test-integration"), "slow": (SLOW_OPTION, "make test-slow"),
+                  "api": (API_OPTION, "make test-api")}
 
 
 def pytest_addoption(parser):
@@ -20,6 +22,9 @@ def pytest_addoption(parser):
     parser.addoption(SLOW_OPTION, action="store_true",
                      help="also run the tests marked slow: more combinations of the embedded model's streamed and "
                           "sliced runs, half a minute each; `make test-slow` runs them")
+    parser.addoption(API_OPTION, action="store_true",
+                     help="also run the tests marked api: schemathesis fuzzing a live server from its /openapi.json, "
+                          "a few minutes; `make test-api` runs them")
 
 
 def pytest_collection_modifyitems(config, items):

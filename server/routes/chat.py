@@ -12,6 +12,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.text import Tokenizer
 from server.context import Context
 from server.disconnect import collect_final_outputs
+from server.openapi import EVENT_STREAM, error_responses, json_body
 from server.protocol import ChatCompletionRequest
 from server.routes.shared import has_news, read_request, render_chat, require_tokenizer, usage
 from server.sse import event_stream_response, merge_streams, sse_event
@@ -22,7 +23,8 @@ from server.tool_calls.tool_use import ToolUse, plan_tool_use
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
+             responses={**EVENT_STREAM, **error_responses(400, 404, 413, 429, 503)})
 async def chat_completions(request: Request, ctx: Context):
     req = await read_request(request, ChatCompletionRequest, ctx)
     request.state.param_renames = req.param_renames()  # read by the app's ParamError handler

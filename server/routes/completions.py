@@ -12,6 +12,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.text import Tokenizer
 from server.context import Context
 from server.disconnect import collect_final_outputs
+from server.openapi import EVENT_STREAM, error_responses, json_body
 from server.protocol import CompletionRequest
 from server.routes.shared import has_news, read_request, require_tokenizer, usage
 from server.sse import event_stream_response, merge_streams, sse_event
@@ -20,7 +21,8 @@ from server.submission import Submission, submit
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest),
+             responses={**EVENT_STREAM, **error_responses(400, 404, 413, 429, 503)})
 async def completions(request: Request, ctx: Context):
     req = await read_request(request, CompletionRequest, ctx)
     prompts = req.prompts()

@@ -9,6 +9,7 @@ from fastapi.responses import Response
 from server import VERSION, protocol
 from server.context import Context
 from server.errors import APIError, bad_request
+from server.openapi import error_responses, json_body
 from server.routes.shared import read_request, render_chat, require_tokenizer
 
 PROMETHEUS_TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
@@ -23,7 +24,8 @@ async def models(ctx: Context):
                                         "max_model_len": ctx.engine.max_model_len}]}
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=json_body(protocol.TokenizeRequest),
+             responses=error_responses(400, 404, 413))
 async def tokenize(request: Request, ctx: Context):
     req = await read_request(request, protocol.TokenizeRequest, ctx)
     tokenizer = require_tokenizer(ctx)
@@ -36,7 +38,8 @@ async def tokenize(request: Request, ctx: Context):
     return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.engine.max_model_len}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=json_body(protocol.DetokenizeRequest),
+             responses=error_responses(400, 404, 413))
 async def detokenize(request: Request, ctx: Context):
     req = await read_request(request, protocol.DetokenizeRequest, ctx)
     tokenizer = require_tokenizer(ctx)
@@ -46,7 +49,8 @@ async def detokenize(request: Request, ctx: Context):
     return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response,
+            responses={200: {"description": "the engine is running (no body)"}, **error_responses(503)})
 async def health(ctx: Context):
     if ctx.async_engine.is_running:
         return Response(status_code=200)
@@ -54,7 +58,8 @@ async def health(ctx: Context):
                     type="service_unavailable").response()
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={200: {
+    "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def prometheus_metrics(ctx: Context):
     return Response(ctx.metrics.render(), media_type=PROMETHEUS_TEXT_FORMAT)
 

@@ -1,4 +1,5 @@
-"""Helpers for the server tests: a `tandem serve` subprocess, /metrics scraping, error shape."""
+"""Helpers for the server tests: a `tandem serve` subprocess, /metrics scraping, error shape,
+the /openapi.json document."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -130,3 +132,16 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
     if param is not None:
         assert error["param"] == param, error
     return error
+
+
+# ---- /openapi.json ------------------------------------------------------------------------
+def openapi_document(*api_keys: str) -> dict:
+    """The document a server with `api_keys` serves, from an app around a stand-in engine: the
+    document needs only the routes, so no model is loaded."""
+    # imported here: the other helpers stay free of torch, which the app's modules import
+    from server.app import create_app
+    from server.context import ServerSettings
+
+    stand_in = SimpleNamespace(engine=SimpleNamespace(tokenizer=None))
+    app = create_app(stand_in, ServerSettings(MODEL, api_keys=api_keys), metrics=None)
+    return app.openapi()

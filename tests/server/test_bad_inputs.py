@@ -85,6 +85,9 @@ CASES = {
     "prompt_lists_with_empty": Case(C, completion(prompt=[[1, 2], []]), 400, "prompt"),
     "stop_token_ids_beyond_vocab": Case(C, completion(stop_token_ids=[10**9]), 400, "stop_token_ids"),
     "logit_bias_key_not_id": Case(C, completion(logit_bias={"abc": 1}), 400, "logit_bias"),
+    # keys that str.isdigit took but int() refuses: were 500s
+    "logit_bias_key_double_minus": Case(C, completion(logit_bias={"--5": 1}), 400, "logit_bias"),
+    "logit_bias_key_superscript": Case(C, completion(logit_bias={"\u00b2": 1}), 400, "logit_bias"),
     "logit_bias_key_beyond_vocab": Case(C, completion(logit_bias={str(VOCAB_SIZE): 1}), 400, "logit_bias"),
     "detokenize_beyond_vocab": Case("/detokenize", {"model": MODEL, "tokens": [VOCAB_SIZE]}, 400, "tokens"),
     # empty or missing
@@ -99,6 +102,8 @@ CASES = {
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]), 400,
         "messages.0.content"),
     "tokenize_neither": Case("/tokenize", {"model": MODEL}, 400, "prompt"),
+    # the chat template raised on an empty conversation: was a 500 (found by schemathesis)
+    "tokenize_messages_empty": Case("/tokenize", {"model": MODEL, "messages": []}, 400, "messages"),
     # unknown model
     "model_unknown_completion": Case(C, completion(model="gpt-4"), 404, "model", ("gpt-4",)),
     "model_unknown_chat": Case(CH, chat(model="gpt-4"), 404, "model"),
@@ -129,6 +134,16 @@ CASES = {
     "non_utf8": Case(C, b'{"model": "smollm2-135m", "prompt": "\xff\xfe"}', 400, None, ("UTF-8",)),
     "json_array": Case(C, b"[1, 2]", 400, None),
     "empty_body": Case(C, b"", 400, None),
+    # JSON that Python decodes but nothing downstream takes: were 500s
+    "number_too_long": Case(C, raw(f'{{"model": "{MODEL}", "prompt": "Hi", "max_tokens": 1{"0" * 5000}}}'), 400, None,
+                            ("number",)),
+    "nested_too_deeply": Case(C, b"[" * 100_000 + b"]" * 100_000, 400, None, ("deeply",)),
+    "lone_surrogate_prompt": Case(C, raw(f'{{"model": "{MODEL}", "prompt": "\\ud800"}}'), 400, None,
+                                  ("surrogate",)),
+    "lone_surrogate_message": Case(CH, raw(f'{{"model": "{MODEL}", "messages": [{{"role": "user", '
+                                           f'"content": "\\udfff"}}]}}'), 400, None, ("surrogate",)),
+    "lone_surrogate_tokenize": Case("/tokenize", raw('{"prompt": "a\\ud83d"}'), 400, None, ("surrogate",)),
+    "lone_surrogate_model": Case(C, raw('{"model": "\\ud800", "prompt": "Hi"}'), 400, None, ("surrogate",)),
     "oversized_body": Case(C, b'{"model": "smollm2-135m", "prompt": "' + b"a" * (BODY_LIMIT + 1) + b'"}', 413,
                            None, (str(BODY_LIMIT),)),
 }

@@ -95,6 +95,14 @@ def test_chunked_body_over_the_limit_is_413_while_reading(reader):
     assert error["message"] == f"request body exceeds the limit of {BODY_LIMIT} bytes"
 
 
+@pytest.mark.parametrize("body, received", [
+    (b'{"prompt": "\\ud83d\\ude00"}', {"prompt": "\U0001f600"}),  # a surrogate pair is one character
+    (b'{"prompt": "\\\\ud800"}', {"prompt": "\\ud800"}),  # an escaped backslash, then text
+])
+def test_surrogate_escapes_in_pairs_are_read(reader, body, received):
+    assert reader.post("/json", content=body).json() == {"received": received}
+
+
 def test_body_at_the_limit_is_read(reader):
     body = b'"' + b"a" * (BODY_LIMIT - 2) + b'"'
     assert reader.post("/json", content=body).json() == {"received": "a" * (BODY_LIMIT - 2)}
@@ -104,6 +112,9 @@ def test_body_at_the_limit_is_read(reader):
     (b'{"prompt": "\xff"}', "the request body is not valid UTF-8"),
     (b'{"prompt": ', "the request body is not valid JSON: "),
     (b"", "the request body is not valid JSON: "),
+    (b'{"prompt": "\\ud800"}', "the request body holds an unpaired UTF-16 surrogate"),
+    (b'{"prompt": ["a\\udc00b"]}', "the request body holds an unpaired UTF-16 surrogate"),
+    (b'{"\\ud83d": 1}', "the request body holds an unpaired UTF-16 surrogate"),
 ])
 def test_bad_body_is_400(reader, body, message):
     error = error_of(reader.post("/json", content=body), 400)

@@ -1,7 +1,8 @@
 """The openai SDK against `tandem serve` on the embedded model: response_format JSON schemas whose
 outputs jsonschema validates (greedy and 20 seeded samples, streamed and not), forced tool calls
 whose arguments validate against each tool's schema, streamed tool-call deltas reassembling to the
-whole response, tool results round-tripping through the chat template, and the 400s."""
+whole response, tool results round-tripping through the chat template, and the 400s.
+Marked api (`make test-api`): a minute of generation, kept out of `make test`'s time."""
 from __future__ import annotations
 
 import json
@@ -32,6 +33,8 @@ ADD = {"type": "function", "function": {
 TOOLS = [WEATHER, ADD]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+pytestmark = pytest.mark.api
+
 MAX_TOKENS = 160
 # room for the most calls a forced turn may make, each of bounded size: a forced turn always completes
 FORCED_MAX_TOKENS = 32 * MAX_FORCED_CALLS
