@@ -50,8 +50,9 @@ INTEGRATION_PACKAGES := prometheus buildah podman runc debootstrap
 test-slow: install
 	$(PY) -m pytest tests -m slow --slow
 
-# schemathesis against a live server (tests marked api): every operation of /openapi.json fuzzed,
-# bodies valid and not, checking for no 5xx, OpenAI-shaped 4xx and responses as documented.
+# The API against live servers (tests marked api): schemathesis fuzzes every operation of /openapi.json,
+# bodies valid and not, checking for no 5xx, OpenAI-shaped 4xx and responses as documented; the SDK
+# drives structured outputs and tool calls on the embedded model.
 test-api: install
 	$(PY) -m pytest tests -m api --api
 
