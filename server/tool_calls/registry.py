@@ -2,6 +2,7 @@
 model's chat template, so that a model is read in the format its own template teaches it."""
 from __future__ import annotations
 
+import functools
 import re
 
 import jinja2
@@ -47,6 +48,7 @@ def detect_parser(chat_template: str | None) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=16)  # parsing a template takes milliseconds; a server has one template
 def renders_tools(chat_template: str) -> bool:
     """Whether the template reads the variable `tools`. The word in its prose does not count; a
     template Jinja cannot parse (a tag of an extension we lack) is searched for the word instead."""
