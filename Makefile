@@ -45,8 +45,8 @@ test-streamed: install
 # by podman. The tools come from Debian's packages when missing (CI runs as root).
 INTEGRATION_TOOLS := prometheus promtool buildah podman runc debootstrap
 INTEGRATION_PACKAGES := prometheus buildah podman runc debootstrap
-# Further combinations of the embedded model's streamed and sliced runs (tests marked slow): half a
-# minute each, kept out of `make test`'s time.
+# Further combinations of the embedded model's streamed and sliced runs, and the Triton interpreter's
+# slowest shapes (tests marked slow): half a minute each, kept out of `make test`'s time.
 test-slow: install
 	$(PY) -m pytest tests -m slow --slow
 

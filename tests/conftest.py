@@ -21,7 +21,8 @@ def pytest_addoption(parser):
                           "and minutes each; `make test-integration` runs them")
     parser.addoption(SLOW_OPTION, action="store_true",
                      help="also run the tests marked slow: more combinations of the embedded model's streamed and "
-                          "sliced runs, half a minute each; `make test-slow` runs them")
+                          "sliced runs and the Triton interpreter's slowest shapes, half a minute each; "
+                          "`make test-slow` runs them")
     parser.addoption(API_OPTION, action="store_true",
                      help="also run the tests marked api: schemathesis fuzzing a live server from its /openapi.json, "
                           "a few minutes; `make test-api` runs them")
