@@ -109,18 +109,26 @@ def _template_message(message: ChatMessage, native: bool) -> dict:
     role = "system" if message.role == "developer" else message.role
     entry = {"role": role, "content": message.text()}
     calls = [call.model_dump() for call in message.tool_calls or []]
-    if native:
-        if calls:  # templates read arguments as an object (tojson), as transformers documents
-            entry["tool_calls"] = [{**call, "function": {**call["function"],
-                                                         "arguments": _arguments_object(call["function"])}}
-                                   for call in calls]
-        if message.tool_call_id is not None:
-            entry["tool_call_id"] = message.tool_call_id
-        return entry
+    return _native_message(entry, calls, message.tool_call_id) if native else _described_message(entry, calls)
+
+
+def _native_message(entry: dict, calls: list[dict], tool_call_id: str | None) -> dict:
+    """For a template that renders tool calls: arguments as objects (tojson), as transformers documents."""
+    if calls:
+        entry["tool_calls"] = [{**call, "function": {**call["function"],
+                                                     "arguments": _arguments_object(call["function"])}}
+                               for call in calls]
+    if tool_call_id is not None:
+        entry["tool_call_id"] = tool_call_id
+    return entry
+
+
+def _described_message(entry: dict, calls: list[dict]) -> dict:
+    """For a template that knows no tools: calls as Hermes blocks, results as a user turn."""
     if calls:
         entry["content"] = "\n".join(part for part in (entry["content"], render_tool_calls_as_text(calls)) if part)
-    if role == "tool":
-        entry = {"role": "user", "content": f"<tool_response>\n{entry['content']}\n</tool_response>"}
+    if entry["role"] == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{entry['content']}\n</tool_response>"}
     return entry
 
 
