@@ -19,6 +19,7 @@ from scheduler.kv_format import KV_CACHE_DTYPES, QUANTIZED_KV_BLOCK_MULTIPLE, kv
 from scheduler.neo import NeoKnobs
 from scheduler.placement.slicing import SliceRates
 from scheduler.placement.planner import PIPELINE_CHOICES, PLACEMENT_MODES
+from scheduler.placement.hot_experts import DEFAULT_WINDOW_TOKENS, NUM_WINDOW_BUCKETS
 from scheduler.placement.slicing_plan import SLICING_AUTO, parse_mlp_slicing
 
 # Compute dtype names a user may give -> torch's names for them (the short ones are aliases).
@@ -223,9 +224,17 @@ class WeightsConfig:
     # the tokens the slicing models say to CG' (CC's weights copied to the GPU); "off",
     # the CPU computes CC for every token (for ablations)
     mlp_prefill_moving: str = "on"
+    # The hot-expert cache of a MoE model (engine/execution/expert_cache.py): "auto", where the
+    # experts do not fit gpu_gib, each routed layer keeps as many of its most-routed experts on the
+    # GPU as the budget leaves, the CPU computing the rest; "off"; or N, that many per layer
+    hot_experts: str = "auto"
+    # the routed tokens per layer whose expert counts choose the hot set (a sliding window)
+    expert_window_tokens: int = DEFAULT_WINDOW_TOKENS
 
     def __post_init__(self) -> None:
         _require_choice(self, "placement", PLACEMENT_MODES)
+        self.hot_expert_slots  # raises ConfigError for a value it cannot read
+        _require_int(self, "expert_window_tokens", NUM_WINDOW_BUCKETS)
         _require_choice(self, "pipeline", PIPELINE_CHOICES)
         for name in ("gpu_gib", "host_gib"):
             if getattr(self, name) is not None:
@@ -266,6 +275,20 @@ class WeightsConfig:
     @property
     def prefill_moving(self) -> bool:
         return self.mlp_prefill_moving == "on"
+
+    @property
+    def hot_expert_slots(self) -> int | None:
+        """--hot-experts as a number of slots per routed layer; None for auto and off."""
+        value = str(self.hot_experts).strip().lower()
+        if value in ("auto", "off"):
+            return None
+        if not value.isdigit():
+            raise ConfigError(f"--hot-experts must be auto, off or a number of experts per layer, got {self.hot_experts!r}")
+        return int(value)
+
+    @property
+    def hot_experts_off(self) -> bool:
+        return str(self.hot_experts).strip().lower() == "off"
 
     @property
     def streaming_requested(self) -> bool:

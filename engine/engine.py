@@ -20,15 +20,17 @@ import torch
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.execution import ModelRunner
 from engine.execution.fit import describe_fit, fit_config
+from engine.execution.expert_store import EXPERT_STATS_KIND, create_expert_store
 from engine.execution.layer_store import create_layer_store
 from engine.execution.thread_split import core_assignment, plan_thread_split
 from engine.execution.stats import WeightStats
-from engine.execution.weight_plan import conversion_key, plan_model, slicing_costs, weight_format
+from engine.execution.weight_plan import conversion_key, plan_model, profile_key, slicing_costs, weight_format
 from engine.kv import KVCache
 from engine.kv.layouts import resolve_kv_format
 from engine.model import ConfigError, ModelConfig
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.profiling import compute_dtype
+from engine.profiling.cache import profile_path
 from engine.request import InputProcessor, PreparedRequest, Request
 from engine.text import Tokenizer
 from engine.weights import create_loader
@@ -39,6 +41,7 @@ from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.neo import NeoConfig, NeoScheduler
 from scheduler.placement import SlicingCosts, SlicingPlan, WeightPlacement, describe_model_plan
 from scheduler.placement.cost import SlicedMlpCostModel, StreamingCostModel
+from scheduler.placement.hot_experts import ExpertCachePlan
 from scheduler.placement.moved_tokens import MovedTokens, SolvedMovedTokens
 from scheduler.placement.slicing import SliceRates
 from scheduler.placement.slicing_plan import layer_works
@@ -149,6 +152,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = IterationStats()
+        self.runner.model.layer_store.begin_serving()
 
     def _fit(self, config: EngineConfig, loader) -> EngineConfig:
         fitted, self.fit = fit_config(config, loader, self.dtype, model_max_len(config, loader.config))
@@ -175,6 +179,8 @@ class LLMEngine:
         """How the runner builds its layer store for the plan (None: every layer resident)."""
         plan, config = self.plan, self.config
         weights = config.weights
+        if plan.experts is not None:
+            return self._expert_store_factory(plan.experts)
         if plan.all_resident and plan.rates is None:
             return None
         files = None
@@ -188,6 +194,18 @@ class LLMEngine:
                                  num_io_threads=self.thread_plan.split.io_threads or DEFAULT_IO_THREADS,
                                  gpu_weight_budget_bytes=budget, global_weight_bytes=global_bytes,
                                  moved_tokens=moved_tokens, stats=self.weight_stats)
+
+    def _expert_store_factory(self, plan: ExpertCachePlan):
+        """The hot-expert cache's store; the slicing models decide its fetches (measured once and
+        cached) and its statistics are kept beside them for the next run's first hot sets."""
+        config = self.config
+        costs = None
+        if plan.num_fetch_buffers:
+            costs = self.slicing_costs = self.slicing_costs or slicing_costs(config, self.model_config, self.dtype)
+        key = profile_key(config, self.dtype)
+        stats_path = profile_path(key, config.cpu_attention.profile_cache_dir, EXPERT_STATS_KIND)
+        return functools.partial(create_expert_store, plan, stats=self.weight_stats, fetch_costs=costs,
+                                 stats_path=stats_path)
 
     def _moved_tokens(self, rates: tuple[SliceRates, ...]) -> MovedTokens | None:
         """Prefill token assignment (ScheInfer sec. IV-B): how many of each forward's tokens a

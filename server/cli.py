@@ -11,6 +11,7 @@ from typing import Mapping
 
 import kernels  # noqa: F401  (before torch loads: caps its OpenMP spinning, kernels/__init__.py)
 from scheduler.kv_format import KV_CACHE_DTYPES
+from scheduler.placement.hot_experts import DEFAULT_WINDOW_TOKENS
 from server.flag_sources import CONFIG_ENV, FlagSourceError, RepeatableFlag, add_deprecated_flag, layered_defaults
 from server.tool_calls.registry import AUTO_PARSER, PARSER_NAMES
 
@@ -154,6 +155,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                          help="under --mlp-slicing, ScheInfer's prefill token assignment: each forward moves the "
                               "tokens the slicing models say to the GPU with CC's weights copied over (CG'); "
                               "off: the CPU computes its slices for every token")
+    weights.add_argument("--hot-experts", default="auto", metavar="auto|off|N",
+                         help="a MoE model's hot-expert cache: auto (where the experts do not fit --weights-gpu-gib, "
+                              "each routed layer keeps as many of its most-routed experts on the GPU as the budget "
+                              "leaves; the CPU computes the rest); off; or N experts per layer")
+    weights.add_argument("--expert-window-tokens", type=int, default=DEFAULT_WINDOW_TOKENS,
+                         help="the routed tokens per layer whose expert counts choose the hot experts (a sliding "
+                              "window: the hot set follows a shift in popularity within about this many tokens)")
 
 
 def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
@@ -213,7 +221,8 @@ def engine_config(args: argparse.Namespace, **overrides):
         weights_cpu_gib=args.weights_cpu_gib, offload_dir=args.offload_dir, weight_pipeline=args.weight_pipeline,
         weight_io_threads=args.weight_io_threads, weight_copy_threads=args.weight_copy_threads,
         expected_context_len=args.expected_context_len,
-        mlp_slicing=args.mlp_slicing, mlp_prefill_moving=args.mlp_prefill_moving), **overrides})
+        mlp_slicing=args.mlp_slicing, mlp_prefill_moving=args.mlp_prefill_moving,
+        hot_experts=args.hot_experts, expert_window_tokens=args.expert_window_tokens), **overrides})
 
 
 def profile(args: argparse.Namespace) -> int:

@@ -142,11 +142,13 @@ class ModelRunner:
     def _forward(self, plan: IterationPlan) -> ForwardLogits:
         with self.cores.on_cpu_cores():
             try:
-                return self._forward_on_cores(plan)
+                logits = self._forward_on_cores(plan)
             except BaseException:
                 self.gpu.recover()
                 self.model.layer_store.recover()
                 raise
+            self.model.layer_store.between_forwards()
+            return logits
 
     def _forward_on_cores(self, plan: IterationPlan) -> ForwardLogits:
         self._copy_blocks(plan)

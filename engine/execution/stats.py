@@ -1,6 +1,6 @@
 """What the weight parts did, as running totals the engine reads around each forward: the ring's
-loads (PIPO's streamed layers and ScheInfer's CG parts), the CPU side's MLP parts (CC), and CG''s
-moved tokens. The parts write into one `WeightStats` they are given; nothing reads them back
+loads (PIPO's streamed layers and ScheInfer's CG parts), the CPU side's MLP parts (CC), CG''s
+moved tokens, and the hot-expert cache's pairs and copies. The parts write into one `WeightStats` they are given; nothing reads them back
 through the layer store."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from scheduler.placement.tiers import Tier
 
 @dataclass
 class WeightStats:
-    """Running totals since start (seconds, bytes, counts). `streams`, `slices` and `moves` say
+    """Running totals since start (seconds, bytes, counts). `streams`, `slices`, `moves`, `experts` say
     which parts exist, so a report can tell "none happened" from "nothing could"."""
 
     streams: bool = False  # a ring loads weights
@@ -33,6 +33,16 @@ class WeightStats:
     moved_bytes: int = 0  # CC's weights copied to the GPU for CG'
     moved_thread_ids: set[int] = field(default_factory=set)  # the threads that computed CG'
     moved_copy_thread_ids: set[int] = field(default_factory=set)  # the threads that copied CG''s weights
+    # ---- the hot-expert cache (routed pairs summed over layers; the CPU's share in cc_s) ---------
+    experts: bool = False  # a MoE model's experts pass through the hot-expert cache
+    num_hit_pairs: int = 0  # computed on the GPU from a slot
+    num_miss_pairs: int = 0  # computed by the CPU
+    num_fetched_pairs: int = 0  # computed on the GPU from a fetch buffer
+    num_expert_promotions: int = 0
+    num_expert_demotions: int = 0
+    promoted_bytes: int = 0
+    fetched_bytes: int = 0
+    expert_copy_thread_ids: set[int] = field(default_factory=set)  # the threads that fetched experts
 
     def snapshot(self) -> "WeightStats":
         return copy.deepcopy(self)

@@ -47,6 +47,8 @@ from scheduler.placement import (
     plan_slicing,
 )
 from scheduler.placement import plan_model as plan_layers
+from scheduler.placement.hot_experts import DEFAULT_FETCH_BUFFERS, DEFAULT_SKEW, plan_expert_cache
+from scheduler.placement.memory import resident_global_bytes
 from scheduler.placement.model_plan import MOE_STREAMING_REFUSAL
 
 logger = logging.getLogger(__name__)
@@ -234,14 +236,18 @@ def planner_inputs(config: EngineConfig, model_config: ModelConfig, dtype: torch
 
 
 def plan_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
-               max_model_len: int) -> tuple[ModelPlan, SlicingCosts | None]:
+               max_model_len: int, expert_skew: float = DEFAULT_SKEW) -> tuple[ModelPlan, SlicingCosts | None]:
     """Each decoder layer's tier and MLP slice rates under this config (scheduler.placement's
     joint planner), with the slicing models they were solved with (None without slicing). Measures
     only what the plan needs: the slicing models (cached) where --mlp-slicing is on; the link,
     disk and compute only where whole layers may stream. PlacementError (a ValueError) when
-    nothing fits; ConfigError for whole-layer streaming of a mixture-of-experts model."""
+    nothing fits; ConfigError for whole-layer streaming of a mixture-of-experts model. A MoE model
+    whose experts do not fit --weights-gpu-gib gets the hot-expert cache (`plan_hot_experts`;
+    `expert_skew`: the Zipf exponent its expected hit rate assumes)."""
     weights = config.weights
     num_layers = model_config.num_layers
+    if expert_cache_requested(config, model_config):
+        return plan_hot_experts(config, model_config, dtype, expert_skew), None
     fixed_rates = weights.slice_rates(num_layers)
     if fixed_rates is not None and not weights.streaming_requested:  # nothing to solve or fit: no measuring
         return ModelPlan.compose(num_layers, rates=fixed_rates), None
@@ -264,14 +270,49 @@ def plan_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dty
     return plan_layers(model_config.shape, weight_format(config, dtype), placement, slicing), costs
 
 
+def expert_cache_requested(config: EngineConfig, model_config: ModelConfig) -> bool:
+    """A MoE model with --hot-experts not off, no --mlp-slicing and no forced placement, under a
+    weight budget or a fixed number of hot experts."""
+    weights = config.weights
+    if not model_config.is_moe or weights.hot_experts_off or weights.placement != "auto":
+        return False
+    if weights.slicing_solved or weights.slice_rates(model_config.num_layers) is not None:
+        return False
+    return weights.gpu_gib is not None or weights.hot_expert_slots is not None
+
+
+def plan_hot_experts(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                     skew: float = DEFAULT_SKEW) -> ModelPlan:
+    """Every layer resident but its routed experts, which the hot-expert cache holds: as many per
+    layer on the GPU as --hot-experts says or --weights-gpu-gib leaves (every expert resident,
+    without a cache, where all fit and --hot-experts is auto)."""
+    weights = config.weights
+    shape, fmt = model_config.shape, weight_format(config, dtype)
+    budget = None if weights.gpu_gib is None else int(weights.gpu_gib * GIB_BYTES)
+    num_fetch_buffers = 0 if config.device == "cpu" else DEFAULT_FETCH_BUFFERS  # nothing computes beside the CPU
+    experts = plan_expert_cache(shape, fmt, resident_global_bytes(shape, fmt.dtype_bytes), budget,
+                                weights.hot_expert_slots, num_fetch_buffers, weights.expert_window_tokens, skew)
+    layers = ModelPlan.compose(shape.num_layers)
+    if weights.hot_expert_slots is None and experts.num_slots == shape.num_experts:
+        logger.info("hot experts: every expert fits --weights-gpu-gib, so all stay resident")
+        return layers
+    return ModelPlan(layers.layers, gpu_weight_bytes=experts.gpu_bytes, budget_bytes=budget, experts=experts)
+
+
+def profile_key(config: EngineConfig, dtype: torch.dtype) -> ProfileKey:
+    """The key of what is measured once per model, dtype, device and thread split (no cost tables)."""
+    cores = engine_cores(config)
+    return ProfileKey.create(model=config.model, load_format=config.load_format, dtype=dtype, device=config.device,
+                             gpu_threads=cores.gpu_threads, cpu_attention_threads=cores.cpu_attention_threads,
+                             block_size=config.cache.block_size)
+
+
 def slicing_costs(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> SlicingCosts:
     """ScheInfer's linear models for this config: cached beside the cost tables under the same key
     (one file per weight format), else measured (engine/profiling/slicing_probe.py) and cached."""
     cpu_attention = config.cpu_attention
-    cores = CoreAssignment.for_device(config.device, cpu_attention.gpu_threads, cpu_attention.cpu_attention_threads)
-    key = ProfileKey.create(model=config.model, load_format=config.load_format, dtype=dtype, device=config.device,
-                            gpu_threads=cores.gpu_threads,
-                            cpu_attention_threads=cores.cpu_attention_threads, block_size=config.cache.block_size)
+    cores = engine_cores(config)
+    key = profile_key(config, dtype)
     method = QUANTIZATION_METHODS[config.quantization]
     kind = f"slicing-{method}"
 

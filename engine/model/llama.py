@@ -141,6 +141,13 @@ class LayerStore:
     def recover(self) -> None:
         """After a failed forward (layers acquired and never released): start over."""
 
+    def begin_serving(self) -> None:
+        """Start-up forwards (profiling) are over: what the store measures from here is traffic."""
+
+    def between_forwards(self) -> None:
+        """A forward is done and the next not begun (the engine thread, the GPU idle): what a
+        store changes in where weights live, it changes here."""
+
     def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes of weight memory beside the weights themselves (streaming buffers), by (format, tier)."""
         return {}

@@ -11,6 +11,7 @@ from scheduler.placement.slicing import SliceKind, SliceRates, ring_size
 from scheduler.placement.tiers import Tier
 
 if TYPE_CHECKING:
+    from scheduler.placement.hot_experts import ExpertCachePlan
     from scheduler.placement.planner import WeightPlacement
     from scheduler.placement.slicing_plan import SlicingPlan
 
@@ -56,6 +57,9 @@ class ModelPlan:
     ring_buffer_bytes: int = 0
     gpu_weight_bytes: int | None = None
     budget_bytes: int | None = None
+    # a MoE model's hot-expert cache (every routed layer's experts in GPU slots and host memory;
+    # the layers otherwise resident); None: experts placed by the layers' rates, or all resident
+    experts: ExpertCachePlan | None = None
 
     @classmethod
     def compose(cls, num_layers: int, placement: WeightPlacement | None = None,
@@ -93,7 +97,7 @@ class ModelPlan:
 
     @property
     def all_resident(self) -> bool:
-        return not self.streamed_layers and not self.sliced_layers
+        return not self.streamed_layers and not self.sliced_layers and self.experts is None
 
     @property
     def ring_bytes(self) -> int:
@@ -111,4 +115,6 @@ class ModelPlan:
             report["placement"] = self.placement.to_dict()
         if self.slicing is not None:
             report["slicing"] = self.slicing.to_dict()
+        if self.experts is not None:
+            report["hot_experts"] = self.experts.to_dict()
         return report

@@ -44,6 +44,7 @@ from scheduler.placement.planner import (
 )
 from scheduler.placement.slicing import SliceRates
 from scheduler.placement.slicing_cost import SlicingCosts
+from scheduler.placement.hot_experts import describe_expert_cache
 from scheduler.placement.slicing_plan import SlicingPlan, describe_slicing, plan_slicing
 
 MOE_STREAMING_REFUSAL = ("whole-layer weight streaming does not take mixture-of-experts layers; to fit a "
@@ -253,4 +254,6 @@ def describe_model_plan(plan: ModelPlan, offload_dir: str | None = None) -> str:
         lines.append(describe(plan.placement, offload_dir))
     if plan.slicing is not None:
         lines.append(describe_slicing(plan.slicing))
+    if plan.experts is not None:
+        lines.append(describe_expert_cache(plan.experts))
     return "\n".join(lines)
