@@ -11,7 +11,7 @@ from typing import Mapping
 
 import kernels  # noqa: F401  (before torch loads: caps its OpenMP spinning, kernels/__init__.py)
 from scheduler.kv_format import KV_CACHE_DTYPES
-from scheduler.placement.hot_experts import DEFAULT_WINDOW_TOKENS
+from scheduler.placement.hot_experts import DEFAULT_SKEW, DEFAULT_WINDOW_TOKENS
 from server.flag_sources import CONFIG_ENV, FlagSourceError, RepeatableFlag, add_deprecated_flag, layered_defaults
 from server.tool_calls.registry import AUTO_PARSER, PARSER_NAMES
 
@@ -37,6 +37,9 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                           "without loading weights", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_flags(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON after the breakdown")
+    plan.add_argument("--expert-skew", type=float, default=DEFAULT_SKEW,
+                      help="a MoE model's expert popularity the hot-expert cache's expected hit rate assumes: the "
+                           "exponent of a Zipf law over the experts (0: uniform)")
     convert = sub.add_parser("convert", help="write per-layer weight files into --offload-dir for streaming from disk",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_flags(convert)
@@ -256,7 +259,8 @@ def plan(args: argparse.Namespace) -> int:
     from engine.execution.thread_split import plan_thread_split
     from engine.kv.layouts import resolve_kv_format
     from scheduler.cost_model import kv_bytes_per_token
-    from engine.execution.weight_plan import plan_model
+    from engine.execution.weight_plan import plan_model, slicing_costs, weight_format
+    from scheduler.placement.hot_experts import describe_expert_speeds
     from engine.profiling import compute_dtype
     from engine.weights import create_loader
     from scheduler.placement import describe_model_plan
@@ -276,8 +280,13 @@ def plan(args: argparse.Namespace) -> int:
     kv_token_bytes = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
                                         kv_format.element_bytes)
     print(f"kv cache: {kv_format.describe()}; {kv_token_bytes} bytes a token")
-    model_plan, costs = plan_model(config, model_config, dtype, model_max_len(config, model_config))
+    model_plan, costs = plan_model(config, model_config, dtype, model_max_len(config, model_config),
+                                   expert_skew=args.expert_skew)
     print(describe_model_plan(model_plan, config.weights.offload_dir))
+    if model_plan.experts is not None:
+        costs = slicing_costs(config, model_config, dtype)
+        print(describe_expert_speeds(model_plan.experts, model_config.shape, weight_format(config, dtype), costs,
+                                     config.max_num_seqs, config.batched_tokens_budget))
     thread_plan = plan_thread_split(config, model_config, dtype, model_plan, model_max_len(config, model_config),
                                     copy_threads=config.weights.num_copy_threads)
     print(f"threads: {thread_plan.describe()}")

@@ -43,6 +43,10 @@ from scheduler.placement.memory import resident_global_bytes
 
 logger = logging.getLogger(__name__)
 
+# A MoE model over the GPU's budget: the share its weights take (the hot-expert cache in what its
+# other weights leave), the KV pool the rest.
+MOE_WEIGHT_SHARE = 0.8
+
 # The lossy KV formats in the order the fit weighs them: the least lossy first.
 LOSSY_KV_FORMATS = ("int8", "int4")
 # Added to a fitted weight budget, so that the bytes a placement was chosen for survive GiB's rounding.
@@ -57,7 +61,7 @@ def fit_config(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, m
     options = fit_options(config, loader.stores_int4(), dtype, loader.config.head_dim)
     if _placement_pinned(config, loader.config):
         if loader.config.is_moe and not config.weights.streaming_requested:
-            _check_moe_fits(config, loader, dtype, options[0])
+            config = _fit_moe(config, loader, dtype, options[0])
         return _lossless(config, options[0]), None
     offload_dir = _offload_dir(config, loader)
     result = fit(fit_request(config, loader, dtype, max_model_len, predict_always, options))
@@ -81,20 +85,34 @@ def _offload_dir(config: EngineConfig, loader: WeightLoader) -> str:
     return config.weights.offload_dir or default_offload_dir(loader.source)
 
 
-def _check_moe_fits(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, option: FitOption) -> None:
-    """A mixture-of-experts model's layers do not stream whole (their experts are placed by
-    slicing), so with no weight budget every layer must fit the GPU; FitError naming the flags
-    that place its experts where it does not."""
+def _fit_moe(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, option: FitOption) -> EngineConfig:
+    """A mixture-of-experts model's layers do not stream whole: where its weights exceed the GPU's
+    budget, the hot-expert cache takes MOE_WEIGHT_SHARE of it and the GPU's KV pool the rest (where
+    no flag sizes the pool); with the cache off or slicing asked for, FitError naming the flags
+    that place its experts."""
     shape = loader.config.shape
     fmt = WeightFormat(option.quantization, dtype.itemsize)
     weight_bytes = resident_global_bytes(shape, fmt.dtype_bytes) + shape.num_layers * layer_image_bytes(shape, fmt)
     budgets = fit_budgets(config, _offload_dir(config, loader))
     room = budgets.host_bytes if budgets.shared_memory else budgets.gpu_bytes
-    if weight_bytes > room:
+    if weight_bytes <= room:
+        return config
+    weights = config.weights
+    if budgets.shared_memory or weights.hot_experts_off or weights.mlp_slicing != "off":
         raise FitError(f"{loader.config.architecture}: its weights ({weight_bytes / GIB_BYTES:.1f} GiB as "
                        f"{option.quantization}) exceed the GPU's {room / GIB_BYTES:.1f} GiB, and a mixture-of-experts "
-                       f"model's layers do not stream whole: place its experts with --mlp-slicing auto "
-                       f"--weights-gpu-gib {0.8 * room / GIB_BYTES:.1f} (its experts computed on the CPU or streamed)")
+                       f"model's layers do not stream whole: keep its hottest experts on the GPU with --hot-experts "
+                       f"auto --weights-gpu-gib {MOE_WEIGHT_SHARE * room / GIB_BYTES:.1f}, or place them with "
+                       f"--mlp-slicing auto")
+    cache = config.cache
+    if cache.num_blocks is None and cache.kv_cache_memory_gib is None:
+        block_bytes = KVCache.bytes_per_block(loader.config, cache.block_size, option.kv)
+        cache = dataclasses.replace(cache, num_blocks=int((1 - MOE_WEIGHT_SHARE) * room) // block_bytes)
+    logger.info("fit: %s's weights (%.2f GiB) exceed the GPU's %.2f GiB: its hottest experts stay on the GPU in "
+                "%.2f GiB of weights, the CPU computes the rest", loader.config.architecture, weight_bytes / GIB_BYTES,
+                room / GIB_BYTES, MOE_WEIGHT_SHARE * room / GIB_BYTES)
+    weights = dataclasses.replace(weights, gpu_gib=MOE_WEIGHT_SHARE * room / GIB_BYTES)
+    return dataclasses.replace(config, cache=cache, weights=weights)
 
 
 def _lossless(config: EngineConfig, option: FitOption) -> EngineConfig:

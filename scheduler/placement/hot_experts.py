@@ -247,14 +247,34 @@ def routed_layer_time_s(shape: ModelShape, fmt: WeightFormat, costs: SlicingCost
     return layer_time_s(work, costs, SliceRates(1.0 - gpu_share, 0.0, gpu_share))
 
 
-def describe_expert_cache(plan: ExpertCachePlan, speeds: dict[str, tuple[float, float]] | None = None) -> str:
-    """The cache's size and expectations; `speeds`: name -> (decode, prefill) expert tokens/s."""
+def expert_speeds(plan: ExpertCachePlan, shape: ModelShape, fmt: WeightFormat, costs: SlicingCosts,
+                  decode_tokens: int, prefill_tokens: int) -> dict[str, tuple[float, float]]:
+    """Tokens/s of the routed experts alone (every routed layer, nothing else), at a decode of
+    `decode_tokens` and a prefill chunk of `prefill_tokens`: the hot-expert cache at its expected
+    hit rate, the same slots placed in index order, and every expert on the CPU."""
+    def tokens_per_s(num_tokens: int, gpu_share: float) -> float:
+        return num_tokens / (plan.num_routed_layers * routed_layer_time_s(shape, fmt, costs, num_tokens, gpu_share))
+    shares = {"hot experts": plan.expected_hit_rate, "static (index order)": plan.static_hit_rate, "all on the CPU": 0.0}
+    return {name: (tokens_per_s(decode_tokens, share), tokens_per_s(prefill_tokens, share))
+            for name, share in shares.items()}
+
+
+def describe_expert_speeds(plan: ExpertCachePlan, shape: ModelShape, fmt: WeightFormat, costs: SlicingCosts,
+                           decode_tokens: int, prefill_tokens: int) -> str:
+    speeds = expert_speeds(plan, shape, fmt, costs, decode_tokens, prefill_tokens)
+    lines = [f"routed experts alone, predicted by the slicing models (decode of {decode_tokens} tokens, "
+             f"prefill of {prefill_tokens}; fetches not counted):"]
+    for name, (decode, prefill) in speeds.items():
+        lines.append(f"  {name:<22} decode {decode:9.1f} tok/s   prefill {prefill:9.1f} tok/s")
+    return "\n".join(lines)
+
+
+def describe_expert_cache(plan: ExpertCachePlan) -> str:
+    """The cache's size and expected hit rate."""
     lines = [f"hot experts: {plan.num_slots} of {plan.num_experts} per routed layer on the GPU "
              f"({plan.slot_bytes / 2**30:.2f} GiB in {plan.num_routed_layers} layers, {plan.num_fetch_buffers} fetch "
              f"buffers of {plan.expert_bytes / 2**20:.1f} MiB), the rest computed by the CPU; statistics over the "
              f"last {plan.window_tokens} tokens per layer",
              f"expected hit rate at Zipf skew {plan.skew:g}: {plan.expected_hit_rate:.0%} of routed pairs on the GPU "
              f"(index-order static placement: {plan.static_hit_rate:.0%})"]
-    for name, (decode, prefill) in (speeds or {}).items():
-        lines.append(f"  {name:<22} experts' decode {decode:8.1f} tok/s, prefill {prefill:8.1f} tok/s")
     return "\n".join(lines)

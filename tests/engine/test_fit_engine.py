@@ -81,6 +81,6 @@ def test_plan_answers_for_every_preset_with_no_budget_flag(preset, capsys, tmp_p
     code = main(["plan", "--model", preset, "--load-format", "dummy", "--log-level", "warning"])
     out, err = capsys.readouterr()
     if code == 2:
-        assert "--mlp-slicing auto --weights-gpu-gib" in err
+        assert "--hot-experts auto --weights-gpu-gib" in err and "--mlp-slicing auto" in err
     else:
         assert code == 0 and "fit:" in out and "threads:" in out, err

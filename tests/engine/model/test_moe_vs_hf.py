@@ -125,7 +125,7 @@ def test_weight_streaming_refuses_moe_layers_with_a_reason():
     from engine import LLM
     from engine.model import ConfigError
     with pytest.raises(ConfigError, match="weight streaming does not take mixture-of-experts layers; .*--mlp-slicing auto"):
-        LLM("qwen3-moe-tiny", load_format="dummy", dtype="float32", weights_gpu_gib=0.001)
+        LLM("qwen3-moe-tiny", load_format="dummy", dtype="float32", weight_placement="cpu")
 
 
 @torch.no_grad()
