@@ -196,15 +196,16 @@ class LLMEngine:
                                  moved_tokens=moved_tokens, stats=self.weight_stats)
 
     def _expert_store_factory(self, plan: ExpertCachePlan):
-        """The hot-expert cache's store; the slicing models decide its fetches (measured once and
-        cached) and its statistics are kept beside them for the next run's first hot sets."""
+        """The hot-expert cache's store; the slicing models (measured once and cached) split each
+        forward's experts between the sides, except on device cpu, where one thread computes both in
+        turn; its statistics are kept beside them for the next run's first hot sets."""
         config = self.config
         costs = None
-        if plan.num_fetch_buffers:
+        if config.device != "cpu":
             costs = self.slicing_costs = self.slicing_costs or slicing_costs(config, self.model_config, self.dtype)
         key = profile_key(config, self.dtype)
         stats_path = profile_path(key, config.cpu_attention.profile_cache_dir, EXPERT_STATS_KIND)
-        return functools.partial(create_expert_store, plan, stats=self.weight_stats, fetch_costs=costs,
+        return functools.partial(create_expert_store, plan, stats=self.weight_stats, split_costs=costs,
                                  stats_path=stats_path)
 
     def _moved_tokens(self, rates: tuple[SliceRates, ...]) -> MovedTokens | None:

@@ -10,7 +10,7 @@ image into it on a background transfer thread; the expert computes on the CPU un
 installed. A forward reads the slot table as it stood when it started.
 
 `ExpertFetch` is the other way onto the GPU: the experts a big batch misses, copied into a few
-buffers for that forward only when the fetch model (scheduler/placement/expert_fetch.py) says the
+buffers for that forward where the split model (scheduler/placement/expert_split.py) says the
 copy pays.
 """
 from __future__ import annotations
@@ -30,7 +30,6 @@ from engine.execution.transfer import CopyEngine, pin_to
 from engine.model.feed_forward import SwiGluMlp
 from engine.quant import LinearWeight
 from engine.weights.layer_image import LayerImage
-from scheduler.placement.expert_fetch import FetchModel
 from scheduler.placement.hot_experts import ExpertWindow, choose_changes, rank_experts
 
 logger = logging.getLogger(__name__)
@@ -216,9 +215,8 @@ class ExpertFetch:
     when the fetch model says so; each copy on a transfer thread of its own, in order, the GPU
     computing each fetched expert once its copy has landed."""
 
-    def __init__(self, copy_engine: CopyEngine, model: FetchModel, num_buffers: int, stats: WeightStats) -> None:
+    def __init__(self, copy_engine: CopyEngine, num_buffers: int, stats: WeightStats) -> None:
         self.copy_engine = copy_engine
-        self.model = model
         self.num_buffers = num_buffers
         self.stats = stats
         self.buffers: list[torch.Tensor] = []
@@ -237,9 +235,6 @@ class ExpertFetch:
     @property
     def buffer_bytes(self) -> int:
         return sum(buffer.numel() for buffer in self.buffers)
-
-    def choose(self, hit_rows: list[int], miss_rows: list[int]) -> list[int]:
-        return self.model.choose(hit_rows, miss_rows, len(self.buffers))
 
     def load(self, images: list[torch.Tensor]) -> list[CopyFuture]:
         """Start copying these experts' images into buffers 0, 1, ... in order."""

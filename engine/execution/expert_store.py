@@ -29,7 +29,7 @@ from engine.model.llama import LayerStore, attention_weights, linear_maker
 from engine.model.moe import MoeLayerWeights, SharedExpert, TopKRouter
 from engine.quant import LinearMethod, LinearWeight, create_linear_method
 from engine.weights.base import ROUTER_KEY, SHARED_EXPERT_GATE_KEY, SHARED_EXPERT_PREFIX, expert_prefix
-from scheduler.placement.expert_fetch import ExpertShape, FetchModel
+from scheduler.placement.expert_split import ExpertShape, SplitModel
 from scheduler.placement.hot_experts import ExpertCachePlan
 from scheduler.placement.slicing_cost import SlicingCosts
 from scheduler.placement.tiers import Tier
@@ -46,7 +46,7 @@ class HotExpertLayers(LayerStore):
     weights_stay_put = False  # a slot's bytes change as experts come and go
 
     def __init__(self, plan: ExpertCachePlan, device: torch.device, copy_engine: CopyEngine, cpu: CpuSide,
-                 stats: WeightStats, fetch_costs: SlicingCosts | None = None, stats_path: Path | None = None) -> None:
+                 stats: WeightStats, split_costs: SlicingCosts | None = None, stats_path: Path | None = None) -> None:
         super().__init__(device)
         self.plan = plan
         self.copy_engine = copy_engine
@@ -54,7 +54,8 @@ class HotExpertLayers(LayerStore):
         self.stats = stats
         self.shares_host_bytes = torch.device(device).type == HOST.type
         self.cache = ExpertCache(copy_engine, stats, plan.num_slots, plan.window_tokens, plan.num_experts_per_token)
-        self.fetch_costs = fetch_costs if plan.num_fetch_buffers else None
+        self.split_costs = split_costs
+        self.split_model: SplitModel | None = None
         self.fetch: ExpertFetch | None = None
         self.stats_path = stats_path
         self.moe_layers: dict[int, HotExpertMoe] = {}
@@ -74,9 +75,12 @@ class HotExpertLayers(LayerStore):
             gate = make_dense(loaded[SHARED_EXPERT_GATE_KEY]) if moe.shared_expert_gated else None
             shared = SharedExpert(SwiGluMlp.from_loaded(loaded, make, SHARED_EXPERT_PREFIX), gate)
         self._add_experts(index, loaded, moe.num_experts, linear, dtype)
-        if self.fetch is None and self.fetch_costs is not None:
-            self.fetch = self._create_fetch(config, linear, dtype)
-        mlp = self.moe_layers[index] = HotExpertMoe(index, router, self.cache, shared, self.cpu, self.stats, self.fetch)
+        if self.split_model is None and self.split_costs is not None:
+            self.split_model = self._create_split_model(config)
+            if self.plan.num_fetch_buffers:
+                self.fetch = ExpertFetch(self.copy_engine, self.plan.num_fetch_buffers, self.stats)
+        mlp = self.moe_layers[index] = HotExpertMoe(index, router, self.cache, shared, self.cpu, self.stats, self.fetch,
+                                                    self.split_model, times_gpu=self.shares_host_bytes)
         return MoeLayerWeights(**attention_weights(loaded, make, self.device), mlp=mlp, **head_norms)
 
     def _add_experts(self, index: int, loaded: dict, num_experts: int, linear: LinearMethod, dtype: torch.dtype):
@@ -97,13 +101,12 @@ class HotExpertLayers(LayerStore):
                                         for name in ("gate_up", "down"))))
         return self.cache.add_layer(index, layout, templates, images, cpu_mlps)
 
-    def _create_fetch(self, config: ModelConfig, linear: LinearMethod, dtype: torch.dtype) -> ExpertFetch:
+    def _create_split_model(self, config: ModelConfig) -> SplitModel:
         image = self.cache.image
         gate_up = sum(t.nbytes for t in image.tensors if t.weight == "gate_up")
         shape = ExpertShape(config.hidden_size, config.moe.expert_intermediate_size, gate_up,
                             image.nbytes - gate_up, image.nbytes)
-        return ExpertFetch(self.copy_engine, FetchModel(self.fetch_costs, shape), self.plan.num_fetch_buffers,
-                           self.stats)
+        return SplitModel(self.split_costs, shape)
 
     # ---- serving ------------------------------------------------------------------------------
     def use_gpu(self, gpu) -> None:
@@ -153,9 +156,9 @@ def _expert_linears(loaded: dict, make, expert: int) -> dict[str, LinearWeight]:
 
 
 def create_expert_store(plan: ExpertCachePlan, device: torch.device, cores: CoreAssignment, stats: WeightStats,
-                        fetch_costs: SlicingCosts | None = None, stats_path: Path | None = None) -> HotExpertLayers:
+                        split_costs: SlicingCosts | None = None, stats_path: Path | None = None) -> HotExpertLayers:
     """The store on `device`: copies by the transfer threads on the host-side cores, the CPU's
     experts on the CPU side's threads (the caller's own on device cpu)."""
     engine = create_copy_engine(device, cores.copy_threads, cores.cpu_attention_cores or None)
     cpu = CpuSide(None if cores.device == "cpu" else cores.cpu_attention_threads)
-    return HotExpertLayers(plan, torch.device(device), engine, cpu, stats, fetch_costs, stats_path)
+    return HotExpertLayers(plan, torch.device(device), engine, cpu, stats, split_costs, stats_path)

@@ -22,15 +22,21 @@ from engine.execution.queues import Future
 from engine.execution.stats import WeightStats
 from engine.model.feed_forward import SiluMul
 from engine.model.moe import SharedExpert, SparseMoe, TopKRouter, group_by_expert
+from scheduler.placement.expert_split import ExpertSplit, SplitModel
 
 Span = tuple[int, slice]  # an expert and its run of the grouped pairs
+NO_SPLIT = ExpertSplit([], [])  # hot experts on the GPU, the misses on the CPU
 
 
 class HotExpertMoe(SparseMoe):
     """A SparseMoe whose experts compute where the layer's slot table says, as above."""
 
     def __init__(self, layer: int, router: TopKRouter, cache: ExpertCache, shared: SharedExpert | None,
-                 cpu: CpuSide, stats: WeightStats, fetch: ExpertFetch | None) -> None:
+                 cpu: CpuSide, stats: WeightStats, fetch: ExpertFetch | None = None,
+                 split_model: SplitModel | None = None, times_gpu: bool = False) -> None:
+        """`split_model`: where a forward's experts compute (None: hot ones on the GPU, the rest on
+        the CPU); `times_gpu`: the GPU's work runs synchronously on its thread (device cpu, the
+        testbed), so its wall time calibrates the model's GPU side too."""
         self.cached: LayerExperts = cache.layers[layer]
         super().__init__(router, self.cached.cpu_mlps, shared)
         self.layer = layer
@@ -38,6 +44,8 @@ class HotExpertMoe(SparseMoe):
         self.cpu = cpu
         self.stats = stats
         self.fetch = fetch
+        self.split_model = split_model
+        self.times_gpu = times_gpu and split_model is not None
 
     def apply(self, x: torch.Tensor, silu_mul: SiluMul) -> torch.Tensor:
         groups = group_by_expert(self.router.route(x), len(self.experts))
@@ -56,12 +64,17 @@ class HotExpertMoe(SparseMoe):
         slot_of = self.cached.slot_of  # as it stands for this forward: it changes only between forwards
         hits = [span for span in spans if span[0] in slot_of]
         misses = [span for span in spans if span[0] not in slot_of]
-        fetched = self._choose_fetches(hits, misses)
-        on_cpu = [span for span in misses if span[0] not in fetched]
+        split = self._split(hits, misses)
+        fetched = [misses[i][0] for i in split.fetched]
+        on_gpu = [span for i, span in enumerate(hits) if i not in split.hits_on_cpu]
+        on_cpu = [span for span in spans if span[0] not in fetched and span not in on_gpu]  # expert order
         cpu = self._start_cpu(rows, on_cpu, silu_mul)
         loads = self.fetch.load([self.cached.images[e] for e in fetched]) if fetched else []
         slot_mlps = self.cached.slot_mlps
-        outputs = {e: slot_mlps[slot_of[e]].apply(rows[pairs], silu_mul) for e, pairs in hits}
+        start = time.perf_counter()
+        outputs = {e: slot_mlps[slot_of[e]].apply(rows[pairs], silu_mul) for e, pairs in on_gpu}
+        if self.times_gpu and on_gpu:
+            self.split_model.observe("gpu", [s.stop - s.start for _, s in on_gpu], time.perf_counter() - start)
         spans_of = dict(spans)
         for index, (expert, copy) in enumerate(zip(fetched, loads)):
             outputs[expert] = self.fetch.mlp(index, copy).apply(rows[spans_of[expert]], silu_mul)
@@ -69,15 +82,15 @@ class HotExpertMoe(SparseMoe):
         if cpu is not None:
             back = cpu.result().to(rows.device, non_blocking=True)
             outputs.update(zip((e for e, _ in on_cpu), back.split([s.stop - s.start for _, s in on_cpu])))
-        self._count(hits, fetched, spans_of, on_cpu)
+        self._count(hits, misses, split)
         return outputs
 
-    def _choose_fetches(self, hits: list[Span], misses: list[Span]) -> list[int]:
-        if self.fetch is None or not misses:
-            return []
-        miss_rows = [s.stop - s.start for _, s in misses]
-        chosen = self.fetch.choose([s.stop - s.start for _, s in hits], miss_rows)
-        return [misses[i][0] for i in chosen]
+    def _split(self, hits: list[Span], misses: list[Span]) -> ExpertSplit:
+        if self.split_model is None:
+            return NO_SPLIT
+        max_fetches = 0 if self.fetch is None else self.fetch.num_buffers
+        return self.split_model.split([s.stop - s.start for _, s in hits], [s.stop - s.start for _, s in misses],
+                                      max_fetches)
 
     def _start_cpu(self, rows: torch.Tensor, spans: list[Span], silu_mul: SiluMul) -> Future | None:
         """Hand the CPU its experts' rows (gathered: one hop); the future's value is their outputs,
@@ -92,15 +105,19 @@ class HotExpertMoe(SparseMoe):
     def _compute_on_cpu(self, hop: Future, experts: list[int], sizes: list[int], silu_mul: SiluMul) -> torch.Tensor:
         start = time.perf_counter()
         rows = hop.result()  # [num_cpu_pairs, hidden]
+        compute_start = time.perf_counter()
         with self.cpu.threads():
             out = torch.cat([self.experts[e].apply(part, silu_mul) for e, part in zip(experts, rows.split(sizes))])
+        if self.split_model is not None:
+            self.split_model.observe("cpu", sizes, time.perf_counter() - compute_start)
         self.stats.num_cc_calls += 1
         self.stats.cc_s += time.perf_counter() - start
         self.stats.cc_thread_ids.add(threading.get_ident())
         return out
 
-    def _count(self, hits: list[Span], fetched: list[int], spans_of: dict[int, slice], on_cpu: list[Span]) -> None:
+    def _count(self, hits: list[Span], misses: list[Span], split: ExpertSplit) -> None:
         stats = self.stats
         stats.num_hit_pairs += sum(s.stop - s.start for _, s in hits)
-        stats.num_fetched_pairs += sum(spans_of[e].stop - spans_of[e].start for e in fetched)
-        stats.num_miss_pairs += sum(s.stop - s.start for _, s in on_cpu)
+        stats.num_miss_pairs += sum(s.stop - s.start for _, s in misses)
+        stats.num_fetched_pairs += sum(misses[i][1].stop - misses[i][1].start for i in split.fetched)
+        stats.num_hit_pairs_on_cpu += sum(hits[i][1].stop - hits[i][1].start for i in split.hits_on_cpu)

@@ -35,9 +35,10 @@ class WeightStats:
     moved_copy_thread_ids: set[int] = field(default_factory=set)  # the threads that copied CG''s weights
     # ---- the hot-expert cache (routed pairs summed over layers; the CPU's share in cc_s) ---------
     experts: bool = False  # a MoE model's experts pass through the hot-expert cache
-    num_hit_pairs: int = 0  # computed on the GPU from a slot
-    num_miss_pairs: int = 0  # computed by the CPU
-    num_fetched_pairs: int = 0  # computed on the GPU from a fetch buffer
+    num_hit_pairs: int = 0  # routed to an expert in a GPU slot
+    num_miss_pairs: int = 0  # routed to one that is not
+    num_fetched_pairs: int = 0  # misses computed on the GPU from a fetch buffer (the rest: by the CPU)
+    num_hit_pairs_on_cpu: int = 0  # hits the CPU computed, the GPU having more than its share
     num_expert_promotions: int = 0
     num_expert_demotions: int = 0
     promoted_bytes: int = 0

@@ -10,6 +10,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.execution.expert_store import HotExpertLayers
 from scheduler.placement import PlacementError
+from scheduler.placement.expert_split import ExpertSplit
 from test_offload_generation import SMALL_POOLS, generate_recording_paths
 from test_weight_streaming import TWO_CORES, on_testbed, slow_cost_tables
 
@@ -77,7 +78,7 @@ def test_hot_sets_changing_every_step_give_the_resident_tokens(resident_tokens, 
     assert stats.num_expert_promotions > 10 and stats.num_expert_demotions > 10
     assert stats.num_hit_pairs > 0 and stats.num_miss_pairs > 0 and stats.num_cc_calls > 0
     routed = sum(len(p) + 15 for p in PROMPTS) * 2 * NUM_LAYERS  # every token, top-2, each routed layer
-    assert stats.num_hit_pairs + stats.num_miss_pairs + stats.num_fetched_pairs == routed
+    assert stats.num_hit_pairs + stats.num_miss_pairs == routed
 
 
 @pytest.mark.parametrize("device", ["cpu", on_testbed("testbed")])
@@ -91,17 +92,22 @@ def test_the_policy_promotes_while_serving_and_keeps_the_resident_tokens(residen
     assert stats.num_expert_promotions > 0
 
 
+def forced_split(hit_rows, miss_rows, max_fetches):
+    """Every miss the fetch buffers have room for fetched, every other hit computed by the CPU."""
+    return ExpertSplit(list(range(min(len(miss_rows), max_fetches))), list(range(0, len(hit_rows), 2)))
+
+
 @pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
-def test_fetched_misses_give_the_resident_tokens(resident_tokens, tmp_path):
-    """Every miss fetched onto the GPU that the fetch buffers have room for (the model forced)."""
-    with LLM(MOE_PRESET, hot_experts="1", **engine_args(tmp_path, "testbed")) as llm:
+def test_fetched_misses_and_hits_on_the_cpu_give_the_resident_tokens(resident_tokens, tmp_path):
+    with LLM(MOE_PRESET, hot_experts="3", **engine_args(tmp_path, "testbed")) as llm:
         store = llm.engine.runner.model.layer_store
-        store.fetch.choose = lambda hit_rows, miss_rows: list(range(min(len(miss_rows), store.fetch.num_buffers)))
+        store.split_model.split = forced_split
         outputs = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, PARAMS)]
         stats = llm.engine.weight_stats
     assert outputs == resident_tokens
-    assert stats.num_fetched_pairs > 0 and stats.fetched_bytes > 0
+    assert stats.num_fetched_pairs > 0 and stats.fetched_bytes > 0 and stats.num_hit_pairs_on_cpu > 0
     assert stats.expert_copy_thread_ids  # copied by the fetch thread, not the GPU's
+    assert all(fit.read != 1.0 for fit in store.split_model.fits.values())  # both sides timed
 
 
 def test_a_budget_alone_sizes_the_slots_and_a_run_seeds_the_next(resident_tokens, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 from scheduler.cost_model import ModelShape
 from scheduler.placement import PlacementError, WeightFormat
-from scheduler.placement.expert_fetch import ExpertShape, FetchModel
+from scheduler.placement.expert_split import ExpertShape, SideFit, SplitModel
 from scheduler.placement.hot_experts import (
     ExpertWindow,
     choose_changes,
@@ -149,26 +149,50 @@ EXPERT = ExpertShape(hidden_size=1024, intermediate_size=512, gate_up_bytes=4 <<
 
 @pytest.mark.parametrize("copies_on_cpu", [False, True])
 def test_a_decode_fetches_nothing_and_a_prefill_fetches_its_biggest_misses(copies_on_cpu):
-    model = FetchModel(_costs(copies_on_cpu), EXPERT)
-    assert model.choose(hit_rows=[2, 1], miss_rows=[1, 2, 1], max_fetches=4) == []
-    chosen = model.choose(hit_rows=[300] * 4, miss_rows=[10, 400, 250, 300], max_fetches=2)
-    assert chosen and set(chosen) <= {1, 3} and len(chosen) <= 2
+    model = SplitModel(_costs(copies_on_cpu), EXPERT)
+    assert model.split(hit_rows=[2, 1], miss_rows=[1, 2, 1], max_fetches=4).fetched == []
+    split = model.split(hit_rows=[300] * 4, miss_rows=[10, 400, 250, 300], max_fetches=2)
+    assert split.fetched and set(split.fetched) <= {1, 3} and split.hits_on_cpu == []
 
 
 def test_fetching_stops_where_it_no_longer_shortens_the_layer():
-    model = FetchModel(_costs(), EXPERT)
+    model = SplitModel(_costs(), EXPERT)
     miss_rows = [500, 400, 300, 20, 10]
-    chosen = model.choose([], miss_rows, max_fetches=5)
+    chosen = model.split([], miss_rows, max_fetches=5).fetched
     fetched = [miss_rows[i] for i in chosen]
     rest = [r for i, r in enumerate(miss_rows) if i not in chosen]
     best = model.layer_s([], rest, fetched)
+    order = sorted(range(5), key=lambda i: -miss_rows[i])
     for count in range(len(miss_rows) + 1):  # every prefix of the most-rows-first order
-        order = sorted(range(5), key=lambda i: -miss_rows[i])
         others = [miss_rows[i] for i in order[count:]]
         assert best <= model.layer_s([], others, [miss_rows[i] for i in order[:count]]) + 1e-12
+
+
+def test_a_gpu_no_faster_than_the_cpu_hands_the_cpu_hits_until_the_sides_balance():
+    """The testbed: one core plays each side, so a high hit rate leaves the GPU the slower one."""
+    same = GemmCost(1e-6, 1e-11, 2e-11)
+    model = SplitModel(SlicingCosts(gpu_gemm=same, cpu_gemm=same, link=LinearCost(1e-5, 4e-11, "bytes"),
+                                    launch_s=1e-6), EXPERT)
+    hit_rows, miss_rows = [2] * 6, [2] * 2
+    split = model.split(hit_rows, miss_rows, max_fetches=4)
+    assert split.fetched == [] and len(split.hits_on_cpu) == 2  # 4 and 4 experts a side
+    before = model.layer_s(hit_rows, miss_rows, [])
+    kept = [r for i, r in enumerate(hit_rows) if i not in split.hits_on_cpu]
+    assert model.layer_s(kept, miss_rows + [2, 2], []) < before
+    # a GPU 20x faster at the math and reading as fast keeps every hit
+    assert SplitModel(_costs(), EXPERT).split([300] * 6, [300] * 2, max_fetches=0).hits_on_cpu == []
 
 
 def test_the_routed_layer_time_falls_as_more_pairs_run_on_the_faster_side():
     costs = _costs()
     times = [routed_layer_time_s(MOE, FP32, costs, 256, share) for share in (0.0, 0.5, 1.0)]
     assert times[0] > times[1] > times[2]
+
+
+def test_a_side_fit_recovers_both_terms_from_forwards_of_both_kinds():
+    fit = SideFit()
+    rng = random.Random(0)
+    for _ in range(400):  # decodes (mostly reading) and prefills (mostly math), measured 3x and 0.5x the model
+        read_s, math_s = rng.uniform(1e-3, 2e-3), rng.choice([1e-4, 5e-3]) * rng.uniform(0.5, 1.5)
+        fit.observe(read_s, math_s, 3.0 * read_s + 0.5 * math_s)
+    assert fit.read == pytest.approx(3.0, rel=0.05) and fit.math == pytest.approx(0.5, rel=0.1)
