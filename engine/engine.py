@@ -20,7 +20,8 @@ import torch
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.execution import ModelRunner
 from engine.execution.fit import describe_fit, fit_config
-from engine.execution.expert_store import EXPERT_STATS_KIND, create_expert_store
+from engine.execution.expert_cache import LayerHeat
+from engine.execution.expert_store import EXPERT_STATS_KIND, HotExpertLayers, create_expert_store
 from engine.execution.layer_store import create_layer_store
 from engine.execution.thread_split import core_assignment, plan_thread_split
 from engine.execution.stats import WeightStats
@@ -88,6 +89,14 @@ class IterationStats:
     # ---- MLP slicing (ScheInfer): the CG parts' bytes are in weight_bytes_streamed["host"] ------
     mlp_cpu_time: float = 0.0  # the CPU computing its MLP parts (CC)
     num_mlp_moved_tokens: int = 0  # tokens whose CC units CG' computed on the GPU, summed over layers
+    # ---- hot experts (MoE): routed (token, expert) pairs summed over routed layers -------------
+    num_hit_pairs: int = 0  # computed on the GPU from a slot
+    num_miss_pairs: int = 0  # computed by the CPU
+    num_fetched_pairs: int = 0  # computed on the GPU from a fetch buffer
+    num_expert_promotions: int = 0  # copies into a slot installed
+    num_expert_demotions: int = 0
+    promoted_bytes: int = 0  # copied into slots
+    fetched_bytes: int = 0  # copied into fetch buffers
     # ---- prefix caching: this iteration's share of the scheduler's running totals ---------------
     prefix_cache: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
 
@@ -331,6 +340,12 @@ class LLMEngine:
         if request is not None:
             self.scheduler.abort_sequences(seq.seq_id for seq in request.sequences)
 
+    def expert_heat(self) -> dict[int, LayerHeat]:
+        """Each routed layer's expert window counts and hot set, copied (safe from another thread);
+        empty without a hot-expert cache."""
+        store = self.runner.model.layer_store
+        return store.cache.heat() if isinstance(store, HotExpertLayers) else {}
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_sequences()
 
@@ -365,7 +380,8 @@ class LLMEngine:
     @staticmethod
     def _record_weights(stats: IterationStats, before: WeightStats, after: WeightStats) -> None:
         """This iteration's share of the layer store's running totals: the ring's loads, the CPU's
-        MLP parts, CG''s moved tokens (each where that part exists)."""
+        MLP parts, CG''s moved tokens, the hot-expert cache's pairs and copies (each where that
+        part exists)."""
         if after.streams:
             stats.weight_transfer_time = after.transfer_s - before.transfer_s
             stats.weight_stall_time = after.stall_s - before.stall_s
@@ -377,6 +393,14 @@ class LLMEngine:
             stats.num_mlp_moved_tokens = after.num_moved_tokens - before.num_moved_tokens
             logger.debug("MLP slicing: CG' computed %d tokens' CC units (summed over layers)",
                          stats.num_mlp_moved_tokens)
+        if after.experts:
+            stats.num_hit_pairs = after.num_hit_pairs - before.num_hit_pairs
+            stats.num_miss_pairs = after.num_miss_pairs - before.num_miss_pairs
+            stats.num_fetched_pairs = after.num_fetched_pairs - before.num_fetched_pairs
+            stats.num_expert_promotions = after.num_expert_promotions - before.num_expert_promotions
+            stats.num_expert_demotions = after.num_expert_demotions - before.num_expert_demotions
+            stats.promoted_bytes = after.promoted_bytes - before.promoted_bytes
+            stats.fetched_bytes = after.fetched_bytes - before.fetched_bytes
 
     def _plan_stats(self, plan: IterationPlan) -> IterationStats:
         stats = IterationStats(

@@ -380,6 +380,7 @@ def serve(args: argparse.Namespace) -> int:
     metrics.record_weights(engine.runner.model.weight_bytes())
     metrics.record_kv_format(engine.kv_format.name, engine.kv_bytes_per_token)
     metrics.record_threads(engine.thread_plan.split)
+    metrics.watch_experts(engine.expert_heat)
     async_engine = AsyncEngine(engine, QueueBounds(args.max_waiting_requests, args.max_waiting_tokens),
                                on_iteration=metrics.record_iteration, on_abort=metrics.record_abort)
     settings = ServerSettings(served_model_name=name, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes,

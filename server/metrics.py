@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from engine.engine import LLMEngine
+from engine.execution.expert_cache import LayerHeat
 from engine.outputs import RequestOutput
 from scheduler.placement import TIER_DISK, TIER_HOST
 from scheduler.scheduler import PLAN_MODES
@@ -17,6 +20,11 @@ KV_TIERS = tuple(tier.value for tier in Tier)  # where a request's KV lives
 FINISH_REASONS = tuple(status.value for status in SequenceStatus if status.finished)
 SWAP_OUT, SWAP_IN = "out", "in"  # to the host pool, back to the GPU's
 SWAP_DIRECTIONS = (SWAP_OUT, SWAP_IN)
+# where a routed (token, expert) pair was computed: a hot slot, the CPU, a fetch buffer
+EXPERT_GPU, EXPERT_CPU, EXPERT_FETCHED = "gpu", "cpu", "fetched"
+EXPERT_PLACEMENTS = (EXPERT_GPU, EXPERT_CPU, EXPERT_FETCHED)
+EXPERT_PROMOTED = "promoted"  # what an expert copy was for: a slot, or one forward's fetch buffer
+EXPERT_COPY_KINDS = (EXPERT_PROMOTED, EXPERT_FETCHED)
 
 disable_created_metrics()  # the *_created series only clutter dashboards (vLLM turns them off too)
 
@@ -100,6 +108,7 @@ class Metrics:
             _ERROR_BUCKETS)
         self._add_weight_metrics(r, counter, histogram)
         self._add_prefix_cache_metrics(r, counter)
+        self._add_expert_metrics(r, counter)
         self._last_token_time: dict[str, float] = {}
         self._initialise_labelled_series()
 
@@ -144,6 +153,23 @@ class Metrics:
         self.prefix_promoted_blocks = counter(
             "prefix_cache_promoted_blocks", "Cached blocks found in the host pool that were copied into the GPU pool.")
 
+    def _add_expert_metrics(self, r: CollectorRegistry, counter) -> None:
+        # ---- the hot-expert cache (MoE): pairs by where they computed, the hot sets' changes; the
+        # windows and hot sets themselves are read when scraped (`watch_experts`) ---------------------
+        self._expert_pairs = Counter(
+            "tandem:moe_routed_pairs", "Routed (token, expert) pairs of the hot-expert cache's layers, summed over "
+            "layers, by where they computed (gpu: from the expert's slot; cpu: by the CPU; fetched: on the GPU from "
+            "a buffer the expert was copied into for that forward); the hit rate is gpu over all.",
+            ["model_name", "placement"], registry=r)
+        self.expert_promotions = counter(
+            "moe_expert_promotions", "Experts installed in a GPU slot once their copy landed (the hot set's entries).")
+        self.expert_demotions = counter(
+            "moe_expert_demotions", "Experts dropped from a GPU slot for a hotter one (no copy: the CPU computes "
+            "them from host memory).")
+        self._expert_copied_bytes = Counter(
+            "tandem:moe_expert_copied_bytes", "Bytes of expert weights copied onto the GPU, by what for (promoted: "
+            "into a slot; fetched: into a buffer for one forward).", ["model_name", "kind"], registry=r)
+
     def _initialise_labelled_series(self) -> None:
         """A series for every known label value from the start, at 0, so a fresh dashboard shows 0
         rather than "No data" (a labelled metric exports nothing until `.labels()` is called).
@@ -166,6 +192,10 @@ class Metrics:
             self._weight_streamed_bytes.labels(name, tier)
         for task in THREAD_TASKS:  # set by record_threads once the split is planned
             self._threads.labels(name, task)
+        for placement in EXPERT_PLACEMENTS:  # at 0 without a hot-expert cache
+            self._expert_pairs.labels(name, placement)
+        for kind in EXPERT_COPY_KINDS:
+            self._expert_copied_bytes.labels(name, kind)
 
     def request_success(self, finished_reason: str):
         return self._success.labels(self._model_name, finished_reason)
@@ -193,6 +223,7 @@ class Metrics:
                 self.cost_model_error.observe(abs(stats.forward_time - stats.estimated_time) / stats.forward_time)
             if stats.weight_bytes_streamed:
                 self._record_streaming(stats)
+            self._record_experts(stats)
         for output in outputs:
             new_tokens = sum(len(c.delta_token_ids) for c in output.outputs)
             self.generation_tokens.inc(new_tokens)
@@ -220,6 +251,16 @@ class Metrics:
         self.weight_stall_seconds.inc(stats.weight_stall_time)
         self.iteration_weight_transfer.observe(stats.weight_transfer_time)
         self.iteration_compute.observe(max(0.0, stats.forward_time - stats.weight_stall_time))
+
+    def _record_experts(self, stats) -> None:
+        name = self._model_name
+        self._expert_pairs.labels(name, EXPERT_GPU).inc(stats.num_hit_pairs)
+        self._expert_pairs.labels(name, EXPERT_CPU).inc(stats.num_miss_pairs)
+        self._expert_pairs.labels(name, EXPERT_FETCHED).inc(stats.num_fetched_pairs)
+        self.expert_promotions.inc(stats.num_expert_promotions)
+        self.expert_demotions.inc(stats.num_expert_demotions)
+        self._expert_copied_bytes.labels(name, EXPERT_PROMOTED).inc(stats.promoted_bytes)
+        self._expert_copied_bytes.labels(name, EXPERT_FETCHED).inc(stats.fetched_bytes)
 
     def _record_prefix_cache(self, stats) -> None:
         counts, name = stats.prefix_cache, self._model_name
@@ -269,5 +310,44 @@ class Metrics:
         for task, num_threads in split.by_task().items():
             self._threads.labels(self._model_name, task).set(num_threads)
 
+    def watch_experts(self, read_heat: Callable[[], dict[int, LayerHeat]]) -> None:
+        """Export the hot-expert cache's windows and hot sets, read by `read_heat` (LLMEngine.expert_heat)
+        when /metrics is scraped."""
+        self.registry.register(ExpertHeatCollector(self._model_name, read_heat))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ExpertHeatCollector:
+    """tandem:moe_expert_window_pairs and tandem:moe_hot_expert, one series per routed layer and
+    expert, built from the engine's copy when /metrics is scraped: a big model's layers x experts
+    (48 x 128) are too many series to set on every iteration. A model without the cache exports
+    neither family."""
+
+    WINDOW_PAIRS, HOT = "tandem:moe_expert_window_pairs", "tandem:moe_hot_expert"
+    LABELS = ("model_name", "layer", "expert")
+
+    def __init__(self, model_name: str, read_heat: Callable[[], dict[int, LayerHeat]]) -> None:
+        self.model_name = model_name
+        self.read_heat = read_heat
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return self._families({})
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        heat = self.read_heat()
+        return self._families(heat) if heat else []
+
+    def _families(self, heat: dict[int, LayerHeat]) -> list[GaugeMetricFamily]:
+        window = GaugeMetricFamily(self.WINDOW_PAIRS, "Routed (token, expert) pairs per expert of each routed layer "
+                                   "in its sliding window of recent tokens: what chooses the hot set (the heat map).",
+                                   labels=self.LABELS)
+        hot = GaugeMetricFamily(self.HOT, "1 where the expert computes from one of its layer's GPU slots now (its "
+                                "copy installed), else 0.", labels=self.LABELS)
+        for layer, entry in sorted(heat.items()):
+            for expert, num_pairs in enumerate(entry.window_pairs):
+                labels = [self.model_name, str(layer), str(expert)]
+                window.add_metric(labels, num_pairs)
+                hot.add_metric(labels, 1 if expert in entry.hot else 0)
+        return [window, hot]

@@ -63,6 +63,15 @@ class LayerExperts:
         return [slot for slot in range(len(self.slot_buffers)) if slot not in taken]
 
 
+@dataclass(frozen=True)
+class LayerHeat:
+    """One routed layer as the cache sees it now: what its window counted and which experts compute
+    from a GPU slot (copies still in flight excluded)."""
+
+    window_pairs: list[int]  # routed (token, expert) pairs per expert in the window
+    hot: frozenset[int]  # experts in the layer's slots
+
+
 class ExpertCache:
     """Every routed layer's slots, windows and background copies (one transfer thread)."""
 
@@ -182,6 +191,13 @@ class ExpertCache:
             self.queue.submit(fn).result()
 
     # ---- what it holds ----------------------------------------------------------------------------
+    def heat(self) -> dict[int, LayerHeat]:
+        """Every routed layer's window counts and hot set, copied: safe to call from another thread
+        (the /metrics scrape). Each copy is one C-level call under the GIL, so it never sees a dict
+        mid-resize; a window may show one forward's counts partly added."""
+        return {layer: LayerHeat(entry.window.counts, frozenset(entry.slot_of))
+                for layer, entry in self.layers.items()}
+
     def hot_sets(self) -> dict[int, list[int]]:
         return {layer: sorted(entry.slot_of) for layer, entry in self.layers.items()}
 

@@ -1,5 +1,6 @@
-"""Fixtures for the deployment tests: a live `tandem serve` with offloading on, as the dashboard
-and Prometheus see it. The server helpers live beside the server tests (tests/server)."""
+"""Fixtures for the deployment tests: a live `tandem serve` with offloading on, and one with a MoE
+model's hot-expert cache, as the dashboard and Prometheus see them. The server helpers live beside
+the server tests (tests/server)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))  # tande
 
 from offloading import OFFLOADING_FLAGS, TWO_CORES, send_requests  # noqa: E402
 from tandem_server import ServerProcess, pipelining_cost_tables  # noqa: E402
+
+# a dummy-weight MoE preset (up in seconds) with 2 of its 8 experts per layer in GPU slots
+HOT_EXPERT_FLAGS = ("--model", "qwen3-moe-tiny", "--load-format", "dummy", "--hot-experts", "2")
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +33,22 @@ def offloading_server(tmp_path_factory) -> ServerProcess:
     server = ServerProcess(workdir / "serve.log", *OFFLOADING_FLAGS, "--cost-tables", str(tables)).start()
     try:
         send_requests(server.url)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def hot_expert_server(tmp_path_factory) -> ServerProcess:
+    """`tandem serve` on the tiniest MoE preset with its hot-expert cache on, before any request
+    (module scope: a module that sends it requests does not share it). The offloading server's
+    model is dense, so this is the server that exports the cache's per-layer, per-expert series;
+    `--hot-experts 2` turns the cache on, which `auto` does only where a weight budget leaves the
+    experts out. Its expert statistics are saved in its own directory, not the user's cache."""
+    workdir = tmp_path_factory.mktemp("hot-experts")
+    server = ServerProcess(workdir / "serve.log", *HOT_EXPERT_FLAGS,
+                           "--profile-cache-dir", str(workdir / "profiles")).start()
+    try:
         yield server
     finally:
         server.stop()

@@ -1,7 +1,8 @@
 """Prometheus itself (Debian's `prometheus` package) against tandem: promtool accepts the shipped
 scrape config and parses every dashboard query; a real Prometheus scrapes a live offloading
-`tandem serve` on loopback, answers a query for a tandem metric with its value, and evaluates
-every dashboard query to a non-empty result. `make test-integration` installs the package."""
+`tandem serve` and a MoE one with its hot-expert cache on (whose per-layer, per-expert series a
+dense model does not have) on loopback, answers a query for a tandem metric with its value, and
+evaluates every dashboard query to a non-empty result. `make test-integration` installs the package."""
 from __future__ import annotations
 
 import shutil
@@ -27,6 +28,7 @@ RATE_WINDOW = "20s"  # $__rate_interval: several scrapes
 STARTUP_TIMEOUT_S = 60.0
 SCRAPE_TIMEOUT_S = 60.0
 MIN_SCRAPES = 10
+NUM_TARGETS = 2  # the offloading server and the hot-expert one
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -51,21 +53,22 @@ def test_promtool_parses_every_dashboard_query(tmp_path):
     assert f"SUCCESS: {len(expressions)} rules found" in result.stdout
 
 
-def scrape_config_for(target: str) -> dict:
-    """The shipped config with its target moved to `target` and a shorter interval."""
+def scrape_config_for(targets: list[str]) -> dict:
+    """The shipped config with its targets moved to `targets` and a shorter interval."""
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = SCRAPE_INTERVAL
     (job,) = config["scrape_configs"]
-    job["static_configs"] = [{"targets": [target]}]
+    job["static_configs"] = [{"targets": targets}]
     return config
 
 
 @pytest.fixture(scope="module")
-def prometheus(offloading_server, tmp_path_factory) -> str:
-    """A Prometheus scraping `offloading_server`; its URL."""
+def prometheus(offloading_server, hot_expert_server, tmp_path_factory) -> str:
+    """A Prometheus scraping `offloading_server` and `hot_expert_server`; its URL."""
     workdir = tmp_path_factory.mktemp("prometheus")
     config = workdir / "prometheus.yml"
-    config.write_text(yaml.safe_dump(scrape_config_for(f"127.0.0.1:{offloading_server.port}")))
+    targets = [f"127.0.0.1:{server.port}" for server in (offloading_server, hot_expert_server)]
+    config.write_text(yaml.safe_dump(scrape_config_for(targets)))
     url = f"http://127.0.0.1:{free_port()}"
     log = open(workdir / "prometheus.log", "wb")
     proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
@@ -121,14 +124,17 @@ def under_load(prometheus, offloading_server):
 
 
 def _num_scrapes(prometheus_url: str) -> int:
-    result = query(prometheus_url, f'count_over_time(up{{job="tandem"}}[{RATE_WINDOW}])')
+    """The scrapes of the target scraped least (0 until each has been scraped)."""
+    if len(query(prometheus_url, 'up{job="tandem"}')) < NUM_TARGETS:
+        return 0
+    result = query(prometheus_url, f'min(count_over_time(up{{job="tandem"}}[{RATE_WINDOW}]))')
     return int(float(result[0]["value"][1])) if result else 0
 
 
 def test_prometheus_scrapes_tandem_and_answers_with_its_value(under_load, offloading_server):
-    (up,) = query(under_load, 'up{job="tandem"}')
-    assert up["value"][1] == "1"
-    (tokens,) = query(under_load, "tandem:generation_tokens_total")
+    ups = query(under_load, 'up{job="tandem"}')
+    assert [up["value"][1] for up in ups] == ["1"] * NUM_TARGETS
+    (tokens,) = query(under_load, 'tandem:generation_tokens_total{model_name="smollm2-135m"}')
     assert tokens["metric"]["model_name"] == "smollm2-135m"
     exported = httpx.get(f"{offloading_server.url}/metrics").text
     assert float(tokens["value"][1]) > 0 and "tandem:generation_tokens_total" in exported
