@@ -168,10 +168,15 @@ def common_flags(args: argparse.Namespace) -> dict:
                 expert_window_tokens=args.window_tokens)
 
 
+def expert_budget(expert_share: float, num_experts: int) -> int:
+    """Experts per routed layer on the GPU, in every configuration."""
+    return round(expert_share * num_experts)
+
+
 def configurations(args: argparse.Namespace, num_experts: int) -> dict[str, dict]:
     """Name -> flags, each with the same number of experts per layer on the GPU (auto slicing's
     budget is added once the hot-expert engine's GPU bytes are known)."""
-    num_slots = round(args.expert_share * num_experts)
+    num_slots = expert_budget(args.expert_share, num_experts)
     configs = {CACHE: dict(hot_experts=str(num_slots)), STATIC: dict(mlp_slicing=f"{1 - num_slots / num_experts:g},0"),
                ALL_CPU: dict(mlp_slicing="1,0")}
     if args.with_auto:
@@ -231,7 +236,7 @@ def build(name: str, flags: dict, args: argparse.Namespace) -> Bench:
     facts = {"flags": {k: v for k, v in flags.items() if k not in common_flags(args)},
              "gpu_weight_bytes": model.gpu_weight_bytes(), "build_s": build_s,
              "built_bytes": resident_bytes() - rss_before, "dtype": str(llm.engine.dtype).removeprefix("torch.")}
-    return Bench(name, llm, routers, round(args.expert_share * num_experts), gpu_experts,
+    return Bench(name, llm, routers, expert_budget(args.expert_share, num_experts), gpu_experts,
                  random.Random(f"{args.seed}:prompts"), facts)
 
 
@@ -442,19 +447,25 @@ def summarize(rows: dict[str, dict], num_experts: int, top_k: int, num_slots: in
     return summary
 
 
-def to_markdown(result: dict) -> str:
+def setup_line(result: dict) -> str:
+    """The machine, the model, the routing, the workload, the repetitions and the command."""
     s = result["setup"]
     grouping = ("engines built one at a time" if all(len(g) == 1 for g in result["groups"]) else
                 "engines built " + " then ".join(" + ".join(g) for g in result["groups"]))
-    lines = [f"{result['cpu']}, host-only testbed (one core plays the GPU, the other the CPU), {s['model']} with "
-             f"random weights in {s['dtype']}. Routers skewed as trained ones are: softmax(gate(x) + log p), p Zipf "
-             f"({s['zipf_exponent']:g}) over a seeded random permutation of each layer's experts. Every configuration "
-             f"keeps {s['num_slots']} of {s['num_experts']} experts per routed layer on the GPU (top-{s['top_k']}). "
-             f"Decode: {s['streams']} greedy streams x {s['decode_tokens']} tokens after {s['prompt_len']}-token "
-             f"prompts; prefill: {s['prefill_prompts']} x {s['prefill_len']}-token prompts. The cache's window: "
-             f"{s['window_tokens']} tokens per layer (the engine's default is 2048), warmed by at least one window of "
-             f"decode. Medians of {result['reps']} repetitions, interleaved within a group ({grouping}). "
-             f"Command: `{result['command']}`.", "",
+    return (f"{result['cpu']} ({result['num_cores']} cores, {result['memory_bytes'] / 2**30:.0f} GiB; peak resident "
+            f"memory {result['peak_rss_bytes'] / 2**30:.1f} GiB), host-only testbed (one core plays the GPU, the other "
+            f"the CPU), {s['model']} with random weights in {s['dtype']}. Routers skewed as trained ones are: "
+            f"softmax(gate(x) + log p), p Zipf ({s['zipf_exponent']:g}) over a seeded random permutation of each "
+            f"layer's experts. Every configuration keeps {s['num_slots']} of {s['num_experts']} experts per routed "
+            f"layer on the GPU (top-{s['top_k']}). Decode: {s['streams']} greedy streams x {s['decode_tokens']} tokens "
+            f"after {s['prompt_len']}-token prompts; prefill: {s['prefill_prompts']} x {s['prefill_len']}-token "
+            f"prompts. The cache's window: {s['window_tokens']} tokens per layer (the engine's default is 2048), "
+            f"warmed by at least one window of decode. Medians of {result['reps']} repetitions, interleaved within a "
+            f"group ({grouping}). Command: `{result['command']}`.")
+
+
+def to_markdown(result: dict) -> str:
+    lines = [setup_line(result), "",
              "| configuration | flags | GPU weights MiB | decode tokens/s | hot experts / this | prefill tokens/s | "
              "hot experts / this | decode pairs on the GPU | prefill pairs on the GPU |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -530,12 +541,14 @@ def main(argv: list[str] | None = None) -> int:
     samples, facts, shift, groups = measure_groups(configurations(args, num_experts), args)
     keys = [key for key in samples[CACHE][0] if isinstance(samples[CACHE][0][key], (int, float))]
     rows = median_rows(samples, keys)
-    num_slots = round(args.expert_share * num_experts)
+    num_slots = expert_budget(args.expert_share, num_experts)
     setup = {**{k: v for k, v in vars(args).items() if k not in ("output", "no_plot")}, "num_experts": num_experts,
              "top_k": top_k, "num_slots": num_slots, "dtype": facts[CACHE]["dtype"]}
     plot = args.output.with_name(args.output.stem + "_shift.png")
-    result = {"cpu": host_cpu_model(), "command": " ".join(["python benchmarks/moe_offload.py", *argv]),
-              "setup": setup, "reps": args.reps, "groups": groups, "facts": facts, "rows": rows,
+    result = {"cpu": host_cpu_model(), "num_cores": os.cpu_count(),
+              "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+              "command": " ".join(["python benchmarks/moe_offload.py", *argv]), "setup": setup, "reps": args.reps,
+              "groups": groups, "facts": facts, "rows": rows,
               "summary": summarize(rows, num_experts, top_k, num_slots, args.zipf_exponent), "shift": shift,
               "plot": plot.name, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "samples": samples}
