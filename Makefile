@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-api test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -77,6 +77,7 @@ bench: install
 	$(MAKE) bench-slicing
 	$(MAKE) bench-fit
 	$(MAKE) bench-structured
+	$(MAKE) bench-moe
 	$(PY) benchmarks/offline.py
 	$(PY) benchmarks/serve.py --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
@@ -222,6 +223,14 @@ bench-fit: install
 # and llguidance filling the same schemas' masks.
 bench-structured: install
 	nice -n 10 $(PY) benchmarks/structured_decode.py
+	$(PY) benchmarks/update_benchmarks_doc.py
+
+# A MoE model's experts at a quarter on the GPU (testbed, routers skewed by a Zipf popularity): the
+# hot-expert cache against static slicing by expert index and all on the CPU, and the cache's
+# recovery from a popularity shift. About 10-15 minutes, up to ~10 GB resident (the cache's engine in
+# fp32); two engines at once only where memory holds the second.
+bench-moe: install
+	nice -n 10 $(PY) benchmarks/moe_offload.py
 	$(PY) benchmarks/update_benchmarks_doc.py
 
 # On a CUDA GPU: the Triton INT4 matmul against dense bf16; Neo (Llama-3.1-8B shape, random

@@ -93,6 +93,20 @@ SECTIONS = (
             "the same schemas for the embedded model's tokenizer, with compact JSON whitespace, and follow a valid\n"
             "document's tokens, filling the next-token mask before each.",
             "## Compute dtype"),
+    Section("moe_offload", "### Hot experts against static slicing (`benchmarks/moe_offload.py`, `make bench-moe`)",
+            "Run by `make bench-moe` on a quiet machine: the 1.3B MoE shape (32 experts, top-8; random weights, dtype\n"
+            "auto) on the host-only testbed, a quarter of each layer's experts on the GPU in every configuration: the\n"
+            "hot-expert cache (`--hot-experts 8`), ScheInfer's static slicing keeping the last 8 experts by index\n"
+            "(`--mlp-slicing 0.75,0`) and every expert on the CPU (`--mlp-slicing 1,0`). Random weights route nearly\n"
+            "uniformly, so each routed layer's router is wrapped to route by softmax(gate(x) + log p), p a Zipf\n"
+            "popularity over a seeded random permutation of the layer's experts (an index says nothing of popularity,\n"
+            "as in a trained model). After a warm-up of at least one window of decode, 8 greedy streams decode and 4\n"
+            "fresh 256-token prompts prefill, repetitions interleaved within each group of engines built together,\n"
+            "medians. The hit rate is set against the ideal (the pairs routed to each layer's 8 most popular experts)\n"
+            "and `expected_hit_rate`; then the cache's engine decodes on while the routers switch to a second\n"
+            "permutation, and its hit rate per interval shows how fast the hot sets follow (the plot is\n"
+            "`benchmarks/results/moe_offload_shift.png`).",
+            "## LM-Offload: the fit and the host's threads"),
 )
 
 
