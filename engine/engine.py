@@ -90,9 +90,10 @@ class IterationStats:
     mlp_cpu_time: float = 0.0  # the CPU computing its MLP parts (CC)
     num_mlp_moved_tokens: int = 0  # tokens whose CC units CG' computed on the GPU, summed over layers
     # ---- hot experts (MoE): routed (token, expert) pairs summed over routed layers -------------
-    num_hit_pairs: int = 0  # computed on the GPU from a slot
-    num_miss_pairs: int = 0  # computed by the CPU
-    num_fetched_pairs: int = 0  # computed on the GPU from a fetch buffer
+    num_hit_pairs: int = 0  # routed to an expert in a GPU slot
+    num_miss_pairs: int = 0  # routed to one that is not
+    num_fetched_pairs: int = 0  # misses computed on the GPU from a fetch buffer
+    num_hit_pairs_on_cpu: int = 0  # hits the CPU computed (the GPU having more than its share)
     num_expert_promotions: int = 0  # copies into a slot installed
     num_expert_demotions: int = 0
     promoted_bytes: int = 0  # copied into slots
@@ -397,6 +398,7 @@ class LLMEngine:
             stats.num_hit_pairs = after.num_hit_pairs - before.num_hit_pairs
             stats.num_miss_pairs = after.num_miss_pairs - before.num_miss_pairs
             stats.num_fetched_pairs = after.num_fetched_pairs - before.num_fetched_pairs
+            stats.num_hit_pairs_on_cpu = after.num_hit_pairs_on_cpu - before.num_hit_pairs_on_cpu
             stats.num_expert_promotions = after.num_expert_promotions - before.num_expert_promotions
             stats.num_expert_demotions = after.num_expert_demotions - before.num_expert_demotions
             stats.promoted_bytes = after.promoted_bytes - before.promoted_bytes

@@ -20,10 +20,12 @@ KV_TIERS = tuple(tier.value for tier in Tier)  # where a request's KV lives
 FINISH_REASONS = tuple(status.value for status in SequenceStatus if status.finished)
 SWAP_OUT, SWAP_IN = "out", "in"  # to the host pool, back to the GPU's
 SWAP_DIRECTIONS = (SWAP_OUT, SWAP_IN)
-# where a routed (token, expert) pair was computed: a hot slot, the CPU, a fetch buffer
-EXPERT_GPU, EXPERT_CPU, EXPERT_FETCHED = "gpu", "cpu", "fetched"
-EXPERT_PLACEMENTS = (EXPERT_GPU, EXPERT_CPU, EXPERT_FETCHED)
-EXPERT_PROMOTED = "promoted"  # what an expert copy was for: a slot, or one forward's fetch buffer
+# a routed (token, expert) pair: to an expert in a GPU slot (hot) or not (cold), computed where
+EXPERT_HOT, EXPERT_COLD = "hot", "cold"
+EXPERT_GPU, EXPERT_CPU = "gpu", "cpu"
+EXPERT_PAIR_KINDS = tuple((expert, placement) for expert in (EXPERT_HOT, EXPERT_COLD)
+                          for placement in (EXPERT_GPU, EXPERT_CPU))
+EXPERT_PROMOTED, EXPERT_FETCHED = "promoted", "fetched"  # what an expert copy was for: a slot, or one forward
 EXPERT_COPY_KINDS = (EXPERT_PROMOTED, EXPERT_FETCHED)
 
 disable_created_metrics()  # the *_created series only clutter dashboards (vLLM turns them off too)
@@ -158,9 +160,10 @@ class Metrics:
         # windows and hot sets themselves are read when scraped (`watch_experts`) ---------------------
         self._expert_pairs = Counter(
             "tandem:moe_routed_pairs", "Routed (token, expert) pairs of the hot-expert cache's layers, summed over "
-            "layers, by where they computed (gpu: from the expert's slot; cpu: by the CPU; fetched: on the GPU from "
-            "a buffer the expert was copied into for that forward); the hit rate is gpu over all.",
-            ["model_name", "placement"], registry=r)
+            "layers, by their expert (hot: in one of its layer's GPU slots; cold: not) and where they computed "
+            "(gpu: a hot expert from its slot, a cold one fetched into a buffer for that forward; cpu: by the CPU, "
+            "a hot one where the GPU had more than its share); the hit rate is hot over all.",
+            ["model_name", "expert", "placement"], registry=r)
         self.expert_promotions = counter(
             "moe_expert_promotions", "Experts installed in a GPU slot once their copy landed (the hot set's entries).")
         self.expert_demotions = counter(
@@ -192,8 +195,8 @@ class Metrics:
             self._weight_streamed_bytes.labels(name, tier)
         for task in THREAD_TASKS:  # set by record_threads once the split is planned
             self._threads.labels(name, task)
-        for placement in EXPERT_PLACEMENTS:  # at 0 without a hot-expert cache
-            self._expert_pairs.labels(name, placement)
+        for expert, placement in EXPERT_PAIR_KINDS:  # at 0 without a hot-expert cache
+            self._expert_pairs.labels(name, expert, placement)
         for kind in EXPERT_COPY_KINDS:
             self._expert_copied_bytes.labels(name, kind)
 
@@ -254,9 +257,12 @@ class Metrics:
 
     def _record_experts(self, stats) -> None:
         name = self._model_name
-        self._expert_pairs.labels(name, EXPERT_GPU).inc(stats.num_hit_pairs)
-        self._expert_pairs.labels(name, EXPERT_CPU).inc(stats.num_miss_pairs)
-        self._expert_pairs.labels(name, EXPERT_FETCHED).inc(stats.num_fetched_pairs)
+        pairs = {(EXPERT_HOT, EXPERT_GPU): stats.num_hit_pairs - stats.num_hit_pairs_on_cpu,
+                 (EXPERT_HOT, EXPERT_CPU): stats.num_hit_pairs_on_cpu,
+                 (EXPERT_COLD, EXPERT_GPU): stats.num_fetched_pairs,
+                 (EXPERT_COLD, EXPERT_CPU): stats.num_miss_pairs - stats.num_fetched_pairs}
+        for (expert, placement), num_pairs in pairs.items():
+            self._expert_pairs.labels(name, expert, placement).inc(num_pairs)
         self.expert_promotions.inc(stats.num_expert_promotions)
         self.expert_demotions.inc(stats.num_expert_demotions)
         self._expert_copied_bytes.labels(name, EXPERT_PROMOTED).inc(stats.promoted_bytes)

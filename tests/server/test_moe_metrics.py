@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.metrics import EXPERT_COPY_KINDS, EXPERT_PLACEMENTS, Metrics
+from server.metrics import EXPERT_COPY_KINDS, EXPERT_PAIR_KINDS, Metrics
 
 MOE_PRESET = "qwen3-moe-tiny"
 NUM_LAYERS, NUM_EXPERTS, TOP_K, NUM_SLOTS = 2, 8, 2, 2  # every layer routed
@@ -55,8 +55,9 @@ def test_every_routed_pair_is_counted_where_it_computed(served):
     pairs = samples_of(metrics)["tandem:moe_routed_pairs_total"]
     assert num_tokens == NUM_TOKENS
     assert sum(pairs.values()) == NUM_TOKENS * TOP_K * NUM_LAYERS
-    assert pairs[("gpu",)] > 0 and pairs[("cpu",)] > 0  # 2 of 8 experts hot: some hit, most miss
-    assert pairs[("fetched",)] == 0  # device cpu: no fetch buffers
+    # labels sorted by name: (expert, placement); 2 of 8 experts hot: some hit, most miss
+    assert pairs[("hot", "gpu")] > 0 and pairs[("cold", "cpu")] > 0
+    assert pairs[("cold", "gpu")] == 0 and pairs[("hot", "cpu")] == 0  # device cpu: nothing splits, nothing fetched
 
 
 def test_promotions_copy_one_expert_image_each(served):
@@ -90,7 +91,7 @@ def test_a_fresh_server_exports_the_counters_at_zero_and_no_heat_without_a_cache
     metrics = Metrics("m")
     metrics.watch_experts(dict)  # a dense model's engine: no routed layers
     found = samples_of(metrics)
-    assert found["tandem:moe_routed_pairs_total"] == {(placement,): 0.0 for placement in EXPERT_PLACEMENTS}
+    assert found["tandem:moe_routed_pairs_total"] == {kind: 0.0 for kind in EXPERT_PAIR_KINDS}
     assert found["tandem:moe_expert_copied_bytes_total"] == {(kind,): 0.0 for kind in EXPERT_COPY_KINDS}
     assert found["tandem:moe_expert_promotions_total"] == {(): 0.0}
     assert found["tandem:moe_expert_demotions_total"] == {(): 0.0}
