@@ -70,15 +70,16 @@ PREFILL_TARGET = 1.2
 RECOVERY_TOLERANCE = 0.1  # recovered: back within this share of the pre-shift hit rate
 MEMORY_MARGIN = 1.5  # a second engine is built only where this many times the first's bytes are free
 POST_SHIFT_MULTIPLE = 2  # the shift run decodes this many times as long after the shift as before it
-PAIR_FIELDS = ("num_hit_pairs", "num_miss_pairs", "num_fetched_pairs", "num_expert_promotions")
-SHIFT_FIELDS = ("hit_rate", "fetched_rate", "ideal_rate", "num_promotions")
+PAIR_FIELDS = ("num_hit_pairs", "num_miss_pairs", "num_fetched_pairs", "num_hit_pairs_on_cpu", "num_expert_promotions")
+SHIFT_FIELDS = ("hit_rate", "gpu_rate", "ideal_rate", "num_promotions")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-moe-1b-a400m", help="a MoE preset (dummy weights)")
     parser.add_argument("--expert-share", type=float, default=0.25, help="of each layer's experts, on the GPU")
-    parser.add_argument("--streams", type=int, default=8, help="decode streams at once")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8],
+                        help="decode streams at once, one decode measurement per count")
     parser.add_argument("--prompt-len", type=int, default=16, help="the decode streams' prompts")
     parser.add_argument("--decode-tokens", type=int, default=32, help="output tokens per stream")
     parser.add_argument("--prefill-prompts", type=int, default=4)
@@ -161,9 +162,9 @@ def skew_routers(model, zipf_exponent: float, seed: int) -> dict[int, SkewedRout
 # ---- the configurations --------------------------------------------------------------------
 def common_flags(args: argparse.Namespace) -> dict:
     shift_run_tokens = (1 + POST_SHIFT_MULTIPLE) * args.shift_windows * args.window_tokens
-    decode_len = args.prompt_len + max(args.decode_tokens, math.ceil(shift_run_tokens / args.streams) + 64)
+    decode_len = args.prompt_len + max(args.decode_tokens, math.ceil(shift_run_tokens / max(args.streams)) + 64)
     return dict(model=args.model, load_format="dummy", device="testbed", dtype="auto", cpu_attention="off",
-                max_num_seqs=max(args.streams, args.prefill_prompts),
+                max_num_seqs=max(*args.streams, args.prefill_prompts),
                 max_model_len=max(args.prefill_len + 1, decode_len), kv_cache_memory_gib=args.kv_cache_gib,
                 expert_window_tokens=args.window_tokens)
 
@@ -268,13 +269,14 @@ def routed_shares(bench: Bench, before: dict[str, int]) -> dict:
     num_routed = sum(total for _, total in ideal)
     shares = {"num_routed_pairs": num_routed, "ideal_rate": sum(top for top, _ in ideal) / max(1, num_routed),
               "num_promotions": delta["num_expert_promotions"]}
-    if bench.gpu_experts is None:
-        num_pairs = delta["num_hit_pairs"] + delta["num_miss_pairs"] + delta["num_fetched_pairs"]
-        return {**shares, "hit_rate": delta["num_hit_pairs"] / max(1, num_pairs),
+    if bench.gpu_experts is None:  # the cache: hits are pairs to a hot expert, wherever they computed
+        num_pairs = delta["num_hit_pairs"] + delta["num_miss_pairs"]
+        on_gpu = delta["num_hit_pairs"] - delta["num_hit_pairs_on_cpu"] + delta["num_fetched_pairs"]
+        return {**shares, "hit_rate": delta["num_hit_pairs"] / max(1, num_pairs), "gpu_rate": on_gpu / max(1, num_pairs),
                 "fetched_rate": delta["num_fetched_pairs"] / max(1, num_pairs), "num_pairs": num_pairs}
     resident = [router.share_to(bench.gpu_experts[layer]) for layer, router in bench.routers.items()]
-    return {**shares, "hit_rate": sum(on_gpu for on_gpu, _ in resident) / max(1, num_routed), "fetched_rate": 0.0,
-            "num_pairs": num_routed}
+    hit_rate = sum(on_gpu for on_gpu, _ in resident) / max(1, num_routed)
+    return {**shares, "hit_rate": hit_rate, "gpu_rate": hit_rate, "fetched_rate": 0.0, "num_pairs": num_routed}
 
 
 def step_until_first_tokens(engine, produced: dict[str, int], num_requests: int) -> None:
@@ -289,17 +291,17 @@ def step_once(engine, produced: dict[str, int]) -> None:
         produced[output.request_id] = len(output.outputs[0].token_ids)
 
 
-def decode_round(bench: Bench, args: argparse.Namespace) -> dict:
+def decode_round(bench: Bench, args: argparse.Namespace, num_streams: int) -> dict:
     """The streams' decode tokens/s from the first iteration after every prefill, and the routed
     pairs' shares over those iterations."""
     from scheduler.sampling_params import SamplingParams
 
     engine = bench.engine
     params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
-    for _ in range(args.streams):
+    for _ in range(num_streams):
         engine.add_request(bench.prompt(args.prompt_len), params)
     produced: dict[str, int] = {}
-    step_until_first_tokens(engine, produced, args.streams)
+    step_until_first_tokens(engine, produced, num_streams)
     tokens_before, before = sum(produced.values()), pair_counts(engine)
     bench.reset_counts()
     start = time.perf_counter()
@@ -307,8 +309,8 @@ def decode_round(bench: Bench, args: argparse.Namespace) -> dict:
         step_once(engine, produced)
     elapsed_s = time.perf_counter() - start
     shares = routed_shares(bench, before)
-    return {"decode_tokens_per_s": (sum(produced.values()) - tokens_before) / elapsed_s,
-            **{f"decode_{name}": value for name, value in shares.items()}}
+    return {f"decode{num_streams}_tokens_per_s": (sum(produced.values()) - tokens_before) / elapsed_s,
+            **{f"decode{num_streams}_{name}": value for name, value in shares.items()}}
 
 
 def prefill_round(bench: Bench, args: argparse.Namespace) -> dict:
@@ -328,7 +330,8 @@ def prefill_round(bench: Bench, args: argparse.Namespace) -> dict:
     elapsed_s = time.perf_counter() - start
     shares = routed_shares(bench, before)
     return {"prefill_tokens_per_s": args.prefill_prompts * args.prefill_len / elapsed_s,
-            "prefill_hit_rate": shares["hit_rate"], "prefill_fetched_rate": shares["fetched_rate"]}
+            "prefill_hit_rate": shares["hit_rate"], "prefill_gpu_rate": shares["gpu_rate"],
+            "prefill_fetched_rate": shares["fetched_rate"]}
 
 
 def warm_up(bench: Bench, args: argparse.Namespace) -> None:
@@ -338,15 +341,16 @@ def warm_up(bench: Bench, args: argparse.Namespace) -> None:
     needed = args.window_tokens if bench.gpu_experts is None else 1
     routed = 0
     while routed < needed:
-        decode_round(bench, args)
-        routed += args.streams * args.decode_tokens
+        decode_round(bench, args, max(args.streams))
+        routed += max(args.streams) * args.decode_tokens
     if sum(router.share_to([])[1] for router in bench.routers.values()) == 0:
         raise RuntimeError(f"{bench.name}: the wrapped routers saw no tokens (the layers route without .router)")
     bench.facts["warm_up_decode_tokens_per_layer"] = routed
 
 
 def measure_rep(bench: Bench, args: argparse.Namespace) -> dict:
-    return {**decode_round(bench, args), **prefill_round(bench, args)}
+    decodes = [decode_round(bench, args, num_streams) for num_streams in args.streams]
+    return {key: value for decode in decodes for key, value in decode.items()} | prefill_round(bench, args)
 
 
 # ---- the popularity shift ------------------------------------------------------------------
@@ -356,15 +360,15 @@ def popularity_shift(bench: Bench, args: argparse.Namespace) -> dict:
     twice as long. Tokens per layer: each decode step routes one token per stream through each."""
     from scheduler.sampling_params import SamplingParams
 
-    engine = bench.engine
+    engine, num_streams = bench.engine, max(args.streams)
     shift_tokens = round(args.shift_windows * args.window_tokens)
-    steps_per_interval = max(1, round(args.shift_interval_tokens / args.streams))
+    steps_per_interval = max(1, round(args.shift_interval_tokens / num_streams))
     run_tokens = (1 + POST_SHIFT_MULTIPLE) * shift_tokens
-    params = SamplingParams(max_tokens=math.ceil(run_tokens / args.streams) + steps_per_interval + 1,
+    params = SamplingParams(max_tokens=math.ceil(run_tokens / num_streams) + steps_per_interval + 1,
                             temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(bench.prompt(args.prompt_len), params) for _ in range(args.streams)]
+    ids = [engine.add_request(bench.prompt(args.prompt_len), params) for _ in range(num_streams)]
     produced: dict[str, int] = {}
-    step_until_first_tokens(engine, produced, args.streams)
+    step_until_first_tokens(engine, produced, num_streams)
     start_tokens, intervals, shifted_at = sum(produced.values()), [], None
     while (routed := sum(produced.values()) - start_tokens) < run_tokens:
         if shifted_at is None and routed >= shift_tokens:
@@ -380,7 +384,7 @@ def popularity_shift(bench: Bench, args: argparse.Namespace) -> dict:
     for request_id in ids:
         engine.abort_request(request_id)
     bench.set_phase(0)
-    return {"shift_tokens": shifted_at, "interval_tokens": steps_per_interval * args.streams,
+    return {"shift_tokens": shifted_at, "interval_tokens": steps_per_interval * num_streams,
             "intervals": intervals, **shift_summary(intervals, shifted_at)}
 
 
@@ -434,13 +438,20 @@ def room_for_another(group: dict[str, Bench]) -> bool:
     return available_bytes() > MEMORY_MARGIN * max(bench.facts["built_bytes"] for bench in group.values())
 
 
+def decode_metrics(rows: dict[str, dict]) -> list[str]:
+    """decode<N>_tokens_per_s for each stream count measured, fewest streams first."""
+    names = [key for key in next(iter(rows.values())) if key.startswith("decode") and key.endswith("_tokens_per_s")]
+    return sorted(names, key=lambda name: int(name[len("decode"):-len("_tokens_per_s")]))
+
+
 def summarize(rows: dict[str, dict], num_experts: int, top_k: int, num_slots: int, zipf_exponent: float) -> dict:
     """Hot experts over static slicing and over all on the CPU, beside the targets; the Zipf expectation."""
     from scheduler.placement.hot_experts import expected_hit_rate, zipf_popularity
 
     cache = rows[CACHE]
     summary = {"expected_hit_rate": expected_hit_rate(zipf_popularity(num_experts, zipf_exponent), top_k, num_slots)}
-    for metric, target in (("decode_tokens_per_s", DECODE_TARGET), ("prefill_tokens_per_s", PREFILL_TARGET)):
+    targets = [(metric, DECODE_TARGET) for metric in decode_metrics(rows)] + [("prefill_tokens_per_s", PREFILL_TARGET)]
+    for metric, target in targets:
         vs_static = cache[metric] / rows[STATIC][metric]
         summary[metric] = {"vs_static": vs_static, "vs_all_cpu": cache[metric] / rows[ALL_CPU][metric],
                            "target_vs_static": target, "meets_target": vs_static >= target}
@@ -457,7 +468,7 @@ def setup_line(result: dict) -> str:
             f"the CPU), {s['model']} with random weights in {s['dtype']}. Routers skewed as trained ones are: "
             f"softmax(gate(x) + log p), p Zipf ({s['zipf_exponent']:g}) over a seeded random permutation of each "
             f"layer's experts. Every configuration keeps {s['num_slots']} of {s['num_experts']} experts per routed "
-            f"layer on the GPU (top-{s['top_k']}). Decode: {s['streams']} greedy streams x {s['decode_tokens']} tokens "
+            f"layer on the GPU (top-{s['top_k']}). Decode: {' and '.join(map(str, s['streams']))} greedy streams x {s['decode_tokens']} tokens "
             f"after {s['prompt_len']}-token prompts; prefill: {s['prefill_prompts']} x {s['prefill_len']}-token "
             f"prompts. The cache's window: {s['window_tokens']} tokens per layer (the engine's default is 2048), "
             f"warmed by at least one window of decode. Medians of {result['reps']} repetitions, interleaved within a "
@@ -465,36 +476,44 @@ def setup_line(result: dict) -> str:
 
 
 def to_markdown(result: dict) -> str:
+    rows, cache = result["rows"], result["rows"][CACHE]
+    decodes = decode_metrics(rows)
+    streams = [name[len("decode"):-len("_tokens_per_s")] for name in decodes]
+    header = "".join(f" decode tokens/s, {n} stream{'s' if n != '1' else ''} | hot experts / this |" for n in streams)
     lines = [setup_line(result), "",
-             "| configuration | flags | GPU weights MiB | decode tokens/s | hot experts / this | prefill tokens/s | "
-             "hot experts / this | decode pairs on the GPU | prefill pairs on the GPU |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    cache = result["rows"][CACHE]
-    for name, row in result["rows"].items():
+             f"| configuration | flags | GPU weights MiB |{header} prefill tokens/s | hot experts / this | "
+             f"decode pairs on the GPU ({streams[-1]} streams) | prefill pairs on the GPU |",
+             "|---|---|---|" + "---|---|" * len(decodes) + "---|---|---|---|"]
+    for name, row in rows.items():
         facts = result["facts"][name]
         flags = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in facts["flags"].items())
-        decode, prefill = row["decode_tokens_per_s"], row["prefill_tokens_per_s"]
-        lines.append(f"| {name} | `{flags}` | {facts['gpu_weight_bytes'] / 2**20:.0f} | {decode:.2f} | "
-                     f"{cache['decode_tokens_per_s'] / decode:.2f}x | {prefill:.1f} | "
-                     f"{cache['prefill_tokens_per_s'] / prefill:.2f}x | "
-                     f"{row['decode_hit_rate'] + row['decode_fetched_rate']:.0%} | "
-                     f"{row['prefill_hit_rate'] + row['prefill_fetched_rate']:.0%} |")
+        decode_cells = "".join(f" {row[m]:.2f} | {cache[m] / row[m]:.2f}x |" for m in decodes)
+        prefill = row["prefill_tokens_per_s"]
+        lines.append(f"| {name} | `{flags}` | {facts['gpu_weight_bytes'] / 2**20:.0f} |{decode_cells} {prefill:.1f} | "
+                     f"{cache['prefill_tokens_per_s'] / prefill:.2f}x | {row[f'decode{streams[-1]}_gpu_rate']:.0%} | "
+                     f"{row['prefill_gpu_rate']:.0%} |")
     return "\n".join(lines + ["", *summary_lines(result)]) + "\n"
 
 
 def summary_lines(result: dict) -> list[str]:
     summary, rows, s = result["summary"], result["rows"], result["setup"]
-    decode, prefill, cache = summary["decode_tokens_per_s"], summary["prefill_tokens_per_s"], rows[CACHE]
-    lines = [f"Hot experts vs static slicing: decode {decode['vs_static']:.2f}x (target >= {DECODE_TARGET}x), "
-             f"prefill {prefill['vs_static']:.2f}x (target >= {PREFILL_TARGET}x); vs all on the CPU: decode "
-             f"{decode['vs_all_cpu']:.2f}x, prefill {prefill['vs_all_cpu']:.2f}x.", "",
-             f"Hit rate in decode: hot experts {cache['decode_hit_rate']:.1%} of routed pairs from their slots "
-             f"(+{cache['decode_fetched_rate']:.1%} fetched; {cache['decode_num_promotions']:g} promotions in the "
-             f"timed round), against the ideal {cache['decode_ideal_rate']:.1%} (the share routed to each layer's "
-             f"{s['num_slots']} most popular experts) and the Zipf expectation {summary['expected_hit_rate']:.1%} "
-             f"(`expected_hit_rate`, each token drawing its experts in proportion to p: more spread than the random "
-             f"gate's logits add); static slicing's experts resident by index took "
-             f"{rows[STATIC]['decode_hit_rate']:.1%}."]
+    prefill, cache = summary["prefill_tokens_per_s"], rows[CACHE]
+    decodes = decode_metrics(rows)
+    most = decodes[-1][:-len("_tokens_per_s")]  # the most streams' decode: its hit rates below
+    decode_text = ", ".join(f"decode at {m[len('decode'):-len('_tokens_per_s')]} streams {summary[m]['vs_static']:.2f}x"
+                            for m in decodes)
+    lines = [f"Hot experts vs static slicing: {decode_text} (target >= {DECODE_TARGET}x), prefill "
+             f"{prefill['vs_static']:.2f}x (target >= {PREFILL_TARGET}x); vs all on the CPU: "
+             + ", ".join(f"{summary[m]['vs_all_cpu']:.2f}x" for m in decodes)
+             + f" decode, {prefill['vs_all_cpu']:.2f}x prefill.", "",
+             f"Hit rate in decode ({most[len('decode'):]} streams): {cache[f'{most}_hit_rate']:.1%} of routed pairs to "
+             f"a hot expert ({cache[f'{most}_gpu_rate']:.1%} computed on the GPU: hot experts the CPU took where the "
+             f"GPU had more than its share, plus {cache[f'{most}_fetched_rate']:.1%} fetched; "
+             f"{cache[f'{most}_num_promotions']:g} promotions in the timed round), against the ideal "
+             f"{cache[f'{most}_ideal_rate']:.1%} (the share routed to each layer's {s['num_slots']} most popular "
+             f"experts) and the Zipf expectation {summary['expected_hit_rate']:.1%} (`expected_hit_rate`, each token "
+             f"drawing its experts in proportion to p: more spread than the random gate's logits add); static "
+             f"slicing's experts resident by index took {rows[STATIC][f'{most}_hit_rate']:.1%}."]
     shift = result["shift"]
     if shift is not None and shift["pre_shift_hit_rate"] is not None:
         recovery = ("not within the run" if shift["recovery_tokens"] is None else
