@@ -42,6 +42,12 @@ def bind_expert(image: LayerImage, templates: dict[str, LinearWeight], buffer: t
     return SwiGluMlp(weights["gate_up"], weights["down"])
 
 
+def split_buffer(buffer: torch.Tensor, nbytes: int, count: int) -> list[torch.Tensor]:
+    """`count` consecutive views of `nbytes` each: one allocation, not one per expert (each
+    huge-page-aligned allocation pads by up to a huge page)."""
+    return [buffer[index * nbytes:(index + 1) * nbytes] for index in range(count)]
+
+
 @dataclass
 class LayerExperts:
     """One routed layer's experts in host memory: each one's image (what a copy moves, in the GPU's
@@ -112,7 +118,8 @@ class ExpertCache:
         index order."""
         self.stats.experts = True
         for layer, entry in self.layers.items():
-            entry.slot_buffers = [self.copy_engine.allocate_buffer(self.image.nbytes) for _ in range(self.num_slots)]
+            entry.slot_buffers = split_buffer(self.copy_engine.allocate_buffer(self.image.nbytes * self.num_slots),
+                                              self.image.nbytes, self.num_slots)
             entry.slot_mlps = [bind_expert(self.image, self.templates, buffer) for buffer in entry.slot_buffers]
             entry.slot_states = [{} for _ in range(self.num_slots)]
             counts = (saved or {}).get(layer)
@@ -244,7 +251,8 @@ class ExpertFetch:
 
     def start(self, image: LayerImage, templates: dict[str, LinearWeight]) -> None:
         self.image = image
-        self.buffers = [self.copy_engine.allocate_buffer(image.nbytes) for _ in range(self.num_buffers)]
+        self.buffers = split_buffer(self.copy_engine.allocate_buffer(image.nbytes * self.num_buffers), image.nbytes,
+                                    self.num_buffers)
         self.mlps = [bind_expert(image, templates, buffer) for buffer in self.buffers]
         self.states = [{} for _ in self.buffers]
 

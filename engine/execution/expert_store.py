@@ -18,7 +18,6 @@ import torch
 from engine.execution.cpu_side import HOST, CpuSide, HostWeight
 from engine.execution.expert_cache import ExpertCache, ExpertFetch
 from engine.execution.hot_moe import HotExpertMoe
-from engine.execution.moved_part import host_image
 from engine.execution.ring import BUFFER_FORMAT
 from engine.execution.stats import WeightStats
 from engine.execution.cores import CoreAssignment
@@ -28,6 +27,7 @@ from engine.model.feed_forward import SwiGluMlp
 from engine.model.llama import LayerStore, attention_weights, linear_maker
 from engine.model.moe import MoeLayerWeights, SharedExpert, TopKRouter
 from engine.quant import LinearMethod, LinearWeight, create_linear_method
+from engine.weights.layer_image import LayerImage, meta_templates
 from engine.weights.base import ROUTER_KEY, SHARED_EXPERT_GATE_KEY, SHARED_EXPERT_PREFIX, expert_prefix
 from scheduler.placement.expert_split import ExpertShape, SplitModel
 from scheduler.placement.hot_experts import ExpertCachePlan
@@ -84,21 +84,22 @@ class HotExpertLayers(LayerStore):
         return MoeLayerWeights(**attention_weights(loaded, make, self.device), mlp=mlp, **head_norms)
 
     def _add_experts(self, index: int, loaded: dict, num_experts: int, linear: LinearMethod, dtype: torch.dtype):
-        """Each expert's host image and CPU weights, added to the cache as layer `index`."""
+        """Each expert's host image (one buffer for the layer's experts: one huge-page-aligned
+        allocation, not one per expert) and CPU weights, added to the cache as layer `index`."""
         for_cpu = linear_maker(linear, dtype, HOST, HOST)
         for_gpu = linear_maker(linear, dtype, HOST, self.device)  # built on the host, copied over
-        images, cpu_mlps, layout = [], [], None
-        for expert in range(num_experts):
-            cpu_weights = _expert_linears(loaded, for_cpu, expert)
-            if self.shares_host_bytes:
-                layout, templates, data = host_image(cpu_weights, self.copy_engine.allocate_host)
-                cpu_weights = layout.bind(templates, data)
-            else:
-                layout, templates, data = host_image(_expert_linears(loaded, for_gpu, expert),
-                                                     self.copy_engine.allocate_host)
-            images.append(data)
-            cpu_mlps.append(SwiGluMlp(*(HostWeight(self.cpu.own_threads(cpu_weights[name]))
-                                        for name in ("gate_up", "down"))))
+        cpu_weights = [_expert_linears(loaded, for_cpu, expert) for expert in range(num_experts)]
+        copied = cpu_weights if self.shares_host_bytes else [_expert_linears(loaded, for_gpu, expert)
+                                                             for expert in range(num_experts)]
+        layout, templates = LayerImage.of(copied[0]), meta_templates(copied[0])
+        block = self.copy_engine.allocate_host(layout.nbytes * num_experts)
+        images = [block[expert * layout.nbytes:(expert + 1) * layout.nbytes] for expert in range(num_experts)]
+        for weights, image in zip(copied, images):
+            layout.write(weights, image)
+        if self.shares_host_bytes:  # the CPU computes from the very bytes copies leave from
+            cpu_weights = [layout.bind(templates, image) for image in images]
+        cpu_mlps = [SwiGluMlp(*(HostWeight(self.cpu.own_threads(weights[name])) for name in ("gate_up", "down")))
+                    for weights in cpu_weights]
         return self.cache.add_layer(index, layout, templates, images, cpu_mlps)
 
     def _create_split_model(self, config: ModelConfig) -> SplitModel:
