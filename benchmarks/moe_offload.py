@@ -272,7 +272,8 @@ def routed_shares(bench: Bench, before: dict[str, int]) -> dict:
     if bench.gpu_experts is None:  # the cache: hits are pairs to a hot expert, wherever they computed
         num_pairs = delta["num_hit_pairs"] + delta["num_miss_pairs"]
         on_gpu = delta["num_hit_pairs"] - delta["num_hit_pairs_on_cpu"] + delta["num_fetched_pairs"]
-        return {**shares, "hit_rate": delta["num_hit_pairs"] / max(1, num_pairs), "gpu_rate": on_gpu / max(1, num_pairs),
+        return {**shares, "hit_rate": delta["num_hit_pairs"] / max(1, num_pairs),
+                "gpu_rate": on_gpu / max(1, num_pairs),
                 "fetched_rate": delta["num_fetched_pairs"] / max(1, num_pairs), "num_pairs": num_pairs}
     resident = [router.share_to(bench.gpu_experts[layer]) for layer, router in bench.routers.items()]
     hit_rate = sum(on_gpu for on_gpu, _ in resident) / max(1, num_routed)
@@ -468,7 +469,8 @@ def setup_line(result: dict) -> str:
             f"the CPU), {s['model']} with random weights in {s['dtype']}. Routers skewed as trained ones are: "
             f"softmax(gate(x) + log p), p Zipf ({s['zipf_exponent']:g}) over a seeded random permutation of each "
             f"layer's experts. Every configuration keeps {s['num_slots']} of {s['num_experts']} experts per routed "
-            f"layer on the GPU (top-{s['top_k']}). Decode: {' and '.join(map(str, s['streams']))} greedy streams x {s['decode_tokens']} tokens "
+            f"layer on the GPU (top-{s['top_k']}). Decode: {' and '.join(map(str, s['streams']))} greedy streams "
+            f"x {s['decode_tokens']} tokens "
             f"after {s['prompt_len']}-token prompts; prefill: {s['prefill_prompts']} x {s['prefill_len']}-token "
             f"prompts. The cache's window: {s['window_tokens']} tokens per layer (the engine's default is 2048), "
             f"warmed by at least one window of decode. Medians of {result['reps']} repetitions, interleaved within a "

@@ -100,7 +100,7 @@ SECTIONS = (
             "(`--mlp-slicing 0.75,0`) and every expert on the CPU (`--mlp-slicing 1,0`). Random weights route nearly\n"
             "uniformly, so each routed layer's router is wrapped to route by softmax(gate(x) + log p), p a Zipf\n"
             "popularity over a seeded random permutation of the layer's experts (an index says nothing of popularity,\n"
-            "as in a trained model). After a warm-up of at least one window of decode, 8 greedy streams decode and 4\n"
+            "as in a trained model). After at least one window of warm-up decode, 1 and 8 greedy streams decode and 4\n"
             "fresh 256-token prompts prefill, repetitions interleaved within each group of engines built together,\n"
             "medians. The hit rate is set against the ideal (the pairs routed to each layer's 8 most popular experts)\n"
             "and `expected_hit_rate`; then the cache's engine decodes on while the routers switch to a second\n"

@@ -20,12 +20,42 @@ from engine.execution.cpu_side import CpuSide
 from engine.execution.expert_cache import ExpertCache, ExpertFetch, LayerExperts
 from engine.execution.queues import Future
 from engine.execution.stats import WeightStats
-from engine.model.feed_forward import SiluMul
-from engine.model.moe import SharedExpert, SparseMoe, TopKRouter, group_by_expert
+from engine.model.feed_forward import SiluMul, SwiGluMlp
+from engine.model.moe import ExpertGroups, SharedExpert, SparseMoe, TopKRouter, group_by_expert
 from scheduler.placement.expert_split import ExpertSplit, SplitModel
 
 Span = tuple[int, slice]  # an expert and its run of the grouped pairs
 NO_SPLIT = ExpertSplit([], [])  # hot experts on the GPU, the misses on the CPU
+# From this many routed pairs (a prefill's) each side weights its experts' outputs and each is
+# summed as is, and the CPU gathers its own rows: concatenating, weighting and summing every pair's
+# output on the GPU's time line after the CPU's cost more than the experts saved there.
+PIECEWISE_MIN_PAIRS = 512
+
+
+class Pairs:
+    """A forward's routed pairs as the experts read them: `source` rows indexed by `index` (the
+    tokens x and each pair's token; or the pairs' rows already gathered and their positions), and
+    whether outputs come back weighted by the pairs' routing weights, in x's dtype."""
+
+    def __init__(self, source: torch.Tensor, groups: ExpertGroups, weighted: bool) -> None:
+        self.source = source  # [num_tokens, hidden] (weighted) or [num_pairs, hidden]
+        self.groups = groups
+        self.weighted = weighted
+        self.device = source.device
+
+    def rows(self, span: slice) -> torch.Tensor:
+        return self.source[self.groups.token_rows[span]] if self.weighted else self.source[span]
+
+    def output(self, mlp: SwiGluMlp, span: slice, silu_mul: SiluMul) -> torch.Tensor:
+        out = mlp.apply(self.rows(span), silu_mul)
+        return (out * self.groups.weights[span, None]).to(self.source.dtype) if self.weighted else out
+
+    def for_cpu(self, positions: torch.Tensor) -> list[torch.Tensor]:
+        """What the CPU needs for the pairs at `positions`: the source, its rows' index into it, and
+        (weighted) their routing weights."""
+        if not self.weighted:
+            return [self.source, positions]
+        return [self.source, self.groups.token_rows[positions], self.groups.weights[positions]]
 
 
 class HotExpertMoe(SparseMoe):
@@ -52,15 +82,22 @@ class HotExpertMoe(SparseMoe):
         if self.cache.recording:
             self.cached.window.add(groups.counts)
         out = torch.zeros_like(x)  # [num_tokens, hidden]
-        if groups.token_rows.numel():
-            rows = x[groups.token_rows]  # [num_pairs, hidden], grouped by expert
+        num_pairs = groups.token_rows.numel()
+        if num_pairs >= PIECEWISE_MIN_PAIRS:  # each expert's weighted output summed as is: no concatenation
             spans = list(groups.spans())
-            outputs = self._expert_outputs(rows, spans, silu_mul)
+            outputs = self._expert_outputs(Pairs(x, groups, weighted=True), spans, silu_mul)
+            for expert, pairs in spans:  # expert order, as one index_add over them all would add them
+                out.index_add_(0, groups.token_rows[pairs], outputs[expert])
+        elif num_pairs:
+            spans = list(groups.spans())
+            outputs = self._expert_outputs(Pairs(x[groups.token_rows], groups, weighted=False), spans, silu_mul)
             expert_out = torch.cat([outputs[expert] for expert, _ in spans])
             out.index_add_(0, groups.token_rows, (expert_out * groups.weights[:, None]).to(x.dtype))
         return out if self.shared is None else out + self.shared.apply(x, silu_mul)
 
-    def _expert_outputs(self, rows: torch.Tensor, spans: list[Span], silu_mul: SiluMul) -> dict[int, torch.Tensor]:
+    def _expert_outputs(self, pairs: "Pairs", spans: list[Span], silu_mul: SiluMul) -> dict[int, torch.Tensor]:
+        """Each routed expert's output over its pairs (weighted where `pairs.weighted`), computed
+        where the split puts it: the GPU's first, then the fetched ones, the CPU's meanwhile."""
         slot_of = self.cached.slot_of  # as it stands for this forward: it changes only between forwards
         hits = [span for span in spans if span[0] in slot_of]
         misses = [span for span in spans if span[0] not in slot_of]
@@ -68,19 +105,19 @@ class HotExpertMoe(SparseMoe):
         fetched = [misses[i][0] for i in split.fetched]
         on_gpu = [span for i, span in enumerate(hits) if i not in split.hits_on_cpu]
         on_cpu = [span for span in spans if span[0] not in fetched and span not in on_gpu]  # expert order
-        cpu = self._start_cpu(rows, on_cpu, silu_mul)
+        cpu = self._start_cpu(pairs, on_cpu, silu_mul)
         loads = self.fetch.load([self.cached.images[e] for e in fetched]) if fetched else []
         slot_mlps = self.cached.slot_mlps
         start = time.perf_counter()
-        outputs = {e: slot_mlps[slot_of[e]].apply(rows[pairs], silu_mul) for e, pairs in on_gpu}
+        outputs = {e: pairs.output(slot_mlps[slot_of[e]], span, silu_mul) for e, span in on_gpu}
         if self.times_gpu and on_gpu:
             self.split_model.observe("gpu", [s.stop - s.start for _, s in on_gpu], time.perf_counter() - start)
         spans_of = dict(spans)
         for index, (expert, copy) in enumerate(zip(fetched, loads)):
-            outputs[expert] = self.fetch.mlp(index, copy).apply(rows[spans_of[expert]], silu_mul)
+            outputs[expert] = pairs.output(self.fetch.mlp(index, copy), spans_of[expert], silu_mul)
             self.fetch.done(index)
         if cpu is not None:
-            back = cpu.result().to(rows.device, non_blocking=True)
+            back = cpu.result().to(pairs.device, non_blocking=True)
             outputs.update(zip((e for e, _ in on_cpu), back.split([s.stop - s.start for _, s in on_cpu])))
         self._count(hits, misses, split)
         return outputs
@@ -92,24 +129,31 @@ class HotExpertMoe(SparseMoe):
         return self.split_model.split([s.stop - s.start for _, s in hits], [s.stop - s.start for _, s in misses],
                                       max_fetches)
 
-    def _start_cpu(self, rows: torch.Tensor, spans: list[Span], silu_mul: SiluMul) -> Future | None:
-        """Hand the CPU its experts' rows (gathered: one hop); the future's value is their outputs,
-        unweighted, in the order of `spans`."""
+    def _start_cpu(self, pairs: "Pairs", spans: list[Span], silu_mul: SiluMul) -> Future | None:
+        """Hand the CPU its experts' pairs: the rows they come from hop to the host once with the
+        CPU's pair positions (and routing weights), the CPU gathers its rows itself; the future's
+        value is their outputs in the order of `spans` (weighted where `pairs.weighted`), hopping
+        back once."""
         if not spans:
             return None
-        index = torch.cat([torch.arange(s.start, s.stop) for _, s in spans]).to(rows.device)
-        hop = self.cpu.queue.copy_to_host(rows[index])
+        queue = self.cpu.queue
+        positions = torch.cat([torch.arange(s.start, s.stop) for _, s in spans]).to(pairs.device)
+        hops = [queue.copy_to_host(t) for t in pairs.for_cpu(positions)]
         sizes = [s.stop - s.start for _, s in spans]
-        return self.cpu.queue.run_on_host(lambda: self._compute_on_cpu(hop, [e for e, _ in spans], sizes, silu_mul))
+        return queue.run_on_host(lambda: self._compute_on_cpu(hops, [e for e, _ in spans], sizes, silu_mul))
 
-    def _compute_on_cpu(self, hop: Future, experts: list[int], sizes: list[int], silu_mul: SiluMul) -> torch.Tensor:
+    def _compute_on_cpu(self, hops: list[Future], experts: list[int], sizes: list[int],
+                        silu_mul: SiluMul) -> torch.Tensor:
         start = time.perf_counter()
-        rows = hop.result()  # [num_cpu_pairs, hidden]
-        compute_start = time.perf_counter()
+        source, index, *weights = (hop.result() for hop in hops)
         with self.cpu.threads():
+            rows = source[index]  # [num_cpu_pairs, hidden]
+            compute_start = time.perf_counter()
             out = torch.cat([self.experts[e].apply(part, silu_mul) for e, part in zip(experts, rows.split(sizes))])
-        if self.split_model is not None:
-            self.split_model.observe("cpu", sizes, time.perf_counter() - compute_start)
+            if self.split_model is not None:
+                self.split_model.observe("cpu", sizes, time.perf_counter() - compute_start)
+            if weights:
+                out = (out * weights[0][:, None]).to(source.dtype)
         self.stats.num_cc_calls += 1
         self.stats.cc_s += time.perf_counter() - start
         self.stats.cc_thread_ids.add(threading.get_ident())

@@ -1,7 +1,7 @@
 """What the weight parts did, as running totals the engine reads around each forward: the ring's
 loads (PIPO's streamed layers and ScheInfer's CG parts), the CPU side's MLP parts (CC), CG''s
-moved tokens, and the hot-expert cache's pairs and copies. The parts write into one `WeightStats` they are given; nothing reads them back
-through the layer store."""
+moved tokens, and the hot-expert cache's pairs and copies. The parts write into one `WeightStats`
+they are given; nothing reads them back through the layer store."""
 from __future__ import annotations
 
 import copy

@@ -228,7 +228,8 @@ def plan_expert_cache(shape: ModelShape, fmt: WeightFormat, global_bytes: int, g
                                      f"({gpu_weight_bytes / 2**30:.2f}); give at least that")
             num_slots = min(shape.num_experts, room // (expert_bytes * max(1, len(routed))))
     if not 0 <= num_slots <= shape.num_experts:
-        raise PlacementError(f"--hot-experts {num_slots} must lie in [0, {shape.num_experts}] (the experts a layer has)")
+        raise PlacementError(f"--hot-experts {num_slots} must lie in [0, {shape.num_experts}] "
+                             "(the experts a layer has)")
     popularity = zipf_popularity(shape.num_experts, skew)
     k = shape.num_experts_per_token
     return ExpertCachePlan(shape.num_experts, k, num_slots, len(routed), expert_bytes, fetch, resident,
@@ -251,12 +252,16 @@ def expert_speeds(plan: ExpertCachePlan, shape: ModelShape, fmt: WeightFormat, c
                   decode_tokens: int, prefill_tokens: int) -> dict[str, tuple[float, float]]:
     """Tokens/s of the routed experts alone (every routed layer, nothing else), at a decode of
     `decode_tokens` and a prefill chunk of `prefill_tokens`: the hot-expert cache at its expected
-    hit rate, the same slots placed in index order, and every expert on the CPU."""
-    def tokens_per_s(num_tokens: int, gpu_share: float) -> float:
-        return num_tokens / (plan.num_routed_layers * routed_layer_time_s(shape, fmt, costs, num_tokens, gpu_share))
-    shares = {"hot experts": plan.expected_hit_rate, "static (index order)": plan.static_hit_rate, "all on the CPU": 0.0}
-    return {name: (tokens_per_s(decode_tokens, share), tokens_per_s(prefill_tokens, share))
-            for name, share in shares.items()}
+    hit rate (the CPU taking hot experts too where that is faster: every expert is in host memory),
+    the same slots placed in index order (their experts only on the GPU), and every expert on the CPU."""
+    def tokens_per_s(num_tokens: int, gpu_shares: list[float]) -> float:
+        layer_s = min(routed_layer_time_s(shape, fmt, costs, num_tokens, share) for share in gpu_shares)
+        return num_tokens / (plan.num_routed_layers * layer_s)
+    steps = [step / plan.num_experts for step in range(plan.num_experts + 1)]
+    shares = {"hot experts": [share for share in steps if share < plan.expected_hit_rate] + [plan.expected_hit_rate],
+              "static (index order)": [plan.static_hit_rate], "all on the CPU": [0.0]}
+    return {name: (tokens_per_s(decode_tokens, options), tokens_per_s(prefill_tokens, options))
+            for name, options in shares.items()}
 
 
 def describe_expert_speeds(plan: ExpertCachePlan, shape: ModelShape, fmt: WeightFormat, costs: SlicingCosts,

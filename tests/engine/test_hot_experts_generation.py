@@ -8,6 +8,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.execution import hot_moe
 from engine.execution.expert_store import HotExpertLayers
 from scheduler.placement import PlacementError
 from scheduler.placement.expert_split import ExpertSplit
@@ -66,8 +67,13 @@ def churn_between_steps(store: HotExpertLayers, seed: int = 0) -> list[dict]:
     return seen
 
 
-@pytest.mark.parametrize("device", ["cpu", on_testbed("testbed")])
-def test_hot_sets_changing_every_step_give_the_resident_tokens(resident_tokens, tmp_path, device):
+@pytest.mark.parametrize("device,piecewise", [("cpu", False), on_testbed("testbed", False), on_testbed("testbed", True)])
+def test_hot_sets_changing_every_step_give_the_resident_tokens(resident_tokens, tmp_path, monkeypatch, device,
+                                                               piecewise):
+    """`piecewise`: every forward takes a prefill's path (each side weights its outputs, each expert's
+    summed as it is), which the small preset's batches would not reach."""
+    if piecewise:
+        monkeypatch.setattr(hot_moe, "PIECEWISE_MIN_PAIRS", 1)
     with LLM(MOE_PRESET, hot_experts="3", **engine_args(tmp_path, device)) as llm:
         store = llm.engine.runner.model.layer_store
         seen = churn_between_steps(store)
@@ -98,7 +104,11 @@ def forced_split(hit_rows, miss_rows, max_fetches):
 
 
 @pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
-def test_fetched_misses_and_hits_on_the_cpu_give_the_resident_tokens(resident_tokens, tmp_path):
+@pytest.mark.parametrize("piecewise", [False, True])
+def test_fetched_misses_and_hits_on_the_cpu_give_the_resident_tokens(resident_tokens, tmp_path, monkeypatch,
+                                                                      piecewise):
+    if piecewise:
+        monkeypatch.setattr(hot_moe, "PIECEWISE_MIN_PAIRS", 1)
     with LLM(MOE_PRESET, hot_experts="3", **engine_args(tmp_path, "testbed")) as llm:
         store = llm.engine.runner.model.layer_store
         store.split_model.split = forced_split
@@ -141,3 +151,4 @@ def test_the_fit_gives_a_moe_model_over_the_gpu_budget_the_cache(resident_tokens
         assert llm.engine.config.weights.gpu_gib == pytest.approx(0.0016)
         outputs = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, PARAMS)]
     assert outputs == resident_tokens
+

@@ -82,7 +82,8 @@ def test_a_candidate_displaces_the_coldest_resident_only_by_a_margin():
 
 def test_changes_in_flight_are_capped_and_hold_their_slots():
     counts = [0, 0, 50, 40, 30, 1]
-    assert choose_changes(counts, hot={0, 1}, pending={2}, num_slots=3, max_new=2) == [(1, 3)]  # ties: higher index goes
+    # ties between victims: the higher index goes
+    assert choose_changes(counts, hot={0, 1}, pending={2}, num_slots=3, max_new=2) == [(1, 3)]
     assert choose_changes(counts, hot={0, 1}, pending={2, 3}, num_slots=4, max_new=2) == []
 
 
