@@ -15,20 +15,20 @@ from pathlib import Path
 
 import torch
 
+from engine.execution.cores import CoreAssignment
 from engine.execution.cpu_side import HOST, CpuSide, HostWeight
-from engine.execution.expert_cache import ExpertCache, ExpertFetch
+from engine.execution.expert_cache import ExpertCache, ExpertFetch, LayerExperts, split_buffer
 from engine.execution.hot_moe import HotExpertMoe
 from engine.execution.ring import BUFFER_FORMAT
 from engine.execution.stats import WeightStats
-from engine.execution.cores import CoreAssignment
 from engine.execution.transfer import CopyEngine, create_copy_engine
 from engine.model.config import ModelConfig
 from engine.model.feed_forward import SwiGluMlp
 from engine.model.llama import LayerStore, attention_weights, linear_maker
-from engine.model.moe import MoeLayerWeights, SharedExpert, TopKRouter
-from engine.quant import LinearMethod, LinearWeight, create_linear_method
+from engine.model.moe import MoeLayerWeights, router_and_shared
+from engine.quant import LinearMethod, LinearWeight
+from engine.weights.base import expert_prefix
 from engine.weights.layer_image import LayerImage, meta_templates
-from engine.weights.base import ROUTER_KEY, SHARED_EXPERT_GATE_KEY, SHARED_EXPERT_PREFIX, expert_prefix
 from scheduler.placement.expert_split import ExpertShape, SplitModel
 from scheduler.placement.hot_experts import ExpertCachePlan
 from scheduler.placement.slicing_cost import SlicingCosts
@@ -67,14 +67,8 @@ class HotExpertLayers(LayerStore):
         head_norms = {key: loaded[key].to(self.device) for key in ("q_norm", "k_norm")} if config.qk_norm else {}
         if not config.moe.is_moe_layer(index):
             return MoeLayerWeights.from_loaded(loaded, index, config, make, self.device, dtype)
-        moe = config.moe
-        make_dense = linear_maker(create_linear_method("dense"), dtype, self.device)
-        router = TopKRouter(make_dense(loaded[ROUTER_KEY]), moe.num_experts_per_token, moe.normalize_top_k)
-        shared = None
-        if moe.has_shared_expert:
-            gate = make_dense(loaded[SHARED_EXPERT_GATE_KEY]) if moe.shared_expert_gated else None
-            shared = SharedExpert(SwiGluMlp.from_loaded(loaded, make, SHARED_EXPERT_PREFIX), gate)
-        self._add_experts(index, loaded, moe.num_experts, linear, dtype)
+        router, shared = router_and_shared(loaded, config, make, dtype, self.device)
+        self._add_experts(index, loaded, config.moe.num_experts, linear, dtype)
         if self.split_model is None and self.split_costs is not None:
             self.split_model = self._create_split_model(config)
             if self.plan.num_fetch_buffers:
@@ -83,7 +77,8 @@ class HotExpertLayers(LayerStore):
                                                     self.split_model, times_gpu=self.shares_host_bytes)
         return MoeLayerWeights(**attention_weights(loaded, make, self.device), mlp=mlp, **head_norms)
 
-    def _add_experts(self, index: int, loaded: dict, num_experts: int, linear: LinearMethod, dtype: torch.dtype):
+    def _add_experts(self, index: int, loaded: dict, num_experts: int, linear: LinearMethod,
+                     dtype: torch.dtype) -> LayerExperts:
         """Each expert's host image (one buffer for the layer's experts: one huge-page-aligned
         allocation, not one per expert) and CPU weights, added to the cache as layer `index`."""
         for_cpu = linear_maker(linear, dtype, HOST, HOST)
@@ -93,7 +88,7 @@ class HotExpertLayers(LayerStore):
                                                              for expert in range(num_experts)]
         layout, templates = LayerImage.of(copied[0]), meta_templates(copied[0])
         block = self.copy_engine.allocate_host(layout.nbytes * num_experts)
-        images = [block[expert * layout.nbytes:(expert + 1) * layout.nbytes] for expert in range(num_experts)]
+        images = split_buffer(block, layout.nbytes, num_experts)
         for weights, image in zip(copied, images):
             layout.write(weights, image)
         if self.shares_host_bytes:  # the CPU computes from the very bytes copies leave from

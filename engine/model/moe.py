@@ -164,16 +164,24 @@ def _feed_forward(w: dict, index: int, config: ModelConfig, make: Make, device: 
     moe = config.moe
     if moe is None or not moe.is_moe_layer(index):
         return SwiGluMlp.from_loaded(w, make)
-    # The router and the shared expert's gate stay dense whatever the experts' format: they are
-    # tiny, and a rounding there changes which experts a token gets.
+    router, shared = router_and_shared(w, config, make, dtype, device)
+    experts = [SwiGluMlp.from_loaded(w, make, expert_prefix(e)) for e in range(moe.num_experts)]
+    return SparseMoe(router, experts, shared)
+
+
+def router_and_shared(w: dict, config: ModelConfig, make: Make, dtype: torch.dtype,
+                      device: torch.device) -> tuple[TopKRouter, SharedExpert | None]:
+    """A routed layer's router and shared expert (where the family has one), on `device`. The
+    router and the shared expert's gate stay dense whatever the experts' format: they are tiny,
+    and a rounding there changes which experts a token gets."""
+    moe = config.moe
     make_dense = linear_maker(create_linear_method("dense"), dtype, device)
     router = TopKRouter(make_dense(w[ROUTER_KEY]), moe.num_experts_per_token, moe.normalize_top_k)
-    experts = [SwiGluMlp.from_loaded(w, make, expert_prefix(e)) for e in range(moe.num_experts)]
     shared = None
     if moe.has_shared_expert:
         gate = make_dense(w[SHARED_EXPERT_GATE_KEY]) if moe.shared_expert_gated else None
         shared = SharedExpert(SwiGluMlp.from_loaded(w, make, SHARED_EXPERT_PREFIX), gate)
-    return SparseMoe(router, experts, shared)
+    return router, shared
 
 
 @runtime_checkable
