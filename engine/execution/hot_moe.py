@@ -111,7 +111,9 @@ class HotExpertMoe(SparseMoe):
         start = time.perf_counter()
         outputs = {e: pairs.output(slot_mlps[slot_of[e]], span, silu_mul) for e, span in on_gpu}
         if self.times_gpu and on_gpu:
-            self.split_model.observe("gpu", [s.stop - s.start for _, s in on_gpu], time.perf_counter() - start)
+            elapsed_s = time.perf_counter() - start
+            self.split_model.observe("gpu", [s.stop - s.start for _, s in on_gpu], elapsed_s)
+            self.stats.gpu_expert_s += elapsed_s
         spans_of = dict(spans)
         for index, (expert, copy) in enumerate(zip(fetched, loads)):
             outputs[expert] = pairs.output(self.fetch.mlp(index, copy), spans_of[expert], silu_mul)

@@ -39,6 +39,7 @@ class WeightStats:
     num_miss_pairs: int = 0  # routed to one that is not
     num_fetched_pairs: int = 0  # misses computed on the GPU from a fetch buffer (the rest: by the CPU)
     num_hit_pairs_on_cpu: int = 0  # hits the CPU computed, the GPU having more than its share
+    gpu_expert_s: float = 0.0  # the GPU computing its experts, where its queue runs them in line (testbed)
     num_expert_promotions: int = 0
     num_expert_demotions: int = 0
     promoted_bytes: int = 0
