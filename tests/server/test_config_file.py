@@ -29,7 +29,7 @@ EVERY_FLAG = {
     "log-level": "warning",
     "weight-placement": "cpu", "weights-gpu-gib": 0.5, "weights-cpu-gib": 2.0, "offload-dir": "/tmp/offload",
     "weight-pipeline": "memory", "weight-io-threads": 2, "weight-copy-threads": 1, "expected-context-len": 300, "mlp-slicing": "0.25,0.5",
-    "mlp-prefill-moving": "off",
+    "mlp-prefill-moving": "off", "hot-experts": "3", "expert-window-tokens": 512,
 }
 # Former flag names -> (the flag now, a value unlike its default); each still works and warns (deprecated)
 DEPRECATED_FLAGS = {"offload": ("cpu-attention", "off"), "accelerator-threads": ("gpu-threads", 2)}
