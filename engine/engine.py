@@ -235,8 +235,11 @@ class LLMEngine:
         return SolvedMovedTokens(rates, self.slicing_costs, lambda num_tokens: layer_works(shape, fmt, num_tokens))
 
     def _linear_weights_key(self) -> str:
-        """What the linear stages compute from, for the profile's key: the format and the slicing."""
-        rates = self.plan.rates
+        """What the linear stages compute from, for the profile's key: the format, and the slicing or
+        the hot-expert cache."""
+        rates, experts = self.plan.rates, self.plan.experts
+        if experts is not None:  # the experts the GPU does not hold compute on the CPU
+            return f"{self.config.quantization}, {experts.num_slots} of {experts.num_experts} experts hot per layer"
         if rates is None:
             return self.config.quantization
         return f"{self.config.quantization}, MLPs sliced cc/cg/gg " + " ".join(f"{r.cc:g}/{r.cg:g}/{r.gg:g}" for r in rates)
