@@ -67,7 +67,9 @@ def churn_between_steps(store: HotExpertLayers, seed: int = 0) -> list[dict]:
     return seen
 
 
-@pytest.mark.parametrize("device,piecewise", [("cpu", False), on_testbed("testbed", False), on_testbed("testbed", True)])
+@pytest.mark.parametrize("device,piecewise", [
+    ("cpu", False), on_testbed("testbed", True),
+    pytest.param("testbed", False, marks=[pytest.mark.slow, *on_testbed().marks])])  # make test's 14 minutes
 def test_hot_sets_changing_every_step_give_the_resident_tokens(resident_tokens, tmp_path, monkeypatch, device,
                                                                piecewise):
     """`piecewise`: every forward takes a prefill's path (each side weights its outputs, each expert's
@@ -104,7 +106,7 @@ def forced_split(hit_rows, miss_rows, max_fetches):
 
 
 @pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")
-@pytest.mark.parametrize("piecewise", [False, True])
+@pytest.mark.parametrize("piecewise", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_fetched_misses_and_hits_on_the_cpu_give_the_resident_tokens(resident_tokens, tmp_path, monkeypatch,
                                                                       piecewise):
     if piecewise:
