@@ -30,12 +30,9 @@ from engine.execution.transfer import CopyEngine, pin_to
 from engine.model.feed_forward import SwiGluMlp
 from engine.quant import LinearWeight
 from engine.weights.layer_image import LayerImage
-from scheduler.placement.hot_experts import ExpertWindow, choose_changes, rank_experts
+from scheduler.placement.hot_experts import ExpertWindow, choose_changes, coldest_first, rank_experts
 
 logger = logging.getLogger(__name__)
-
-EXPERT_NAMES = ("gate_up", "down")
-
 
 def bind_expert(image: LayerImage, templates: dict[str, LinearWeight], buffer: torch.Tensor) -> SwiGluMlp:
     weights = image.bind(templates, buffer)
@@ -153,8 +150,7 @@ class ExpertCache:
         if expert in entry.slot_of or expert in entry.pending or not self.num_slots:
             return
         if not entry.free_slots:
-            counts = entry.window.counts
-            self.demote(layer, min(entry.slot_of, key=lambda e: (counts[e], -e)))
+            self.demote(layer, coldest_first(entry.window.counts, entry.slot_of)[0])
         slot = entry.free_slots[0]
         entry.pending[expert] = (slot, self._thread.submit(self._copy, entry, slot, expert))
 
@@ -168,10 +164,7 @@ class ExpertCache:
         self.stats.num_expert_demotions += 1
 
     def _copy(self, entry: LayerExperts, slot: int, expert: int) -> None:
-        state = entry.slot_states[slot]
-        self.copy_engine.before_load(state)
-        self.copy_engine.copy(entry.slot_buffers[slot], entry.images[expert])
-        self.copy_engine.after_load(state)
+        self.copy_engine.load(entry.slot_buffers[slot], entry.images[expert], entry.slot_states[slot])
 
     def _install_landed(self, entry: LayerExperts) -> None:
         for expert, (slot, copy) in list(entry.pending.items()):
@@ -185,7 +178,7 @@ class ExpertCache:
             self.stats.promoted_bytes += self.image.nbytes
 
     def settle(self) -> None:
-        """Wait for every queued copy and install it (tests, and before saving)."""
+        """Wait for every queued copy and install it (tests force changes with it)."""
         for entry in self.layers.values():
             for _, copy in list(entry.pending.values()):
                 copy.result()
@@ -205,17 +198,12 @@ class ExpertCache:
         return {layer: LayerHeat(entry.window.counts, frozenset(entry.slot_of))
                 for layer, entry in self.layers.items()}
 
-    def hot_sets(self) -> dict[int, list[int]]:
-        return {layer: sorted(entry.slot_of) for layer, entry in self.layers.items()}
-
-    def window_counts(self) -> dict[int, list[int]]:
-        return {layer: entry.window.counts for layer, entry in self.layers.items()}
-
     def save(self, path: Path) -> None:
         """The windows, for the next run's first hot sets."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"window_counts": {str(k): v for k, v in self.window_counts().items()}}))
+        windows = {str(layer): heat.window_pairs for layer, heat in self.heat().items()}
+        tmp.write_text(json.dumps({"window_counts": windows}))
         tmp.replace(path)
 
     @staticmethod
@@ -245,12 +233,10 @@ class ExpertFetch:
         self.buffers: list[torch.Tensor] = []
         self.mlps: list[SwiGluMlp] = []
         self.states: list[dict] = []
-        self.image: LayerImage | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-expert-fetch",
                                           initializer=pin_to(copy_engine.cores))
 
     def start(self, image: LayerImage, templates: dict[str, LinearWeight]) -> None:
-        self.image = image
         self.buffers = split_buffer(self.copy_engine.allocate_buffer(image.nbytes * self.num_buffers), image.nbytes,
                                     self.num_buffers)
         self.mlps = [bind_expert(image, templates, buffer) for buffer in self.buffers]
@@ -265,10 +251,7 @@ class ExpertFetch:
         return [self._thread.submit(self._copy, index, image) for index, image in enumerate(images)]
 
     def _copy(self, index: int, image: torch.Tensor) -> None:
-        state = self.states[index]
-        self.copy_engine.before_load(state)
-        self.copy_engine.copy(self.buffers[index], image)
-        self.copy_engine.after_load(state)
+        self.copy_engine.load(self.buffers[index], image, self.states[index])
         self.stats.fetched_bytes += image.numel()
         self.stats.expert_copy_thread_ids.add(threading.get_ident())
 

@@ -58,7 +58,6 @@ class HotExpertLayers(LayerStore):
         self.split_model: SplitModel | None = None
         self.fetch: ExpertFetch | None = None
         self.stats_path = stats_path
-        self.moe_layers: dict[int, HotExpertMoe] = {}
 
     # ---- building ---------------------------------------------------------------------------
     def build_moe_layer(self, index: int, loaded: dict, config: ModelConfig, linear: LinearMethod,
@@ -73,8 +72,8 @@ class HotExpertLayers(LayerStore):
             self.split_model = self._create_split_model(config)
             if self.plan.num_fetch_buffers:
                 self.fetch = ExpertFetch(self.copy_engine, self.plan.num_fetch_buffers, self.stats)
-        mlp = self.moe_layers[index] = HotExpertMoe(index, router, self.cache, shared, self.cpu, self.stats, self.fetch,
-                                                    self.split_model, times_gpu=self.shares_host_bytes)
+        mlp = HotExpertMoe(index, router, self.cache, shared, self.cpu, self.stats, self.fetch, self.split_model,
+                           times_gpu=self.shares_host_bytes)
         return MoeLayerWeights(**attention_weights(loaded, make, self.device), mlp=mlp, **head_norms)
 
     def _add_experts(self, index: int, loaded: dict, num_experts: int, linear: LinearMethod,

@@ -101,9 +101,7 @@ class MovedPart:
 
     def _copy(self, layer: int) -> None:
         image, _, data = self._host[layer]
-        self.copy_engine.before_load(self._state)
-        self.copy_engine.copy(self._buffer[:image.nbytes], data[:image.nbytes])
-        self.copy_engine.after_load(self._state)
+        self.copy_engine.load(self._buffer[:image.nbytes], data[:image.nbytes], self._state)
         self.stats.moved_bytes += image.nbytes
         self.stats.moved_copy_thread_ids.add(threading.get_ident())
 

@@ -63,6 +63,12 @@ class CopyEngine(ABC):
     def after_load(self, state: dict[str, Any]) -> None:
         """After the last copy into a buffer."""
 
+    def load(self, dst: torch.Tensor, src: torch.Tensor, state: dict[str, Any]) -> None:
+        """A buffer's whole load in one copy: after what used it, before what reads it."""
+        self.before_load(state)
+        self.copy(dst, src)
+        self.after_load(state)
+
     def wait_loaded(self, state: dict[str, Any]) -> None:
         """On the compute side, before a layer's weights are read: its copies are done."""
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
 from scheduler.cost_model import ModelShape
-from scheduler.placement.memory import ALWAYS_DENSE_LINEARS, WeightFormat, image_layout, linear_shapes
+from scheduler.placement.memory import WeightFormat, image_layout, layer_image_bytes
 from scheduler.placement.planner import PlacementError
 from scheduler.placement.slicing import SliceRates
 from scheduler.placement.slicing_cost import SlicingCosts
@@ -95,6 +95,11 @@ def rank_experts(counts: Sequence[int]) -> list[int]:
     return sorted(range(len(counts)), key=lambda expert: (-counts[expert], expert))
 
 
+def coldest_first(counts: Sequence[int], experts) -> list[int]:
+    """`experts` coldest first; ties: the higher index first (the reverse of `rank_experts`)."""
+    return sorted(experts, key=lambda expert: (counts[expert], -expert))
+
+
 def choose_changes(counts: Sequence[int], hot: set[int], pending: set[int], num_slots: int,
                    max_new: int = MAX_PROMOTIONS_IN_FLIGHT) -> list[tuple[int | None, int]]:
     """(victim or None for a free slot, candidate) pairs: the experts to promote, hottest first,
@@ -106,7 +111,7 @@ def choose_changes(counts: Sequence[int], hot: set[int], pending: set[int], num_
     candidates = [e for e in rank_experts(counts) if e not in hot and e not in pending and counts[e] > 0]
     num_free = num_slots - len(hot) - len(pending)
     changes: list[tuple[int | None, int]] = [(None, e) for e in candidates[:max(0, min(num_free, room))]]
-    victims = sorted(hot, key=lambda expert: (counts[expert], -expert))  # coldest first
+    victims = coldest_first(counts, hot)
     for candidate, victim in zip(candidates[len(changes):], victims):
         if len(changes) >= room or counts[candidate] <= counts[victim] * (1.0 + PROMOTION_MARGIN):
             break
@@ -155,17 +160,9 @@ def expert_image_bytes(shape: ModelShape, fmt: WeightFormat) -> int:
 def layer_resident_bytes(shape: ModelShape, fmt: WeightFormat, layer: int) -> int:
     """A layer's weights other than its routed experts: attention, router, shared expert (a dense
     layer: all of it)."""
-    dense = WeightFormat("none", fmt.dtype_bytes)
-    sizes: list[int] = []
-    routed = shape.is_moe_layer(layer)
-    dense_shape = shape if routed else _dense_twin(shape)
-    for name, (out_features, in_features) in linear_shapes(dense_shape).items():
-        if routed and name.startswith("experts."):
-            continue
-        sizes += (dense if name in ALWAYS_DENSE_LINEARS else fmt).linear_tensor_bytes(out_features, in_features)
-        if name == "qkv" and shape.attention_bias:
-            sizes.append(out_features * fmt.dtype_bytes)
-    return image_layout(sizes)[1]
+    if not shape.is_moe_layer(layer):
+        return layer_image_bytes(_dense_twin(shape), fmt)
+    return layer_image_bytes(shape, fmt, skip=lambda name: name.startswith("experts."))
 
 
 def _dense_twin(shape: ModelShape) -> ModelShape:

@@ -10,7 +10,7 @@ the GPU (PIPO's data merging).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from scheduler.cost_model import ModelShape, kv_bytes_per_token
 
@@ -95,11 +95,13 @@ def _mlp_shapes(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[
     return {f"{prefix}gate_up": (2 * intermediate, hidden), f"{prefix}down": (hidden, intermediate)}
 
 
-def layer_image_bytes(shape: ModelShape, fmt: WeightFormat) -> int:
-    """One decoder layer's linear weights (and QKV bias) as an image."""
+def layer_image_bytes(shape: ModelShape, fmt: WeightFormat, skip: Callable[[str], bool] = lambda name: False) -> int:
+    """One decoder layer's linear weights (and QKV bias) as an image, less those `skip` names."""
     dense = WeightFormat("none", fmt.dtype_bytes)
     sizes: list[int] = []
     for name, (out_features, in_features) in linear_shapes(shape).items():
+        if skip(name):
+            continue
         sizes += (dense if name in ALWAYS_DENSE_LINEARS else fmt).linear_tensor_bytes(out_features, in_features)
         if name == "qkv" and shape.attention_bias:
             sizes.append(out_features * fmt.dtype_bytes)

@@ -61,7 +61,7 @@ def churn_between_steps(store: HotExpertLayers, seed: int = 0) -> list[dict]:
             cache.promote(layer, rng.choice([e for e in range(NUM_EXPERTS) if e not in entry.slot_of]))
         if len(seen) % 3 == 0:
             cache.settle()
-        seen.append(cache.hot_sets())
+        seen.append({layer: sorted(heat.hot) for layer, heat in cache.heat().items()})
 
     store.between_forwards = churn
     return seen
@@ -132,7 +132,7 @@ def test_a_budget_alone_sizes_the_slots_and_a_run_seeds_the_next(resident_tokens
         assert 0 < store.plan.num_slots < NUM_EXPERTS
         assert store.plan.gpu_bytes <= budget_gib * 2**30
         outputs = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, PARAMS)]
-        windows = store.cache.window_counts()
+        windows = {layer: heat.window_pairs for layer, heat in store.cache.heat().items()}
     assert outputs == resident_tokens
     with LLM(MOE_PRESET, weights_gpu_gib=budget_gib, **engine_args(tmp_path)) as llm:
         cache = llm.engine.runner.model.layer_store.cache
