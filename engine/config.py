@@ -198,6 +198,22 @@ ON_OFF = ("on", "off")
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: the model split over this many ranks, one Ray actor each
+    (engine/distributed), on a local Ray cluster or the one at `ray_address`."""
+
+    tensor_parallel_size: int = 1
+    ray_address: str | None = None  # None: start a local cluster when tensor_parallel_size > 1
+
+    def __post_init__(self) -> None:
+        _require_int(self, "tensor_parallel_size", 1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.tensor_parallel_size > 1
+
+
+@dataclass(frozen=True)
 class WeightsConfig:
     """Where decoder layers' weights live (PIPO): resident on the GPU, or streamed into it
     from host memory or from per-layer files in `offload_dir`. The planner (scheduler/placement)
@@ -333,6 +349,7 @@ class EngineConfig:
     cpu_attention: CpuAttentionConfig = field(default_factory=CpuAttentionConfig)
     neo: NeoKnobs = field(default_factory=NeoKnobs)  # scheduler/neo.py says why each default
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
@@ -361,6 +378,23 @@ class EngineConfig:
             if not isinstance(value, config_type):
                 raise ConfigError(f"{section} must be of type {config_type.__name__}, got {value!r}; "
                                   f"flat keywords go through EngineConfig.from_flat")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        """What tensor parallelism does not combine with yet, refused with the flag to change."""
+        if not self.parallel.enabled:
+            return
+        weights = self.weights
+        unsupported = {"--weight-placement / --weights-gpu-gib (weight streaming)": weights.streaming_requested,
+                       "--mlp-slicing (MLP slicing)": weights.mlp_slicing != "off",
+                       "--hot-experts N (the hot-expert cache)": weights.hot_expert_slots is not None,
+                       "--gpu-memory-gib / --host-memory-gib (the fit's budgets)":
+                           self.gpu_memory_gib is not None or self.host_memory_gib is not None}
+        for what, given in unsupported.items():
+            if given:
+                raise ConfigError(f"--tensor-parallel-size {self.parallel.tensor_parallel_size} does not combine "
+                                  f"with {what} yet: each rank holds its shard resident; drop that flag or use "
+                                  f"--tensor-parallel-size 1")
 
     @property
     def torch_device(self) -> str:
@@ -406,7 +440,8 @@ class EngineConfig:
         return cls(**values[None], **sections)
 
 
-_SECTIONS = {"cache": CacheConfig, "cpu_attention": CpuAttentionConfig, "neo": NeoKnobs, "weights": WeightsConfig}
+_SECTIONS = {"cache": CacheConfig, "cpu_attention": CpuAttentionConfig, "neo": NeoKnobs, "weights": WeightsConfig,
+             "parallel": ParallelConfig}
 
 
 def _flat_names() -> dict[str, tuple[str | None, str]]:

@@ -18,7 +18,9 @@ from typing import Callable
 import torch
 
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
+from engine.distributed import ModelSource, TensorParallelRunner, largest_rank_config
 from engine.execution import ModelRunner
+from engine.execution.cores import CoreAssignment
 from engine.execution.fit import describe_fit, fit_config
 from engine.execution.expert_cache import LayerHeat
 from engine.execution.expert_store import EXPERT_STATS_KIND, HotExpertLayers, create_expert_store
@@ -122,23 +124,22 @@ class LLMEngine:
         self.weight_stats = WeightStats()  # what the layer store's parts did, read around each step
         cache = config.cache
         self.kv_format = self._kv_format()
-        block_bytes = KVCache.bytes_per_block(self.model_config, cache.block_size, self.kv_format)
+        # one rank's share of the KV heads sizes the pools (every rank's pools hold the same blocks)
+        self.rank_model_config = largest_rank_config(self.model_config, config.parallel.tensor_parallel_size)
+        block_bytes = KVCache.bytes_per_block(self.rank_model_config, cache.block_size, self.kv_format)
         self.kv_bytes_per_token = block_bytes // cache.block_size  # every layer's K and V, scales included
         num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.cpu_attention_enabled else 0
         # the host's cores among the GPU thread, the CPU side, copies and reads (Algorithm 3)
         self.thread_plan = plan_thread_split(config, self.model_config, self.dtype, self.plan, self._model_max_len(),
                                              copy_threads=config.weights.num_copy_threads)
-        cores = core_assignment(config, self.thread_plan.split)
-        self.runner = ModelRunner(
-            self.model_config, loader, dtype=self.dtype, device=config.device,
-            num_blocks=self._kv_pool_size(block_bytes), num_cpu_blocks=num_cpu_blocks, cores=cores,
+        self.runner = self._create_runner(loader, core_assignment(config, self.thread_plan.split), dict(
+            dtype=self.dtype, num_blocks=self._kv_pool_size(block_bytes), num_cpu_blocks=num_cpu_blocks,
             block_size=cache.block_size, max_model_len=self._model_max_len(), decode_backend=config.decode_attention,
             seed=config.seed, linear_method=QUANTIZATION_METHODS[config.quantization],
-            cpu_ops=config.cpu_ops, show_progress=config.show_progress, kv_cache_dtype=self.kv_format.name,
-            layer_store=self._layer_store_factory(loader))
-        num_blocks = self.runner.kv_cache.gpu.num_blocks
+            cpu_ops=config.cpu_ops, show_progress=config.show_progress, kv_cache_dtype=self.kv_format.name))
+        num_blocks = self.runner.num_gpu_blocks
         logger.info("weights: %s; KV pool: %d blocks of %d tokens (%.2f GiB, %s)",
-                    _describe_bytes(self.runner.model.weight_bytes()), num_blocks, cache.block_size,
+                    _describe_bytes(self.runner.weight_bytes()), num_blocks, cache.block_size,
                     num_blocks * block_bytes / GIB_BYTES, self.kv_format.describe())
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         scheduler_config = SchedulerConfig(
@@ -162,7 +163,18 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = IterationStats()
-        self.runner.model.layer_store.begin_serving()
+        self.runner.begin_serving()
+
+    def _create_runner(self, loader, cores: CoreAssignment, runner_kwargs: dict) -> ModelRunner | TensorParallelRunner:
+        """The model on this process (its layers where the plan puts them), or split over
+        --tensor-parallel-size ranks, each a Ray actor building its shard (engine/distributed)."""
+        config = self.config
+        if not config.parallel.enabled:
+            return ModelRunner(self.model_config, loader, device=config.device, cores=cores,
+                               layer_store=self._layer_store_factory(loader), **runner_kwargs)
+        source = ModelSource(config.model, config.load_format, config.seed)
+        return TensorParallelRunner(self.model_config, source, config.device, config.parallel.tensor_parallel_size,
+                                    config.parallel.ray_address, runner_kwargs)
 
     def _fit(self, config: EngineConfig, loader) -> EngineConfig:
         fitted, self.fit = fit_config(config, loader, self.dtype, model_max_len(config, loader.config))
@@ -238,6 +250,8 @@ class LLMEngine:
         """What the linear stages compute from, for the profile's key: the format, and the slicing or
         the hot-expert cache."""
         rates, experts = self.plan.rates, self.plan.experts
+        if self.config.parallel.enabled:  # each rank profiles its shard, waiting on the others' collectives
+            return f"{self.config.quantization}, rank 0 of {self.config.parallel.tensor_parallel_size}"
         if experts is not None:  # the experts the GPU does not hold compute on the CPU
             return f"{self.config.quantization}, {experts.num_slots} of {experts.num_experts} experts hot per layer"
         if rates is None:
@@ -262,7 +276,7 @@ class LLMEngine:
         config, cpu_attention = self.config, self.config.cpu_attention
         if cpu_attention.cost_tables:
             return TableCostModel.load(cpu_attention.cost_tables)
-        from engine.profiling import ProfileGrid, ProfileKey, load_or_profile, profile_costs, profile_path
+        from engine.profiling import ProfileGrid, ProfileKey, load_or_profile, profile_path
 
         runner = self.runner
         block_size = config.cache.block_size
@@ -275,11 +289,9 @@ class LLMEngine:
 
         def build() -> TableCostModel:
             logger.info("profiling this machine's costs for the offloading scheduler (once per model/dtype/device)")
-            with runner.cores.on_cpu_cores():
-                return profile_costs(runner.model, runner.gpu, runner.model.decode_backend, runner.cpu_decode,
-                                     block_size=block_size, dtype=dtype, grid=grid,
-                                     progress=config.show_progress, weight_stats=self.weight_stats,
-                                     kv_cache_dtype=self.kv_format.name)
+            return runner.profile_costs(block_size=block_size, dtype=dtype, grid=grid, progress=config.show_progress,
+                                        weight_stats=None if config.parallel.enabled else self.weight_stats,
+                                        kv_cache_dtype=self.kv_format.name)
 
         self.profile_path = profile_path(key, cpu_attention.profile_cache_dir)
         if cpu_attention.force_profile and self.profile_path.exists():
@@ -347,6 +359,8 @@ class LLMEngine:
     def expert_heat(self) -> dict[int, LayerHeat]:
         """Each routed layer's expert window counts and hot set, copied (safe from another thread);
         empty without a hot-expert cache."""
+        if not isinstance(self.runner, ModelRunner):
+            return {}
         store = self.runner.model.layer_store
         return store.cache.heat() if isinstance(store, HotExpertLayers) else {}
 

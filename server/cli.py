@@ -124,6 +124,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                          help="a JSON file of cost tables instead of this machine's profile")
     devices.add_argument("--profile-cache-dir", default=None,
                          help="where profiles are cached (default: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles)")
+    parallel = parser.add_argument_group("tensor parallelism (Ray)")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                          help="split the model's heads, MLP units and LM head over this many ranks, one Ray actor "
+                               "each with its own GPU (one per rank on cuda) or its own share of the host's cores, "
+                               "and its own GPU and host KV pools")
+    parallel.add_argument("--ray-address", default=None,
+                          help="the Ray cluster the ranks run on (default: a local one, started with the server)")
     logs = parser.add_argument_group("logging")
     logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                       help="log threshold")
@@ -225,7 +232,8 @@ def engine_config(args: argparse.Namespace, **overrides):
         weight_io_threads=args.weight_io_threads, weight_copy_threads=args.weight_copy_threads,
         expected_context_len=args.expected_context_len,
         mlp_slicing=args.mlp_slicing, mlp_prefill_moving=args.mlp_prefill_moving,
-        hot_experts=args.hot_experts, expert_window_tokens=args.expert_window_tokens), **overrides})
+        hot_experts=args.hot_experts, expert_window_tokens=args.expert_window_tokens,
+        tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address), **overrides})
 
 
 def profile(args: argparse.Namespace) -> int:
@@ -377,7 +385,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config(args))
     name = args.served_model_name or args.model
     metrics = Metrics(name)
-    metrics.record_weights(engine.runner.model.weight_bytes())
+    metrics.record_weights(engine.runner.weight_bytes())
     metrics.record_kv_format(engine.kv_format.name, engine.kv_bytes_per_token)
     metrics.record_threads(engine.thread_plan.split)
     metrics.watch_experts(engine.expert_heat)

@@ -81,6 +81,12 @@ class CoreAssignment:
         return cls("testbed", frozenset(cores[:num_gpu]), frozenset(cores[num_gpu:]), cpu_attention_threads,
                    copy_threads)
 
+    @classmethod
+    def testbed_on_one_core(cls, core: int) -> "CoreAssignment":
+        """The testbed on a single core (a tensor-parallel rank's share of a small host): the GPU
+        thread and the CPU side take turns on it, so nothing overlaps, but every path runs."""
+        return cls("testbed", frozenset({core}), frozenset({core}), 1, 1)
+
     @property
     def gpu_threads(self) -> int:
         return len(self.gpu_cores) or 1

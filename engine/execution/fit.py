@@ -148,10 +148,11 @@ def _kv_format_fits(fmt: KVFormat, head_dim: int, block_size: int) -> bool:
 
 def _placement_pinned(config: EngineConfig, model_config: ModelConfig) -> bool:
     """Whether the user placed the layers or sized the GPU by the older --memory-gib (the pool takes
-    what the weights leave), or a MoE model's experts are placed by slicing only."""
+    what the weights leave), a MoE model's experts are placed by slicing only, or the model is split
+    over tensor-parallel ranks (each holds its shard resident)."""
     weights = config.weights
     return (weights.streaming_requested or weights.host_gib is not None or weights.mlp_slicing != "off"
-            or config.cache.memory_gib is not None or model_config.is_moe)
+            or config.cache.memory_gib is not None or model_config.is_moe or config.parallel.enabled)
 
 
 def fit_budgets(config: EngineConfig, offload_dir: str) -> FitBudgets:

@@ -106,6 +106,24 @@ class ModelRunner:
         self.model.layer_store.close()
         self.gpu.close()
 
+    # ---- what the engine reads, the same of one runner or of tensor-parallel ranks ---------------
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.kv_cache.gpu.num_blocks
+
+    def weight_bytes(self) -> dict[tuple[str, str], int]:
+        return self.model.weight_bytes()
+
+    def begin_serving(self) -> None:
+        self.model.layer_store.begin_serving()
+
+    def profile_costs(self, **profile_kwargs):
+        """This machine's cost tables for the model as it runs here (engine/profiling)."""
+        from engine.profiling import profile_costs
+
+        with self.cores.on_cpu_cores():
+            return profile_costs(self.model, self.gpu, self.model.decode_backend, self.cpu_decode, **profile_kwargs)
+
     # ---- execution -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: IterationPlan) -> RunnerOutput:

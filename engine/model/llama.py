@@ -125,6 +125,10 @@ class LayerStore:
         """Layer `index`'s weights from what the loader gave."""
         return LayerWeights.from_loaded(loaded, linear, dtype, self.device)
 
+    def head(self, weight: LinearWeight) -> LinearWeight:
+        """The LM head as the forward applies it (split over tensor-parallel ranks: gathered)."""
+        return weight
+
     def start(self) -> None:
         """Every layer is built: allocate what serving needs."""
 
@@ -181,10 +185,11 @@ class LlamaModel:
         self.embed_tokens = globals_["embed_tokens"]  # [vocab, hidden]
         self.final_norm = globals_["norm"]
         head = self.embed_tokens if config.tie_word_embeddings else globals_["lm_head"]
-        # the LM head stays dense like the embeddings: quantization is for the decoder layers
-        self.lm_head = create_linear_method("dense").create_weight(head, None, dtype=dtype, device=self.device)
-        load_layer = loader.load_layer_packed if self.linear_method.takes_packed_int4 else loader.load_layer
         self.layer_store = layer_store or LayerStore(self.device)
+        # the LM head stays dense like the embeddings: quantization is for the decoder layers
+        self.lm_head = self.layer_store.head(
+            create_linear_method("dense").create_weight(head, None, dtype=dtype, device=self.device))
+        load_layer = loader.load_layer_packed if self.linear_method.takes_packed_int4 else loader.load_layer
         self.layers = [
             self._build_layer(i, load_layer(i, dtype))
             for i in tqdm(range(config.num_layers), desc="loading layers", unit="layer", disable=not show_progress)

@@ -21,6 +21,7 @@ import torch
 
 from engine.model.feed_forward import SwiGluMlp
 from engine.quant import LinearWeight
+from engine.quant.base import WrappedWeight
 from engine.quant.dense import DenseWeight
 from engine.quant.int4 import MAX_KERNEL_ROWS, Int4Weight
 from kernels import cpu as cpu_kernels
@@ -83,6 +84,8 @@ class NativeDecoder:
                 raise NotNative(f"layer's MLP is a {type(w.mlp).__name__}, not one SwiGLU MLP")
             linears = dict(qkv=w.qkv, o_proj=w.o_proj, gate_up=w.mlp.gate_up, down=w.mlp.down)
             for name, weight in linears.items():
+                if isinstance(weight, WrappedWeight):  # its apply does more than its matrix: a copy, a collective
+                    raise NotNative(f"the {name} weight is a {type(weight).__name__}")
                 parts = [_linear_part(ext, part, model.dtype, keep_alive, row_limits) for part in weight.parts]
                 setattr(layer, name, parts)
             decoder.add_layer(layer)

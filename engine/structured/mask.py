@@ -17,12 +17,17 @@ def apply_token_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     if not rows:
         return
     vocab_size = logits.shape[1]
-    bitmask = torch.full((len(rows), -(-vocab_size // _BITS_PER_WORD)), -1, dtype=torch.int32)
+    bitmask = allow_all_bitmask(len(rows), vocab_size)
     for mask_row, row in enumerate(rows):
         seqs[row].grammar.fill_mask(bitmask, mask_row)
     allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab_size)
     row_index = torch.tensor(rows, device=logits.device)
     logits[row_index] = logits[row_index].masked_fill(~allowed, float("-inf"))
+
+
+def allow_all_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """[num_rows, words] int32 with every token's bit set, for grammars to fill."""
+    return torch.full((num_rows, -(-vocab_size // _BITS_PER_WORD)), -1, dtype=torch.int32)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

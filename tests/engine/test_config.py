@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import (ACTIVATION_RESERVE_GIB, DEPRECATED_FLAT_NAMES, FLAT_NAMES, CacheConfig, EngineConfig,
-                           CpuAttentionConfig, WeightsConfig)
+                           CpuAttentionConfig, ParallelConfig, WeightsConfig)
 from engine.engine import LLMEngine
 from engine.model import ConfigError
 from engine.profiling import dtype_probe
@@ -81,7 +81,7 @@ def test_flat_keywords_reach_their_sections():
 
 
 def test_every_field_has_its_own_flat_name():
-    sections = (CacheConfig, CpuAttentionConfig, NeoKnobs, WeightsConfig)
+    sections = (CacheConfig, CpuAttentionConfig, NeoKnobs, WeightsConfig, ParallelConfig)
     num_top_level = len(fields(EngineConfig)) - len(sections)
     assert len(FLAT_NAMES) == num_top_level + sum(len(fields(s)) for s in sections)
     assert FLAT_NAMES["cpu_attention"] == ("cpu_attention", "mode")

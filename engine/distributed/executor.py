@@ -1,0 +1,169 @@
+"""The driver's side of tensor parallelism: one RankWorker per rank as a Ray actor.
+
+The scheduler stays here; each iteration's plan goes to every rank at once (one object in Ray's
+store), every rank runs the same forward with its shard, and rank 0's sampled tokens come back.
+A rank that dies (its process killed, its node lost) or fails alone ends the engine with
+`RankLostError`: the others would wait in their next collective forever."""
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.distributed.partition import plan_shards
+from engine.distributed.wire import wire_plan
+from engine.distributed.worker import ModelSource, RankReport, RankWorker
+from engine.execution.cores import CoreAssignment, device_kind, host_cores
+from engine.execution.runner import RunnerOutput
+from engine.model import ModelConfig
+from scheduler.cost_model import TableCostModel
+from scheduler.scheduler import IterationPlan
+
+logger = logging.getLogger(__name__)
+
+# After one rank fails, how long the others get to fail alike (the same bad plan on every rank)
+# before the failure counts as that rank's alone.
+PEER_FAILURE_WAIT_S = 30.0
+
+
+class RankLostError(RuntimeError):
+    """A tensor-parallel rank died or failed alone: the ranks are out of step and cannot go on."""
+
+
+def rank_core_sets(cores: list[int], world_size: int) -> list[tuple[int, ...]]:
+    """The host's cores cut into `world_size` disjoint runs (each rank's CPU attention on its own),
+    empty where there are fewer cores than ranks."""
+    if len(cores) < world_size:
+        return [()] * world_size
+    per_rank = len(cores) // world_size
+    return [tuple(cores[rank * per_rank:(rank + 1) * per_rank]) for rank in range(world_size)]
+
+
+class TensorParallelRunner:
+    """ModelRunner's interface to the engine, over `world_size` ranks."""
+
+    def __init__(self, model_config: ModelConfig, source: ModelSource, device: str, world_size: int,
+                 ray_address: str | None, runner_kwargs: dict) -> None:
+        import ray
+
+        self._ray = ray
+        self.world_size, self.vocab_size = world_size, model_config.vocab_size
+        shards = plan_shards(model_config, world_size)
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            _start_ray(ray, ray_address, world_size)
+        self._workers = self._start_workers(ray, shards, device)
+        try:
+            address = ray.get(self._workers[0].rendezvous_address.remote())
+            self._gather([worker.connect.remote(address, device) for worker in self._workers])
+            vocab_ranges = [shard.vocab for shard in shards]
+            self.reports: list[RankReport] = self._gather(
+                [worker.build.remote(source, device, runner_kwargs, vocab_ranges) for worker in self._workers])
+        except BaseException:
+            self.close()
+            raise
+        for report in self.reports:
+            logger.info("tensor-parallel rank %d: pid %d, %d GPU KV blocks", report.rank, report.pid,
+                        report.num_gpu_blocks)
+
+    def _start_workers(self, ray, shards, device: str) -> list:
+        kind = device_kind(device)
+        local = self._started_ray
+        core_sets = rank_core_sets(host_cores(), len(shards)) if local else [()] * len(shards)
+        actor = ray.remote(RankWorker)
+        workers = []
+        for shard, cores in zip(shards, core_sets):
+            options = dict(num_cpus=max(1, len(cores)), num_gpus=1 if kind == "cuda" else 0)
+            workers.append(actor.options(**options).remote(shard, cores, logging.getLogger().getEffectiveLevel()))
+        return workers
+
+    # ---- what the engine asks of a runner ------------------------------------------------------
+    @property
+    def cores(self) -> CoreAssignment:
+        return self.reports[0].cores
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """Blocks every rank's GPU pool holds (each rank stores its own heads of the same blocks)."""
+        return min(report.num_gpu_blocks for report in self.reports)
+
+    @property
+    def pids(self) -> list[int]:
+        return [report.pid for report in self.reports]
+
+    def weight_bytes(self) -> dict[tuple[str, str], int]:
+        """Summed over the ranks (the embeddings counted once per rank: each holds them whole)."""
+        totals: dict[tuple[str, str], int] = {}
+        for report in self.reports:
+            for key, nbytes in report.weight_bytes.items():
+                totals[key] = totals.get(key, 0) + nbytes
+        return totals
+
+    def execute(self, plan: IterationPlan) -> RunnerOutput:
+        start = time.perf_counter()
+        plan_ref = self._ray.put(wire_plan(plan, self.vocab_size))
+        output = self._gather([worker.execute.remote(plan_ref) for worker in self._workers])[0]
+        logger.debug("tensor-parallel step: %.1f ms, forward %.1f ms", 1e3 * (time.perf_counter() - start),
+                     1e3 * output.forward_time)
+        return output
+
+    def profile_costs(self, **profile_kwargs) -> TableCostModel:
+        """Every rank profiles in lock-step (the linear stages and the head are collectives); rank
+        0's tables, which wait for the slowest rank at every collective, are the engine's."""
+        return self._gather([worker.profile_costs.remote(profile_kwargs) for worker in self._workers])[0]
+
+    def begin_serving(self) -> None:
+        self._gather([worker.begin_serving.remote() for worker in self._workers])
+
+    def close(self) -> None:
+        ray = self._ray
+        for worker in getattr(self, "_workers", []):
+            try:
+                ray.get(worker.close.remote(), timeout=10)
+            except Exception:  # a dead rank has nothing left to close
+                pass
+            ray.kill(worker)
+        self._workers = []
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+
+    # ---- results ------------------------------------------------------------------------------
+    def _gather(self, refs: list) -> list:
+        """Every rank's result in rank order. A dead rank raises RankLostError as soon as Ray
+        knows; an exception on every rank is the plan's and is raised as it is; one on some ranks
+        only leaves the others stuck in a collective, and is a lost rank too."""
+        ray = self._ray
+        ranks = {ref: rank for rank, ref in enumerate(refs)}
+        results, failures, pending = {}, {}, list(refs)
+        deadline = None
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                break
+            ref = ready[0]
+            try:
+                results[ranks[ref]] = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                raise RankLostError(f"tensor-parallel rank {ranks[ref]} died: {_first_line(exc)}") from exc
+            except ray.exceptions.RayTaskError as exc:
+                failures[ranks[ref]] = exc
+                deadline = deadline or time.monotonic() + PEER_FAILURE_WAIT_S
+        if failures and len(failures) == len(refs):
+            raise failures[0].as_instanceof_cause()
+        if failures:
+            rank, exc = next(iter(failures.items()))
+            raise RankLostError(f"tensor-parallel rank {rank} failed alone: {_first_line(exc)}") from exc
+        return [results[rank] for rank in range(len(refs))]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _start_ray(ray, address: str | None, world_size: int) -> None:
+    """Join the cluster at `address`, or start a local one with a CPU slot per rank at least."""
+    if address:
+        ray.init(address=address, include_dashboard=False, configure_logging=False)
+        return
+    ray.init(num_cpus=max(len(host_cores()), world_size), include_dashboard=False, configure_logging=False)

@@ -1,0 +1,81 @@
+"""A loader handing out one tensor-parallel rank's share of another loader's weights.
+
+Column-parallel weights (Q, K, V with their biases, gate and up) keep the rank's output rows;
+row-parallel ones (O and down) the matching input columns; norms stay whole. Packed INT4 weights
+split the same way, by rows or by whole groups of columns, so no weight is quantized again."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.distributed.partition import RankShard, shard_config
+from engine.model.config import ConfigError
+from engine.quant.int4 import KeepDense, PackedInt4
+from engine.weights.base import WeightLoader
+
+
+class ShardedLoader(WeightLoader):
+    def __init__(self, inner: WeightLoader, shard: RankShard) -> None:
+        self.inner, self.shard = inner, shard
+        self.full_config = inner.config
+        self.config = shard_config(inner.config, shard)
+        self.source, self.tokenizer_source = inner.source, inner.tokenizer_source
+
+    def load_globals(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The embeddings whole; this rank's LM-head rows, padded with zero rows to the size every
+        rank's shard has (the gather's), as an untied head."""
+        loaded = self.inner.load_globals(dtype)
+        head = loaded["embed_tokens"] if self.full_config.tie_word_embeddings else loaded["lm_head"]
+        start, end = self.shard.vocab
+        rows = head.new_zeros(self.shard.vocab_rows_per_rank, head.shape[1])
+        rows[:end - start] = head[start:end]
+        return {"embed_tokens": loaded["embed_tokens"], "norm": loaded["norm"], "lm_head": rows}
+
+    def load_layer(self, index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return self._shard_layer(self.inner.load_layer(index, dtype))
+
+    def load_layer_packed(self, index: int, dtype: torch.dtype) -> dict[str, Any]:
+        return self._shard_layer(self.inner.load_layer_packed(index, dtype))
+
+    def stores_int4(self) -> bool:
+        return self.inner.stores_int4()
+
+    def _shard_layer(self, loaded: dict[str, Any]) -> dict[str, Any]:
+        head_dim = self.config.head_dim
+        q_rows = tuple(head_dim * h for h in self.shard.q_heads)
+        kv_rows = tuple(head_dim * h for h in self.shard.kv_heads)
+        rows = {"q_proj": q_rows, "q_bias": q_rows, "k_proj": kv_rows, "k_bias": kv_rows, "v_proj": kv_rows,
+                "v_bias": kv_rows, "gate_proj": self.shard.intermediate, "up_proj": self.shard.intermediate}
+        columns = {"o_proj": q_rows, "down_proj": self.shard.intermediate}
+        sharded = {}
+        for key, tensor in loaded.items():
+            if key in rows:
+                tensor = _rows(tensor, *rows[key])
+            elif key in columns:
+                tensor = _columns(tensor, *columns[key], key)
+            sharded[key] = tensor
+        return sharded
+
+
+def _rows(weight: Any, start: int, end: int) -> Any:
+    if isinstance(weight, PackedInt4):
+        return PackedInt4(*(t[start:end].contiguous() for t in (weight.qweight, weight.scales, weight.mins)),
+                          weight.group_size)
+    if isinstance(weight, KeepDense):
+        return KeepDense(weight.weight[start:end].contiguous())
+    return weight[start:end].contiguous()
+
+
+def _columns(weight: Any, start: int, end: int, key: str) -> Any:
+    if isinstance(weight, PackedInt4):
+        group = weight.group_size
+        if start % group or end % group:
+            raise ConfigError(f"{key}: columns [{start}, {end}) of this rank do not fall on the checkpoint's "
+                              f"{group}-weight INT4 groups; use another --tensor-parallel-size")
+        return PackedInt4(weight.qweight[:, start // 2:end // 2].contiguous(),
+                          weight.scales[:, start // group:end // group].contiguous(),
+                          weight.mins[:, start // group:end // group].contiguous(), group)
+    if isinstance(weight, KeepDense):
+        return KeepDense(weight.weight[:, start:end].contiguous())
+    return weight[:, start:end].contiguous()

@@ -1,0 +1,109 @@
+"""One tensor-parallel rank: a process (a Ray actor) holding its shard of the model, both of its
+KV pools and its own cores, running each iteration's plan in lock-step with the other ranks."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from engine.distributed.collectives import TorchCollectives, backend_for
+from engine.distributed.parallel_linear import TensorParallelLayers
+from engine.distributed.partition import RankShard
+from engine.distributed.sharded_loader import ShardedLoader
+from engine.execution.cores import CoreAssignment
+from engine.execution.runner import ModelRunner, RunnerOutput
+from engine.weights import create_loader
+from scheduler.cost_model import TableCostModel
+from scheduler.scheduler import IterationPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What a built rank tells the driver."""
+
+    rank: int
+    pid: int
+    cores: CoreAssignment
+    num_gpu_blocks: int
+    weight_bytes: dict[tuple[str, str], int]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where every rank loads its shard from (each reads the checkpoint itself)."""
+
+    model: str
+    load_format: str
+    seed: int
+
+
+class RankWorker:
+    def __init__(self, shard: RankShard, cores: tuple[int, ...], log_level: int = logging.INFO) -> None:
+        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank {shard.rank} %(name)s: %(message)s")
+        self.shard, self.cores = shard, cores
+        if cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, set(cores))
+            torch.set_num_threads(len(cores))
+        self.collectives: TorchCollectives | None = None
+        self.runner: ModelRunner | None = None
+
+    def rendezvous_address(self) -> str:
+        """tcp://<this node>:<a free port> for the process group (asked of rank 0)."""
+        import ray
+
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def connect(self, init_method: str, device: str) -> None:
+        self.collectives = TorchCollectives(self.shard.rank, self.shard.world_size, init_method, backend_for(device))
+
+    def build(self, source: ModelSource, device: str, runner_kwargs: dict, vocab_ranges: list[tuple[int, int]]) -> RankReport:
+        loader = ShardedLoader(create_loader(source.model, source.load_format, seed=source.seed), self.shard)
+        cores = self._core_assignment(device)
+        collectives = self.collectives
+
+        def layer_store(gpu_device: torch.device, _cores: CoreAssignment) -> TensorParallelLayers:
+            return TensorParallelLayers(gpu_device, collectives, vocab_ranges)
+
+        self.runner = ModelRunner(loader.config, loader, device=_local_device(device), cores=cores,
+                                  layer_store=layer_store, **runner_kwargs)
+        logger.info("rank %d of %d: KV heads %s, MLP units %s, LM-head rows %s, cores %s",
+                    self.shard.rank, self.shard.world_size, self.shard.kv_heads, self.shard.intermediate,
+                    self.shard.vocab, sorted(self.cores))
+        return RankReport(self.shard.rank, os.getpid(), cores, self.runner.num_gpu_blocks, self.runner.weight_bytes())
+
+    def _core_assignment(self, device: str) -> CoreAssignment:
+        if device == "testbed" and len(self.cores) == 1:
+            return CoreAssignment.testbed_on_one_core(self.cores[0])
+        return CoreAssignment.for_device(_local_device(device))
+
+    def execute(self, plan: IterationPlan) -> RunnerOutput | None:
+        """The plan's forward on this rank; rank 0 also samples and returns the tokens."""
+        if self.shard.rank == 0:
+            return self.runner.execute(plan)
+        self.runner.forward(plan)
+        return None
+
+    def profile_costs(self, profile_kwargs: dict) -> TableCostModel:
+        return self.runner.profile_costs(**profile_kwargs)
+
+    def begin_serving(self) -> None:
+        self.runner.begin_serving()
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+        if self.collectives is not None:
+            self.collectives.close()
+
+
+def _local_device(device: str) -> str:
+    """The device as this process sees it: Ray gives each GPU rank one visible device."""
+    return "cuda" if device.startswith("cuda") else device
