@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -55,6 +55,11 @@ test-slow: install
 # drives structured outputs and tool calls on the embedded model.
 test-api: install
 	$(PY) -m pytest tests -m api --api
+
+# Tensor parallelism (tests marked tp): two ranks as Ray actors on this host, greedy tokens against
+# one rank's, an SDK server at -tp 2, a rank killed under load.
+test-tp: install
+	$(PY) -m pytest tests -m tp --tp
 
 test-integration: install
 	@missing=$$(for tool in $(INTEGRATION_TOOLS); do command -v $$tool > /dev/null || echo $$tool; done); \

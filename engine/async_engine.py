@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from engine.execution.runner import FatalRunnerError
 from engine.engine import LLMEngine
 from engine.request import PreparedRequest
 from engine.outputs import RequestOutput
@@ -71,11 +72,14 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, bounds: QueueBounds = QueueBounds(),
                  on_iteration: Callable[[LLMEngine, list[RequestOutput], float], None] | None = None,
-                 on_abort: Callable[[LLMEngine, str, int], None] | None = None) -> None:
+                 on_abort: Callable[[LLMEngine, str, int], None] | None = None,
+                 on_dead: Callable[[str], None] | None = None) -> None:
+        """`on_dead(reason)`: called on the engine thread once the loop has died (not on shutdown)."""
         self.engine = engine
         self.bounds = bounds
         self._on_iteration = on_iteration
         self._on_abort = on_abort  # (engine, request_id, num_sequences) of each request aborted unfinished
+        self._on_dead = on_dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
@@ -142,6 +146,8 @@ class AsyncEngine:
                 start = time.perf_counter()
                 try:
                     outputs = self.engine.step()
+                except FatalRunnerError:
+                    raise  # no step can run any more: the loop dies and says why
                 except Exception as exc:  # a bug must not take the server down: fail the batch, go on
                     logger.exception("engine step failed; failing the requests in flight")
                     self._fail_all(RequestFailedError(f"internal error in the engine: {exc!r}"))
@@ -152,11 +158,14 @@ class AsyncEngine:
                 self._deliver(outputs)
         except BaseException as exc:  # the loop itself broke: report it and fail everyone
             logger.exception("engine loop died")
-            self.dead_reason = f"the engine loop died: {exc!r}"
+            self.dead_reason = f"the engine loop died: {exc}" if isinstance(exc, FatalRunnerError) \
+                else f"the engine loop died: {exc!r}"
         finally:
             if self.dead_reason is None and not self._stop.is_set():
                 self.dead_reason = "the engine loop stopped"
             self._fail_all(EngineDeadError(self.dead_reason or "the server is shutting down"))
+            if self.dead_reason is not None and self._on_dead is not None:
+                self._on_dead(self.dead_reason)
 
     def _drain_commands(self) -> None:
         while True:

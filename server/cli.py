@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import threading
 import sys
 from typing import Mapping
 
@@ -389,8 +390,10 @@ def serve(args: argparse.Namespace) -> int:
     metrics.record_kv_format(engine.kv_format.name, engine.kv_bytes_per_token)
     metrics.record_threads(engine.thread_plan.split)
     metrics.watch_experts(engine.expert_heat)
+    exit_when_dead = _ExitWhenDead()
     async_engine = AsyncEngine(engine, QueueBounds(args.max_waiting_requests, args.max_waiting_tokens),
-                               on_iteration=metrics.record_iteration, on_abort=metrics.record_abort)
+                               on_iteration=metrics.record_iteration, on_abort=metrics.record_abort,
+                               on_dead=exit_when_dead)
     settings = ServerSettings(served_model_name=name, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes,
                               cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
                               tool_call_parser=args.tool_call_parser)
@@ -408,8 +411,31 @@ def serve(args: argparse.Namespace) -> int:
     # it found; with the default one the process would die by the signal instead of exiting 0
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _shutdown_already_done)
-    uvicorn.Server(config).run()
+    server = exit_when_dead.server = uvicorn.Server(config)
+    server.run()
+    if exit_when_dead.reason is not None:
+        print(f"tandem serve: exiting: {exit_when_dead.reason}", file=sys.stderr)
+        return 1
     return 0
+
+
+class _ExitWhenDead:
+    """Once the engine loop has died (a tensor-parallel rank lost), /health answers 503 for
+    DEAD_EXIT_DELAY_S so probes see why, then the server shuts down and the process exits 1."""
+
+    DEAD_EXIT_DELAY_S = 2.0
+
+    def __init__(self) -> None:
+        self.server = None
+        self.reason: str | None = None
+
+    def __call__(self, reason: str) -> None:
+        self.reason = reason
+        threading.Timer(self.DEAD_EXIT_DELAY_S, self._stop).start()
+
+    def _stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
 
 
 def _shutdown_already_done(_signum: int, _frame) -> None:

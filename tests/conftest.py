@@ -9,10 +9,11 @@ import pytest
 INTEGRATION_OPTION = "--integration"
 SLOW_OPTION = "--slow"
 API_OPTION = "--api"
+TP_OPTION = "--tp"
 # Markers whose tests skip unless their option is given, so that `make test` stays within its time:
 # marker -> (option, the make target that runs them)
 OPT_IN_MARKERS = {"integration": (INTEGRATION_OPTION, "make test-integration"), "slow": (SLOW_OPTION, "make test-slow"),
-                  "api": (API_OPTION, "make test-api")}
+                  "api": (API_OPTION, "make test-api"), "tp": (TP_OPTION, "make test-tp")}
 
 
 def pytest_addoption(parser):
@@ -26,6 +27,9 @@ def pytest_addoption(parser):
     parser.addoption(API_OPTION, action="store_true",
                      help="also run the tests marked api: schemathesis fuzzing a live server from its /openapi.json, "
                           "a few minutes; `make test-api` runs them")
+    parser.addoption(TP_OPTION, action="store_true",
+                     help="also run the tests marked tp: tensor parallelism over Ray actors, two ranks on this "
+                          "host, a few minutes; `make test-tp` runs them")
 
 
 def pytest_collection_modifyitems(config, items):

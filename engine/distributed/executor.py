@@ -13,7 +13,7 @@ from engine.distributed.partition import plan_shards
 from engine.distributed.wire import wire_plan
 from engine.distributed.worker import ModelSource, RankReport, RankWorker
 from engine.execution.cores import CoreAssignment, device_kind, host_cores
-from engine.execution.runner import RunnerOutput
+from engine.execution.runner import FatalRunnerError, RunnerOutput
 from engine.model import ModelConfig
 from scheduler.cost_model import TableCostModel
 from scheduler.scheduler import IterationPlan
@@ -23,9 +23,10 @@ logger = logging.getLogger(__name__)
 # After one rank fails, how long the others get to fail alike (the same bad plan on every rank)
 # before the failure counts as that rank's alone.
 PEER_FAILURE_WAIT_S = 30.0
+CLOSE_TIMEOUT_S = 10.0  # a rank's own close (its threads, its process group)
 
 
-class RankLostError(RuntimeError):
+class RankLostError(FatalRunnerError):
     """A tensor-parallel rank died or failed alone: the ranks are out of step and cannot go on."""
 
 
@@ -45,13 +46,13 @@ class TensorParallelRunner:
                  ray_address: str | None, runner_kwargs: dict) -> None:
         import ray
 
-        self._ray = ray
+        self._ray, self._lost = ray, False
         self.world_size, self.vocab_size = world_size, model_config.vocab_size
         shards = plan_shards(model_config, world_size)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             _start_ray(ray, ray_address, world_size)
-        self._workers = self._start_workers(ray, shards, device)
+        self._workers = self._start_workers(ray, shards, device, pin_cores=ray_address is None)
         try:
             address = ray.get(self._workers[0].rendezvous_address.remote())
             self._gather([worker.connect.remote(address, device) for worker in self._workers])
@@ -65,10 +66,11 @@ class TensorParallelRunner:
             logger.info("tensor-parallel rank %d: pid %d, %d GPU KV blocks", report.rank, report.pid,
                         report.num_gpu_blocks)
 
-    def _start_workers(self, ray, shards, device: str) -> list:
+    @staticmethod
+    def _start_workers(ray, shards, device: str, pin_cores: bool) -> list:
+        """One actor per rank; on a local cluster each pinned to its own run of this host's cores."""
         kind = device_kind(device)
-        local = self._started_ray
-        core_sets = rank_core_sets(host_cores(), len(shards)) if local else [()] * len(shards)
+        core_sets = rank_core_sets(host_cores(), len(shards)) if pin_cores else [()] * len(shards)
         actor = ray.remote(RankWorker)
         workers = []
         for shard, cores in zip(shards, core_sets):
@@ -117,10 +119,11 @@ class TensorParallelRunner:
     def close(self) -> None:
         ray = self._ray
         for worker in getattr(self, "_workers", []):
-            try:
-                ray.get(worker.close.remote(), timeout=10)
-            except Exception:  # a dead rank has nothing left to close
-                pass
+            if not self._lost:  # after a loss the others may be stuck in a collective: no goodbyes
+                try:
+                    ray.get(worker.close.remote(), timeout=CLOSE_TIMEOUT_S)
+                except Exception:  # a dead rank has nothing left to close
+                    pass
             ray.kill(worker)
         self._workers = []
         if self._started_ray and ray.is_initialized():
@@ -144,6 +147,7 @@ class TensorParallelRunner:
             try:
                 results[ranks[ref]] = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
+                self._lost = True
                 raise RankLostError(f"tensor-parallel rank {ranks[ref]} died: {_first_line(exc)}") from exc
             except ray.exceptions.RayTaskError as exc:
                 failures[ranks[ref]] = exc
@@ -151,6 +155,7 @@ class TensorParallelRunner:
         if failures and len(failures) == len(refs):
             raise failures[0].as_instanceof_cause()
         if failures:
+            self._lost = True
             rank, exc = next(iter(failures.items()))
             raise RankLostError(f"tensor-parallel rank {rank} failed alone: {_first_line(exc)}") from exc
         return [results[rank] for rank in range(len(refs))]

@@ -30,6 +30,11 @@ from engine.weights import WeightLoader
 from scheduler.scheduler import IterationPlan, PlanMode
 
 
+class FatalRunnerError(RuntimeError):
+    """The runner cannot run another step (a tensor-parallel rank died): the engine stops, where a
+    failed forward only fails the requests in flight."""
+
+
 @dataclass
 class RunnerOutput:
     """One sampled token per sampling share of the plan (`plan.sampling`), in plan order."""

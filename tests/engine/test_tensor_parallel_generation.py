@@ -1,0 +1,87 @@
+"""Greedy tokens at --tensor-parallel-size 2 equal one rank's, end to end through the engine: two
+Ray actors over gloo, each rank one core (the testbed on each where the device is the testbed),
+for the embedded model (INT4 as the GGUF stores it, and dense) and a tiny Qwen2 with Q/K/V biases
+(dense and INT4 quantized at load), with Neo's offloading off and on (a small GPU pool: swaps,
+prefills into the host pool, CPU decodes in both sub-batches, on every rank from the one plan)."""
+import pytest
+import torch
+import transformers
+
+from engine import LLM, SamplingParams
+from engine.weights import EMBEDDED_MODEL, create_loader
+from engine.weights.base import embedded_gguf_path
+from offload_costs import write_cost_tables
+from test_offload_generation import ALL_PATHS, MAX_TOKENS, PROMPTS, SMALL_POOLS, TWO_CORES, generate_recording_paths
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.tp
+
+NUM_TINY_PROMPTS = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    """One local cluster for the module (each LLM starts only its actors)."""
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def greedy(max_tokens):
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+
+
+def run(prompts, params, **kwargs):
+    with LLM(dtype="float32", **kwargs) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    """A random Qwen2 (biased Q/K/V, GQA 4, untied head) whose widths split on INT4 groups."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=320, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # biases are zero at init: make them count
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    path = tmp_path_factory.mktemp("qwen2")
+    model.save_pretrained(path, safe_serialization=True)
+    gguf = embedded_gguf_path()  # any tokenizer will do: the prompts are token ids below 512
+    transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_embedded_model_at_two_ranks_equals_one(quantization):
+    params = greedy(MAX_TOKENS[:4])
+    one = run(PROMPTS[:4], params, quantization=quantization, cpu_attention="off")
+    assert run(PROMPTS[:4], params, quantization=quantization, cpu_attention="off", tensor_parallel_size=2) == one
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("testbed", marks=pytest.mark.skipif(
+    not TWO_CORES, reason="one core per rank needs 2 cores"))])
+def test_offloading_on_every_rank_equals_one_rank_without(device, tmp_path):
+    quantization = "none" if device == "testbed" else "auto"  # the testbed runs dense weights
+    reference = run(PROMPTS, greedy(MAX_TOKENS), quantization=quantization, cpu_attention="off")
+    tables = write_cost_tables(tmp_path, create_loader(EMBEDDED_MODEL).config.num_layers)
+    with LLM(dtype="float32", quantization=quantization, cpu_attention="on", device=device, cost_tables=tables,
+             tensor_parallel_size=2, **SMALL_POOLS) as llm:
+        outputs, seen = generate_recording_paths(llm, PROMPTS, greedy(MAX_TOKENS))
+    assert seen == ALL_PATHS
+    assert outputs == reference
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_tiny_qwen2_with_biases_at_two_ranks_equals_one(tiny_qwen2, quantization, tmp_path):
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (5, 17, 9, 30)]
+    params = greedy([12] * NUM_TINY_PROMPTS)
+    one = run(prompts, params, model=tiny_qwen2, quantization=quantization, cpu_attention="off")
+    tables = write_cost_tables(tmp_path, 2)
+    two = run(prompts, params, model=tiny_qwen2, quantization=quantization, cpu_attention="on", cost_tables=tables,
+              tensor_parallel_size=2, num_blocks=12, num_cpu_blocks=64, block_size=4, max_num_seqs=4)
+    assert two == one
