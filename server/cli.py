@@ -263,6 +263,7 @@ def plan(args: argparse.Namespace) -> int:
     token budget and whether prefix caching is on; no weight is loaded."""
     import json
 
+    from engine.distributed.partition import describe_ranks, rank_memories
     from engine.engine import describe_scheduler, model_max_len
     from engine.execution.fit import describe_fit, fit_config
     from engine.execution.thread_split import plan_thread_split
@@ -299,6 +300,10 @@ def plan(args: argparse.Namespace) -> int:
     thread_plan = plan_thread_split(config, model_config, dtype, model_plan, model_max_len(config, model_config),
                                     copy_threads=config.weights.num_copy_threads)
     print(f"threads: {thread_plan.describe()}")
+    ranks = rank_memories(model_config, config.parallel.tensor_parallel_size, weight_format(config, dtype),
+                          kv_format.element_bytes)
+    if config.parallel.enabled:
+        print(describe_ranks(ranks))
     if args.json:
         scheduler = {"max_num_batched_tokens": config.batched_tokens_budget,
                      "enable_prefix_caching": config.cache.enable_prefix_caching,
@@ -306,7 +311,7 @@ def plan(args: argparse.Namespace) -> int:
         report = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "scheduler": scheduler,
                   "kv_cache": {"format": kv_format.name, "bytes_per_token": kv_token_bytes},
                   "fit": None if fitted is None else fitted.to_dict(), "threads": thread_plan.to_dict(),
-                  **model_plan.to_dict()}
+                  "ranks": [memory.to_dict() for memory in ranks], **model_plan.to_dict()}
         if costs is not None:
             report["slicing_costs"] = costs.to_dict()
         print(json.dumps(report, indent=1))

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.model.config import ConfigError, ModelConfig
+from scheduler.cost_model import kv_bytes_per_token
+from scheduler.placement.memory import WeightFormat, layer_image_bytes, resident_global_bytes
 
 # Columns a row-parallel weight's input is cut in: the INT4 group (32 weights, GGUF's Q4 block).
 WIDTH_UNIT = 32
@@ -97,3 +99,61 @@ def largest_rank_config(config: ModelConfig, world_size: int) -> ModelConfig:
     """The model as its largest rank holds it (rank 0: the first ranks take the remainders), which
     sizes every rank's KV pools; `config` itself with one rank."""
     return config if world_size == 1 else shard_config(config, plan_shards(config, world_size)[0])
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank holds: its shard's weights on its GPU and the bytes a token's KV takes in its
+    pools (its KV heads of every layer)."""
+
+    shard: RankShard
+    layer_bytes: int  # every decoder layer's linear weights and norms
+    global_bytes: int  # the embeddings (whole), the final norm, its LM-head rows
+    kv_bytes_per_token: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.layer_bytes + self.global_bytes
+
+    def to_dict(self) -> dict:
+        shard = self.shard
+        return {"rank": shard.rank, "kv_heads": list(shard.kv_heads), "q_heads": list(shard.q_heads),
+                "mlp_units": list(shard.intermediate), "lm_head_rows": list(shard.vocab),
+                "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token}
+
+    def describe(self) -> str:
+        shard, gib = self.shard, 2**30
+        return (f"rank {shard.rank}: KV heads {_span(shard.kv_heads)} (query heads {_span(shard.q_heads)}), "
+                f"MLP units {_span(shard.intermediate)}, LM-head rows {_span(shard.vocab)}; weights "
+                f"{self.weight_bytes / gib:.2f} GiB (layers {self.layer_bytes / gib:.2f}, embeddings and head "
+                f"{self.global_bytes / gib:.2f}), KV {self.kv_bytes_per_token} bytes a token")
+
+
+def rank_memories(config: ModelConfig, world_size: int, fmt: WeightFormat, kv_element_bytes: float) -> list[RankMemory]:
+    """Each rank's weights and KV bytes a token under weight format `fmt` (`tandem plan`'s per-rank
+    accounting)."""
+    memories = []
+    for shard in plan_shards(config, world_size):
+        layer_bytes = config.num_layers * layer_image_bytes(shard_config(config, shard).shape, fmt)
+        kv = kv_bytes_per_token(config.num_layers, shard.num_kv_heads, config.head_dim, kv_element_bytes)
+        memories.append(RankMemory(shard, layer_bytes, _global_bytes(config, shard, fmt.dtype_bytes), kv))
+    return memories
+
+
+def _global_bytes(config: ModelConfig, shard: RankShard, dtype_bytes: int) -> int:
+    """The embeddings whole and the rank's padded LM-head rows (one rank: the head as the model
+    ties it or not), the final norm and every layer's two norms."""
+    if shard.world_size == 1:
+        return resident_global_bytes(config.shape, dtype_bytes)
+    norms = (1 + 2 * config.num_layers) * config.hidden_size
+    return ((config.vocab_size + shard.vocab_rows_per_rank) * config.hidden_size + norms) * dtype_bytes
+
+
+def describe_ranks(memories: list[RankMemory]) -> str:
+    lines = [f"tensor parallel: {len(memories)} ranks (Ray actors), each with its own GPU and host KV pools; one "
+             f"all-reduce after each layer's attention and one after its MLP, the LM head's logits gathered"]
+    return "\n".join(lines + [f"  {memory.describe()}" for memory in memories])
+
+
+def _span(half_open: tuple[int, int]) -> str:
+    return f"{half_open[0]}-{half_open[1] - 1}"

@@ -23,6 +23,9 @@ def test_bench_serve_help_comes_from_the_benchmark(capsys):
     (["--dtype", "fp8"], "dtype must be auto or one of"),
     (["--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
     (["--model", "/no/such/model.gguf"], "not found"),
+    (["-tp", "0"], "tensor_parallel_size must be an integer >= 1"),
+    (["-tp", "4"], "has 3 KV heads, and each rank needs at least one; use at most --tensor-parallel-size 3"),
+    (["-tp", "2", "--weights-gpu-gib", "0.2"], "--tensor-parallel-size 2 does not combine with --weight-placement"),
 ])
 def test_a_flag_that_cannot_work_is_refused_in_one_line(flags, message, capsys):
     assert main(["serve", *flags]) == 2
@@ -48,6 +51,14 @@ def test_plan_prints_the_token_budget_and_whether_prefix_caching_is_on(capsys):
     report = json.loads(out[out.index("\n{") + 1:])
     assert report["scheduler"] == {"max_num_batched_tokens": 256, "enable_prefix_caching": False,
                                    "max_prefill_slowdown": 0.0}
+
+
+def test_plan_accounts_per_tensor_parallel_rank(capsys):
+    assert main(["plan", "--dtype", "float32", "-tp", "2", "--log-level", "warning", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel: 2 ranks" in out and "rank 1: KV heads 2-2 (query heads 6-8)" in out
+    report = json.loads(out[out.index("\n{") + 1:])
+    assert [rank["kv_heads"] for rank in report["ranks"]] == [[0, 2], [2, 3]]
 
 
 @pytest.fixture(scope="module")

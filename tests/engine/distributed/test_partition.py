@@ -3,12 +3,14 @@ put back together are the model's weights, dense and packed INT4 alike."""
 import pytest
 import torch
 
-from engine.distributed.partition import WIDTH_UNIT, largest_rank_config, plan_shards, split_evenly
+from engine.distributed.partition import (WIDTH_UNIT, describe_ranks, largest_rank_config, plan_shards, rank_memories,
+                                          split_evenly)
 from engine.distributed.sharded_loader import ShardedLoader
 from engine.distributed.wire import wire_plan
 from engine.model import ConfigError
 from engine.model.config import ModelConfig
 from engine.weights import EMBEDDED_MODEL, create_loader
+from scheduler.placement.memory import WeightFormat
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import Sequence
@@ -116,3 +118,18 @@ def test_a_wire_plan_carries_the_forward_and_the_grammars_mask():
     bitmask = torch.full((1, 3), -1, dtype=torch.int32)
     share.sequence.grammar.fill_mask(bitmask, 0)
     assert bitmask.tolist() == [[0b100, 0, 0]]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_ranks_hold_the_layers_between_them_and_the_embeddings_each(quantization):
+    """Dense layers split with nothing lost or doubled; each rank holds the embeddings whole and
+    its padded LM-head rows; KV bytes a token follow the KV heads."""
+    config = create_loader("llama-3.1-8b", "dummy").config
+    fmt = WeightFormat(quantization, 2)
+    one, = rank_memories(config, 1, fmt, 2)
+    ranks = rank_memories(config, 4, fmt, 2)
+    if quantization == "none":
+        assert sum(r.layer_bytes for r in ranks) == one.layer_bytes
+    assert all(r.global_bytes > config.vocab_size * config.hidden_size * 2 for r in ranks)
+    assert sum(r.kv_bytes_per_token for r in ranks) == one.kv_bytes_per_token
+    assert "rank 3: KV heads 6-7 (query heads 24-31)" in describe_ranks(ranks)
