@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -83,6 +83,7 @@ bench: install
 	$(MAKE) bench-fit
 	$(MAKE) bench-structured
 	$(MAKE) bench-moe
+	$(MAKE) bench-tp
 	$(PY) benchmarks/offline.py
 	$(PY) benchmarks/serve.py --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
@@ -236,6 +237,11 @@ bench-structured: install
 # fp32); two engines at once only where memory holds the second.
 bench-moe: install
 	nice -n 10 $(PY) benchmarks/moe_offload.py
+	$(PY) benchmarks/update_benchmarks_doc.py
+
+# Tensor parallelism on this host: one rank against two (Ray actors), decode and a step's overhead.
+bench-tp: install
+	$(PY) benchmarks/tensor_parallel.py
 	$(PY) benchmarks/update_benchmarks_doc.py
 
 # On a CUDA GPU: the Triton INT4 matmul against dense bf16; Neo (Llama-3.1-8B shape, random

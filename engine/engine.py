@@ -115,8 +115,15 @@ class LLMEngine:
         logger.info("compute dtype: %s (%s)", str(self.dtype).removeprefix("torch."), reason)
         # the weight and KV formats, the layers' places and both pools from the budgets (LM-Offload)
         self.config = config = self._fit(config, loader)
+        # the model as one rank holds it: the whole model, or tensor parallelism's largest shard
+        self.rank_model_config = largest_rank_config(self.model_config, config.parallel.tensor_parallel_size)
         # each decoder layer's tier and MLP slice rates, with the slicing models they were solved with
-        self.plan, self.slicing_costs = plan_model(config, self.model_config, self.dtype, self._model_max_len())
+        # (every rank places its shard's layers by this one plan)
+        self.plan, self.slicing_costs = plan_model(config, self.rank_model_config, self.dtype, self._model_max_len())
+        if config.parallel.enabled and self.plan.num_layers_in(Tier.DISK):
+            raise ConfigError(f"--tensor-parallel-size {config.parallel.tensor_parallel_size}: the plan streams layers "
+                              f"from disk, and a rank's shard of the offload directory is not built; give each rank "
+                              f"more --weights-cpu-gib (host memory) or --weights-gpu-gib")
         self.placement: WeightPlacement | None = self.plan.placement  # the whole-layer streaming part
         self.slicing: SlicingPlan | None = self.plan.slicing  # the solved slicing part
         if self.placement is not None or self.slicing is not None:
@@ -125,12 +132,11 @@ class LLMEngine:
         cache = config.cache
         self.kv_format = self._kv_format()
         # one rank's share of the KV heads sizes the pools (every rank's pools hold the same blocks)
-        self.rank_model_config = largest_rank_config(self.model_config, config.parallel.tensor_parallel_size)
         block_bytes = KVCache.bytes_per_block(self.rank_model_config, cache.block_size, self.kv_format)
         self.kv_bytes_per_token = block_bytes // cache.block_size  # every layer's K and V, scales included
         num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.cpu_attention_enabled else 0
         # the host's cores among the GPU thread, the CPU side, copies and reads (Algorithm 3)
-        self.thread_plan = plan_thread_split(config, self.model_config, self.dtype, self.plan, self._model_max_len(),
+        self.thread_plan = plan_thread_split(config, self.rank_model_config, self.dtype, self.plan, self._model_max_len(),
                                              copy_threads=config.weights.num_copy_threads)
         self.runner = self._create_runner(loader, core_assignment(config, self.thread_plan.split), dict(
             dtype=self.dtype, num_blocks=self._kv_pool_size(block_bytes), num_cpu_blocks=num_cpu_blocks,
@@ -174,7 +180,8 @@ class LLMEngine:
                                layer_store=self._layer_store_factory(loader), **runner_kwargs)
         source = ModelSource(config.model, config.load_format, config.seed)
         return TensorParallelRunner(self.model_config, source, config.device, config.parallel.tensor_parallel_size,
-                                    config.parallel.ray_address, runner_kwargs)
+                                    config.parallel.ray_address, dict(runner_kwargs, layer_store=self._layer_store_factory(loader)),
+                                    self.weight_stats)
 
     def _fit(self, config: EngineConfig, loader) -> EngineConfig:
         fitted, self.fit = fit_config(config, loader, self.dtype, model_max_len(config, loader.config))
@@ -224,7 +231,7 @@ class LLMEngine:
         config = self.config
         costs = None
         if config.device != "cpu":
-            costs = self.slicing_costs = self.slicing_costs or slicing_costs(config, self.model_config, self.dtype)
+            costs = self.slicing_costs = self.slicing_costs or slicing_costs(config, self.rank_model_config, self.dtype)
         key = profile_key(config, self.dtype)
         stats_path = profile_path(key, config.cpu_attention.profile_cache_dir, EXPERT_STATS_KIND)
         return functools.partial(create_expert_store, plan, stats=self.weight_stats, split_costs=costs,
@@ -240,8 +247,8 @@ class LLMEngine:
         if self.config.device == "cpu":
             logger.info("MLP slicing: no tokens move to CG' on device cpu (nothing computes beside the CPU)")
             return None
-        self.slicing_costs = self.slicing_costs or slicing_costs(self.config, self.model_config, self.dtype)
-        fmt, shape = weight_format(self.config, self.dtype), self.model_config.shape
+        self.slicing_costs = self.slicing_costs or slicing_costs(self.config, self.rank_model_config, self.dtype)
+        fmt, shape = weight_format(self.config, self.dtype), self.rank_model_config.shape
         logger.info("MLP slicing: each forward moves the tokens the slicing models say to CG' "
                     "(--mlp-prefill-moving on)")
         return SolvedMovedTokens(rates, self.slicing_costs, lambda num_tokens: layer_works(shape, fmt, num_tokens))
@@ -268,8 +275,8 @@ class LLMEngine:
         rates = self.plan.rates
         if rates is None:
             return model
-        costs = self.slicing_costs or slicing_costs(self.config, self.model_config, dtype)
-        fmt, shape = weight_format(self.config, dtype), self.model_config.shape
+        costs = self.slicing_costs or slicing_costs(self.config, self.rank_model_config, dtype)
+        fmt, shape = weight_format(self.config, dtype), self.rank_model_config.shape
         return SlicedMlpCostModel(model, lambda num_tokens: layer_works(shape, fmt, num_tokens), costs, rates)
 
     def _load_table_cost_model(self, loader, dtype: torch.dtype) -> CostModel:
@@ -290,7 +297,7 @@ class LLMEngine:
         def build() -> TableCostModel:
             logger.info("profiling this machine's costs for the offloading scheduler (once per model/dtype/device)")
             return runner.profile_costs(block_size=block_size, dtype=dtype, grid=grid, progress=config.show_progress,
-                                        weight_stats=None if config.parallel.enabled else self.weight_stats,
+                                        weight_stats=self.weight_stats,
                                         kv_cache_dtype=self.kv_format.name)
 
         self.profile_path = profile_path(key, cpu_attention.profile_cache_dir)

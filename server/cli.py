@@ -78,20 +78,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Flags that map onto EngineConfig, shared by `serve` and `profile`, grouped by concern."""
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", default="smollm2-135m",
-                       help="a GGUF file, an HF safetensors directory, or a preset name (with --load-format dummy)")
-    model.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"],
-                       help="auto: from --model (a .gguf file, a directory, a preset)")
-    model.add_argument("--dtype", default="auto", help="auto (measured), float32, bfloat16 or float16")
-    model.add_argument("--quantization", default="auto", choices=["auto", "none", "int4"],
-                       help="decoder-layer weights: auto (a GGUF's 4-bit blocks stay packed; 16-bit weights become "
-                            "int4 only where memory binds and the fit predicts a gain), none (dense in --dtype), int4 "
-                            "(packed; round-to-nearest in groups of 32 where not stored so; devices cpu and cuda)")
-    model.add_argument("--cpu-ops", default="layers", choices=["layers", "fused", "torch"],
-                       help="how the decoder layers run on a CPU device: layers (a decode batch's layers in one "
-                            "C++ call), fused (op by op, RMSNorm, RoPE and SiLU*up as C++ kernels), torch (torch ops)")
-    model.add_argument("--seed", type=int, default=0, help="dummy weights and unseeded requests' sampling")
+    _add_model_flags(parser)
     batching = parser.add_argument_group("batching")
     batching.add_argument("--max-model-len", type=int, default=None,
                           help="context length (default: the model's, capped by the engine and the KV cache)")
@@ -125,13 +112,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                          help="a JSON file of cost tables instead of this machine's profile")
     devices.add_argument("--profile-cache-dir", default=None,
                          help="where profiles are cached (default: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles)")
-    parallel = parser.add_argument_group("tensor parallelism (Ray)")
-    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                          help="split the model's heads, MLP units and LM head over this many ranks, one Ray actor "
-                               "each with its own GPU (one per rank on cuda) or its own share of the host's cores, "
-                               "and its own GPU and host KV pools")
-    parallel.add_argument("--ray-address", default=None,
-                          help="the Ray cluster the ranks run on (default: a local one, started with the server)")
+    _add_parallel_flags(parser)
     logs = parser.add_argument_group("logging")
     logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                       help="log threshold")
@@ -186,6 +167,35 @@ def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--host-memory-gib", type=float, default=None,
                         help="host memory for streamed layers and the host KV pool (default: 80%% of what the host "
                              "has available)")
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The model, its weights' format and how its layers run."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default="smollm2-135m",
+                       help="a GGUF file, an HF safetensors directory, or a preset name (with --load-format dummy)")
+    model.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"],
+                       help="auto: from --model (a .gguf file, a directory, a preset)")
+    model.add_argument("--dtype", default="auto", help="auto (measured), float32, bfloat16 or float16")
+    model.add_argument("--quantization", default="auto", choices=["auto", "none", "int4"],
+                       help="decoder-layer weights: auto (a GGUF's 4-bit blocks stay packed; 16-bit weights become "
+                            "int4 only where memory binds and the fit predicts a gain), none (dense in --dtype), int4 "
+                            "(packed; round-to-nearest in groups of 32 where not stored so; devices cpu and cuda)")
+    model.add_argument("--cpu-ops", default="layers", choices=["layers", "fused", "torch"],
+                       help="how the decoder layers run on a CPU device: layers (a decode batch's layers in one "
+                            "C++ call), fused (op by op, RMSNorm, RoPE and SiLU*up as C++ kernels), torch (torch ops)")
+    model.add_argument("--seed", type=int, default=0, help="dummy weights and unseeded requests' sampling")
+
+
+def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    """Tensor parallelism over Ray actors (engine/distributed)."""
+    parallel = parser.add_argument_group("tensor parallelism (Ray)")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                          help="split the model's heads, MLP units and LM head over this many ranks, one Ray actor "
+                               "each with its own GPU (one per rank on cuda) or its own share of the host's cores, "
+                               "and its own GPU and host KV pools")
+    parallel.add_argument("--ray-address", default=None,
+                          help="the Ray cluster the ranks run on (default: a local one, started with the server)")
 
 
 def _add_cache_flags(parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from engine.distributed.wire import wire_plan
 from engine.distributed.worker import ModelSource, RankReport, RankWorker
 from engine.execution.cores import CoreAssignment, device_kind, host_cores
 from engine.execution.runner import FatalRunnerError, RunnerOutput
+from engine.execution.stats import WeightStats
 from engine.model import ModelConfig
 from scheduler.cost_model import TableCostModel
 from scheduler.scheduler import IterationPlan
@@ -43,11 +44,14 @@ class TensorParallelRunner:
     """ModelRunner's interface to the engine, over `world_size` ranks."""
 
     def __init__(self, model_config: ModelConfig, source: ModelSource, device: str, world_size: int,
-                 ray_address: str | None, runner_kwargs: dict) -> None:
+                 ray_address: str | None, runner_kwargs: dict, weight_stats: WeightStats) -> None:
+        """`runner_kwargs`: ModelRunner's, with `layer_store` (a factory of the store each rank places
+        its shard's layers by; None: resident); `weight_stats`: where rank 0's store's totals land
+        after each step."""
         import ray
 
         self._ray, self._lost = ray, False
-        self.world_size, self.vocab_size = world_size, model_config.vocab_size
+        self.world_size, self.vocab_size, self.weight_stats = world_size, model_config.vocab_size, weight_stats
         shards = plan_shards(model_config, world_size)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
@@ -57,6 +61,7 @@ class TensorParallelRunner:
             address = ray.get(self._workers[0].rendezvous_address.remote())
             self._gather([worker.connect.remote(address, device) for worker in self._workers])
             vocab_ranges = [shard.vocab for shard in shards]
+            runner_kwargs = dict(runner_kwargs, weight_stats=weight_stats)
             self.reports: list[RankReport] = self._gather(
                 [worker.build.remote(source, device, runner_kwargs, vocab_ranges) for worker in self._workers])
         except BaseException:
@@ -103,7 +108,8 @@ class TensorParallelRunner:
     def execute(self, plan: IterationPlan) -> RunnerOutput:
         start = time.perf_counter()
         plan_ref = self._ray.put(wire_plan(plan, self.vocab_size))
-        output = self._gather([worker.execute.remote(plan_ref) for worker in self._workers])[0]
+        output, rank_stats = self._gather([worker.execute.remote(plan_ref) for worker in self._workers])[0]
+        self.weight_stats.copy_from(rank_stats)
         logger.debug("tensor-parallel step: %.1f ms, forward %.1f ms", 1e3 * (time.perf_counter() - start),
                      1e3 * output.forward_time)
         return output

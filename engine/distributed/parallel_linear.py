@@ -1,18 +1,20 @@
 """Tensor-parallel weights behind the linear-method seam, and the layer store that makes them.
 
-Q/K/V and gate/up are column-parallel as the sharded loader hands them out (each rank its own
-output rows: nothing to exchange); O and down are row-parallel (each rank a slice of the input
-columns) and sum their partial products over the ranks, one all-reduce each per layer; the LM
-head is vocabulary-parallel (each rank its rows of the vocabulary) and gathers the logits. The
-model calls `apply` as ever and never sees a rank."""
+Q/K/V and gate/up (every expert's too) are column-parallel as the sharded loader hands them out
+(each rank its own output rows: nothing to exchange); O and down are row-parallel (each rank a
+slice of the input columns): O sums its partial product over the ranks, the MLP its output, one
+all-reduce each per layer; the LM head is vocabulary-parallel (each rank its rows of the
+vocabulary) and gathers the logits. The model calls `apply` as ever and never sees a rank."""
 from __future__ import annotations
 
 from typing import Protocol
 
 import torch
 
-from engine.model.feed_forward import SwiGluMlp
+from engine.model.config import ModelConfig
+from engine.model.feed_forward import FeedForward, SiluMul
 from engine.model.llama import LayerStore, LayerWeights
+from engine.model.moe import MoeLayerWeights
 from engine.quant import LinearMethod, LinearWeight
 from engine.quant.base import WrappedWeight
 
@@ -63,18 +65,69 @@ class VocabParallelHead(WrappedWeight):
         return VocabParallelHead(self.inner.with_tensors(tensors), self.collectives, self.vocab_ranges)
 
 
-class TensorParallelLayers(LayerStore):
-    """Every layer resident, its O and down projections row-parallel, the LM head vocabulary-parallel."""
+class ReducedFeedForward:
+    """A rank's MLP over its intermediate units (a dense MLP, its CPU/GPU slices, or its share of
+    every expert: each is linear in its units' outputs), summed over the ranks: one all-reduce."""
 
-    def __init__(self, device: torch.device, collectives: Collectives, vocab_ranges: list[tuple[int, int]]) -> None:
-        super().__init__(device)
-        self.collectives, self.vocab_ranges = collectives, vocab_ranges
+    def __init__(self, inner: FeedForward, collectives: Collectives) -> None:
+        self.inner, self.collectives = inner, collectives
+
+    def apply(self, x: torch.Tensor, silu_mul: SiluMul) -> torch.Tensor:
+        return self.collectives.all_reduce(self.inner.apply(x, silu_mul).contiguous())
+
+    def linear_weights(self) -> tuple[LinearWeight, ...]:
+        return self.inner.linear_weights()
+
+
+class TensorParallelLayers(LayerStore):
+    """Another store's layers (resident, streamed, sliced; dense or MoE), each with its O
+    projection row-parallel and its MLP's output summed over the ranks; the LM head
+    vocabulary-parallel. Everything else is the inner store's."""
+
+    def __init__(self, inner: LayerStore, collectives: Collectives, vocab_ranges: list[tuple[int, int]]) -> None:
+        super().__init__(inner.device)
+        self.inner, self.collectives, self.vocab_ranges = inner, collectives, vocab_ranges
+        self.weights_stay_put = inner.weights_stay_put
 
     def build(self, index: int, loaded: dict, linear: LinearMethod, dtype: torch.dtype) -> LayerWeights:
-        layer = super().build(index, loaded, linear, dtype)
+        return self._parallel(self.inner.build(index, loaded, linear, dtype))
+
+    def build_moe_layer(self, index: int, loaded: dict, config: ModelConfig, linear: LinearMethod,
+                        dtype: torch.dtype) -> MoeLayerWeights:
+        return self._parallel(self.inner.build_moe_layer(index, loaded, config, linear, dtype))
+
+    def _parallel(self, layer):
         layer.o_proj = RowParallelWeight(layer.o_proj, self.collectives)
-        layer.mlp = SwiGluMlp(layer.mlp.gate_up, RowParallelWeight(layer.mlp.down, self.collectives))
+        layer.mlp = ReducedFeedForward(layer.mlp, self.collectives)
         return layer
 
     def head(self, weight: LinearWeight) -> LinearWeight:
-        return VocabParallelHead(weight, self.collectives, self.vocab_ranges)
+        return VocabParallelHead(self.inner.head(weight), self.collectives, self.vocab_ranges)
+
+    # ---- the inner store's -------------------------------------------------------------------
+    def start(self) -> None:
+        self.inner.start()
+
+    def use_gpu(self, gpu) -> None:
+        self.inner.use_gpu(gpu)
+
+    def acquire(self, layer: int) -> None:
+        self.inner.acquire(layer)
+
+    def release(self, layer: int) -> None:
+        self.inner.release(layer)
+
+    def recover(self) -> None:
+        self.inner.recover()
+
+    def begin_serving(self) -> None:
+        self.inner.begin_serving()
+
+    def between_forwards(self) -> None:
+        self.inner.between_forwards()
+
+    def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
+        return self.inner.extra_weight_bytes()
+
+    def close(self) -> None:
+        self.inner.close()

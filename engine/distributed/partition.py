@@ -3,8 +3,8 @@ MLP units and LM-head rows. No torch here.
 
 KV heads split as evenly as they go, the first ranks taking one more where they do not divide
 (SmolLM2's 3 KV heads over 2 ranks: 2 and 1), so a model need not have a multiple of the rank
-count; the MLP's intermediate units split in runs of `WIDTH_UNIT`, so a row-parallel weight's
-input columns cut on INT4 group boundaries."""
+count; the MLP's intermediate units (every expert's, in a MoE model) split in runs of `WIDTH_UNIT`,
+so a row-parallel weight's input columns cut on INT4 group boundaries. The router stays whole."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -28,6 +28,8 @@ class RankShard:
     intermediate: tuple[int, int]  # the MLP's units (gate/up rows, down columns)
     vocab: tuple[int, int]  # LM-head rows
     vocab_rows_per_rank: int  # every rank's LM-head shard is padded to this many rows for the gather
+    expert_intermediate: tuple[int, int] | None = None  # every routed expert's units (MoE)
+    shared_intermediate: tuple[int, int] | None = None  # the shared expert's units (Qwen2-MoE)
 
     @property
     def num_kv_heads(self) -> int:
@@ -67,32 +69,53 @@ def plan_shards(config: ModelConfig, world_size: int) -> list[RankShard]:
     vocab_ranges = split_evenly(config.vocab_size, world_size)
     rows_per_rank = max(end - start for start, end in vocab_ranges)
     group = config.num_heads // config.num_kv_heads
-    return [RankShard(rank, world_size, kv_ranges[rank], group, mlp_ranges[rank], vocab_ranges[rank], rows_per_rank)
-            for rank in range(world_size)]
+    experts = shared = [None] * world_size
+    if config.moe is not None:
+        experts = split_evenly(config.moe.expert_intermediate_size, world_size, WIDTH_UNIT)
+        if config.moe.shared_expert_intermediate_size:
+            shared = split_evenly(config.moe.shared_expert_intermediate_size, world_size, WIDTH_UNIT)
+    return [RankShard(rank, world_size, kv_ranges[rank], group, mlp_ranges[rank], vocab_ranges[rank], rows_per_rank,
+                      experts[rank], shared[rank]) for rank in range(world_size)]
 
 
 def check_splittable(config: ModelConfig, world_size: int) -> None:
-    """ConfigError where `config` cannot split over `world_size` ranks."""
+    """ConfigError where `config` cannot split over `world_size` ranks (one rank takes any model)."""
+    if world_size == 1:
+        return
     flag = f"--tensor-parallel-size {world_size}"
-    if config.is_moe:
-        raise ConfigError(f"{flag}: {config.architecture} routes experts, and splitting experts over ranks is "
-                          "not built; serve a MoE model with --tensor-parallel-size 1")
     if world_size > config.num_kv_heads:
         raise ConfigError(f"{flag}: the model has {config.num_kv_heads} KV heads, and each rank needs at least "
                           f"one; use at most --tensor-parallel-size {config.num_kv_heads}")
-    if config.head_dim % WIDTH_UNIT or config.intermediate_size % WIDTH_UNIT:
-        raise ConfigError(f"{flag}: head_dim ({config.head_dim}) and intermediate_size ({config.intermediate_size}) "
-                          f"must be multiples of {WIDTH_UNIT} to split on INT4 group boundaries")
-    if config.intermediate_size // WIDTH_UNIT < world_size:
-        raise ConfigError(f"{flag}: intermediate_size {config.intermediate_size} has fewer than {world_size} "
-                          f"runs of {WIDTH_UNIT} units")
+    if config.head_dim % WIDTH_UNIT:
+        raise ConfigError(f"{flag}: head_dim ({config.head_dim}) must be a multiple of {WIDTH_UNIT} to split on "
+                          f"INT4 group boundaries")
+    for name, width in _mlp_widths(config).items():
+        if width % WIDTH_UNIT or width // WIDTH_UNIT < world_size:
+            raise ConfigError(f"{flag}: {name} ({width}) must be a multiple of {WIDTH_UNIT} with at least one run of "
+                              f"{WIDTH_UNIT} units per rank, to split on INT4 group boundaries")
+
+
+def _mlp_widths(config: ModelConfig) -> dict[str, int]:
+    """The MLPs' widths that split over the ranks: the dense MLP's, a MoE model's experts' and its
+    shared expert's."""
+    widths = {"intermediate_size": config.intermediate_size}
+    if config.moe is not None:
+        widths["expert_intermediate_size"] = config.moe.expert_intermediate_size
+        if config.moe.shared_expert_intermediate_size:
+            widths["shared_expert_intermediate_size"] = config.moe.shared_expert_intermediate_size
+    return widths
 
 
 def shard_config(config: ModelConfig, shard: RankShard) -> ModelConfig:
     """The model as rank `shard` builds it: its heads and MLP units, its LM-head rows as an untied
     head (the embeddings stay whole on every rank); the vocabulary the sampler sees is the whole one."""
+    moe = config.moe
+    if moe is not None:
+        shared = shard.shared_intermediate
+        moe = replace(moe, expert_intermediate_size=shard.expert_intermediate[1] - shard.expert_intermediate[0],
+                      shared_expert_intermediate_size=shared[1] - shared[0] if shared else 0)
     return replace(config, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads,
-                   intermediate_size=shard.intermediate_size, tie_word_embeddings=False)
+                   intermediate_size=shard.intermediate_size, tie_word_embeddings=False, moe=moe)
 
 
 def largest_rank_config(config: ModelConfig, world_size: int) -> ModelConfig:

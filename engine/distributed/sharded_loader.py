@@ -1,7 +1,8 @@
 """A loader handing out one tensor-parallel rank's share of another loader's weights.
 
-Column-parallel weights (Q, K, V with their biases, gate and up) keep the rank's output rows;
-row-parallel ones (O and down) the matching input columns; norms stay whole. Packed INT4 weights
+Column-parallel weights (Q, K, V with their biases, gate and up: the dense MLP's and every
+expert's) keep the rank's output rows; row-parallel ones (O and down) the matching input columns;
+norms, the router and the shared expert's gate stay whole. Packed INT4 weights
 split the same way, by rows or by whole groups of columns, so no weight is quantized again."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from engine.distributed.partition import RankShard, shard_config
 from engine.model.config import ConfigError
 from engine.quant.int4 import KeepDense, PackedInt4
-from engine.weights.base import WeightLoader
+from engine.weights.base import SHARED_EXPERT_PREFIX, WeightLoader
 
 
 class ShardedLoader(WeightLoader):
@@ -46,16 +47,29 @@ class ShardedLoader(WeightLoader):
         q_rows = tuple(head_dim * h for h in self.shard.q_heads)
         kv_rows = tuple(head_dim * h for h in self.shard.kv_heads)
         rows = {"q_proj": q_rows, "q_bias": q_rows, "k_proj": kv_rows, "k_bias": kv_rows, "v_proj": kv_rows,
-                "v_bias": kv_rows, "gate_proj": self.shard.intermediate, "up_proj": self.shard.intermediate}
-        columns = {"o_proj": q_rows, "down_proj": self.shard.intermediate}
+                "v_bias": kv_rows}
         sharded = {}
         for key, tensor in loaded.items():
+            prefix, _, name = key.rpartition(".")
             if key in rows:
                 tensor = _rows(tensor, *rows[key])
-            elif key in columns:
-                tensor = _columns(tensor, *columns[key], key)
+            elif key == "o_proj":
+                tensor = _columns(tensor, *q_rows, key)
+            elif name in ("gate_proj", "up_proj"):
+                tensor = _rows(tensor, *self._units(prefix))
+            elif name == "down_proj":
+                tensor = _columns(tensor, *self._units(prefix), key)
             sharded[key] = tensor
         return sharded
+
+    def _units(self, prefix: str) -> tuple[int, int]:
+        """This rank's units of the MLP under `prefix`: a routed expert's ("experts.3"), the shared
+        expert's ("shared_expert") or the dense MLP's ("")."""
+        if prefix.startswith("experts."):
+            return self.shard.expert_intermediate
+        if prefix == SHARED_EXPERT_PREFIX.rstrip("."):
+            return self.shard.shared_intermediate
+        return self.shard.intermediate
 
 
 def _rows(weight: Any, start: int, end: int) -> Any:

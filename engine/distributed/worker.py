@@ -15,6 +15,10 @@ from engine.distributed.partition import RankShard
 from engine.distributed.sharded_loader import ShardedLoader
 from engine.execution.cores import CoreAssignment
 from engine.execution.runner import ModelRunner, RunnerOutput
+from engine.execution.stats import WeightStats
+from engine.model import ModelConfig
+from engine.model.llama import LayerStore
+from engine.model.moe import ResidentMoeLayers
 from engine.weights import create_loader
 from scheduler.cost_model import TableCostModel
 from scheduler.scheduler import IterationPlan
@@ -65,12 +69,18 @@ class RankWorker:
         self.collectives = TorchCollectives(self.shard.rank, self.shard.world_size, init_method, backend_for(device))
 
     def build(self, source: ModelSource, device: str, runner_kwargs: dict, vocab_ranges: list[tuple[int, int]]) -> RankReport:
+        """This rank's runner over its shard; `runner_kwargs["layer_store"]` makes the store its
+        layers are placed by (None: every layer resident), under the row-parallel wrapping, and
+        `runner_kwargs["weight_stats"]` is what that store writes to."""
         loader = ShardedLoader(create_loader(source.model, source.load_format, seed=source.seed), self.shard)
         cores = self._core_assignment(device)
-        collectives = self.collectives
+        collectives, inner_store = self.collectives, runner_kwargs.pop("layer_store")
+        self.weight_stats = runner_kwargs.pop("weight_stats")  # the object the store writes (one pickle with it)
 
-        def layer_store(gpu_device: torch.device, _cores: CoreAssignment) -> TensorParallelLayers:
-            return TensorParallelLayers(gpu_device, collectives, vocab_ranges)
+        def layer_store(gpu_device: torch.device, rank_cores: CoreAssignment) -> TensorParallelLayers:
+            inner = inner_store(gpu_device, rank_cores) if inner_store is not None else \
+                resident_store(loader.config, gpu_device)
+            return TensorParallelLayers(inner, collectives, vocab_ranges)
 
         self.runner = ModelRunner(loader.config, loader, device=_local_device(device), cores=cores,
                                   layer_store=layer_store, **runner_kwargs)
@@ -84,15 +94,17 @@ class RankWorker:
             return CoreAssignment.testbed_on_one_core(self.cores[0])
         return CoreAssignment.for_device(_local_device(device))
 
-    def execute(self, plan: IterationPlan) -> RunnerOutput | None:
-        """The plan's forward on this rank; rank 0 also samples and returns the tokens."""
+    def execute(self, plan: IterationPlan) -> tuple[RunnerOutput, WeightStats] | None:
+        """The plan's forward on this rank; rank 0 also samples and returns the tokens, with what its
+        layer store did so far."""
         if self.shard.rank == 0:
-            return self.runner.execute(plan)
+            return self.runner.execute(plan), self.weight_stats.snapshot()
         self.runner.forward(plan)
         return None
 
     def profile_costs(self, profile_kwargs: dict) -> TableCostModel:
-        return self.runner.profile_costs(**profile_kwargs)
+        """The cost tables as this rank measures them, its own store's stalls set apart."""
+        return self.runner.profile_costs(**dict(profile_kwargs, weight_stats=self.weight_stats))
 
     def begin_serving(self) -> None:
         self.runner.begin_serving()
@@ -102,6 +114,11 @@ class RankWorker:
             self.runner.close()
         if self.collectives is not None:
             self.collectives.close()
+
+
+def resident_store(config: ModelConfig, device: torch.device) -> LayerStore:
+    """Every layer resident, as the model builds it without a store."""
+    return ResidentMoeLayers(device) if config.is_moe else LayerStore(device)
 
 
 def _local_device(device: str) -> str:

@@ -5,7 +5,7 @@ they are given; nothing reads them back through the layer store."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from scheduler.placement.tiers import Tier
 
@@ -48,3 +48,8 @@ class WeightStats:
 
     def snapshot(self) -> "WeightStats":
         return copy.deepcopy(self)
+
+    def copy_from(self, other: "WeightStats") -> None:
+        """Take `other`'s totals (a tensor-parallel rank's, reported to the driver)."""
+        for name in (f.name for f in fields(self)):
+            setattr(self, name, getattr(other, name))

@@ -2,7 +2,9 @@
 Ray actors over gloo, each rank one core (the testbed on each where the device is the testbed),
 for the embedded model (INT4 as the GGUF stores it, and dense) and a tiny Qwen2 with Q/K/V biases
 (dense and INT4 quantized at load), with Neo's offloading off and on (a small GPU pool: swaps,
-prefills into the host pool, CPU decodes in both sub-batches, on every rank from the one plan)."""
+prefills into the host pool, CPU decodes in both sub-batches, on every rank from the one plan);
+each rank's layers streamed or its MLPs sliced by the plan; a MoE model's experts split by their
+units, resident or under each rank's hot-expert cache."""
 import pytest
 import torch
 import transformers
@@ -11,6 +13,7 @@ from engine import LLM, SamplingParams
 from engine.weights import EMBEDDED_MODEL, create_loader
 from engine.weights.base import embedded_gguf_path
 from offload_costs import write_cost_tables
+from scheduler.placement.tiers import Tier
 from test_offload_generation import ALL_PATHS, MAX_TOKENS, PROMPTS, SMALL_POOLS, TWO_CORES, generate_recording_paths
 
 ray = pytest.importorskip("ray")
@@ -31,9 +34,13 @@ def greedy(max_tokens):
     return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
 
 
-def run(prompts, params, **kwargs):
+def run(prompts, params, check=lambda engine: None, **kwargs):
+    """Greedy token ids per prompt; `check` sees the engine afterwards (the plan every rank placed
+    its layers by, what rank 0's store reported)."""
     with LLM(dtype="float32", **kwargs) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        check(llm.engine)
+        return outputs
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +92,44 @@ def test_tiny_qwen2_with_biases_at_two_ranks_equals_one(tiny_qwen2, quantization
     two = run(prompts, params, model=tiny_qwen2, quantization=quantization, cpu_attention="on", cost_tables=tables,
               tensor_parallel_size=2, num_blocks=12, num_cpu_blocks=64, block_size=4, max_num_seqs=4)
     assert two == one
+
+
+def streams_layers(engine):
+    """Some layers stream, and rank 0's ring reported its loads to the driver (as /metrics reads them)."""
+    assert 0 < engine.plan.num_layers_in(Tier.HOST) < len(engine.plan.layers)
+    assert engine.weight_stats.bytes_by_tier[Tier.HOST] > 0
+
+
+def slices_mlps(engine):
+    assert engine.plan.rates is not None and all(rates.cc == 0.25 for rates in engine.plan.rates)
+    assert engine.weight_stats.num_cc_calls > 0
+
+
+@pytest.mark.parametrize("placement, check", [
+    pytest.param(dict(weights_gpu_gib=0.25), streams_layers, id="streamed-from-host"),
+    pytest.param(dict(mlp_slicing="0.25,0.5"), slices_mlps, id="sliced"),
+])
+def test_each_rank_places_its_shard_by_the_plan(placement, check):
+    """Weight streaming (PIPO) and MLP slicing (ScheInfer) on every rank, over its shard's layers."""
+    params = greedy(MAX_TOKENS[:3])
+    one = run(PROMPTS[:3], params, quantization="none", cpu_attention="off")
+    assert run(PROMPTS[:3], params, check, quantization="none", cpu_attention="off", tensor_parallel_size=2,
+               **placement) == one
+
+
+def holds_two_hot_experts(engine):
+    assert engine.plan.experts is not None and engine.plan.experts.num_slots == 2
+    stats = engine.weight_stats
+    assert stats.num_hit_pairs + stats.num_miss_pairs > 0
+
+
+@pytest.mark.parametrize("experts, check", [pytest.param({}, lambda engine: None, id="resident"),
+                                            pytest.param(dict(hot_experts="2"), holds_two_hot_experts, id="hot")])
+def test_moe_experts_split_by_their_units(experts, check):
+    """A Qwen3-MoE (per-head Q/K norms, top-2 of 8 experts) with every expert's units split over
+    the ranks, resident or under each rank's hot-expert cache."""
+    model = dict(model="qwen3-moe-tiny", load_format="dummy", quantization="none", cpu_attention="off")
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 512, (n,), generator=generator).tolist() for n in (6, 19, 11)]
+    params = greedy([16] * 3)
+    assert run(prompts, params, check, tensor_parallel_size=2, **model, **experts) == run(prompts, params, **model)

@@ -25,7 +25,7 @@ def test_bench_serve_help_comes_from_the_benchmark(capsys):
     (["--model", "/no/such/model.gguf"], "not found"),
     (["-tp", "0"], "tensor_parallel_size must be an integer >= 1"),
     (["-tp", "4"], "has 3 KV heads, and each rank needs at least one; use at most --tensor-parallel-size 3"),
-    (["-tp", "2", "--weights-gpu-gib", "0.2"], "--tensor-parallel-size 2 does not combine with --weight-placement"),
+    (["-tp", "2", "--gpu-memory-gib", "1"], "--tensor-parallel-size 2 does not combine with --gpu-memory-gib"),
 ])
 def test_a_flag_that_cannot_work_is_refused_in_one_line(flags, message, capsys):
     assert main(["serve", *flags]) == 2

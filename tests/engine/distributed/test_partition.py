@@ -1,5 +1,7 @@
 """How a model splits over tensor-parallel ranks, and each rank's share of the weights: the shards
 put back together are the model's weights, dense and packed INT4 alike."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,9 +47,18 @@ def test_more_ranks_than_kv_heads_is_refused(embedded, world_size, message):
         plan_shards(embedded.config, world_size)
 
 
-def test_a_moe_model_is_refused():
-    with pytest.raises(ConfigError, match="MoE model with --tensor-parallel-size 1"):
-        plan_shards(create_loader("qwen3-moe-tiny", "dummy").config, 2)
+def test_every_expert_splits_by_its_units_and_the_router_stays_whole():
+    loader = create_loader("qwen3-moe-tiny", "dummy")
+    shards = plan_shards(loader.config, 2)
+    assert [s.expert_intermediate for s in shards] == [(0, 32), (32, 64)]
+    whole = loader.load_layer(0, torch.float32)
+    ranks = [ShardedLoader(loader, shard).load_layer(0, torch.float32) for shard in shards]
+    for key, dim in (("experts.5.gate_proj", 0), ("experts.5.up_proj", 0), ("experts.5.down_proj", 1)):
+        assert torch.equal(_joined([rank[key] for rank in ranks], dim), whole[key]), key
+    assert all(torch.equal(rank["router"], whole["router"]) for rank in ranks)
+    assert ShardedLoader(loader, shards[1]).config.moe.expert_intermediate_size == 32
+    with pytest.raises(ConfigError, match="expert_intermediate_size \\(64\\) must be a multiple of 32 with at least"):
+        plan_shards(dataclasses.replace(loader.config, num_kv_heads=4), 3)
 
 
 def _joined(parts, dim):
@@ -89,7 +100,7 @@ def test_columns_off_the_int4_groups_are_refused():
                          num_layers=1, num_heads=2, num_kv_heads=2, head_dim=48, rms_norm_eps=1e-5,
                          rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True,
                          attention_bias=False)
-    with pytest.raises(ConfigError, match="multiples of 32"):
+    with pytest.raises(ConfigError, match="head_dim \\(48\\) must be a multiple of 32"):
         plan_shards(config, 2)
 
 
