@@ -14,10 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-import ray
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.report import median_rows, run_interleaved, write_results
-from engine import LLM, SamplingParams
+import kernels  # noqa: E402,F401  (before torch: the engine's OpenMP spin cap)
+import ray  # noqa: E402
+
+from benchmarks.report import median_rows, run_interleaved, write_results  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tensor_parallel.json"
 PROMPT = "Write a long story about a lighthouse keeper and the sea."

@@ -1,5 +1,5 @@
-"""The tensor-parallel ranks' collectives over torch.distributed: gloo between CPU processes,
-NCCL between GPUs."""
+"""The tensor-parallel ranks' collectives: over torch.distributed (NCCL between GPUs, gloo between
+hosts), or through shared memory between CPU ranks of one host (shm_collectives.py)."""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -36,3 +36,13 @@ class TorchCollectives:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def create_collectives(rank: int, world_size: int, device: str, one_host: bool, init_method: str,
+                       segment_name: str):
+    """Shared memory where every rank is a CPU process of this host, else torch.distributed."""
+    if one_host and not device.startswith("cuda"):
+        from engine.distributed.shm_collectives import SharedMemoryCollectives
+
+        return SharedMemoryCollectives(rank, world_size, segment_name)
+    return TorchCollectives(rank, world_size, init_method, backend_for(device))

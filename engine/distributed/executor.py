@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from engine.distributed.partition import plan_shards
 from engine.distributed.wire import wire_plan
@@ -56,10 +57,12 @@ class TensorParallelRunner:
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             _start_ray(ray, ray_address, world_size)
-        self._workers = self._start_workers(ray, shards, device, pin_cores=ray_address is None)
+        one_host = ray_address is None
+        self._workers = self._start_workers(ray, shards, device, pin_cores=one_host)
         try:
             address = ray.get(self._workers[0].rendezvous_address.remote())
-            self._gather([worker.connect.remote(address, device) for worker in self._workers])
+            segment = f"tandem-tp-{uuid.uuid4().hex[:16]}"
+            self._gather([worker.connect.remote(address, device, one_host, segment) for worker in self._workers])
             vocab_ranges = [shard.vocab for shard in shards]
             runner_kwargs = dict(runner_kwargs, weight_stats=weight_stats)
             self.reports: list[RankReport] = self._gather(

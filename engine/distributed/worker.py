@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.distributed.collectives import TorchCollectives, backend_for
+from engine.distributed.collectives import create_collectives
 from engine.distributed.parallel_linear import TensorParallelLayers
 from engine.distributed.partition import RankShard
 from engine.distributed.sharded_loader import ShardedLoader
@@ -53,7 +53,7 @@ class RankWorker:
         if cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, set(cores))
             torch.set_num_threads(len(cores))
-        self.collectives: TorchCollectives | None = None
+        self.collectives = None
         self.runner: ModelRunner | None = None
 
     def rendezvous_address(self) -> str:
@@ -65,8 +65,9 @@ class RankWorker:
             port = probe.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def connect(self, init_method: str, device: str) -> None:
-        self.collectives = TorchCollectives(self.shard.rank, self.shard.world_size, init_method, backend_for(device))
+    def connect(self, init_method: str, device: str, one_host: bool, segment_name: str) -> None:
+        self.collectives = create_collectives(self.shard.rank, self.shard.world_size, device, one_host, init_method,
+                                              segment_name)
 
     def build(self, source: ModelSource, device: str, runner_kwargs: dict, vocab_ranges: list[tuple[int, int]]) -> RankReport:
         """This rank's runner over its shard; `runner_kwargs["layer_store"]` makes the store its
