@@ -38,10 +38,9 @@ class TorchCollectives:
             dist.destroy_process_group()
 
 
-def create_collectives(rank: int, world_size: int, device: str, one_host: bool, init_method: str,
-                       segment_name: str):
-    """Shared memory where every rank is a CPU process of this host, else torch.distributed."""
-    if one_host and not device.startswith("cuda"):
+def create_collectives(rank: int, world_size: int, device: str, init_method: str, segment_name: str | None):
+    """Shared memory where the ranks have a segment (CPU processes of one host), else torch.distributed."""
+    if segment_name is not None:
         from engine.distributed.shm_collectives import SharedMemoryCollectives
 
         return SharedMemoryCollectives(rank, world_size, segment_name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from multiprocessing import shared_memory
 
 from engine.distributed.partition import plan_shards
 from engine.distributed.wire import wire_plan
@@ -61,8 +62,12 @@ class TensorParallelRunner:
         self._workers = self._start_workers(ray, shards, device, pin_cores=one_host)
         try:
             address = ray.get(self._workers[0].rendezvous_address.remote())
-            segment = f"tandem-tp-{uuid.uuid4().hex[:16]}"
-            self._gather([worker.connect.remote(address, device, one_host, segment) for worker in self._workers])
+            # CPU ranks of one host meet in shared memory; GPUs and hosts over torch.distributed
+            shared = one_host and device_kind(device) != "cuda"
+            self._segment = f"tandem-tp-{uuid.uuid4().hex[:16]}" if shared else None
+            self._gather([worker.connect.remote(address, device, self._segment) for worker in self._workers])
+            logger.info("tensor-parallel collectives: %s", f"shared memory {self._segment}" if shared
+                        else f"torch.distributed at {address}")
             vocab_ranges = [shard.vocab for shard in shards]
             runner_kwargs = dict(runner_kwargs, weight_stats=weight_stats)
             self.reports: list[RankReport] = self._gather(
@@ -135,6 +140,7 @@ class TensorParallelRunner:
                     pass
             ray.kill(worker)
         self._workers = []
+        remove_segment(getattr(self, "_segment", None))
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
 
@@ -168,6 +174,18 @@ class TensorParallelRunner:
             rank, exc = next(iter(failures.items()))
             raise RankLostError(f"tensor-parallel rank {rank} failed alone: {_first_line(exc)}") from exc
         return [results[rank] for rank in range(len(refs))]
+
+
+def remove_segment(name: str | None) -> None:
+    """The ranks' shared-memory segment, where a killed rank 0 left it behind."""
+    if name is None:
+        return
+    try:
+        segment = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return
+    segment.close()
+    segment.unlink()
 
 
 def _first_line(exc: BaseException) -> str:

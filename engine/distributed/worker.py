@@ -65,8 +65,9 @@ class RankWorker:
             port = probe.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def connect(self, init_method: str, device: str, one_host: bool, segment_name: str) -> None:
-        self.collectives = create_collectives(self.shard.rank, self.shard.world_size, device, one_host, init_method,
+    def connect(self, init_method: str, device: str, segment_name: str | None) -> None:
+        """Join the other ranks: in the shared-memory segment `segment_name`, else at `init_method`."""
+        self.collectives = create_collectives(self.shard.rank, self.shard.world_size, device, init_method,
                                               segment_name)
 
     def build(self, source: ModelSource, device: str, runner_kwargs: dict, vocab_ranges: list[tuple[int, int]]) -> RankReport:

@@ -74,3 +74,5 @@ def test_a_killed_rank_makes_health_503_and_the_server_exit(start_server):
         time.sleep(0.2)
     assert server.proc.returncode == 1, server.log_tail()
     assert "tandem serve: exiting: the engine loop died: tensor-parallel rank 1" in server.log_tail()
+    segments = re.findall(r"tandem-tp-\w+", server.log_tail(10**6))
+    assert not any(os.path.exists(f"/dev/shm/{name}") for name in segments)  # the ranks' segment is gone
