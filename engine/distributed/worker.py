@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,24 @@ class RankReport:
 
 
 @dataclass(frozen=True)
+class RankFailure:
+    """A rank's step that raised."""
+
+    rank: int
+    message: str
+    error: BaseException
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """`exc`, or a RuntimeError with its message where it would not survive the trip to the driver."""
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True)
 class ModelSource:
     """Where every rank loads its shard from (each reads the checkpoint itself)."""
 
@@ -50,11 +70,20 @@ class RankWorker:
     def __init__(self, shard: RankShard, cores: tuple[int, ...], log_level: int = logging.INFO) -> None:
         logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank {shard.rank} %(name)s: %(message)s")
         self.shard, self.cores = shard, cores
-        if cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, set(cores))
-            torch.set_num_threads(len(cores))
+        self._pinned_threads: set[int] = set()
+        self._pin_this_thread()
         self.collectives = None
         self.runner: ModelRunner | None = None
+
+    def _pin_this_thread(self) -> None:
+        """Keep the calling thread to this rank's cores: Ray runs an actor's calls on threads of its
+        own (a compiled graph's loop among them), which do not inherit the constructor's mask."""
+        thread = threading.get_ident()
+        if not self.cores or thread in self._pinned_threads or not hasattr(os, "sched_setaffinity"):
+            return
+        os.sched_setaffinity(0, set(self.cores))
+        torch.set_num_threads(len(self.cores))
+        self._pinned_threads.add(thread)
 
     def rendezvous_address(self) -> str:
         """tcp://<this node>:<a free port> for the process group (asked of rank 0)."""
@@ -74,6 +103,7 @@ class RankWorker:
         """This rank's runner over its shard; `runner_kwargs["layer_store"]` makes the store its
         layers are placed by (None: every layer resident), under the row-parallel wrapping, and
         `runner_kwargs["weight_stats"]` is what that store writes to."""
+        self._pin_this_thread()
         loader = ShardedLoader(create_loader(source.model, source.load_format, seed=source.seed), self.shard)
         cores = self._core_assignment(device)
         collectives, inner_store = self.collectives, runner_kwargs.pop("layer_store")
@@ -96,16 +126,23 @@ class RankWorker:
             return CoreAssignment.testbed_on_one_core(self.cores[0])
         return CoreAssignment.for_device(_local_device(device))
 
-    def execute(self, plan: IterationPlan) -> tuple[RunnerOutput, WeightStats] | None:
+    def execute(self, plan: IterationPlan) -> tuple[RunnerOutput, WeightStats] | RankFailure | None:
         """The plan's forward on this rank; rank 0 also samples and returns the tokens, with what its
-        layer store did so far."""
-        if self.shard.rank == 0:
-            return self.runner.execute(plan), self.weight_stats.snapshot()
-        self.runner.forward(plan)
-        return None
+        layer store did so far. A failure comes back as a value, so that the driver can tell one
+        rank's from every rank's."""
+        self._pin_this_thread()
+        try:
+            if self.shard.rank == 0:
+                return self.runner.execute(plan), self.weight_stats.snapshot()
+            self.runner.forward(plan)
+            return None
+        except Exception as exc:
+            logger.exception("rank %d: the step failed", self.shard.rank)
+            return RankFailure(self.shard.rank, f"{type(exc).__name__}: {exc}", _picklable(exc))
 
     def profile_costs(self, profile_kwargs: dict) -> TableCostModel:
         """The cost tables as this rank measures them, its own store's stalls set apart."""
+        self._pin_this_thread()
         return self.runner.profile_costs(**dict(profile_kwargs, weight_stats=self.weight_stats))
 
     def begin_serving(self) -> None:
