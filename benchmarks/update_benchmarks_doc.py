@@ -111,7 +111,7 @@ SECTIONS = (
             "Run by `make bench-tp` on a quiet machine: the embedded model on device cpu at `--tensor-parallel-size`\n"
             "1 and 2 (two Ray actors meeting in shared memory, each pinned to one of the two cores), 1 and 8 greedy\n"
             "streams of 48 tokens, repetitions interleaved, medians. The last columns are a step's wall time beyond rank 0's\n"
-            "forward: at tp 2 the plan's trip to the ranks through Ray's object store and the tokens' trip back.\n"
+            "forward: at tp 2 the plan's trip to the ranks (a compiled Ray graph's channels) and the tokens' back.\n"
             "On a CPU-only host one rank already reads the weights with both cores, so this measures the\n"
             "machinery's cost, not a gain; the gain needs a GPU per rank (the CUDA path has not run yet).",
             "## Structured outputs (`benchmarks/structured_decode.py`)"),
