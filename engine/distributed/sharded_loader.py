@@ -12,7 +12,7 @@ import torch
 
 from engine.distributed.partition import RankShard, shard_config
 from engine.model.config import ConfigError
-from engine.quant.int4 import KeepDense, PackedInt4
+from engine.quant.int4 import weight_columns, weight_rows
 from engine.weights.base import SHARED_EXPERT_PREFIX, WeightLoader
 
 
@@ -52,11 +52,11 @@ class ShardedLoader(WeightLoader):
         for key, tensor in loaded.items():
             prefix, _, name = key.rpartition(".")
             if key in rows:
-                tensor = _rows(tensor, *rows[key])
+                tensor = weight_rows(tensor, *rows[key])
             elif key == "o_proj":
                 tensor = _columns(tensor, *q_rows, key)
             elif name in ("gate_proj", "up_proj"):
-                tensor = _rows(tensor, *self._units(prefix))
+                tensor = weight_rows(tensor, *self._units(prefix))
             elif name == "down_proj":
                 tensor = _columns(tensor, *self._units(prefix), key)
             sharded[key] = tensor
@@ -72,24 +72,9 @@ class ShardedLoader(WeightLoader):
         return self.shard.intermediate
 
 
-def _rows(weight: Any, start: int, end: int) -> Any:
-    if isinstance(weight, PackedInt4):
-        return PackedInt4(*(t[start:end].contiguous() for t in (weight.qweight, weight.scales, weight.mins)),
-                          weight.group_size)
-    if isinstance(weight, KeepDense):
-        return KeepDense(weight.weight[start:end].contiguous())
-    return weight[start:end].contiguous()
-
-
 def _columns(weight: Any, start: int, end: int, key: str) -> Any:
-    if isinstance(weight, PackedInt4):
-        group = weight.group_size
-        if start % group or end % group:
-            raise ConfigError(f"{key}: columns [{start}, {end}) of this rank do not fall on the checkpoint's "
-                              f"{group}-weight INT4 groups; use another --tensor-parallel-size")
-        return PackedInt4(weight.qweight[:, start // 2:end // 2].contiguous(),
-                          weight.scales[:, start // group:end // group].contiguous(),
-                          weight.mins[:, start // group:end // group].contiguous(), group)
-    if isinstance(weight, KeepDense):
-        return KeepDense(weight.weight[:, start:end].contiguous())
-    return weight[:, start:end].contiguous()
+    try:
+        return weight_columns(weight, start, end)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: this rank's columns [{start}, {end}) do not fall on the checkpoint's INT4 "
+                          f"groups; use another --tensor-parallel-size") from exc

@@ -30,38 +30,13 @@ from engine.execution.stats import WeightStats
 from engine.model.feed_forward import SiluMul
 from engine.model.layers import fused_silu_mul
 from engine.quant import LinearMethod, LinearWeight
-from engine.quant.int4 import DEFAULT_GROUP_SIZE, KeepDense, PackedInt4, fuse
+from engine.quant.int4 import DEFAULT_GROUP_SIZE, fuse, weight_columns, weight_rows
 from scheduler.placement.slicing import SliceKind
 
 MLP_NAMES = ("gate_up", "down")  # a slice's weights, in image order
 
 
 # ---- cutting a loaded layer's MLP ---------------------------------------------------------------
-def _rows(weight, start: int, end: int):
-    """Output rows [start, end) of a loaded weight (a tensor, PackedInt4 or KeepDense)."""
-    if isinstance(weight, PackedInt4):
-        return PackedInt4(weight.qweight[start:end], weight.scales[start:end], weight.mins[start:end],
-                          weight.group_size)
-    if isinstance(weight, KeepDense):
-        return KeepDense(weight.weight[start:end])
-    return weight[start:end]
-
-
-def _columns(weight, start: int, end: int):
-    """Input columns [start, end) of a loaded weight; a packed one only on its groups' boundaries."""
-    if isinstance(weight, PackedInt4):
-        group = weight.group_size
-        if start % group or end % group:
-            raise ValueError(f"a packed INT4 weight is cut on its groups of {group} columns, not at "
-                             f"[{start}, {end})")
-        return PackedInt4(weight.qweight[:, start // 2:end // 2].contiguous(),
-                          weight.scales[:, start // group:end // group].contiguous(),
-                          weight.mins[:, start // group:end // group].contiguous(), group)
-    if isinstance(weight, KeepDense):
-        return KeepDense(weight.weight[:, start:end].contiguous())
-    return weight[:, start:end].contiguous()
-
-
 def slice_mlp(loaded: dict, counts: tuple[int, int, int]) -> dict[str, dict]:
     """A loaded layer's MLP cut into slices of `counts` (CC, CG, GG) intermediate units: for each
     slice with units, its fused gate/up rows ([gate | up], as LayerWeights fuses them) and down
@@ -70,8 +45,8 @@ def slice_mlp(loaded: dict, counts: tuple[int, int, int]) -> dict[str, dict]:
     for name, num_units in zip(SliceKind, counts):
         end = start + num_units
         if num_units:
-            gate_up = fuse([_rows(loaded["gate_proj"], start, end), _rows(loaded["up_proj"], start, end)])
-            slices[name] = {"gate_up": gate_up, "down": _columns(loaded["down_proj"], start, end)}
+            gate_up = fuse([weight_rows(loaded["gate_proj"], start, end), weight_rows(loaded["up_proj"], start, end)])
+            slices[name] = {"gate_up": gate_up, "down": weight_columns(loaded["down_proj"], start, end)}
         start = end
     return slices
 

@@ -84,6 +84,33 @@ class KeepDense:
         return self.weight.shape[0], self.weight.shape[1]
 
 
+def weight_rows(weight, start: int, end: int):
+    """Output rows [start, end) of a loaded weight (a tensor, PackedInt4 or KeepDense), copied: the
+    whole weight need not stay alive."""
+    if isinstance(weight, PackedInt4):
+        return PackedInt4(*(t[start:end].clone() for t in (weight.qweight, weight.scales, weight.mins)),
+                          weight.group_size)
+    if isinstance(weight, KeepDense):
+        return KeepDense(weight.weight[start:end].clone())
+    return weight[start:end].clone()
+
+
+def weight_columns(weight, start: int, end: int):
+    """Input columns [start, end) of a loaded weight, copied; a packed one only on its groups'
+    boundaries (ValueError elsewhere)."""
+    if isinstance(weight, PackedInt4):
+        group = weight.group_size
+        if start % group or end % group:
+            raise ValueError(f"a packed INT4 weight is cut on its groups of {group} columns, not at "
+                             f"[{start}, {end})")
+        return PackedInt4(weight.qweight[:, start // 2:end // 2].contiguous(),
+                          weight.scales[:, start // group:end // group].contiguous(),
+                          weight.mins[:, start // group:end // group].contiguous(), group)
+    if isinstance(weight, KeepDense):
+        return KeepDense(weight.weight[:, start:end].contiguous())
+    return weight[:, start:end].contiguous()
+
+
 def fuse(parts: list) -> torch.Tensor | PackedInt4 | KeepDense | list:
     """Weights stacked along the output dimension, as QKV and gate/up are fused. Neighbours of one
     kind (packed with one group size, kept dense, plain) are concatenated; parts of several
