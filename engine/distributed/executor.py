@@ -102,10 +102,6 @@ class TensorParallelRunner:
         """Blocks every rank's GPU pool holds (each rank stores its own heads of the same blocks)."""
         return min(report.num_gpu_blocks for report in self.reports)
 
-    @property
-    def pids(self) -> list[int]:
-        return [report.pid for report in self.reports]
-
     def weight_bytes(self) -> dict[tuple[str, str], int]:
         """Summed over the ranks (the embeddings counted once per rank: each holds them whole)."""
         totals: dict[tuple[str, str], int] = {}
@@ -115,6 +111,7 @@ class TensorParallelRunner:
         return totals
 
     def execute(self, plan: IterationPlan) -> RunnerOutput:
+        """The plan on every rank; rank 0's sampled tokens (and its store's totals into weight_stats)."""
         results = self._run_step(wire_plan(plan, self.vocab_size))
         failures = [result for result in results if isinstance(result, RankFailure)]
         if failures:
