@@ -136,8 +136,8 @@ class LLMEngine:
         self.kv_bytes_per_token = block_bytes // cache.block_size  # every layer's K and V, scales included
         num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.cpu_attention_enabled else 0
         # the host's cores among the GPU thread, the CPU side, copies and reads (Algorithm 3)
-        self.thread_plan = plan_thread_split(config, self.rank_model_config, self.dtype, self.plan, self._model_max_len(),
-                                             copy_threads=config.weights.num_copy_threads)
+        self.thread_plan = plan_thread_split(config, self.rank_model_config, self.dtype, self.plan,
+                                             self._model_max_len(), copy_threads=config.weights.num_copy_threads)
         self.runner = self._create_runner(loader, core_assignment(config, self.thread_plan.split), dict(
             dtype=self.dtype, num_blocks=self._kv_pool_size(block_bytes), num_cpu_blocks=num_cpu_blocks,
             block_size=cache.block_size, max_model_len=self._model_max_len(), decode_backend=config.decode_attention,
@@ -179,9 +179,9 @@ class LLMEngine:
             return ModelRunner(self.model_config, loader, device=config.device, cores=cores,
                                layer_store=self._layer_store_factory(loader), **runner_kwargs)
         source = ModelSource(config.model, config.load_format, config.seed)
+        rank_kwargs = dict(runner_kwargs, layer_store=self._layer_store_factory(loader))
         return TensorParallelRunner(self.model_config, source, config.device, config.parallel.tensor_parallel_size,
-                                    config.parallel.ray_address, dict(runner_kwargs, layer_store=self._layer_store_factory(loader)),
-                                    self.weight_stats)
+                                    config.parallel.ray_address, rank_kwargs, self.weight_stats)
 
     def _fit(self, config: EngineConfig, loader) -> EngineConfig:
         fitted, self.fit = fit_config(config, loader, self.dtype, model_max_len(config, loader.config))

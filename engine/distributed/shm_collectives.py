@@ -63,8 +63,8 @@ class SharedMemoryCollectives:
         return gathered.view(self.world_size, rows, cols).permute(1, 0, 2).reshape(rows, self.world_size * cols)
 
     def _chunks(self, flat: torch.Tensor) -> list[tuple[int, int]]:
-        per_chunk = SLOT_BYTES // flat.element_size()
-        return [(start, min(start + per_chunk, flat.numel())) for start in range(0, flat.numel(), per_chunk)] or [(0, 0)]
+        per_chunk, total = SLOT_BYTES // flat.element_size(), flat.numel()
+        return [(start, min(start + per_chunk, total)) for start in range(0, total, per_chunk)] or [(0, 0)]
 
     def _exchange(self, part: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `part` (same shape and dtype on each), in rank order, as views of the segment."""

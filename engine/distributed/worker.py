@@ -67,13 +67,17 @@ class ModelSource:
 
 
 class RankWorker:
+    """Rank `shard.rank`'s process: connect, build, then one `execute` per iteration."""
+
     def __init__(self, shard: RankShard, cores: tuple[int, ...], log_level: int = logging.INFO) -> None:
-        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank {shard.rank} %(name)s: %(message)s")
+        logging.basicConfig(level=log_level,
+                            format=f"%(asctime)s %(levelname)s rank {shard.rank} %(name)s: %(message)s")
         self.shard, self.cores = shard, cores
         self._pinned_threads: set[int] = set()
         self._pin_this_thread()
         self.collectives = None
         self.runner: ModelRunner | None = None
+        self.weight_stats: WeightStats | None = None  # what this rank's layer store writes (given to build)
 
     def _pin_this_thread(self) -> None:
         """Keep the calling thread to this rank's cores: Ray runs an actor's calls on threads of its
@@ -99,7 +103,8 @@ class RankWorker:
         self.collectives = create_collectives(self.shard.rank, self.shard.world_size, device, init_method,
                                               segment_name)
 
-    def build(self, source: ModelSource, device: str, runner_kwargs: dict, vocab_ranges: list[tuple[int, int]]) -> RankReport:
+    def build(self, source: ModelSource, device: str, runner_kwargs: dict,
+              vocab_ranges: list[tuple[int, int]]) -> RankReport:
         """This rank's runner over its shard; `runner_kwargs["layer_store"]` makes the store its
         layers are placed by (None: every layer resident), under the row-parallel wrapping, and
         `runner_kwargs["weight_stats"]` is what that store writes to."""
@@ -107,7 +112,7 @@ class RankWorker:
         loader = ShardedLoader(create_loader(source.model, source.load_format, seed=source.seed), self.shard)
         cores = self._core_assignment(device)
         collectives, inner_store = self.collectives, runner_kwargs.pop("layer_store")
-        self.weight_stats = runner_kwargs.pop("weight_stats")  # the object the store writes (one pickle with it)
+        self.weight_stats = runner_kwargs.pop("weight_stats")  # the very object the store holds: one pickle
 
         def layer_store(gpu_device: torch.device, rank_cores: CoreAssignment) -> TensorParallelLayers:
             inner = inner_store(gpu_device, rank_cores) if inner_store is not None else \

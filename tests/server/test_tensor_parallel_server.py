@@ -51,7 +51,8 @@ def test_parallel_requests_at_two_ranks(tp_server):
 
 def rank_pids(server) -> dict[int, int]:
     """rank -> pid, from the server's log."""
-    return {int(rank): int(pid) for rank, pid in re.findall(r"tensor-parallel rank (\d+): pid (\d+)", server.log_tail(10**6))}
+    found = re.findall(r"tensor-parallel rank (\d+): pid (\d+)", server.log_tail(10**6))
+    return {int(rank): int(pid) for rank, pid in found}
 
 
 def test_a_killed_rank_makes_health_503_and_the_server_exit(start_server):
