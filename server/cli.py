@@ -68,6 +68,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--cors-origins", default="", help="comma-separated allowed origins ('*' for any)")
     http.add_argument("--shutdown-grace", type=float, default=10.0,
                       help="seconds in-flight requests may finish after SIGTERM/SIGINT")
+    http.add_argument("--dead-engine-grace", type=float, default=2.0,
+                      help="once the engine loop has died (a tensor-parallel rank lost), seconds /health answers "
+                           "503 with the reason before the server exits 1 for its supervisor to restart it")
     http.add_argument("--tool-call-parser", choices=(AUTO_PARSER, *PARSER_NAMES), default=AUTO_PARSER,
                       help="the format the model writes tool calls in (auto: the one its chat template teaches; "
                            "hermes where the template renders no tools, which tandem then describes itself)")
@@ -405,7 +408,7 @@ def serve(args: argparse.Namespace) -> int:
     metrics.record_kv_format(engine.kv_format.name, engine.kv_bytes_per_token)
     metrics.record_threads(engine.thread_plan.split)
     metrics.watch_experts(engine.expert_heat)
-    exit_when_dead = _ExitWhenDead()
+    exit_when_dead = ExitWhenDead(args.dead_engine_grace)
     async_engine = AsyncEngine(engine, QueueBounds(args.max_waiting_requests, args.max_waiting_tokens),
                                on_iteration=metrics.record_iteration, on_abort=metrics.record_abort,
                                on_dead=exit_when_dead)
@@ -434,19 +437,18 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-class _ExitWhenDead:
+class ExitWhenDead:
     """Once the engine loop has died (a tensor-parallel rank lost), /health answers 503 for
-    DEAD_EXIT_DELAY_S so probes see why, then the server shuts down and the process exits 1."""
+    `grace_s` so probes see why, then the server shuts down and the process exits 1."""
 
-    DEAD_EXIT_DELAY_S = 2.0
-
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
         self.server = None
         self.reason: str | None = None
 
     def __call__(self, reason: str) -> None:
         self.reason = reason
-        threading.Timer(self.DEAD_EXIT_DELAY_S, self._stop).start()
+        threading.Timer(self.grace_s, self._stop).start()
 
     def _stop(self) -> None:
         if self.server is not None:

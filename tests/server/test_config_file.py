@@ -16,7 +16,7 @@ from server.flag_sources import DeprecatedFlag, FlagSourceError, env_name, file_
 # One value per flag, each unlike its default, so a file that set nothing could not pass.
 EVERY_FLAG = {
     "host": "0.0.0.0", "port": 8123, "served-model-name": "tiny", "api-key": ["k1", "k2"],
-    "max-body-bytes": 1024, "cors-origins": "http://a.test,http://b.test", "shutdown-grace": 2.5,
+    "max-body-bytes": 1024, "cors-origins": "http://a.test,http://b.test", "shutdown-grace": 2.5, "dead-engine-grace": 1.5,
     "tool-call-parser": "mistral",
     "max-waiting-requests": 7, "max-waiting-tokens": 999,
     "model": "llama-3.1-8b", "load-format": "dummy", "dtype": "bfloat16", "quantization": "int4",

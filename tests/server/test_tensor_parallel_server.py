@@ -56,7 +56,7 @@ def rank_pids(server) -> dict[int, int]:
 
 
 def test_a_killed_rank_makes_health_503_and_the_server_exit(start_server):
-    server = start_server("-tp", "2")
+    server = start_server("-tp", "2", "--dead-engine-grace", "3")
     pids = rank_pids(server)
     assert set(pids) == {0, 1}
     two = sdk(server)
