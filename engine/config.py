@@ -381,18 +381,13 @@ class EngineConfig:
         self._check_parallel()
 
     def _check_parallel(self) -> None:
-        """What tensor parallelism does not combine with yet (the fit's budgets, disk-tier layers),
-        refused with the flag to change."""
-        if not self.parallel.enabled:
-            return
-        if self.gpu_memory_gib is not None or self.host_memory_gib is not None:
+        """What tensor parallelism does not combine with yet, refused with the flag to change: the
+        fit's budgets (disk-tier layers, chosen or asked for, the engine refuses once planned)."""
+        if self.parallel.enabled and (self.gpu_memory_gib is not None or self.host_memory_gib is not None):
             raise ConfigError(f"--tensor-parallel-size {self.parallel.tensor_parallel_size} does not combine with "
                               f"--gpu-memory-gib / --host-memory-gib (the fit's budgets) yet: place each rank's "
                               f"layers with --weights-gpu-gib / --weights-cpu-gib and size its pools with "
                               f"--kv-cache-gib / --cpu-kv-cache-gib, or use --tensor-parallel-size 1")
-        if self.weights.placement == "disk":
-            raise ConfigError(f"--tensor-parallel-size {self.parallel.tensor_parallel_size} does not combine with "
-                              f"--weight-placement disk yet: a rank's shard of the offload directory is not built")
 
     @property
     def torch_device(self) -> str:

@@ -123,7 +123,8 @@ class LLMEngine:
         if config.parallel.enabled and self.plan.num_layers_in(Tier.DISK):
             raise ConfigError(f"--tensor-parallel-size {config.parallel.tensor_parallel_size}: the plan streams layers "
                               f"from disk, and a rank's shard of the offload directory is not built; give each rank "
-                              f"more --weights-cpu-gib (host memory) or --weights-gpu-gib")
+                              f"more --weights-cpu-gib (host memory) or --weights-gpu-gib, and no --weight-placement "
+                              f"disk")
         self.placement: WeightPlacement | None = self.plan.placement  # the whole-layer streaming part
         self.slicing: SlicingPlan | None = self.plan.slicing  # the solved slicing part
         if self.placement is not None or self.slicing is not None:
@@ -175,13 +176,12 @@ class LLMEngine:
         """The model on this process (its layers where the plan puts them), or split over
         --tensor-parallel-size ranks, each a Ray actor building its shard (engine/distributed)."""
         config = self.config
+        runner_kwargs = dict(runner_kwargs, layer_store=self._layer_store_factory(loader))
         if not config.parallel.enabled:
-            return ModelRunner(self.model_config, loader, device=config.device, cores=cores,
-                               layer_store=self._layer_store_factory(loader), **runner_kwargs)
+            return ModelRunner(self.model_config, loader, device=config.device, cores=cores, **runner_kwargs)
         source = ModelSource(config.model, config.load_format, config.seed)
-        rank_kwargs = dict(runner_kwargs, layer_store=self._layer_store_factory(loader))
         return TensorParallelRunner(self.model_config, source, config.device, config.parallel.tensor_parallel_size,
-                                    config.parallel.ray_address, rank_kwargs, self.weight_stats)
+                                    config.parallel.ray_address, runner_kwargs, self.weight_stats)
 
     def _fit(self, config: EngineConfig, loader) -> EngineConfig:
         fitted, self.fit = fit_config(config, loader, self.dtype, model_max_len(config, loader.config))
@@ -256,9 +256,13 @@ class LLMEngine:
     def _linear_weights_key(self) -> str:
         """What the linear stages compute from, for the profile's key: the format, and the slicing or
         the hot-expert cache."""
+        key = self._placed_weights_key()
+        parallel = self.config.parallel
+        # each rank profiles its shard, waiting on the others' collectives
+        return f"{key}, rank 0 of {parallel.tensor_parallel_size}" if parallel.enabled else key
+
+    def _placed_weights_key(self) -> str:
         rates, experts = self.plan.rates, self.plan.experts
-        if self.config.parallel.enabled:  # each rank profiles its shard, waiting on the others' collectives
-            return f"{self.config.quantization}, rank 0 of {self.config.parallel.tensor_parallel_size}"
         if experts is not None:  # the experts the GPU does not hold compute on the CPU
             return f"{self.config.quantization}, {experts.num_slots} of {experts.num_experts} experts hot per layer"
         if rates is None:

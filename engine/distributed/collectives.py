@@ -38,7 +38,7 @@ class TorchCollectives:
             dist.destroy_process_group()
 
 
-def create_collectives(rank: int, world_size: int, device: str, init_method: str, segment_name: str | None):
+def create_collectives(rank: int, world_size: int, device: str, init_method: str | None, segment_name: str | None):
     """Shared memory where the ranks have a segment (CPU processes of one host), else torch.distributed."""
     if segment_name is not None:
         from engine.distributed.shm_collectives import SharedMemoryCollectives

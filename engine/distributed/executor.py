@@ -62,10 +62,10 @@ class TensorParallelRunner:
         one_host = ray_address is None
         self._workers = self._start_workers(ray, shards, device, pin_cores=one_host)
         try:
-            address = ray.get(self._workers[0].rendezvous_address.remote())
             # CPU ranks of one host meet in shared memory; GPUs and hosts over torch.distributed
             shared = one_host and device_kind(device) != "cuda"
             self._segment = f"tandem-tp-{uuid.uuid4().hex[:16]}" if shared else None
+            address = None if shared else ray.get(self._workers[0].rendezvous_address.remote())
             self._gather([worker.connect.remote(address, device, self._segment) for worker in self._workers])
             logger.info("tensor-parallel collectives: %s", f"shared memory {self._segment}" if shared
                         else f"torch.distributed at {address}")
@@ -165,19 +165,23 @@ class TensorParallelRunner:
         and the step graph's loop with them) by killing them first."""
         workers, self._workers = getattr(self, "_workers", []), []
         if self._lost:
+            self._kill(workers)
+            self._teardown_step_graph()
+        else:
+            self._teardown_step_graph()
             for worker in workers:
-                self._ray.kill(worker)
-        self._teardown_step_graph()
-        for worker in workers:
-            if not self._lost:
                 try:
                     self._ray.get(worker.close.remote(), timeout=CLOSE_TIMEOUT_S)
-                except Exception:  # a dead rank has nothing left to close
+                except Exception:  # a rank that failed to build has nothing left to close
                     logger.debug("tensor-parallel rank: close failed", exc_info=True)
-            self._ray.kill(worker)
+            self._kill(workers)
         remove_segment(getattr(self, "_segment", None))
         if self._started_ray and self._ray.is_initialized():
             self._ray.shutdown()
+
+    def _kill(self, workers: list) -> None:
+        for worker in workers:
+            self._ray.kill(worker)
 
     def _teardown_step_graph(self) -> None:
         if self._step_graph is None:

@@ -98,7 +98,7 @@ class RankWorker:
             port = probe.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def connect(self, init_method: str, device: str, segment_name: str | None) -> None:
+    def connect(self, init_method: str | None, device: str, segment_name: str | None) -> None:
         """Join the other ranks: in the shared-memory segment `segment_name`, else at `init_method`."""
         self.collectives = create_collectives(self.shard.rank, self.shard.world_size, device, init_method,
                                               segment_name)

@@ -13,6 +13,7 @@ from engine import LLM, SamplingParams
 from engine.weights import EMBEDDED_MODEL, create_loader
 from engine.weights.base import embedded_gguf_path
 from offload_costs import write_cost_tables
+from tiny_qwen2 import save_tiny_qwen2
 from scheduler.placement.tiers import Tier
 from test_offload_generation import ALL_PATHS, MAX_TOKENS, PROMPTS, SMALL_POOLS, TWO_CORES, generate_recording_paths
 
@@ -46,17 +47,9 @@ def run(prompts, params, check=lambda engine: None, **kwargs):
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory):
     """A random Qwen2 (biased Q/K/V, GQA 4, untied head) whose widths split on INT4 groups."""
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=320, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=False)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    with torch.no_grad():  # biases are zero at init: make them count
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.add_(torch.randn_like(param) * 0.1)
-    path = tmp_path_factory.mktemp("qwen2")
-    model.save_pretrained(path, safe_serialization=True)
+    path = save_tiny_qwen2(tmp_path_factory.mktemp("qwen2"), vocab_size=512, hidden_size=256, intermediate_size=320,
+                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                           max_position_embeddings=256, tie_word_embeddings=False)
     gguf = embedded_gguf_path()  # any tokenizer will do: the prompts are token ids below 512
     transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(path)
     return str(path)

@@ -17,6 +17,7 @@ from engine.model.native import NativeDecoder
 from engine.quant import create_linear_method
 from engine.weights import create_loader, embedded_gguf_path
 from kernels import cpu, kv_quant
+from tiny_qwen2 import save_tiny_qwen2  # tests/ is on sys.path through tests/conftest.py
 from kernels.cpu import reference
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -33,16 +34,7 @@ TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_l
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**TINY),
-                                                             torch_dtype=torch.float32)
-    with torch.no_grad():  # biases are zero at init: make them count
-        for name, param in hf_model.named_parameters():
-            if name.endswith("bias"):
-                param.add_(torch.randn_like(param) * 0.1)
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    hf_model.save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), **TINY)
 
 
 def op_by_op_model(path: str, dtype: torch.dtype, method: str) -> LlamaModel:
