@@ -145,5 +145,14 @@ def build(dockerfile: Path, tag: str, context: Path, wheelhouse: Path, workdir: 
                    timeout=BUILD_TIMEOUT_S)
 
 
+def remove_build_leftovers(tag: str | None = None) -> None:
+    """The tagged image, the untagged stage and layer images that `--layers` keeps, and any working
+    container a failed build left: each build leaves about 3 GB, and repeated runs filled the disk."""
+    if tag is not None:
+        run("buildah", "rmi", "-f", tag)
+    run("buildah", "rm", "--all")
+    run("buildah", "rmi", "--prune", timeout=BUILD_TIMEOUT_S)
+
+
 def scratch_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="tandem-images-"))

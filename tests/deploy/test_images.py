@@ -7,6 +7,7 @@ runs with TANDEM_DEVICE=cpu: it checks that Dockerfile's steps, not CUDA."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -39,14 +40,18 @@ def build_inputs():
 
 
 @pytest.fixture(scope="module", params=sorted(DOCKERFILES))
-def image(request, build_inputs) -> tuple[str, str]:
+def image(request, build_inputs) -> Iterator[tuple[str, str]]:
     kind = request.param
     workdir, wheelhouse = build_inputs
     tag = f"localhost/tandem-test:{kind}"
-    result = images.build(DOCKERFILES[kind], tag, ROOT, wheelhouse, workdir, BUILD_ARGS[kind])
-    output = result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.returncode == 0, f"buildah bud {DOCKERFILES[kind].name} failed:\n{output}"
-    return kind, tag
+    images.remove_build_leftovers(tag)
+    try:
+        result = images.build(DOCKERFILES[kind], tag, ROOT, wheelhouse, workdir, BUILD_ARGS[kind])
+        output = result.stdout[-4000:] + result.stderr[-4000:]
+        assert result.returncode == 0, f"buildah bud {DOCKERFILES[kind].name} failed:\n{output}"
+        yield kind, tag
+    finally:
+        images.remove_build_leftovers(tag)
 
 
 @pytest.fixture
