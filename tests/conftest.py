@@ -33,7 +33,13 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests of an opt-in marker skip unless their option is given."""
+    """Tests of an opt-in marker skip unless their option is given; tests marked cuda skip without a
+    CUDA device (`make test-gpu` runs exactly those where one is)."""
+    skip_cuda = pytest.mark.skip(reason="no CUDA device: `make test-gpu` runs it where a GPU is lent")
+    if not _cuda_available():
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip_cuda)
     for marker, (option, target) in OPT_IN_MARKERS.items():
         if config.getoption(option):
             continue
@@ -41,6 +47,12 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if marker in item.keywords:
                 item.add_marker(skip)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def import_interpreted(name: str):

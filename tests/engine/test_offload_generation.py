@@ -79,8 +79,7 @@ def test_offloaded_greedy_tokens_equal_gpu_only(reference, device, tmp_path):
     assert outputs == reference
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_offloaded_greedy_tokens_equal_gpu_only_with_random_weights(device, tmp_path):
     """On CUDA: real streams, events and pinned host blocks. The embedded model's shape with seeded
     random weights (a GPU machine need not have the embedded package) and token-id prompts; the

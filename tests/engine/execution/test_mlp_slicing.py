@@ -57,9 +57,7 @@ def on_testbed(*values):
     return pytest.param(*values, marks=pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores"))
 
 
-ON_CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device: the copy stream and the deferred CPU part on CUDA "
-    "run only where a GPU is lent"))
+ON_CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
 
 
 @pytest.fixture(scope="module")

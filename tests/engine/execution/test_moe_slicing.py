@@ -44,9 +44,7 @@ PLACEMENTS = {
     "per-layer": (SliceRates(0.25, 0.25, 0.5), SliceRates(0.5, 0.0, 0.5)),
 }
 ON_TESTBED = pytest.param("testbed", marks=pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores"))
-ON_CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device: the copy stream and the deferred CPU part on CUDA "
-    "run only where a GPU is lent"))
+ON_CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
 
 
 @dataclass(eq=False)  # hashed by identity: hf_last_logits is memoized per model

@@ -30,7 +30,7 @@ TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >=
 # Every device the pipeline runs on: serial inline, the host-only testbed, and real CUDA streams.
 DEVICES = ["cpu",
            pytest.param("testbed", marks=pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")),
-           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+           pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 # The pipeline drives a model's stages only: a dense Llama, and a Qwen3-MoE (routed experts, per-head Q/K norms).

@@ -148,8 +148,7 @@ def test_a_failed_load_fails_the_forward_that_waits_for_it(tmp_path):
         store.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the copy stream, events and pinned "
-                    "buffers are exercised only where a GPU is lent")
+@pytest.mark.cuda  # the copy stream, events and pinned buffers
 def test_cuda_copy_engine_streams_the_same_bytes(tmp_path):
     store, layers = build(tmp_path, device="cuda")
     try:
