@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -60,6 +60,14 @@ test-api: install
 # one rank's, an SDK server at -tp 2, a rank killed under load.
 test-tp: install
 	$(PY) -m pytest tests -m tp --tp
+
+# On a CUDA GPU, the tests marked cuda: the Triton kernels natively, the copy streams, CUDA graphs and
+# the greedy-parity runs on the device. `install` puts torch's CPU build in .venv, so GPU_PYTHON names
+# an interpreter whose torch sees the GPU (with tandem's dependencies): make test-gpu GPU_PYTHON=python3
+GPU_PYTHON ?= $(PY)
+test-gpu:
+	$(GPU_PYTHON) -m kernels.cpu.build
+	$(GPU_PYTHON) -m pytest tests -m cuda -rs
 
 test-integration: install
 	@missing=$$(for tool in $(INTEGRATION_TOOLS); do command -v $$tool > /dev/null || echo $$tool; done); \
@@ -244,12 +252,14 @@ bench-tp: install
 	$(PY) benchmarks/tensor_parallel.py
 	$(PY) benchmarks/update_benchmarks_doc.py
 
-# On a CUDA GPU: the Triton INT4 matmul against dense bf16; Neo (Llama-3.1-8B shape, random
-# weights), GPU-only vs offloading, capped then not.
-bench-gpu: install
-	$(PY) benchmarks/triton_w4a16.py
-	$(PY) benchmarks/neo_gpu.py
-	$(PY) benchmarks/update_benchmarks_doc.py
+# On a CUDA GPU (GPU_PYTHON as for test-gpu): a decode step's host and GPU time, eager and as a CUDA
+# graph; the Triton INT4 matmul against dense bf16 and the HBM bandwidth; Neo (Llama-3.1-8B shape,
+# random weights), GPU-only vs offloading, capped then not.
+bench-gpu:
+	$(GPU_PYTHON) benchmarks/decode_step_gpu.py
+	$(GPU_PYTHON) benchmarks/triton_w4a16.py
+	$(GPU_PYTHON) benchmarks/neo_gpu.py
+	$(GPU_PYTHON) benchmarks/update_benchmarks_doc.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(CPU_KERNEL) kernels/cpu/*.so

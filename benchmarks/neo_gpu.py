@@ -125,6 +125,8 @@ def main() -> int:
     parser.add_argument("--output-spread", type=float, default=0.6)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--cases", nargs="+", choices=["capped", "uncapped"], default=["capped", "uncapped"],
+                        help="which GPU pools to run (a short GPU session: capped alone)")
     parser.add_argument("--profile-cache-dir", default=None)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -139,8 +141,9 @@ def main() -> int:
     workload = make_workload(args.num_requests, args.input_len, args.input_spread, args.output_len,
                              args.output_spread, vocab_size, seed=0)
     cases = []
-    for label, pool in ((f"capped: {args.num_gpu_blocks} blocks", {"num_blocks": args.num_gpu_blocks}),
-                        (f"uncapped: {args.uncapped_gib:g} GiB", {"kv_cache_memory_gib": args.uncapped_gib})):
+    pools = {"capped": (f"capped: {args.num_gpu_blocks} blocks", {"num_blocks": args.num_gpu_blocks}),
+             "uncapped": (f"uncapped: {args.uncapped_gib:g} GiB", {"kv_cache_memory_gib": args.uncapped_gib})}
+    for label, pool in (pools[case] for case in args.cases):
         cases.append(compare(args, {**common, **pool}, workload, label))
         if on_cuda:
             torch.cuda.empty_cache()

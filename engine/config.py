@@ -344,6 +344,8 @@ class EngineConfig:
     # How a CPU model's decoder layers run: layers (a decode batch's layers in C++, engine/model/native.py),
     # fused (op by op from Python, RMSNorm and RoPE as C++ kernels) or torch (every op a torch op)
     cpu_ops: str = "layers"
+    # On CUDA, GPU-only decode steps replay CUDA graphs (engine/execution/cuda_graphs.py); True: every step eager
+    enforce_eager: bool = False
     show_progress: bool = False  # progress bars while the weights load and the costs are profiled
     cache: CacheConfig = field(default_factory=CacheConfig)
     cpu_attention: CpuAttentionConfig = field(default_factory=CpuAttentionConfig)
@@ -369,6 +371,8 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _require_positive(self, name)
         _require_choice(self, "cpu_ops", CPU_OPS)
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.quantization == "int4" and self.device == "testbed":
             raise ConfigError("quantization int4 runs on device cpu or cuda, not on the testbed: its GPU "
                               "thread would share the CPU kernels' thread pool with the CPU attention; use "

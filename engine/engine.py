@@ -143,7 +143,8 @@ class LLMEngine:
             dtype=self.dtype, num_blocks=self._kv_pool_size(block_bytes), num_cpu_blocks=num_cpu_blocks,
             block_size=cache.block_size, max_model_len=self._model_max_len(), decode_backend=config.decode_attention,
             seed=config.seed, linear_method=QUANTIZATION_METHODS[config.quantization],
-            cpu_ops=config.cpu_ops, show_progress=config.show_progress, kv_cache_dtype=self.kv_format.name))
+            cpu_ops=config.cpu_ops, show_progress=config.show_progress, kv_cache_dtype=self.kv_format.name,
+            cuda_graph_max_batch=self._cuda_graph_max_batch()))
         num_blocks = self.runner.num_gpu_blocks
         logger.info("weights: %s; KV pool: %d blocks of %d tokens (%.2f GiB, %s)",
                     _describe_bytes(self.runner.weight_bytes()), num_blocks, cache.block_size,
@@ -182,6 +183,12 @@ class LLMEngine:
         source = ModelSource(config.model, config.load_format, config.seed)
         return TensorParallelRunner(self.model_config, source, config.device, config.parallel.tensor_parallel_size,
                                     config.parallel.ray_address, runner_kwargs, self.weight_stats)
+
+    def _cuda_graph_max_batch(self) -> int:
+        """The largest decode batch replayed as a CUDA graph: every batch the scheduler makes, on CUDA
+        and unless --enforce-eager."""
+        config = self.config
+        return 0 if config.enforce_eager or not config.device.startswith("cuda") else config.max_num_seqs
 
     def _fit(self, config: EngineConfig, loader) -> EngineConfig:
         fitted, self.fit = fit_config(config, loader, self.dtype, model_max_len(config, loader.config))

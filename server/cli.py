@@ -187,6 +187,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--cpu-ops", default="layers", choices=["layers", "fused", "torch"],
                        help="how the decoder layers run on a CPU device: layers (a decode batch's layers in one "
                             "C++ call), fused (op by op, RMSNorm, RoPE and SiLU*up as C++ kernels), torch (torch ops)")
+    model.add_argument("--enforce-eager", action="store_true",
+                       help="on CUDA, run every decode step op by op instead of replaying CUDA graphs of it")
     model.add_argument("--seed", type=int, default=0, help="dummy weights and unseeded requests' sampling")
 
 
@@ -230,7 +232,7 @@ def engine_config(args: argparse.Namespace, **overrides):
 
     return EngineConfig.from_flat(**{**dict(
         model=args.model, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
-        quantization=args.quantization, cpu_ops=args.cpu_ops,
+        quantization=args.quantization, cpu_ops=args.cpu_ops, enforce_eager=args.enforce_eager,
         gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_slowdown=args.max_prefill_slowdown,

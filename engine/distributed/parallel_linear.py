@@ -89,6 +89,10 @@ class TensorParallelLayers(LayerStore):
         self.inner, self.collectives, self.vocab_ranges = inner, collectives, vocab_ranges
         self.weights_stay_put = inner.weights_stay_put
 
+    @property
+    def graph_capturable(self) -> bool:
+        return False  # the all-reduces run outside CUDA graphs (not captured with NCCL here)
+
     def build(self, index: int, loaded: dict, linear: LinearMethod, dtype: torch.dtype) -> LayerWeights:
         return self._parallel(self.inner.build(index, loaded, linear, dtype))
 

@@ -7,6 +7,7 @@ the calling thread.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,6 +18,7 @@ from engine.attention import create_decode_backend
 from engine.kv.layouts import create_layout
 from engine.execution.batch import build_batch, prompt_logprob_positions
 from engine.execution.cores import CoreAssignment
+from engine.execution.cuda_graphs import DecodeGraphs, DecodeRows
 from engine.execution.pipeline import PipelineTimes, pipelined_forward
 from engine.execution.queues import GpuQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
 from engine.kv import KVCache, TwoTierKVCache
@@ -28,6 +30,8 @@ from engine.quant import create_linear_method
 from engine.sampling import Sampler, SamplerOutput, prompt_logprobs
 from engine.weights import WeightLoader
 from scheduler.scheduler import IterationPlan, PlanMode
+
+logger = logging.getLogger(__name__)
 
 
 class FatalRunnerError(RuntimeError):
@@ -61,10 +65,12 @@ class ModelRunner:
                  num_cpu_blocks: int = 0, cores: CoreAssignment | None = None,
                  decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False,
                  linear_method: str = "dense", cpu_ops: str = "layers", kv_cache_dtype: str = "auto",
-                 layer_store: Callable[[torch.device, CoreAssignment], LayerStore] | None = None) -> None:
+                 layer_store: Callable[[torch.device, CoreAssignment], LayerStore] | None = None,
+                 cuda_graph_max_batch: int = 0) -> None:
         """`layer_store`: makes the store of where decoder layers live (weight streaming), given
         the GPU's device and the cores; None: every layer resident. `kv_cache_dtype`: how both KV
-        pools store K/V (engine/kv/layouts.py; auto: in `dtype`)."""
+        pools store K/V (engine/kv/layouts.py; auto: in `dtype`). `cuda_graph_max_batch`: GPU-only
+        decode steps of up to this many sequences replay CUDA graphs, where the model allows (0: none)."""
         self.config = config
         self.cores = cores or CoreAssignment.for_device(device)
         self.gpu = self._make_gpu(device)
@@ -99,6 +105,17 @@ class ModelRunner:
             if hasattr(self.cpu_decode, "num_threads"):
                 self.cpu_decode.num_threads = self.cores.cpu_attention_threads
         self.sampler = Sampler(config.vocab_size, seed=seed)
+        self.graphs = self._decode_graphs(cuda_graph_max_batch, max_model_len)
+
+    def _decode_graphs(self, max_batch: int, max_model_len: int) -> DecodeGraphs | None:
+        if not max_batch:
+            return None
+        why_not = DecodeGraphs.applies_to(self.model)
+        if why_not is not None:
+            logger.info("decode steps run eagerly, not as CUDA graphs: %s", why_not)
+            return None
+        max_blocks = -(-max_model_len // self.block_size)
+        return DecodeGraphs(self.model, self.kv_cache, max_batch, max_blocks)
 
     def _make_gpu(self, device: str) -> GpuQueue:
         if self.cores.device == "testbed":
@@ -175,6 +192,11 @@ class ModelRunner:
 
     def _forward_on_cores(self, plan: IterationPlan) -> ForwardLogits:
         self._copy_blocks(plan)
+        rows = self._graph_rows(plan)
+        if rows is not None:
+            logits = self.gpu.submit(lambda: self.graphs.run(rows)).result()
+            if logits is not None:
+                return ForwardLogits(logits, [], None)
         if plan.mode == PlanMode.GPU_ONLY and not (plan.batch0_cpu_decodes or plan.batch1_cpu_decodes):
             batch = self._build_batch(plan.prefills, plan.decodes, [])
             output_rows = torch.cat([batch.last_indices, batch.prompt_rows])
@@ -191,6 +213,17 @@ class ModelRunner:
         num_batch0_seqs = len(batch0.last_indices)
         spans = batch0.prompt_spans + [(num_batch0_seqs + index, num_rows) for index, num_rows in batch1.prompt_spans]
         return ForwardLogits(logits, spans, times)
+
+    def _graph_rows(self, plan: IterationPlan) -> DecodeRows | None:
+        """A GPU-only plan of decodes alone, as rows for the decode graphs; None where they do not take it."""
+        decodes = plan.decodes
+        if (self.graphs is None or plan.mode != PlanMode.GPU_ONLY or plan.prefills or not decodes
+                or plan.batch0_cpu_decodes or plan.batch1_cpu_decodes):
+            return None
+        tables = [seq.sequence.block_ids for seq in decodes]
+        if not self.graphs.takes(len(decodes), max(map(len, tables))):
+            return None
+        return DecodeRows([seq.token_ids[0] for seq in decodes], [seq.num_computed_tokens for seq in decodes], tables)
 
     def _build_batch(self, prefills, gpu_decodes, cpu_decodes):
         return build_batch(prefills, gpu_decodes, cpu_decodes, self.block_size, self.device)

@@ -121,6 +121,12 @@ class LayerStore:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a forward over these layers may be recorded as a CUDA graph and replayed
+        (engine/execution/cuda_graphs.py): only where every weight stays where it was built."""
+        return self.weights_stay_put
+
     def build(self, index: int, loaded: dict, linear: LinearMethod, dtype: torch.dtype) -> LayerWeights:
         """Layer `index`'s weights from what the loader gave."""
         return LayerWeights.from_loaded(loaded, linear, dtype, self.device)
@@ -164,6 +170,9 @@ class LayerStore:
 @register_model("mistral")
 @register_model("qwen2")
 class LlamaModel:
+    # the decode forward launches GPU work only, none that waits on the host: CUDA graphs may record it
+    graph_capturable = True
+
     def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype,
                  device: torch.device | str, max_model_len: int, decode_backend: DecodeAttentionBackend,
                  show_progress: bool = False, linear_method: LinearMethod | None = None,

@@ -209,6 +209,8 @@ class MoeModel(LlamaModel):
     """LlamaModel whose layers are MoeLayerWeights, built by a MoeLayerStore: resident without a
     store, or with experts sliced across tiers (engine/execution/moe_slicing.py)."""
 
+    graph_capturable = False  # routing groups rows by expert counts read on the host
+
     def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype, device: torch.device | str, *args,
                  layer_store: LayerStore | None = None, **kwargs) -> None:
         layer_store = layer_store or ResidentMoeLayers(torch.device(device))
