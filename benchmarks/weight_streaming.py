@@ -52,14 +52,16 @@ from engine.weights.layer_files import write_file  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "weight_streaming.json"
-PROMPT_GRID = (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 256)
+# a GPU computes a prompt of thousands of tokens in the time a layer set crosses PCIe
+PROMPT_GRID = (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FIO_SETTINGS = ("iodepth 1", "iodepth 4", "iodepth 16", "jobs 4")
 FIO_REFERENCE_BYTES = 1 << 30
 
 
 def engine_config(args, **weights) -> EngineConfig:
-    return EngineConfig.from_flat(model=args.model, load_format="dummy", dtype=args.dtype, device="testbed",
-                                  cpu_attention="off", max_model_len=1024, kv_cache_memory_gib=0.25, **weights)
+    return EngineConfig.from_flat(model=args.model, load_format="dummy", dtype=args.dtype, device=args.device,
+                                  cpu_attention="off", max_model_len=args.max_model_len,
+                                  kv_cache_memory_gib=args.kv_cache_gib, **weights)
 
 
 def streamed(args, tier: str, pipeline: str) -> dict:
@@ -123,7 +125,7 @@ def compute_beside_transfers_s(resident: LLMEngine, streaming: LLMEngine, num_to
 
 def choose_prompt_len(resident: LLMEngine, transfer_s: float, compute_by_len: dict[int, float]) -> int:
     """The grid's prompt length whose resident forward takes closest to `transfer_s`."""
-    for num_tokens in PROMPT_GRID:
+    for num_tokens in (n for n in PROMPT_GRID if n < resident.max_model_len):
         if num_tokens not in compute_by_len:
             compute_by_len[num_tokens] = forward_s(resident, num_tokens, 2)[0]
         if compute_by_len[num_tokens] >= transfer_s:
@@ -239,7 +241,7 @@ def measure_tier(args, tier: str, resident: LLMEngine, compute_by_len: dict[int,
 
 
 def to_markdown(result: dict) -> str:
-    lines = [f"{result['cpu']}, host-only testbed (GPU thread on one core, transfers on the other), "
+    lines = [f"{result['cpu']}, {result.get('device', 'host-only testbed (GPU thread on one core, transfers on the other)')}, "
              f"{result['model']} random weights in {result['dtype']}, every decoder layer streamed "
              f"(--weights-gpu-gib {result['weights_gpu_gib']}). One forward = the prefill of a P-token prompt, P "
              f"where compute ~ transfer; seconds per forward, medians of {result['forwards']} forwards and "
@@ -272,13 +274,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights-gpu-gib", type=float, default=1.0)
     parser.add_argument("--offload-dir", type=Path, default=Path.home() / ".cache" / "tandem" / "bench-offload")
     parser.add_argument("--tiers", nargs="+", default=["host", "disk"])
+    parser.add_argument("--device", default="testbed", help="testbed, or cuda (with --tiers host: pinned host memory "
+                                                             "to the GPU by its copy engine)")
+    parser.add_argument("--max-model-len", type=int, default=1024, help="the longest prompt tried (cuda: 16385)")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.25)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--forwards", type=int, default=3, help="forwards per measurement (median)")
     parser.add_argument("--io-threads", type=int, default=4)
     parser.add_argument("--prompt-len-host", type=int, default=None, help="default: where compute ~ transfer")
     parser.add_argument("--prompt-len-disk", type=int, default=None)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=None, help="default: results/weight_streaming.json, "
+                                                                     "weight_streaming_gpu.json on cuda")
     args = parser.parse_args(argv)
+    on_cuda = args.device.startswith("cuda")
+    args.output = args.output or (RESULTS.with_name("weight_streaming_gpu.json") if on_cuda else RESULTS)
     args.prompt_len = {"host": args.prompt_len_host, "disk": args.prompt_len_disk}
     # resident layers live in GPU buffers of their own under a placement, as streamed layers'
     # buffers do (same pages, same kernels): the compute the streamed forwards are compared with
@@ -288,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [measure_tier(args, tier, resident, compute_by_len) for tier in args.tiers]
     finally:
         resident.close()
-    result = {"cpu": host_cpu_model(), "model": args.model, "dtype": args.dtype, "weights_gpu_gib": args.weights_gpu_gib,
+    device = {"device": f"{torch.cuda.get_device_name()} (layers copied by its copy engine)"} if on_cuda else {}
+    result = {"cpu": host_cpu_model(), **device, "model": args.model, "dtype": args.dtype, "weights_gpu_gib": args.weights_gpu_gib,
               "reps": args.reps, "forwards": args.forwards, "io_threads": args.io_threads,
               "compute_by_prompt_len_s": compute_by_len, "rows": rows}
     write_results(args.output, result, to_markdown(result))
