@@ -70,24 +70,78 @@ def import_interpreted(name: str):
     return module
 
 
-@pytest.fixture(scope="session")
+def import_compiled(name: str):
+    """The Triton kernel module `name` as the engine imports it on a GPU: its kernels compiled for
+    CUDA (and autotuned, where the module autotunes), re-imported with the interpreter off if a
+    test imported it interpreted."""
+    triton = pytest.importorskip("triton")
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = False
+        module = importlib.import_module(name)
+        if module.INTERPRETED:
+            module = importlib.reload(module)
+    assert not module.INTERPRETED
+    return module
+
+
+# The fixtures below are per test, not per session: a reload changes the one module object that
+# sys.modules and the engine hold, so each test checks that it has the build it asked for.
+@pytest.fixture
 def interpreted_w4a16():
     return import_interpreted("kernels.triton.w4a16")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def interpreted_paged_decode():
     return import_interpreted("kernels.triton.paged_decode")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def interpreted_paged_prefill():
     return import_interpreted("kernels.triton.paged_prefill")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def interpreted_kv_quant_write():
     return import_interpreted("kernels.triton.kv_quant_write")
+
+
+# A Triton kernel test runs twice: on CPU tensors under the interpreter (every `make test`), and
+# compiled on a CUDA device, where the half-precision math is real (`make test-gpu`; skipped here).
+TRITON_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.fixture(params=TRITON_DEVICES)
+def triton_device(request) -> str:
+    """The device of a Triton kernel test; the kernel fixtures below share it, so that a test
+    taking two of them runs once per device."""
+    return request.param
+
+
+def triton_kernels(name: str, device: str):
+    """(module, device): kernels.triton.`name` interpreted for cpu, compiled for cuda."""
+    name = f"kernels.triton.{name}"
+    return (import_interpreted(name) if device == "cpu" else import_compiled(name)), device
+
+
+@pytest.fixture
+def triton_w4a16(triton_device):
+    return triton_kernels("w4a16", triton_device)
+
+
+@pytest.fixture
+def triton_paged_decode(triton_device):
+    return triton_kernels("paged_decode", triton_device)
+
+
+@pytest.fixture
+def triton_paged_prefill(triton_device):
+    return triton_kernels("paged_prefill", triton_device)
+
+
+@pytest.fixture
+def triton_kv_quant_write(triton_device):
+    return triton_kernels("kv_quant_write", triton_device)
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """Triton kernels over group-quantized KV pools (kernels/kv_quant.py's layout) against its plain
-torch reference, on CPU tensors under Triton's interpreter (tests/conftest.py): the quantizing
-slot write byte for byte against `write_rows` (round-half-even ties, zero-range groups, bf16
-rows), and paged attention reading the codes against the 16-bit reference over
-`dequantize_pool`'s copy of the same pools."""
+torch reference on the CPU, run on CPU tensors under Triton's interpreter and, where a GPU is,
+compiled on CUDA tensors (the `triton_*` fixtures of tests/conftest.py): the quantizing slot write
+byte for byte against `write_rows` (round-half-even ties, zero-range groups, bf16 rows), and paged
+attention reading the codes against the 16-bit reference over `dequantize_pool`'s copy of the same
+pools."""
 import pytest
 import torch
 
@@ -11,9 +12,23 @@ from kernels import kv_quant
 FORMATS = ["int8", "int4"]
 
 
-@pytest.fixture
-def writer(interpreted_kv_quant_write):
-    return interpreted_kv_quant_write
+def on(device, *tensors):
+    """The test's inputs, made on the CPU, where its kernels run (the same tensors for cpu)."""
+    return tuple(tensor.to(device) for tensor in tensors)
+
+
+def tolerance(dtype, device, want, interpreted_eps):
+    """assert_close's tolerances against the fp32 reference: 1e-5 for fp32. Half precision
+    interpreted, fp32 inside: `interpreted_eps` of the dtype (the output's rounding, the rotated
+    query's). On CUDA the dots take the dtype: the dequantized keys and values are rounded to it
+    (eps / 2 each, which moves the scores by about eps of their size), the softmax weights too:
+    8 eps of max |want|, some 3 times the worst of an emulation of that rounding over 100 draws."""
+    if dtype == torch.float32:
+        return dict(atol=1e-5, rtol=1e-5)
+    eps = torch.finfo(dtype).eps
+    if device == "cpu":
+        return dict(atol=interpreted_eps * eps, rtol=interpreted_eps * eps)
+    return dict(atol=8 * eps * float(want.abs().max()), rtol=0)
 
 
 def random_pool(gen, layout, num_blocks, num_kv_heads):
@@ -37,7 +52,8 @@ def with_ties(rows, kv_format):
 @pytest.mark.parametrize("kv_format", FORMATS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_write_gives_the_bytes_of_write_rows(writer, gen, kv_format, head_dim, dtype):
+def test_write_gives_the_bytes_of_write_rows(triton_kv_quant_write, gen, kv_format, head_dim, dtype):
+    writer, device = triton_kv_quant_write
     block_size, num_blocks, num_kv_heads, num_tokens = 16, 5, 2, 9
     layout = kv_quant.layout_for(kv_format, head_dim, block_size)
     key_pool, value_pool = random_pool(gen, layout, num_blocks, num_kv_heads), random_pool(gen, layout, num_blocks,
@@ -49,12 +65,14 @@ def test_write_gives_the_bytes_of_write_rows(writer, gen, kv_format, head_dim, d
     want_key, want_value = key_pool.clone(), value_pool.clone()
     kv_quant.write_rows(kv_quant.unit_views(want_key, layout, True), layout, key, blocks, offsets.long())
     kv_quant.write_rows(kv_quant.unit_views(want_value, layout, False), layout, value, blocks, offsets.long())
-    writer.write_quantized(key_pool, value_pool, key, value, blocks, offsets, kv_format, block_size)
-    assert torch.equal(key_pool, want_key) and torch.equal(value_pool, want_value)
+    key_pool, value_pool = on(device, key_pool, value_pool)
+    writer.write_quantized(key_pool, value_pool, *on(device, key, value, blocks, offsets), kv_format, block_size)
+    assert torch.equal(key_pool.cpu(), want_key) and torch.equal(value_pool.cpu(), want_value)
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
-def test_append_writes_each_sequence_at_its_last_position(writer, gen, kv_format):
+def test_append_writes_each_sequence_at_its_last_position(triton_kv_quant_write, gen, kv_format):
+    writer, device = triton_kv_quant_write
     block_size, head_dim, num_kv_heads = 16, 64, 2
     layout = kv_quant.layout_for(kv_format, head_dim, block_size)
     key_pool, value_pool = random_pool(gen, layout, 6, num_kv_heads), random_pool(gen, layout, 6, num_kv_heads)
@@ -68,12 +86,14 @@ def test_append_writes_each_sequence_at_its_last_position(writer, gen, kv_format
     kv_quant.write_rows(kv_quant.unit_views(want_value, layout, False), layout, new_value, blocks, offsets)
     from engine.attention.decode import new_token_slots
 
-    slot_blocks, slot_offsets = new_token_slots(tables, lens, block_size)  # the decode append's slots
+    slot_blocks, slot_offsets = new_token_slots(*on(device, tables, lens), block_size)  # the decode append's slots
+    key_pool, value_pool, new_key, new_value = on(device, key_pool, value_pool, new_key, new_value)
     writer.write_quantized(key_pool, value_pool, new_key, new_value, slot_blocks, slot_offsets, kv_format, block_size)
-    assert torch.equal(key_pool, want_key) and torch.equal(value_pool, want_value)
+    assert torch.equal(key_pool.cpu(), want_key) and torch.equal(value_pool.cpu(), want_value)
 
 
-def test_write_refuses_malformed_input(writer, gen):
+def test_write_refuses_malformed_input(interpreted_kv_quant_write, gen):
+    writer = interpreted_kv_quant_write
     layout = kv_quant.layout_for("int8", 64, 16)
     pool = random_pool(gen, layout, 2, 1)
     rows, slots = torch.randn(1, 1, 64, generator=gen), torch.zeros(1, dtype=torch.int64)
@@ -86,11 +106,6 @@ def test_write_refuses_malformed_input(writer, gen):
 
 
 # ---- attention over quantized pools ------------------------------------------------------------
-@pytest.fixture
-def decode(interpreted_paged_decode):
-    return interpreted_paged_decode
-
-
 def scattered_tables(gen, context_lens, block_size, num_spare_blocks=3):
     """Each sequence's blocks scattered over a shuffled pool, a stale entry past each table's
     blocks -> (tables [num_seqs, max_blocks + 1] int32, num_blocks)."""
@@ -129,10 +144,11 @@ def dequantized(pools, layout):
 
 @pytest.mark.parametrize("kv_format", FORMATS)
 @pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 1, 64), (1, 4, 128)])
-def test_decode_matches_the_reference_over_the_dequantized_pools(decode, gen, kv_format, num_kv_heads, group,
-                                                                 head_dim):
+def test_decode_matches_the_reference_over_the_dequantized_pools(triton_paged_decode, gen, kv_format, num_kv_heads,
+                                                                 group, head_dim):
     from kernels.cpu import reference
 
+    decode, device = triton_paged_decode
     block_size = 16
     layout = kv_quant.layout_for(kv_format, head_dim, block_size)
     lens = [1, 37, 2 * block_size]
@@ -141,34 +157,35 @@ def test_decode_matches_the_reference_over_the_dequantized_pools(decode, gen, kv
     query = 3 * torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen)
     lens = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim ** -0.5
-    got = decode.paged_decode_attention(query, *pools, tables, lens, scale, kv_format=kv_format,
+    got = decode.paged_decode_attention(*on(device, query, *pools, tables, lens), scale, kv_format=kv_format,
                                         block_size=block_size)
     want = reference.paged_decode_attention(query, *dequantized(pools, layout), tables, lens, scale)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_format, block_size, dtype", [
     ("int8", 8, torch.float32),  # a block below tl.dot's tile: broadcast products
     ("int4", 16, torch.bfloat16),  # a half-precision query, output rounded to it
 ], ids=["int8-small-blocks", "int4-bf16"])
-def test_decode_other_blocks_and_dtypes(decode, gen, kv_format, block_size, dtype):
+def test_decode_other_blocks_and_dtypes(triton_paged_decode, gen, kv_format, block_size, dtype):
     from kernels.cpu import reference
 
+    decode, device = triton_paged_decode
     layout = kv_quant.layout_for(kv_format, 64, block_size)
     lens = [block_size + 3, 0, 5]  # an empty context gives zeros; few blocks, the interpreter's broadcasts are slow
     tables, num_blocks = scattered_tables(gen, lens, block_size)
     pools = quantized_pools(gen, layout, num_blocks, 1)
     query = (3 * torch.randn(len(lens), 4, 64, generator=gen)).to(dtype)
     lens = torch.tensor(lens, dtype=torch.int32)
-    got = decode.paged_decode_attention(query, *pools, tables, lens, 0.125, kv_format=kv_format,
-                                        block_size=block_size)
+    got = decode.paged_decode_attention(*on(device, query, *pools, tables, lens), 0.125, kv_format=kv_format,
+                                        block_size=block_size).cpu()
     want = reference.paged_decode_attention(query.float(), *dequantized(pools, layout), tables, lens, 0.125)
     assert got.dtype == dtype and torch.equal(got[1], torch.zeros_like(got[1]))
-    tolerance = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
-    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(got.float(), want, **tolerance(dtype, device, want, interpreted_eps=2))
 
 
-def test_decode_refuses_malformed_quantized_input(decode, gen):
+def test_decode_refuses_malformed_quantized_input(interpreted_paged_decode, gen):
+    decode = interpreted_paged_decode
     layout = kv_quant.layout_for("int4", 64, 16)
     tables, num_blocks = scattered_tables(gen, [5], 16)
     pools = quantized_pools(gen, layout, num_blocks, 1)
@@ -182,11 +199,14 @@ def test_decode_refuses_malformed_quantized_input(decode, gen):
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
-def test_backend_quantizes_the_new_token_in_then_attends(decode, writer, gen, kv_format):
+def test_backend_quantizes_the_new_token_in_then_attends(triton_paged_decode, triton_kv_quant_write, gen, kv_format):
+    """The backend imports the attention by name, and a CUDA pool's write the quantizing kernel:
+    the fixtures' builds of both (on the CPU the pool's write is write_rows')."""
     from engine.attention.decode import DECODE_BACKENDS
     from engine.kv.layouts import create_layout
     from kernels.cpu import reference
 
+    _, device = triton_paged_decode
     block_size, num_kv_heads, head_dim = 16, 2, 64
     layout = kv_quant.layout_for(kv_format, head_dim, block_size)
     lens = [9, 33]
@@ -202,16 +222,12 @@ def test_backend_quantizes_the_new_token_in_then_attends(decode, writer, gen, kv
         kv_quant.write_rows(kv_quant.unit_views(pool, layout, is_key), layout, rows, blocks, last % block_size)
     backend = DECODE_BACKENDS.create("triton", kv_layout=create_layout(kv_format, torch.float32, num_kv_heads,
                                                                         head_dim, block_size))
-    got = backend.forward(query, *pools, tables, lens, 0.125, new_key, new_value)
-    assert torch.equal(pools[0], want_pools[0]) and torch.equal(pools[1], want_pools[1])
     want = reference.paged_decode_attention(query, *dequantized(want_pools, layout), tables, lens, 0.125)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    query, tables, lens, new_key, new_value, *pools = on(device, query, tables, lens, new_key, new_value, *pools)
+    got = backend.forward(query, *pools, tables, lens, 0.125, new_key, new_value)
+    assert torch.equal(pools[0].cpu(), want_pools[0]) and torch.equal(pools[1].cpu(), want_pools[1])
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     assert DECODE_BACKENDS.create("triton").kv_layout is None  # dense by default
-
-
-@pytest.fixture
-def prefill(interpreted_paged_prefill):
-    return interpreted_paged_prefill
 
 
 def prefill_reference(q, k, v, key_cache, value_cache, block_tables, num_cached, query_start, scale):
@@ -243,34 +259,42 @@ def prefill_problem(gen, layout, chunks, num_kv_heads, group, dtype=torch.float3
                        scale=head_dim ** -0.5)
 
 
+def prefill_inputs(device, pools, problem) -> dict:
+    """The kernel's keywords for prefill_problem's (pools, problem), its tensors on `device`."""
+    inputs = dict(problem, key_cache=pools[0], value_cache=pools[1])
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
+
+
 @pytest.mark.parametrize("kv_format", FORMATS)
 @pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 1, 64), (1, 4, 128)])
-def test_prefill_over_a_quantized_prefix(prefill, gen, kv_format, num_kv_heads, group, head_dim):
+def test_prefill_over_a_quantized_prefix(triton_paged_prefill, gen, kv_format, num_kv_heads, group, head_dim):
+    prefill, device = triton_paged_prefill
     layout = kv_quant.layout_for(kv_format, head_dim, 16)
     chunks = [(0, 19), (37, 5), (32, 24)]  # (num_cached, query_len): no prefix, unaligned, block-aligned
     pools, problem = prefill_problem(gen, layout, chunks, num_kv_heads, group)
-    got = prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format=kv_format,
-                                          block_size=16, **problem)
+    got = prefill.paged_prefill_attention(**prefill_inputs(device, pools, problem), kv_format=kv_format, block_size=16)
     key_cache, value_cache = dequantized(pools, layout)
     want = prefill_reference(key_cache=key_cache, value_cache=value_cache, **problem)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_in_half_precision(prefill, gen):
+def test_prefill_in_half_precision(triton_paged_prefill, gen):
+    prefill, device = triton_paged_prefill
     layout = kv_quant.layout_for("int4", 64, 16)
     pools, problem = prefill_problem(gen, layout, [(21, 9), (0, 4)], 1, 2, torch.float16)
-    got = prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format="int4",
-                                          block_size=16, **problem)
+    got = prefill.paged_prefill_attention(**prefill_inputs(device, pools, problem), kv_format="int4",
+                                          block_size=16).cpu()
     upcast = {name: value.float() if value.is_floating_point() else value
               for name, value in problem.items() if isinstance(value, torch.Tensor)}
     key_cache, value_cache = dequantized(pools, layout)
     want = prefill_reference(key_cache=key_cache, value_cache=value_cache, scale=problem["scale"], **upcast)
     assert got.dtype == torch.float16
-    eps = torch.finfo(torch.float16).eps  # the rotated queries and keys are rounded to fp16 once more
-    torch.testing.assert_close(got.float(), want, atol=4 * eps, rtol=4 * eps)
+    # interpreted: 4 eps, the rotated queries and keys are rounded to fp16 once more
+    torch.testing.assert_close(got.float(), want, **tolerance(torch.float16, device, want, interpreted_eps=4))
 
 
-def test_prefill_refuses_malformed_quantized_input(prefill, gen):
+def test_prefill_refuses_malformed_quantized_input(interpreted_paged_prefill, gen):
+    prefill = interpreted_paged_prefill
     layout = kv_quant.layout_for("int8", 64, 16)
     pools, problem = prefill_problem(gen, layout, [(5, 3)], 1, 2)
     with pytest.raises(ValueError, match="block_size"):
@@ -283,14 +307,14 @@ def test_prefill_refuses_malformed_quantized_input(prefill, gen):
                                         **dict(problem, num_cached=problem["num_cached"].long()))
 
 
-def test_engine_prefill_wrapper_passes_the_format_on(prefill, gen):
+def test_engine_prefill_wrapper_passes_the_format_on(triton_paged_prefill, gen):
     from engine.attention.prefill import paged_prefill
 
+    prefill, device = triton_paged_prefill
     layout = kv_quant.layout_for("int4", 64, 16)
-    pools, problem = prefill_problem(gen, layout, [(0, 6), (19, 4)], 2, 2)
-    want = prefill.paged_prefill_attention(key_cache=pools[0], value_cache=pools[1], kv_format="int4", block_size=16,
-                                           **problem)
-    table = tuple(problem["block_tables"][1, :2].tolist())
-    got = paged_prefill(prefill, problem["q"], problem["k"], problem["v"], *pools, [6, 4], [(1, 19, table)],
-                        problem["scale"], kv_format="int4", block_size=16)
+    inputs = prefill_inputs(device, *prefill_problem(gen, layout, [(0, 6), (19, 4)], 2, 2))
+    want = prefill.paged_prefill_attention(**inputs, kv_format="int4", block_size=16)
+    table = tuple(inputs["block_tables"][1, :2].tolist())
+    got = paged_prefill(prefill, inputs["q"], inputs["k"], inputs["v"], inputs["key_cache"], inputs["value_cache"],
+                        [6, 4], [(1, 19, table)], inputs["scale"], kv_format="int4", block_size=16)
     torch.testing.assert_close(got, want, atol=0, rtol=0)

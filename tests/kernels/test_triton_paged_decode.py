@@ -1,8 +1,8 @@
 """The Triton paged decode attention (kernels/triton/paged_decode.py) against the torch reference
-backend on fresh random inputs, run on CPU tensors by Triton's interpreter (the
-`interpreted_paged_decode` fixture of tests/conftest.py): GQA groups, head dims and block sizes
-off the tile sizes, ragged contexts over scattered blocks, half-precision caches, the fused
-append through the backend, and the errors malformed input gets."""
+backend on fresh random inputs, run on CPU tensors by Triton's interpreter and, where a GPU is,
+compiled on CUDA tensors (the `triton_paged_decode` fixture of tests/conftest.py): GQA groups,
+head dims and block sizes off the tile sizes, ragged contexts over scattered blocks,
+half-precision caches, the fused append through the backend, and the errors malformed input gets."""
 import math
 
 import pytest
@@ -13,9 +13,9 @@ from engine.attention.decode import TorchPagedDecode
 TOLERANCE = 1e-5
 
 
-@pytest.fixture
-def paged(interpreted_paged_decode):
-    return interpreted_paged_decode
+def on(device, *tensors):
+    """The test's inputs, made on the CPU, where its kernel runs (the same tensors for cpu)."""
+    return tuple(tensor.to(device) for tensor in tensors)
 
 
 def make_problem(gen, context_lens, num_kv_heads, group, head_dim, block_size, dtype):
@@ -48,61 +48,83 @@ def reference(query, key_cache, value_cache, tables, lens, scale):
                                       new_key, new_value)
 
 
-def test_the_kernel_runs_interpreted(paged):
+def test_the_kernel_runs_interpreted(interpreted_paged_decode):
     from triton.runtime.interpreter import InterpretedFunction
 
-    assert isinstance(paged._paged_decode_kernel, InterpretedFunction)
+    assert isinstance(interpreted_paged_decode._paged_decode_kernel, InterpretedFunction)
 
 
-@pytest.mark.parametrize("num_kv_heads, group, head_dim, block_size", [
+SHAPES = [  # (num_kv_heads, group, head_dim, block_size)
     (3, 3, 64, 16),  # SmolLM2-135M
     (2, 4, 128, 16),  # Llama-3 style
-    # the interpreter takes 20 s for each of the small-block shapes: make test-slow runs them
-    pytest.param(2, 1, 32, 4, marks=pytest.mark.slow),  # MHA, a block below tl.dot's tile: broadcast products
+    (2, 1, 32, 4),  # MHA, a block below tl.dot's tile: broadcast products
     (1, 5, 80, 32),  # head_dim and group off the power-of-two tiles
-    pytest.param(2, 2, 64, 12, marks=pytest.mark.slow),  # a block size off the power of two
-])
-def test_matches_the_torch_reference(paged, gen, num_kv_heads, group, head_dim, block_size):
+    (2, 2, 64, 12),  # a block size off the power of two
+]
+# the interpreter takes 20 s for each of the small-block shapes: make test-slow runs them there (not on CUDA)
+SLOW_INTERPRETED = [(2, 1, 32, 4), (2, 2, 64, 12)]
+
+
+def on_both_devices(shapes):
+    """`triton_device` parametrized here rather than by its fixture, to mark slow the interpreted runs alone."""
+    return ([pytest.param("cpu", *shape, marks=[pytest.mark.slow] if shape in SLOW_INTERPRETED else [])
+             for shape in shapes] + [pytest.param("cuda", *shape, marks=pytest.mark.cuda) for shape in shapes])
+
+
+@pytest.mark.parametrize("triton_device, num_kv_heads, group, head_dim, block_size", on_both_devices(SHAPES))
+def test_matches_the_torch_reference(triton_paged_decode, gen, num_kv_heads, group, head_dim, block_size):
+    paged, device = triton_paged_decode
     lens = [1, block_size, 3 * block_size + 1, 37]
-    query, key_cache, value_cache, tables, lens_t = make_problem(gen, lens, num_kv_heads, group, head_dim,
-                                                                 block_size, torch.float32)
+    problem = make_problem(gen, lens, num_kv_heads, group, head_dim, block_size, torch.float32)
     scale = 1 / math.sqrt(head_dim)
-    got = paged.paged_decode_attention(query, key_cache, value_cache, tables, lens_t, scale)
-    torch.testing.assert_close(got, reference(query, key_cache, value_cache, tables, lens_t, scale),
-                               atol=TOLERANCE, rtol=TOLERANCE)
+    got = paged.paged_decode_attention(*on(device, *problem), scale)
+    torch.testing.assert_close(got.cpu(), reference(*problem, scale), atol=TOLERANCE, rtol=TOLERANCE)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_half_precision_caches(paged, gen, dtype):
+def test_half_precision_caches(triton_paged_decode, gen, dtype):
+    paged, device = triton_paged_decode
     query, key_cache, value_cache, tables, lens = make_problem(gen, [5, 40, 17], 2, 4, 64, 16, dtype)
-    got = paged.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.125)
+    got = paged.paged_decode_attention(*on(device, query, key_cache, value_cache, tables, lens), 0.125).cpu()
     want = reference(query.float(), key_cache.float(), value_cache.float(), tables, lens, 0.125)
     assert got.dtype == dtype
-    # fp32 inside; the output rounded (truncated by the interpreter) to the dtype
-    torch.testing.assert_close(got.float(), want, atol=2 * torch.finfo(dtype).eps, rtol=2 * torch.finfo(dtype).eps)
+    eps = torch.finfo(dtype).eps
+    # interpreted: fp32 inside; the output rounded (truncated by the interpreter) to the dtype. CUDA: the dots in
+    # the dtype too, the softmax weights rounded to it (eps / 2 each): 2 eps of max |want|, some 4 times the worst
+    # of an emulation of that rounding over 200 draws
+    if device == "cpu":
+        torch.testing.assert_close(got.float(), want, atol=2 * eps, rtol=2 * eps)
+    else:
+        torch.testing.assert_close(got.float(), want, atol=2 * eps * float(want.abs().max()), rtol=0)
 
 
-def test_empty_context_gives_zeros(paged, gen):
+def test_empty_context_gives_zeros(triton_paged_decode, gen):
+    paged, device = triton_paged_decode
     query, key_cache, value_cache, tables, lens = make_problem(gen, [4, 4], 1, 2, 32, 16, torch.float32)
     lens[1] = 0
-    out = paged.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.5)
+    out = paged.paged_decode_attention(*on(device, query, key_cache, value_cache, tables, lens), 0.5).cpu()
     assert torch.equal(out[1], torch.zeros_like(out[1])) and out[0].abs().sum() > 0
 
 
-def test_backend_appends_the_new_token_first(paged, gen):
+def test_backend_appends_the_new_token_first(triton_paged_decode, gen):
+    """The backend imports the kernel module by name: the fixture's build of it."""
     from engine.attention.decode import create_decode_backend
 
+    _, device = triton_paged_decode
     query, key_cache, value_cache, tables, lens = make_problem(gen, [9, 16, 30], 2, 2, 64, 16, torch.float32)
     new_key, new_value = torch.randn(3, 2, 64, generator=gen), torch.randn(3, 2, 64, generator=gen)
     want_cache = (key_cache.clone(), value_cache.clone())
     want = TorchPagedDecode().forward(query, *want_cache, tables, lens, 0.125, new_key, new_value)
     backend = create_decode_backend("triton", "cuda")
+    query, key_cache, value_cache, tables, lens, new_key, new_value = on(
+        device, query, key_cache, value_cache, tables, lens, new_key, new_value)
     got = backend.forward(query, key_cache, value_cache, tables, lens, 0.125, new_key, new_value)
-    torch.testing.assert_close(got, want, atol=TOLERANCE, rtol=TOLERANCE)
-    assert torch.equal(key_cache, want_cache[0]) and torch.equal(value_cache, want_cache[1])
+    torch.testing.assert_close(got.cpu(), want, atol=TOLERANCE, rtol=TOLERANCE)
+    assert torch.equal(key_cache.cpu(), want_cache[0]) and torch.equal(value_cache.cpu(), want_cache[1])
 
 
-def test_malformed_input_is_refused(paged, gen):
+def test_malformed_input_is_refused(interpreted_paged_decode, gen):
+    paged = interpreted_paged_decode
     query, key_cache, value_cache, tables, lens = make_problem(gen, [4], 1, 2, 32, 16, torch.float32)
     with pytest.raises(ValueError, match="key_cache must be"):
         paged.paged_decode_attention(query, value_cache, value_cache, tables, lens, 1.0)

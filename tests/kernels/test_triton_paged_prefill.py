@@ -1,9 +1,9 @@
 """The Triton paged prefill attention (kernels/triton/paged_prefill.py) against a plain torch
-reference on fresh random inputs, run on CPU tensors by Triton's interpreter (the
-`interpreted_paged_prefill` fixture of tests/conftest.py): ragged chunks packed together over
-cached prefixes in scattered blocks (empty and unaligned prefixes, stale values past every
-prefix), GQA groups, head dims and block sizes off the tile sizes, half-precision inputs, and
-the errors malformed input gets."""
+reference on fresh random inputs, run on CPU tensors by Triton's interpreter and, where a GPU is,
+compiled on CUDA tensors (the `triton_paged_prefill` fixture of tests/conftest.py): ragged chunks
+packed together over cached prefixes in scattered blocks (empty and unaligned prefixes, stale
+values past every prefix), GQA groups, head dims and block sizes off the tile sizes,
+half-precision inputs, and the errors malformed input gets."""
 import math
 
 import pytest
@@ -12,9 +12,9 @@ import torch
 TOLERANCE = 1e-5
 
 
-@pytest.fixture
-def paged(interpreted_paged_prefill):
-    return interpreted_paged_prefill
+def on(device, problem: dict) -> dict:
+    """A problem made on the CPU, its tensors where the kernel runs (the same tensors for cpu)."""
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in problem.items()}
 
 
 def make_problem(gen, chunks, num_kv_heads, group, head_dim, block_size, dtype=torch.float32):
@@ -71,16 +71,18 @@ def reference(q, k, v, key_cache, value_cache, block_tables, num_cached, query_s
     return out
 
 
-def check(paged, problem, tolerance=TOLERANCE):
-    got = paged.paged_prefill_attention(**problem)
-    assert got.shape == problem["q"].shape and got.dtype == problem["q"].dtype
-    torch.testing.assert_close(got.double(), reference(**problem), atol=tolerance, rtol=tolerance)
+def check(triton_paged_prefill, problem, tolerance=TOLERANCE):
+    """The kernel on the fixture's device against the reference on the CPU."""
+    paged, device = triton_paged_prefill
+    got = paged.paged_prefill_attention(**on(device, problem))
+    assert got.shape == problem["q"].shape and got.dtype == problem["q"].dtype and got.device.type == device
+    torch.testing.assert_close(got.cpu().double(), reference(**problem), atol=tolerance, rtol=tolerance)
 
 
-def test_the_kernel_runs_interpreted(paged):
+def test_the_kernel_runs_interpreted(interpreted_paged_prefill):
     from triton.runtime.interpreter import InterpretedFunction
 
-    assert isinstance(paged._paged_prefill_kernel, InterpretedFunction)
+    assert isinstance(interpreted_paged_prefill._paged_prefill_kernel, InterpretedFunction)
 
 
 @pytest.mark.parametrize("num_kv_heads, group, head_dim, block_size", [
@@ -90,72 +92,82 @@ def test_the_kernel_runs_interpreted(paged):
     (1, 4, 80, 32),  # head_dim off the power-of-two tile
     (1, 2, 64, 12),  # a block size off the power of two
 ])
-def test_matches_the_torch_reference(paged, gen, num_kv_heads, group, head_dim, block_size):
+def test_matches_the_torch_reference(triton_paged_prefill, gen, num_kv_heads, group, head_dim, block_size):
     chunks = [(0, 19), (37, 1), (2 * block_size, 24), (5, 40)]  # no prefix, a decode-like row, aligned, unaligned
-    check(paged, make_problem(gen, chunks, num_kv_heads, group, head_dim, block_size))
+    check(triton_paged_prefill, make_problem(gen, chunks, num_kv_heads, group, head_dim, block_size))
 
 
-def test_long_chunks_over_long_prefixes(paged, gen):
+def test_long_chunks_over_long_prefixes(triton_paged_prefill, gen):
     # many query and key tiles per chunk, an empty chunk packed between
     chunks = [(203, 300), (0, 0), (0, 130), (301, 17)]
-    check(paged, make_problem(gen, chunks, 1, 4, 64, 16))
+    check(triton_paged_prefill, make_problem(gen, chunks, 1, 4, 64, 16))
 
 
-def test_many_ragged_chunks(paged, gen):
+def test_many_ragged_chunks(triton_paged_prefill, gen):
     # enough chunks, empty ones among them, for several steps of the kernel's search for its chunk
     num_cached = torch.randint(0, 70, (11,), generator=gen).tolist()
     query_lens = torch.randint(0, 40, (11,), generator=gen).tolist()
     query_lens[3] = query_lens[7] = 0
-    check(paged, make_problem(gen, list(zip(num_cached, query_lens)), 2, 2, 64, 16))
+    check(triton_paged_prefill, make_problem(gen, list(zip(num_cached, query_lens)), 2, 2, 64, 16))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_half_precision(paged, gen, dtype):
+def test_half_precision(triton_paged_prefill, gen, dtype):
+    paged, device = triton_paged_prefill
     problem = make_problem(gen, [(21, 30), (0, 9), (48, 17)], 2, 4, 64, 16, dtype)
-    got = paged.paged_prefill_attention(**problem)
+    got = paged.paged_prefill_attention(**on(device, problem)).cpu()
     want = reference(**{name: value.float() if isinstance(value, torch.Tensor) and value.is_floating_point()
                         else value for name, value in problem.items()})
     assert got.dtype == dtype
-    # fp32 inside on upcast values; the output rounded (truncated by the interpreter) to the dtype
     eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(got.double(), want, atol=2 * eps, rtol=2 * eps)
+    # interpreted: fp32 inside on upcast values; the output rounded (truncated by the interpreter) to the dtype.
+    # CUDA: the dots in the dtype too, the softmax weights rounded to it (eps / 2 each): 2 eps of max |want|, some
+    # 4 times the worst of an emulation of that rounding over 100 draws
+    if device == "cpu":
+        torch.testing.assert_close(got.double(), want, atol=2 * eps, rtol=2 * eps)
+    else:
+        torch.testing.assert_close(got.double(), want, atol=2 * eps * float(want.abs().max()), rtol=0)
 
 
-def test_without_a_prefix_it_is_the_causal_prefill(paged, gen):
+def test_without_a_prefix_it_is_the_causal_prefill(triton_paged_prefill, gen):
     from engine.attention.prefill import prefill_attention
 
+    paged, device = triton_paged_prefill
     problem = make_problem(gen, [(0, 23), (0, 1), (0, 50)], 2, 3, 64, 16)
-    got = paged.paged_prefill_attention(**problem)
+    got = paged.paged_prefill_attention(**on(device, problem))
     want = prefill_attention(problem["q"], problem["k"], problem["v"], [23, 1, 50], problem["scale"])
-    torch.testing.assert_close(got, want, atol=TOLERANCE, rtol=TOLERANCE)
+    torch.testing.assert_close(got.cpu(), want, atol=TOLERANCE, rtol=TOLERANCE)
 
 
-def test_chunk_in_the_cache_or_not_gives_the_same_result(paged, gen):
+def test_chunk_in_the_cache_or_not_gives_the_same_result(triton_paged_prefill, gen):
     # the chunk's own K/V comes from k and v: writing it into its slots first changes nothing
-    problem = make_problem(gen, [(13, 20), (40, 7)], 1, 2, 64, 8)
+    paged, device = triton_paged_prefill
+    problem = on(device, make_problem(gen, [(13, 20), (40, 7)], 1, 2, 64, 8))
     before = paged.paged_prefill_attention(**problem)
     key_rows, block_size = problem["key_cache"].transpose(-1, -2), problem["value_cache"].shape[2]
     for seq, (cached, start, end) in enumerate(zip(problem["num_cached"].tolist(), problem["query_start"].tolist(),
                                                     problem["query_start"][1:].tolist())):
-        positions = torch.arange(cached, cached + end - start)
+        positions = torch.arange(cached, cached + end - start, device=device)
         blocks = problem["block_tables"][seq].long()[positions // block_size]
         key_rows[blocks, :, positions % block_size] = problem["k"][start:end]
         problem["value_cache"][blocks, :, positions % block_size] = problem["v"][start:end]
     torch.testing.assert_close(paged.paged_prefill_attention(**problem), before, atol=0, rtol=0)
 
 
-def test_views_of_a_fused_qkv(paged, gen):
+def test_views_of_a_fused_qkv(triton_paged_prefill, gen):
     # q, k and v sliced out of one projection output keep their row strides
-    problem = make_problem(gen, [(9, 12), (0, 5)], 2, 2, 64, 16)
+    paged, device = triton_paged_prefill
+    problem = on(device, make_problem(gen, [(9, 12), (0, 5)], 2, 2, 64, 16))
     fused = torch.cat([problem["q"], problem["k"], problem["v"]], dim=1)  # [num_tokens, 4 + 2 + 2, head_dim]
     views = dict(problem, q=fused[:, :4], k=fused[:, 4:6], v=fused[:, 6:])
     torch.testing.assert_close(paged.paged_prefill_attention(**views), paged.paged_prefill_attention(**problem),
                                atol=0, rtol=0)
 
 
-def test_no_tokens_gives_an_empty_output(paged, gen):
+def test_no_tokens_gives_an_empty_output(triton_paged_prefill, gen):
+    paged, device = triton_paged_prefill
     problem = make_problem(gen, [(4, 0)], 1, 2, 64, 16)
-    assert paged.paged_prefill_attention(**problem).shape == (0, 2, 64)
+    assert paged.paged_prefill_attention(**on(device, problem)).shape == (0, 2, 64)
 
 
 def _swap_caches(p):
@@ -175,26 +187,29 @@ def _swap_caches(p):
     (lambda p: dict(p, q=p["q"][0]), r"\[num_tokens, heads, head_dim\]"),
 ], ids=["caches-swapped", "int64-tables", "short-query-start", "short-num-cached", "k-rows", "v-head-dim",
         "q-heads", "kv-dtype", "cache-dtype", "q-2d"])
-def test_malformed_input_is_refused(paged, gen, corrupt, message):
+def test_malformed_input_is_refused(interpreted_paged_prefill, gen, corrupt, message):
     problem = make_problem(gen, [(4, 3), (0, 2)], 2, 2, 64, 16)
     with pytest.raises(ValueError, match=message):
-        paged.paged_prefill_attention(**corrupt(problem))
+        interpreted_paged_prefill.paged_prefill_attention(**corrupt(problem))
 
 
-def test_engine_wrapper_matches_the_gathered_sdpa_path(paged, gen):
+def test_engine_wrapper_matches_the_gathered_sdpa_path(triton_paged_prefill, gen):
     """engine/attention/prefill.py's `paged_prefill` (the CUDA path of LlamaModel's prefill
     attention) against its gather + SDPA path over a real KV pool: a whole prompt, a chunk after
     an unaligned prefix and one after a block-aligned prefix, packed in one batch."""
     from engine.attention.prefill import paged_prefill, prefill_attention
+    paged, device = triton_paged_prefill
     problem = make_problem(gen, [(0, 7), (5, 6), (8, 3)], num_kv_heads=2, group=2, head_dim=16, block_size=4)
     seq_lens = [7, 6, 3]
     prefixes = [(index, int(problem["num_cached"][index]), tuple(problem["block_tables"][index].tolist()))
                 for index in (1, 2)]
     q, k, v = problem["q"], problem["k"], problem["v"]
     key_cache, value_cache = problem["key_cache"], problem["value_cache"]
-    out = paged_prefill(paged, q, k, v, key_cache, value_cache, seq_lens, prefixes, problem["scale"])
+    moved = on(device, problem)
+    out = paged_prefill(paged, moved["q"], moved["k"], moved["v"], moved["key_cache"], moved["value_cache"], seq_lens,
+                        prefixes, problem["scale"])
     key_rows = key_cache.transpose(-1, -2)
     gathered = {index: (gather_prefix(key_rows, torch.tensor(table), cached),
                         gather_prefix(value_cache, torch.tensor(table), cached)) for index, cached, table in prefixes}
     expected = prefill_attention(q, k, v, seq_lens, problem["scale"], gathered)
-    torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    torch.testing.assert_close(out.cpu(), expected, atol=TOLERANCE, rtol=TOLERANCE)

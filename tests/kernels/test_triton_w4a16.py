@@ -1,7 +1,7 @@
 """The Triton W4A16 kernels (kernels/triton/w4a16.py) against a plain torch reference on fresh
-random inputs, run on CPU tensors by Triton's interpreter (the `interpreted_w4a16` fixture of
-tests/conftest.py): the in-register kernel, the dequantize-then-matmul path, the switch between
-them, and the errors malformed input gets.
+random inputs, run on CPU tensors by Triton's interpreter and, where a GPU is, compiled on CUDA
+tensors (the `triton_w4a16` fixture of tests/conftest.py): the in-register kernel, the
+dequantize-then-matmul path, the switch between them, and the errors malformed input gets.
 
 The interpreter runs every program instance in Python, so the shapes are small: SmolLM2-135M's
 matmuls, odd ones (n odd, k not a multiple of 256) and one 4096x4096 at batch 2. Llama-3.1-8B's
@@ -22,11 +22,6 @@ ODD_PROBLEMS = [(67, 96, 32), (67, 160, 32), (33, 192, 64), (33, 640, 128)]
 BATCHES = [1, 3, 16, 17, 33]
 
 
-@pytest.fixture
-def w4a16(interpreted_w4a16):
-    return interpreted_w4a16
-
-
 def random_weight(n, k, group_size, gen):
     """(qweight, scales, mins) from random codes over all 16 levels, and the fp64 [n, k] matrix
     they stand for, computed here from the codes, not by the kernels' layout code."""
@@ -38,54 +33,67 @@ def random_weight(n, k, group_size, gen):
     return int4.pack(levels), scales, mins, dense
 
 
+def on(device, *tensors):
+    """The test's inputs, made on the CPU, where its kernels run (the same tensors for cpu)."""
+    return tuple(tensor.to(device) for tensor in tensors)
+
+
 def relative_error(actual, expected):
-    return float((actual.double() - expected).abs().max() / expected.abs().max())
+    """Max |actual - expected| over max |expected|: actual from any device, expected (fp64) on the CPU."""
+    return float((actual.cpu().double() - expected).abs().max() / expected.abs().max())
 
 
-def tolerance(dtype):
+def tolerance(dtype, device):
     """fp32: RELATIVE_TOLERANCE. Half inputs also round y to their dtype, which the interpreter
-    does by truncating (a GPU rounds to nearest): up to one unit in the last place of bf16."""
-    return max(RELATIVE_TOLERANCE, torch.finfo(dtype).eps)
+    does by truncating (a GPU rounds to nearest): up to one unit in the last place of bf16. On
+    CUDA the kernels compute in the dtype as well: the unpacked weights are rounded to it for the
+    tensor cores (eps / 2 of each product; the dense path's buffer likewise, then cuBLAS): 2 eps."""
+    eps = torch.finfo(dtype).eps
+    return max(RELATIVE_TOLERANCE, eps if device == "cpu" else 2 * eps)
 
 
-def test_the_kernels_run_interpreted(w4a16):
+def test_the_kernels_run_interpreted(interpreted_w4a16):
     from triton.runtime.interpreter import InterpretedFunction
 
-    assert isinstance(w4a16._packed_linear_kernel, InterpretedFunction)
-    assert isinstance(w4a16._dequantize_kernel, InterpretedFunction)
+    assert isinstance(interpreted_w4a16._packed_linear_kernel, InterpretedFunction)
+    assert isinstance(interpreted_w4a16._dequantize_kernel, InterpretedFunction)
 
 
 @pytest.mark.parametrize("n, k, group_size", SMOLLM2_PROBLEMS)
-def test_packed_kernel_on_smollm2_shapes(w4a16, gen, n, k, group_size):
+def test_packed_kernel_on_smollm2_shapes(triton_w4a16, gen, n, k, group_size):
+    w4a16, device = triton_w4a16
     qweight, scales, mins, dense = random_weight(n, k, group_size, gen)
     x = torch.randn(3, k, generator=gen)
-    y = w4a16.packed_linear(x, qweight, scales, mins, group_size)
-    assert y.shape == (3, n) and y.dtype == torch.float32
+    y = w4a16.packed_linear(*on(device, x, qweight, scales, mins), group_size)
+    assert y.shape == (3, n) and y.dtype == torch.float32 and y.device.type == device
     assert relative_error(y, x.double() @ dense.T) <= RELATIVE_TOLERANCE
 
 
 @pytest.mark.parametrize("n, k, group_size", ODD_PROBLEMS)
 @pytest.mark.parametrize("batch", BATCHES)
-def test_both_paths_on_odd_shapes(w4a16, gen, n, k, group_size, batch):
+def test_both_paths_on_odd_shapes(triton_w4a16, gen, n, k, group_size, batch):
     """The packed kernel at every batch (one row tile and more), and dequantize + matmul."""
+    w4a16, device = triton_w4a16
     qweight, scales, mins, dense = random_weight(n, k, group_size, gen)
     x = torch.randn(batch, k, generator=gen)
     expected = x.double() @ dense.T
+    x, qweight, scales, mins = on(device, x, qweight, scales, mins)
     assert relative_error(w4a16.packed_linear(x, qweight, scales, mins, group_size), expected) <= RELATIVE_TOLERANCE
-    dequantized = w4a16.dequantize_into(qweight, scales, mins, group_size, torch.empty(n, k))
+    dequantized = w4a16.dequantize_into(qweight, scales, mins, group_size, torch.empty(n, k, device=device))
     assert relative_error(dequantized, dense) <= RELATIVE_TOLERANCE
     assert relative_error(x @ dequantized.T, expected) <= RELATIVE_TOLERANCE
 
 
 @pytest.mark.parametrize("batch", BATCHES)
-def test_linear_switches_to_the_dense_buffer_above_the_threshold(w4a16, gen, batch):
+def test_linear_switches_to_the_dense_buffer_above_the_threshold(triton_w4a16, gen, batch):
     """Up to MAX_PACKED_ROWS the caller's dense buffer stays untouched; above, W lands in it."""
+    w4a16, device = triton_w4a16
     n, k, group_size = 1536, 576, 32
     qweight, scales, mins, dense = random_weight(n, k, group_size, gen)
     x = torch.randn(batch, k, generator=gen)
-    buffer = torch.full((n, k), float("nan"))
-    out = torch.empty(batch, n)
-    y = w4a16.w4a16_linear(x, qweight, scales, mins, group_size, out=out, dense=buffer)
+    buffer = torch.full((n, k), float("nan"), device=device)
+    out = torch.empty(batch, n, device=device)
+    y = w4a16.w4a16_linear(*on(device, x, qweight, scales, mins), group_size, out=out, dense=buffer)
     assert y.data_ptr() == out.data_ptr()
     assert relative_error(y, x.double() @ dense.T) <= RELATIVE_TOLERANCE
     if batch <= w4a16.MAX_PACKED_ROWS:
@@ -96,40 +104,49 @@ def test_linear_switches_to_the_dense_buffer_above_the_threshold(w4a16, gen, bat
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch", [3, 33])
-def test_half_precision_inputs(w4a16, gen, dtype, batch):
-    """Loaded as they are and widened to fp32 in the kernel (the interpreter has no bf16
-    arithmetic); y and the dense buffer come out in x's dtype."""
+def test_half_precision_inputs(triton_w4a16, gen, dtype, batch):
+    """Loaded as they are and widened to fp32 in the kernel under the interpreter (it has no
+    bf16 arithmetic), multiplied in the dtype on CUDA; y and the dense buffer come out in x's dtype."""
+    w4a16, device = triton_w4a16
     n, k, group_size = 67, 192, 64
     qweight, scales, mins, dense = random_weight(n, k, group_size, gen)
     x = torch.randn(batch, k, generator=gen).to(dtype)
-    y = w4a16.w4a16_linear(x, qweight, scales, mins, group_size)
+    qweight, scales, mins = on(device, qweight, scales, mins)
+    y = w4a16.w4a16_linear(x.to(device), qweight, scales, mins, group_size)
     assert y.dtype == dtype
-    assert relative_error(y, x.double() @ dense.T) <= tolerance(dtype)
-    dequantized = w4a16.dequantize_into(qweight, scales, mins, group_size, torch.empty(n, k, dtype=dtype))
-    assert relative_error(dequantized, dense) <= tolerance(dtype)
+    assert relative_error(y, x.double() @ dense.T) <= tolerance(dtype, device)
+    dequantized = w4a16.dequantize_into(qweight, scales, mins, group_size,
+                                        torch.empty(n, k, dtype=dtype, device=device))
+    assert relative_error(dequantized, dense) <= tolerance(dtype, device)
 
 
-def test_llama_8b_attention_shape(w4a16, gen):
+def test_llama_8b_attention_shape(triton_w4a16, gen):
     """4096x4096 (Llama-3.1-8B's O-projection), the decode case: 32 steps of the loop over k
     in each of 64 column tiles; ~8 s in the interpreter."""
+    w4a16, device = triton_w4a16
     n, k, group_size = 4096, 4096, 32
     qweight, scales, mins, dense = random_weight(n, k, group_size, gen)
     x = torch.randn(2, k, generator=gen)
-    assert relative_error(w4a16.packed_linear(x, qweight, scales, mins, group_size), x.double() @ dense.T) \
-        <= RELATIVE_TOLERANCE
+    y = w4a16.packed_linear(*on(device, x, qweight, scales, mins), group_size)
+    assert relative_error(y, x.double() @ dense.T) <= RELATIVE_TOLERANCE
 
 
-def test_non_contiguous_x(w4a16, gen):
+def test_non_contiguous_x(triton_w4a16, gen):
     """x is read through its strides: a column slice works without a copy."""
+    w4a16, device = triton_w4a16
     qweight, scales, mins, dense = random_weight(67, 96, 32, gen)
-    x = torch.randn(4, 200, generator=gen)[:, 10:106]
-    assert relative_error(w4a16.w4a16_linear(x, qweight, scales, mins, 32), x.double() @ dense.T) \
-        <= RELATIVE_TOLERANCE
+    whole = torch.randn(4, 200, generator=gen)
+    x = whole.to(device)[:, 10:106]  # sliced where it lies: a copy to the device would be contiguous
+    assert not x.is_contiguous()
+    assert relative_error(w4a16.w4a16_linear(x, *on(device, qweight, scales, mins), 32),
+                          whole[:, 10:106].double() @ dense.T) <= RELATIVE_TOLERANCE
 
 
-def test_empty_batch(w4a16, gen):
+def test_empty_batch(triton_w4a16, gen):
+    w4a16, device = triton_w4a16
     qweight, scales, mins, _ = random_weight(67, 96, 32, gen)
-    assert w4a16.w4a16_linear(torch.empty(0, 96), qweight, scales, mins, 32).shape == (0, 67)
+    x = torch.empty(0, 96, device=device)
+    assert w4a16.w4a16_linear(x, *on(device, qweight, scales, mins), 32).shape == (0, 67)
 
 
 def _problem():
@@ -154,16 +171,16 @@ def _problem():
     ("group_size", 256, "group_size must be one of"),
 ])
 @pytest.mark.parametrize("batch", [3, 33])
-def test_malformed_input_raises_a_value_error_naming_it(w4a16, field, value, message, batch):
+def test_malformed_input_raises_a_value_error_naming_it(interpreted_w4a16, field, value, message, batch):
     problem = _problem()
     problem["x"] = problem["x"][:1].expand(batch, -1).contiguous()
     problem[field] = value
     with pytest.raises(ValueError, match=message):
-        w4a16.w4a16_linear(problem.pop("x"), **problem)
+        interpreted_w4a16.w4a16_linear(problem.pop("x"), **problem)
 
 
 @pytest.mark.parametrize("batch", [3, 33])
-def test_malformed_buffers_raise_a_value_error_naming_them(w4a16, batch):
+def test_malformed_buffers_raise_a_value_error_naming_them(interpreted_w4a16, batch):
     problem = _problem()
     problem["x"] = torch.randn(batch, 128)
     for buffers, message in [
@@ -173,13 +190,13 @@ def test_malformed_buffers_raise_a_value_error_naming_them(w4a16, batch):
         ({"dense": torch.empty(128, 64)}, r"dense must have shape \(64, 128\)"),
     ]:
         with pytest.raises(ValueError, match=message):
-            w4a16.w4a16_linear(**problem, **buffers)
+            interpreted_w4a16.w4a16_linear(**problem, **buffers)
 
 
-def test_dequantize_into_checks_its_buffer(w4a16):
+def test_dequantize_into_checks_its_buffer(interpreted_w4a16):
     problem = _problem()
     del problem["x"]
     with pytest.raises(ValueError, match=r"out must have shape \(64, 128\)"):
-        w4a16.dequantize_into(**problem, out=torch.empty(64, 64))
+        interpreted_w4a16.dequantize_into(**problem, out=torch.empty(64, 64))
     with pytest.raises(ValueError, match="out dtype"):
-        w4a16.dequantize_into(**problem, out=torch.empty(64, 128, dtype=torch.float64))
+        interpreted_w4a16.dequantize_into(**problem, out=torch.empty(64, 128, dtype=torch.float64))
