@@ -165,7 +165,8 @@ class DecodeGraphs:
             forward()  # writes the same K/V the replay writes again
         current.wait_stream(warmup)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: CUDA calls of other threads (the server's, a copy thread) do not void the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = forward()
         logger.info("captured the decode step for batches up to %d as a CUDA graph", bucket)
         return _Graph(graph, logits)
