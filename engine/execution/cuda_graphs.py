@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -104,6 +105,9 @@ class StaticDecodeInputs:
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
     logits: torch.Tensor  # [bucket, vocab] fp32, the graph's output, rewritten by each replay
+    # the captured forward: it holds the tensors made before the capture (metadata, output rows),
+    # whose memory the graph reads at every replay and which must not be freed and reused
+    forward: Callable[[], torch.Tensor]
 
 
 class DecodeGraphs:
@@ -169,4 +173,4 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = forward()
         logger.info("captured the decode step for batches up to %d as a CUDA graph", bucket)
-        return _Graph(graph, logits)
+        return _Graph(graph, logits, forward)

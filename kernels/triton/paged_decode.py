@@ -63,23 +63,21 @@ def _larger(a, b):
 
 
 @triton.jit
-def _scores(q, k, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr):
-    """q [G, D] . k [D, T] -> [G, T] fp32."""
-    if USE_DOT:
-        if FP32_DOT:
-            return tl.dot(q, k, input_precision="ieee")
-        return tl.dot(q, k)
-    return tl.reduce(q[:, :, None].to(tl.float32) * k[None, :, :].to(tl.float32), 1, _add)
+def _scores(q, k, FP32_DOT: tl.constexpr):
+    """q [G, D] . k [D, T] -> [G, T] fp32. Always tl.dot (tiles are at least MIN_DOT wide, a small
+    block's tail masked): a broadcast-and-reduce variant, once used for blocks under 16 tokens, was
+    off by up to 5e-3 on an H100 (Triton 3.6) where it passed under the interpreter."""
+    if FP32_DOT:
+        return tl.dot(q, k, input_precision="ieee")
+    return tl.dot(q, k)
 
 
 @triton.jit
-def _weighted_values(p, v, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr):
+def _weighted_values(p, v, FP32_DOT: tl.constexpr):
     """p [G, T] fp32 . v [T, D] -> [G, D] fp32 (p rounded to v's dtype for the tensor cores)."""
-    if USE_DOT:
-        if FP32_DOT:
-            return tl.dot(p, v, input_precision="ieee")
-        return tl.dot(p.to(v.dtype), v)
-    return tl.reduce(p[:, :, None] * v[None, :, :].to(tl.float32), 1, _add)
+    if FP32_DOT:
+        return tl.dot(p, v, input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v)
 
 
 @triton.jit
@@ -88,7 +86,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
                          stride_tb, stride_ob, stride_oh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                         COMPUTE: tl.constexpr, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr):
+                         COMPUTE: tl.constexpr, FP32_DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(lens_ptr + seq)
@@ -109,14 +107,14 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
         t_ok = (t < BLOCK_SIZE) & (b * BLOCK_SIZE + t < context_len)
         k = tl.load(k_ptr + block * stride_kb + kv_head * stride_kh + d[:, None] * stride_kd + t[None, :],
                     mask=d_ok[:, None] & t_ok[None, :], other=0.0).to(COMPUTE)
-        s = tl.where(t_ok[None, :], _scores(q, k, USE_DOT, FP32_DOT), NEG_INF)
+        s = tl.where(t_ok[None, :], _scores(q, k, FP32_DOT), NEG_INF)
         new_max = tl.maximum(row_max, tl.reduce(s, 1, _larger))
         p = tl.exp(s - new_max[:, None])
         correction = tl.exp(row_max - new_max)
         row_sum = row_sum * correction + tl.reduce(p, 1, _add)
         v = tl.load(v_ptr + block * stride_vb + kv_head * stride_vh + t[:, None] * stride_vt + d[None, :],
                     mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)
-        acc = acc * correction[:, None] + _weighted_values(p, v, USE_DOT, FP32_DOT)
+        acc = acc * correction[:, None] + _weighted_values(p, v, FP32_DOT)
         row_max = new_max
     out = tl.where(row_sum[:, None] > 0, acc / tl.maximum(row_sum, 1e-30)[:, None], 0.0)  # empty context: zeros
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -151,8 +149,7 @@ def _paged_decode_quantized_kernel(q_ptr, key_codes_ptr, key_halves_ptr, value_c
                                    GROUP: tl.constexpr, HALF_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                                    CODE_COLS: tl.constexpr, SCALES_AT: tl.constexpr, MINS_AFTER: tl.constexpr,
                                    IS_INT4: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
-                                   BLOCK_T: tl.constexpr, COMPUTE: tl.constexpr, USE_DOT: tl.constexpr,
-                                   FP32_DOT: tl.constexpr):
+                                   BLOCK_T: tl.constexpr, COMPUTE: tl.constexpr, FP32_DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(lens_ptr + seq)
@@ -188,7 +185,7 @@ def _paged_decode_quantized_kernel(q_ptr, key_codes_ptr, key_halves_ptr, value_c
                                             high_column[:, None] * BLOCK_SIZE + t[None, :],
                                             scale_row[:, None] + t[None, :], h_ok[:, None] & t_ok[None, :],
                                             MINS_AFTER, IS_INT4, COMPUTE)
-        s = _scores(q_low, k_low, USE_DOT, FP32_DOT) + _scores(q_high, k_high, USE_DOT, FP32_DOT)
+        s = _scores(q_low, k_low, FP32_DOT) + _scores(q_high, k_high, FP32_DOT)
         s = tl.where(t_ok[None, :], s, NEG_INF)
         new_max = tl.maximum(row_max, tl.reduce(s, 1, _larger))
         p = tl.exp(s - new_max[:, None])
@@ -200,8 +197,8 @@ def _paged_decode_quantized_kernel(q_ptr, key_codes_ptr, key_halves_ptr, value_c
                                             t[:, None] * CODE_COLS + high_column[None, :],
                                             scale_row[None, :] + t[:, None], t_ok[:, None] & h_ok[None, :],
                                             MINS_AFTER, IS_INT4, COMPUTE)
-        acc_low = acc_low * correction[:, None] + _weighted_values(p, v_low, USE_DOT, FP32_DOT)
-        acc_high = acc_high * correction[:, None] + _weighted_values(p, v_high, USE_DOT, FP32_DOT)
+        acc_low = acc_low * correction[:, None] + _weighted_values(p, v_low, FP32_DOT)
+        acc_high = acc_high * correction[:, None] + _weighted_values(p, v_high, FP32_DOT)
         row_max = new_max
     inverse_sum = tl.where(row_sum > 0, 1.0 / tl.maximum(row_sum, 1e-30), 0.0)  # empty context: zeros
     out_at = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + low_channel[None, :]
@@ -233,7 +230,6 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if batch == 0:
         return out
     cache_dtype = value_cache.dtype
-    use_dot = block_size >= MIN_DOT
     compute = tl.float32 if INTERPRETED else _TL_DTYPES[cache_dtype]
     _paged_decode_kernel[(batch, num_kv_heads)](
         query, key_cache, value_cache, out, block_tables, context_lens, float(scale),
@@ -241,8 +237,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=_tile(group), BLOCK_D=_tile(head_dim),
-        BLOCK_T=_tile(block_size), COMPUTE=compute, USE_DOT=use_dot,
-        FP32_DOT=use_dot and (INTERPRETED or cache_dtype == torch.float32))
+        BLOCK_T=_tile(block_size), COMPUTE=compute, FP32_DOT=INTERPRETED or cache_dtype == torch.float32)
     return out
 
 
@@ -290,7 +285,6 @@ def _quantized_decode(query, key_pool, value_pool, block_tables, context_lens, s
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    use_dot = block_size >= MIN_DOT
     _paged_decode_quantized_kernel[(batch, num_kv_heads)](
         query, key_pool.view(layout.code_dtype), key_pool.view(torch.float16), value_pool.view(layout.code_dtype),
         value_pool.view(torch.float16), out, block_tables, context_lens, float(scale),
@@ -299,6 +293,6 @@ def _quantized_decode(query, key_pool, value_pool, block_tables, context_lens, s
         GROUP=group, HALF_DIM=head_dim // 2, BLOCK_SIZE=block_size, CODE_COLS=layout.code_cols,
         SCALES_AT=layout.code_bytes // 2, MINS_AFTER=layout.scale_bytes // 2, IS_INT4=layout.bits == 4,
         BLOCK_G=_tile(group), BLOCK_H=_tile(head_dim // 2), BLOCK_T=_tile(block_size),
-        COMPUTE=tl.float32 if INTERPRETED else _TL_DTYPES[query.dtype], USE_DOT=use_dot,
-        FP32_DOT=use_dot and (INTERPRETED or query.dtype == torch.float32))
+        COMPUTE=tl.float32 if INTERPRETED else _TL_DTYPES[query.dtype],
+        FP32_DOT=INTERPRETED or query.dtype == torch.float32)
     return out

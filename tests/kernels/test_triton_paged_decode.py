@@ -57,21 +57,13 @@ def test_the_kernel_runs_interpreted(interpreted_paged_decode):
 SHAPES = [  # (num_kv_heads, group, head_dim, block_size)
     (3, 3, 64, 16),  # SmolLM2-135M
     (2, 4, 128, 16),  # Llama-3 style
-    (2, 1, 32, 4),  # MHA, a block below tl.dot's tile: broadcast products
+    (2, 1, 32, 4),  # MHA, a block below tl.dot's tile: its tail masked
     (1, 5, 80, 32),  # head_dim and group off the power-of-two tiles
     (2, 2, 64, 12),  # a block size off the power of two
 ]
-# the interpreter takes 20 s for each of the small-block shapes: make test-slow runs them there (not on CUDA)
-SLOW_INTERPRETED = [(2, 1, 32, 4), (2, 2, 64, 12)]
 
 
-def on_both_devices(shapes):
-    """`triton_device` parametrized here rather than by its fixture, to mark slow the interpreted runs alone."""
-    return ([pytest.param("cpu", *shape, marks=[pytest.mark.slow] if shape in SLOW_INTERPRETED else [])
-             for shape in shapes] + [pytest.param("cuda", *shape, marks=pytest.mark.cuda) for shape in shapes])
-
-
-@pytest.mark.parametrize("triton_device, num_kv_heads, group, head_dim, block_size", on_both_devices(SHAPES))
+@pytest.mark.parametrize("num_kv_heads, group, head_dim, block_size", SHAPES)
 def test_matches_the_torch_reference(triton_paged_decode, gen, num_kv_heads, group, head_dim, block_size):
     paged, device = triton_paged_decode
     lens = [1, block_size, 3 * block_size + 1, 37]
