@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from engine.execution.runner import FatalRunnerError
-from engine.engine import LLMEngine
+from engine.engine import LLMEngine, RequestFailedError
 from engine.request import PreparedRequest
 from engine.outputs import RequestOutput
 
@@ -34,10 +34,6 @@ class QueueFullError(RuntimeError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-class RequestFailedError(RuntimeError):
-    """An internal error ended this request (the engine goes on serving the others)."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +152,9 @@ class AsyncEngine:
                 if self._on_iteration is not None:
                     self._on_iteration(self.engine, outputs, time.perf_counter() - start)
                 self._deliver(outputs)
+                for failure in self.engine.take_failures():  # each alone: the others go on
+                    self._finish_stream(failure.request_id, RequestFailedError(
+                        f"internal error in the engine: {failure.reason}"))
         except BaseException as exc:  # the loop itself broke: report it and fail everyone
             logger.exception("engine loop died")
             self.dead_reason = f"the engine loop died: {exc}" if isinstance(exc, FatalRunnerError) \

@@ -20,6 +20,7 @@ import torch
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.distributed import ModelSource, TensorParallelRunner, largest_rank_config
 from engine.execution import ModelRunner
+from engine.execution.runner import FatalRunnerError
 from engine.execution.cores import CoreAssignment
 from engine.execution.fit import describe_fit, fit_config
 from engine.execution.expert_cache import LayerHeat
@@ -104,6 +105,18 @@ class IterationStats:
     prefix_cache: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
 
 
+class RequestFailedError(RuntimeError):
+    """An internal error ended this request (the engine goes on serving the others)."""
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request that failed alone: its forward, its sampling or its output raised."""
+
+    request_id: str
+    reason: str
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -169,6 +182,7 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                      self.eos_token_ids)
         self._requests: dict[str, Request] = {}
+        self._failures: list[RequestFailure] = []  # failed alone since take_failures() last ran
         self._ids = itertools.count()
         self.stats = IterationStats()
         self.runner.begin_serving()
@@ -401,7 +415,15 @@ class LLMEngine:
             metrics = self._requests[scheduled.sequence.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         weights_before = self.weight_stats.snapshot()
-        output = self.runner.execute(plan)
+        try:
+            output = self.runner.execute(plan)
+        except FatalRunnerError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (a forward's failure is its batch's, not the server's)
+            logger.exception("a forward failed; failing the %d requests in it", len(plan.scheduled))
+            for scheduled in plan.scheduled:
+                self._fail_request(scheduled.sequence.request_id, f"the forward of its batch failed: {exc!r}")
+            return []
         stats.forward_time = output.forward_time
         self.scheduler.observe_step(plan, output.forward_time)
         self._record_weights(stats, weights_before, self.weight_stats)
@@ -410,8 +432,29 @@ class LLMEngine:
             stats.cpu_wait_time = output.pipeline.cpu_waiting
         for row, entries in output.prompt_logprobs.items():
             plan.scheduled[row].sequence.add_prompt_logprobs(entries)
-        updated = self.scheduler.update(plan, output.sampled.token_ids, output.sampled.token_logprobs())
-        return self._outputs({seq.request_id: self._requests[seq.request_id] for seq in updated})
+        sampling = plan.sampling
+        for row, reason in output.sampled.failed_rows.items():
+            self._fail_request(sampling[row].sequence.request_id, reason)
+        updated = self.scheduler.update(plan, output.sampled.token_ids, output.sampled.token_logprobs(),
+                                        on_error=self._token_failed)
+        return self._outputs({seq.request_id: self._requests[seq.request_id] for seq in updated
+                              if seq.request_id in self._requests})
+
+    def take_failures(self) -> list[RequestFailure]:
+        """The requests that failed since the last call, each alone (the others go on); they have
+        left the engine."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _fail_request(self, request_id: str, reason: str) -> None:
+        if request_id in self._requests:
+            logger.warning("request %s failed: %s", request_id, reason)
+            self.abort_request(request_id)
+            self._failures.append(RequestFailure(request_id, reason))
+
+    def _token_failed(self, seq, exc: Exception) -> None:
+        logger.error("taking request %s's token failed", seq.request_id, exc_info=exc)
+        self._fail_request(seq.request_id, f"taking its token failed: {exc!r}")
 
     @staticmethod
     def _record_weights(stats: IterationStats, before: WeightStats, after: WeightStats) -> None:
@@ -456,15 +499,22 @@ class LLMEngine:
         return stats
 
     def _outputs(self, requests: dict[str, Request]) -> list[RequestOutput]:
-        """The outputs of the requests that received tokens; finished ones leave the engine."""
+        """The outputs of the requests that received tokens; finished ones leave the engine. A
+        request whose output cannot be made (its detokenizer raised) fails alone."""
         now = time.monotonic()
         outputs = []
         for request in requests.values():
             request.metrics.first_token_time = request.metrics.first_token_time or now
+            try:
+                output = request.take_output()
+            except Exception as exc:  # noqa: BLE001
+                logger.error("making request %s's output failed", request.request_id, exc_info=exc)
+                self._fail_request(request.request_id, f"making its output failed: {exc!r}")
+                continue
             if request.finished:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
-            outputs.append(request.take_output())
+            outputs.append(output)
         return outputs
 
 

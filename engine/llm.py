@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.engine import LLMEngine, RequestFailedError
 from engine.outputs import RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -66,6 +66,8 @@ class LLM:
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
+                for failure in self.engine.take_failures():
+                    raise RequestFailedError(f"request {failure.request_id} failed: {failure.reason}")
         except BaseException:
             for request_id in request_ids:
                 if request_id not in finished:

@@ -344,9 +344,10 @@ class NeoScheduler(Scheduler):
         self.host_tier.finish_plan(plan)
         return plan
 
-    def update(self, plan: IterationPlan, sampled_token_ids: list[int], logprobs=None) -> list[Sequence]:
+    def update(self, plan: IterationPlan, sampled_token_ids: list[int], logprobs=None,
+               on_error=None) -> list[Sequence]:
         self.host_tier.release_pins()  # the plan's copies ran before its forward
-        return super().update(plan, sampled_token_ids, logprobs)
+        return super().update(plan, sampled_token_ids, logprobs, on_error)
 
     def _decoding_cpu_requests(self, plan: IterationPlan) -> list[Sequence]:
         """The CPU-sequences that have a token to decode: all but those `plan` prefills now."""

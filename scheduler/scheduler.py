@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from scheduler.block_pool import BlockPool, blocks_for
 from scheduler.prefill_pacing import PrefillPacer
@@ -386,32 +386,43 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- results --------------------------------------------------------------------------
-    def update(self, plan: IterationPlan, sampled_token_ids: list[int],
-               logprobs: list[Any] | None = None) -> list[Sequence]:
+    def update(self, plan: IterationPlan, sampled_token_ids: list[int], logprobs: list[Any] | None = None,
+               on_error: Callable[[Sequence, Exception], None] | None = None) -> list[Sequence]:
         """Advance each scheduled sequence's computed tokens and make its full blocks findable;
         append each sampling sequence's token (and its logprobs entry; both lists follow
         `plan.sampling`), finish those that are done (`stop_check`) and free their blocks.
-        Returns the sequences that received a token, in plan order."""
+        Returns the sequences that received a token, in plan order. `on_error`: where taking a
+        sequence's token raises (its detokenizer, its grammar), told so while the others go on;
+        None: the error propagates."""
         updated = []
         sampled = iter(zip(sampled_token_ids, logprobs if logprobs is not None else [None] * len(sampled_token_ids)))
         for scheduled in plan.scheduled:
-            seq = scheduled.sequence
             token = next(sampled) if scheduled.samples else None
-            if seq.finished:  # aborted while the iteration ran
+            if scheduled.sequence.finished:  # aborted while the iteration ran
                 continue
-            seq.num_computed_tokens = scheduled.num_computed_tokens + scheduled.num_new_tokens
-            self.prefix_cache.commit(seq, self._pool_of(seq))
-            if token is None:
-                continue
-            if seq.sampling_params.max_tokens == 0:  # a prompt scored, nothing to generate
-                self.finish_sequence(seq, SequenceStatus.FINISHED_LENGTH)
-                updated.append(seq)
-                continue
-            seq.append_token(int(token[0]), token[1])
-            stop = stop_check(seq, self.config.max_model_len)
-            if stop is not None:
-                self.finish_sequence(seq, *stop)
-                if seq.text is not None:
-                    seq.text.finish()
-            updated.append(seq)
+            try:
+                if self._take_token(scheduled, token):
+                    updated.append(scheduled.sequence)
+            except Exception as exc:  # noqa: BLE001 (reported per sequence)
+                if on_error is None:
+                    raise
+                on_error(scheduled.sequence, exc)
         return updated
+
+    def _take_token(self, scheduled: ScheduledSeq, token: tuple[int, Any] | None) -> bool:
+        """One scheduled share's update; whether its sequence received a token."""
+        seq = scheduled.sequence
+        seq.num_computed_tokens = scheduled.num_computed_tokens + scheduled.num_new_tokens
+        self.prefix_cache.commit(seq, self._pool_of(seq))
+        if token is None:
+            return False
+        if seq.sampling_params.max_tokens == 0:  # a prompt scored, nothing to generate
+            self.finish_sequence(seq, SequenceStatus.FINISHED_LENGTH)
+            return True
+        seq.append_token(int(token[0]), token[1])
+        stop = stop_check(seq, self.config.max_model_len)
+        if stop is not None:
+            self.finish_sequence(seq, *stop)
+            if seq.text is not None:
+                seq.text.finish()
+        return True

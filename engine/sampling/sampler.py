@@ -12,7 +12,8 @@ the sampler's generator.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +22,7 @@ from engine.structured import apply_token_masks
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
 
+logger = logging.getLogger(__name__)
 _NEG_INF = float("-inf")
 
 # splitmix64 (Steele, Lea and Flood 2014): an odd "golden gamma" increment and two mixing multipliers
@@ -37,6 +39,9 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # the sampled token's logprob; None where params.logprobs is None
     top_logprobs: list[list[tuple[int, float]] | None]  # params.logprobs alternatives, highest first
+    # rows whose sampling raised, with why (their token ids are placeholders): the engine fails
+    # those requests alone
+    failed_rows: dict[int, str] = field(default_factory=dict)
 
     def token_logprobs(self) -> list[TokenLogprob | None]:
         """Each row's logprobs entry for the output, None where they were not asked for."""
@@ -56,8 +61,30 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample a token for each row; row i of `logits` belongs to `seqs[i]`.
 
-        `seqs[i].output_token_ids` must hold the tokens generated before this step.
+        `seqs[i].output_token_ids` must hold the tokens generated before this step. Where the
+        batch's sampling raises (one request's grammar, bias or penalties), the rows are sampled one
+        by one and those that raise again come back in `failed_rows`: one request's fault is its own.
         """
+        try:
+            return self._sample_batch(logits, seqs)
+        except Exception:  # noqa: BLE001 (whatever one row's processing raised: find the row)
+            logger.exception("sampling a batch of %d rows failed; sampling them one by one", len(seqs))
+            return self._sample_rows_alone(logits, seqs)
+
+    def _sample_rows_alone(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        merged = SamplerOutput([], [], [])
+        for row, seq in enumerate(seqs):
+            try:
+                one = self._sample_batch(logits[row:row + 1], [seq])
+            except Exception as exc:  # noqa: BLE001
+                merged.failed_rows[row] = f"sampling failed: {exc!r}"
+                one = SamplerOutput([0], [None], [None])
+            merged.token_ids += one.token_ids
+            merged.logprobs += one.logprobs
+            merged.top_logprobs += one.top_logprobs
+        return merged
+
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logits = self._vocab_logits(logits, seqs)
         params = [seq.sampling_params for seq in seqs]
         if all(p.greedy for p in params) and not _needs_processing(seqs):

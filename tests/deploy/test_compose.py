@@ -70,3 +70,10 @@ def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard(services
     dashboard_target = next(target for target, path in mounts.items() if path.name == "tandem.json")
     assert Path(dashboard_target).parent == Path(provider["options"]["path"])
     assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == dashboard_target
+
+
+def test_the_server_is_started_again_when_it_exits_on_failure(services):
+    """A dead engine loop ends `tandem serve` with exit code 1; the supervisors restart it."""
+    assert services["tandem"]["restart"] in ("unless-stopped", "always", "on-failure")
+    unit = (ROOT / "README.md").read_text().split("# /etc/systemd/system/tandem.service")[1].split("```")[0]
+    assert "\nRestart=on-failure\n" in unit

@@ -36,7 +36,10 @@ def free_port() -> int:
 class ServerProcess:
     """A `tandem serve` subprocess; `start()` returns once /health answers 200."""
 
-    def __init__(self, log_path: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log_path: Path, *flags: str, env: dict[str, str] | None = None,
+                 entry: tuple[str, ...] = ("-m", "server.cli")) -> None:
+        """`entry`: what python runs with `serve` and the flags (a script that plants faults, say)."""
+        self.entry = entry
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -49,7 +52,7 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", *self.flags], cwd=ROOT,
+            self.proc = subprocess.Popen([sys.executable, *self.entry, "serve", *self.flags], cwd=ROOT,
                                          env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
