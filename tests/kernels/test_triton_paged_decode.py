@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.attention.decode import TorchPagedDecode
+from half_precision import assert_half_close
 
 TOLERANCE = 1e-5
 
@@ -80,14 +81,7 @@ def test_half_precision_caches(triton_paged_decode, gen, dtype):
     got = paged.paged_decode_attention(*on(device, query, key_cache, value_cache, tables, lens), 0.125).cpu()
     want = reference(query.float(), key_cache.float(), value_cache.float(), tables, lens, 0.125)
     assert got.dtype == dtype
-    eps = torch.finfo(dtype).eps
-    # interpreted: fp32 inside; the output rounded (truncated by the interpreter) to the dtype. CUDA: the dots in
-    # the dtype too, the softmax weights rounded to it (eps / 2 each): 2 eps of max |want|, some 4 times the worst
-    # of an emulation of that rounding over 200 draws
-    if device == "cpu":
-        torch.testing.assert_close(got.float(), want, atol=2 * eps, rtol=2 * eps)
-    else:
-        torch.testing.assert_close(got.float(), want, atol=2 * eps * float(want.abs().max()), rtol=0)
+    assert_half_close(got, want, device, dtype)
 
 
 def test_empty_context_gives_zeros(triton_paged_decode, gen):

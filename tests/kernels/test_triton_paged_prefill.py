@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 
+from half_precision import assert_half_close
+
 TOLERANCE = 1e-5
 
 
@@ -119,14 +121,7 @@ def test_half_precision(triton_paged_prefill, gen, dtype):
     want = reference(**{name: value.float() if isinstance(value, torch.Tensor) and value.is_floating_point()
                         else value for name, value in problem.items()})
     assert got.dtype == dtype
-    eps = torch.finfo(dtype).eps
-    # interpreted: fp32 inside on upcast values; the output rounded (truncated by the interpreter) to the dtype.
-    # CUDA: the dots in the dtype too, the softmax weights rounded to it (eps / 2 each): 2 eps of max |want|, some
-    # 4 times the worst of an emulation of that rounding over 100 draws
-    if device == "cpu":
-        torch.testing.assert_close(got.double(), want, atol=2 * eps, rtol=2 * eps)
-    else:
-        torch.testing.assert_close(got.double(), want, atol=2 * eps * float(want.abs().max()), rtol=0)
+    assert_half_close(got, want, device, dtype)
 
 
 def test_without_a_prefix_it_is_the_causal_prefill(triton_paged_prefill, gen):
