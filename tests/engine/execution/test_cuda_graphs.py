@@ -36,18 +36,25 @@ def test_padding_repeats_the_last_row():
     assert rows.block_tables == [[1, 2], [4], [4], [4]]
 
 
-def test_the_static_inputs_give_the_eager_logits_and_padded_rows_copy_the_last(gen):
-    """What a graph records, run here on the CPU with torch's ops: the forward over the static
-    buffers' int32 views, padded to a bucket, against the eager forward over the same rows."""
-    rows = DecodeRows([11, 22, 33], [20, 5, 17], [[1, 2], [3], [4, 5]])
+@pytest.fixture(scope="module")
+def cpu_llm():
+    """The torch ops a CUDA forward runs, on the CPU."""
     with LLM(model=EMBEDDED_MODEL, load_format="dummy", dtype="float32", device="cpu", cpu_attention="off",
-             cpu_ops="torch", decode_attention="torch") as llm:
-        model, kv_cache = llm.engine.runner.model, llm.engine.runner.kv_cache
-        kv_cache.gpu.key.copy_(torch.randn(kv_cache.gpu.key.shape, generator=gen))
-        kv_cache.gpu.value.copy_(torch.randn(kv_cache.gpu.value.shape, generator=gen))
-        meta = AttentionMetadata([], 0, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
-                                 decode_block_tables=torch.tensor([[1, 2], [3, 0], [4, 5]], dtype=torch.int32),
-                                 decode_context_lens=torch.tensor([21, 6, 18], dtype=torch.int32))
+             cpu_ops="torch", decode_attention="torch", num_blocks=8, max_model_len=64) as llm:
+        yield llm
+
+
+def test_the_static_inputs_give_the_eager_logits_and_padded_rows_copy_the_last(cpu_llm, gen):
+    """What a graph records, run here on the CPU: the forward over the static buffers' int32
+    views, padded to a bucket, against the eager forward over the same rows."""
+    rows = DecodeRows([11, 22, 33], [20, 5, 17], [[1, 2], [3], [4, 5]])
+    model, kv_cache = cpu_llm.engine.runner.model, cpu_llm.engine.runner.kv_cache
+    kv_cache.gpu.key.copy_(torch.randn(kv_cache.gpu.key.shape, generator=gen))
+    kv_cache.gpu.value.copy_(torch.randn(kv_cache.gpu.value.shape, generator=gen))
+    meta = AttentionMetadata([], 0, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
+                             decode_block_tables=torch.tensor([[1, 2], [3, 0], [4, 5]], dtype=torch.int32),
+                             decode_context_lens=torch.tensor([21, 6, 18], dtype=torch.int32))
+    with torch.inference_mode():
         eager = model.forward(torch.tensor(rows.token_ids), torch.tensor(rows.positions), kv_cache, meta,
                               torch.arange(3))
         inputs = StaticDecodeInputs(max_rows=8, max_blocks=4, device=torch.device("cpu"))
@@ -57,13 +64,12 @@ def test_the_static_inputs_give_the_eager_logits_and_padded_rows_copy_the_last(g
     torch.testing.assert_close(static[3], static[2], rtol=1e-5, atol=1e-5)
 
 
-def test_only_resident_dense_models_on_cuda_are_captured():
+def test_only_resident_dense_models_on_cuda_are_captured(cpu_llm):
     assert LayerStore(torch.device("cpu")).graph_capturable
     assert not PlannedLayers.weights_stay_put  # so not graph_capturable: streamed layers copy mid-forward
     assert not MoeModel.graph_capturable
-    with LLM(model=EMBEDDED_MODEL, load_format="dummy", dtype="float32", device="cpu", cpu_attention="off") as llm:
-        assert DecodeGraphs.applies_to(llm.engine.runner.model) == "its device is cpu"
-        assert llm.engine.runner.graphs is None
+    assert DecodeGraphs.applies_to(cpu_llm.engine.runner.model) == "its device is cpu"
+    assert cpu_llm.engine.runner.graphs is None
 
 
 def test_enforce_eager_must_be_a_bool():
