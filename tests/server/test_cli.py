@@ -133,8 +133,9 @@ def test_convert_writes_one_aligned_file_per_layer(tmp_path, capsys):
     manifest = json.loads((offload_dir / "manifest.json").read_text())
     assert manifest["key"]["quantization"] == "int4" and set(manifest["layers"]) == {"0", "1"}
     for entry in manifest["layers"].values():
-        assert (offload_dir / entry["file"]).stat().st_size == entry["image"]["nbytes"]
-        assert entry["image"]["nbytes"] % 4096 == 0
+        file_bytes = (offload_dir / entry["file"]).stat().st_size
+        assert file_bytes == entry["payload_offset"] + entry["image"]["nbytes"]
+        assert entry["payload_offset"] % 4096 == 0 and entry["image"]["nbytes"] % 4096 == 0
     assert main(flags) == 0
     assert "0 layer files written, 2 already there" in capsys.readouterr().err
     assert main(["convert", "--model", str(model), "--log-level", "warning"]) == 2
