@@ -221,8 +221,7 @@ class LLMEngine:
             return None
         files = None
         if plan.num_layers_in(Tier.DISK):
-            key = conversion_key(config, loader.source, self.dtype)
-            files = LayerFiles(weights.offload_dir, key, self.model_config.num_layers)
+            files = self._layer_files(loader)
         budget = None if weights.gpu_gib is None else int(weights.gpu_gib * GIB_BYTES)
         global_bytes = plan.placement.memory.global_bytes if plan.placement is not None else 0
         moved_tokens = self._moved_tokens(plan.rates) if plan.rates is not None else None
@@ -230,6 +229,19 @@ class LLMEngine:
                                  num_io_threads=self.thread_plan.split.io_threads or DEFAULT_IO_THREADS,
                                  gpu_weight_budget_bytes=budget, global_weight_bytes=global_bytes,
                                  moved_tokens=moved_tokens, stats=self.weight_stats)
+
+    def _layer_files(self, loader) -> LayerFiles:
+        """The offload directory's files, those of disk-placed layers checked now, before any
+        weight loads (a damaged one is written again from the source as its layer is built), and
+        the space for the files to write checked with the planner's layer bytes."""
+        plan, config = self.plan, self.config
+        key = conversion_key(config, loader.source, self.dtype)
+        files = LayerFiles(config.weights.offload_dir, key, self.model_config.num_layers)
+        disk_layers = [index for index, layer in enumerate(plan.layers) if layer.tier == Tier.DISK]
+        to_write = files.check_space(disk_layers, plan.placement.layer_bytes)
+        logger.info("offload directory %s: %d of %d disk-placed layer files to write", files.directory, len(to_write),
+                    len(disk_layers))
+        return files
 
     def _expert_store_factory(self, plan: ExpertCachePlan):
         """The hot-expert cache's store; the slicing models (measured once and cached) split each
