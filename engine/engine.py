@@ -24,7 +24,7 @@ from engine.execution.cores import CoreAssignment
 from engine.execution.fit import describe_fit, fit_config
 from engine.execution.expert_cache import LayerHeat
 from engine.execution.expert_store import EXPERT_STATS_KIND, HotExpertLayers, create_expert_store
-from engine.execution.layer_store import create_layer_store
+from engine.execution.layer_store import create_layer_store, open_layer_files
 from engine.execution.thread_split import core_assignment, plan_thread_split
 from engine.execution.stats import WeightStats
 from engine.execution.weight_plan import conversion_key, plan_model, profile_key, slicing_costs, weight_format
@@ -37,7 +37,6 @@ from engine.profiling.cache import profile_path
 from engine.request import InputProcessor, PreparedRequest, Request
 from engine.text import Tokenizer
 from engine.weights import create_loader
-from engine.weights.layer_files import LayerFiles
 from scheduler.cost_model import CostModel, TableCostModel
 from scheduler.kv_format import KVFormat
 from scheduler.sampling_params import ParamError, SamplingParams
@@ -220,8 +219,9 @@ class LLMEngine:
         if plan.all_resident and plan.rates is None:
             return None
         files = None
-        if plan.num_layers_in(Tier.DISK):
-            files = self._layer_files(loader)
+        if plan.num_layers_in(Tier.DISK):  # the files checked, and the space for those to write, before any load
+            key = conversion_key(config, loader.source, self.dtype)
+            files = open_layer_files(plan, weights.offload_dir, key, self.model_config.num_layers)
         budget = None if weights.gpu_gib is None else int(weights.gpu_gib * GIB_BYTES)
         global_bytes = plan.placement.memory.global_bytes if plan.placement is not None else 0
         moved_tokens = self._moved_tokens(plan.rates) if plan.rates is not None else None
@@ -229,19 +229,6 @@ class LLMEngine:
                                  num_io_threads=self.thread_plan.split.io_threads or DEFAULT_IO_THREADS,
                                  gpu_weight_budget_bytes=budget, global_weight_bytes=global_bytes,
                                  moved_tokens=moved_tokens, stats=self.weight_stats)
-
-    def _layer_files(self, loader) -> LayerFiles:
-        """The offload directory's files, those of disk-placed layers checked now, before any
-        weight loads (a damaged one is written again from the source as its layer is built), and
-        the space for the files to write checked with the planner's layer bytes."""
-        plan, config = self.plan, self.config
-        key = conversion_key(config, loader.source, self.dtype)
-        files = LayerFiles(config.weights.offload_dir, key, self.model_config.num_layers)
-        disk_layers = [index for index, layer in enumerate(plan.layers) if layer.tier == Tier.DISK]
-        to_write = files.check_space(disk_layers, plan.placement.layer_bytes)
-        logger.info("offload directory %s: %d of %d disk-placed layer files to write", files.directory, len(to_write),
-                    len(disk_layers))
-        return files
 
     def _expert_store_factory(self, plan: ExpertCachePlan):
         """The hot-expert cache's store; the slicing models (measured once and cached) split each
