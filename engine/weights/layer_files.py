@@ -32,7 +32,7 @@ import torch
 
 from engine.weights.base import WeightLoadError
 from engine.weights.direct_io import IO_ALIGN_BYTES, OpenFile, open_for_reading
-from engine.weights.file_writes import TMP_SUFFIX, check_free_space, peak_bytes, write_file
+from engine.weights.file_writes import TMP_SUFFIX, check_free_space, free_bytes, peak_bytes, write_file
 from engine.weights.layer_file_format import (
     FORMAT_VERSION,
     HeaderError,
@@ -43,7 +43,8 @@ from engine.weights.layer_file_format import (
 )
 from engine.weights.layer_image import LayerImage
 
-__all__ = ["ConversionKey", "LayerFiles", "LayerFileCheck", "write_file", "LAYER_FILE_PATTERN", "MANIFEST_NAME"]
+__all__ = ["ConversionKey", "LayerFiles", "LayerFileCheck", "room_bytes", "write_file", "LAYER_FILE_PATTERN",
+           "MANIFEST_NAME"]
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +239,15 @@ class LayerFiles:
                     "layers": {str(index): entry for index, entry in sorted(self._entries.items())}}
         text = json.dumps(manifest, indent=1).encode()
         write_file(self.directory / MANIFEST_NAME, torch.frombuffer(bytearray(text), dtype=torch.uint8))
+
+
+def room_bytes(directory: str | os.PathLike[str]) -> int:
+    """What layer files may take in `directory` (which exists): its filesystem's free bytes and
+    those of the layer files already there, each to be reused or replaced (the planner's disk
+    budget; `check_space` counts exactly once the files are checked)."""
+    directory = Path(directory)
+    existing = sum(path.stat().st_size for path in directory.glob(LAYER_FILE_PATTERN) if path.is_file())
+    return free_bytes(directory) + existing
 
 
 def describe_layers(indices: list[int]) -> str:
