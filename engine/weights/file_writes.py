@@ -73,7 +73,7 @@ def describe_failed_write(path: Path, exc: OSError) -> str:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         hint = f"; free space on the filesystem of {path.parent} or point --offload-dir at another one"
     elif exc.errno == errno.EIO:
-        hint = f"; the disk reported an I/O error: check it, or point --offload-dir at another one"
+        hint = "; the disk reported an I/O error: check it, or point --offload-dir at another one"
     return (f"writing {path} failed: {exc.strerror or exc}{f' ({code})' if code else ''}; nothing partial was "
             f"left (its temporary file was removed) and the files written before it are intact{hint}")
 
