@@ -25,7 +25,7 @@ from engine.execution.cores import CoreAssignment
 from engine.execution.fit import describe_fit, fit_config
 from engine.execution.expert_cache import LayerHeat
 from engine.execution.expert_store import EXPERT_STATS_KIND, HotExpertLayers, create_expert_store
-from engine.execution.layer_store import create_layer_store
+from engine.execution.layer_store import create_layer_store, open_layer_files
 from engine.execution.thread_split import core_assignment, plan_thread_split
 from engine.execution.stats import WeightStats
 from engine.execution.weight_plan import conversion_key, plan_model, profile_key, slicing_costs, weight_format
@@ -38,7 +38,6 @@ from engine.profiling.cache import profile_path
 from engine.request import InputProcessor, PreparedRequest, Request
 from engine.text import Tokenizer
 from engine.weights import create_loader
-from engine.weights.layer_files import LayerFiles
 from scheduler.cost_model import CostModel, TableCostModel
 from scheduler.kv_format import KVFormat
 from scheduler.sampling_params import ParamError, SamplingParams
@@ -234,9 +233,9 @@ class LLMEngine:
         if plan.all_resident and plan.rates is None:
             return None
         files = None
-        if plan.num_layers_in(Tier.DISK):
+        if plan.num_layers_in(Tier.DISK):  # the files checked, and the space for those to write, before any load
             key = conversion_key(config, loader.source, self.dtype)
-            files = LayerFiles(weights.offload_dir, key, self.model_config.num_layers)
+            files = open_layer_files(plan, weights.offload_dir, key, self.model_config.num_layers)
         budget = None if weights.gpu_gib is None else int(weights.gpu_gib * GIB_BYTES)
         global_bytes = plan.placement.memory.global_bytes if plan.placement is not None else 0
         moved_tokens = self._moved_tokens(plan.rates) if plan.rates is not None else None

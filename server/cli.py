@@ -44,6 +44,9 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     convert = sub.add_parser("convert", help="write per-layer weight files into --offload-dir for streaming from disk",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_flags(convert)
+    convert.add_argument("--verify", action="store_true",
+                         help="check every layer file in --offload-dir (its header, model, layer, size and checksum) "
+                              "without writing any; exit 2 naming each file that is missing or damaged")
     bench = sub.add_parser("bench", help="run a benchmark: 'tandem bench serve --help'")
     bench.add_argument("suite", choices=["serve"], help="serve: load-latency sweeps and side-by-side runs")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own flags")
@@ -364,6 +367,7 @@ def convert(args: argparse.Namespace) -> int:
     from engine.quant import create_linear_method
     from engine.weights import create_loader
     from engine.weights.convert import convert as convert_layers
+    from engine.weights.convert import verify
     from engine.weights.layer_files import LayerFiles
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -376,6 +380,11 @@ def convert(args: argparse.Namespace) -> int:
     files = LayerFiles(config.weights.offload_dir, conversion_key(config, loader.source, dtype),
                        loader.config.num_layers)
     start = time.perf_counter()
+    if args.verify:
+        num_files = verify(files)
+        print(f"tandem convert --verify: {files.directory}: all {num_files} layer files intact for {loader.source} "
+              f"in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        return 0
     written, kept = convert_layers(loader, files, create_linear_method(QUANTIZATION_METHODS[config.quantization]),
                                    dtype, torch.device(config.torch_device), show_progress=True)
     print(f"tandem convert: {loader.source} -> {files.directory}: {written} layer files written, {kept} already "

@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ from engine.model import ModelConfig
 from engine.profiling.attention_probe import measure_attention_s_per_token
 from engine.profiling.cache import CACHE_DIR_ENV
 from engine.weights import WeightLoader
+from engine.weights.layer_files import room_bytes
 from scheduler.fit import AttentionCosts, Fit, FitBudgets, FitError, FitOption, FitProbes, FitRequest, FixedChoices, fit
 from scheduler.kv_format import QUANTIZED_KV_BLOCK_MULTIPLE, KVFormat, kv_format
 from scheduler.placement import WeightFormat, layer_image_bytes
@@ -175,12 +175,13 @@ def fit_budgets(config: EngineConfig, offload_dir: str) -> FitBudgets:
 
 
 def _free_disk_bytes(directory: str) -> int | None:
-    """Free bytes where `directory` is or would be created; None where nothing can be written."""
+    """Room for layer files where `directory` is or would be created (free bytes, and those of the
+    layer files already there); None where nothing can be written."""
     path = Path(directory)
     while not path.exists() and path != path.parent:
         path = path.parent
     try:
-        return shutil.disk_usage(path).free if os.access(path, os.W_OK) else None
+        return room_bytes(path) if os.access(path, os.W_OK) else None
     except OSError:
         return None
 

@@ -32,7 +32,7 @@ from engine.model.moe import MoeLayerWeights
 from engine.quant import LinearMethod, LinearWeight
 from engine.weights.convert import build_host_layer
 from engine.weights.direct_io import DirectReader
-from engine.weights.layer_files import LayerFiles
+from engine.weights.layer_files import ConversionKey, LayerFiles
 from engine.weights.layer_image import LayerImage, meta_templates
 from scheduler.placement.layer_plan import LayerPlan, ModelPlan
 from scheduler.placement.moved_tokens import MovedTokens
@@ -243,6 +243,18 @@ def create_layer_store(plan: ModelPlan, device: torch.device, cores: CoreAssignm
         moved = MovedPart(moved_tokens, engine, torch.device(device).type == HOST.type, stats)
     return PlannedLayers(plan, device, engine, ring, cpu, stats, moved, gpu_weight_budget_bytes,
                          global_weight_bytes)
+
+
+def open_layer_files(plan: ModelPlan, directory: str, key: ConversionKey, num_layers: int) -> LayerFiles:
+    """The offload directory's files for `plan`'s disk-placed layers, checked before any weight
+    loads (serve writes a damaged one again from the source as its layer is built), and the space
+    for those to write checked with the planner's layer bytes (WeightLoadError where it is short)."""
+    files = LayerFiles(directory, key, num_layers)
+    disk_layers = [index for index, layer in enumerate(plan.layers) if layer.tier == Tier.DISK]
+    to_write = files.check_space(disk_layers, plan.placement.layer_bytes)
+    logger.info("offload directory %s: %d of %d disk-placed layers' files to write", files.directory, len(to_write),
+                len(disk_layers))
+    return files
 
 
 def create_transfer(plan: ModelPlan, device: torch.device, cores: CoreAssignment,

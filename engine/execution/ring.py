@@ -96,6 +96,7 @@ class StreamedItem:
     templates: dict[str, LinearWeight]
     host_data: torch.Tensor | None = None  # host tier: the image
     file: OpenFile | None = None  # disk tier
+    file_offset: int = 0  # where the image starts in its file, past the header
 
 
 class BufferRing:
@@ -131,11 +132,14 @@ class BufferRing:
             item.host_data = data
         else:
             item.file = self._store_on_disk(layer, image, data)
+            item.file_offset = self.files.payload_offset(layer)
         self.items[layer] = item
         binding = self._bindings[layer] = _Binding(layer)
         return {name: StreamedWeight(binding, name, template, tier) for name, template in templates.items()}
 
     def _store_on_disk(self, layer: int, image: LayerImage, data: torch.Tensor) -> OpenFile:
+        """The layer's file, written (again) from `data`, the image just built from the source
+        weights, unless it holds that image intact already (LayerFiles.has_layer)."""
         if not self.files.has_layer(layer, image):
             self.files.write_layer(layer, image, data)
         file = self.files.open(layer)
@@ -273,7 +277,7 @@ class BufferRing:
         else:
             staging, staging_state = self._staging[load % len(self._staging)]
             self.copy_engine.wait_source_free(staging_state)
-            self.reader.read(item.file, 0, nbytes, staging,
+            self.reader.read(item.file, item.file_offset, nbytes, staging,
                              on_block=lambda a, b: self.copy_engine.copy(target[a:b], staging[a:b]))
         self.copy_engine.after_load(buffer.engine_state)
         if item.tier == Tier.DISK:

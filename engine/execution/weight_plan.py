@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,7 @@ from engine.profiling.streaming_probe import (
 )
 from engine.weights.direct_io import DEFAULT_BLOCK_BYTES, DirectReader
 from scheduler.thread_plan import DEFAULT_IO_THREADS
-from engine.weights.layer_files import ConversionKey
+from engine.weights.layer_files import ConversionKey, room_bytes
 from scheduler.placement import (
     ComputeCosts,
     MemoryBudgets,
@@ -111,7 +110,7 @@ def budgets(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
     disk_bytes = None
     if weights.offload_dir:
         os.makedirs(weights.offload_dir, exist_ok=True)  # serve writes its layer files there
-        disk_bytes = shutil.disk_usage(weights.offload_dir).free
+        disk_bytes = room_bytes(weights.offload_dir)  # files already there are reused or replaced
     return MemoryBudgets(
         gpu_weight_bytes=None if weights.gpu_gib is None else int(weights.gpu_gib * GIB_BYTES),
         gpu_bytes=gpu_bytes, kv_cache_bytes=kv_bytes, host_weight_bytes=host_bytes,

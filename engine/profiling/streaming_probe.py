@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import threading
 from pathlib import Path
@@ -28,10 +29,13 @@ from engine.profiling.profiler import median_seconds
 from engine.quant import create_linear_method
 from engine.weights.base import WeightLoader, global_shapes, layer_shapes
 from engine.weights.direct_io import IO_ALIGN_BYTES, DirectReader, aligned_empty, open_for_reading
+from engine.weights.file_writes import TMP_SUFFIX, free_bytes
 from engine.weights.layer_files import LAYER_FILE_PATTERN, write_file
 from engine.weights.layer_image import LayerImage
 from scheduler.cost_model import Curve, kv_bytes_per_token
 from scheduler.placement import ComputeCosts
+
+logger = logging.getLogger(__name__)
 
 PROBE_BYTES = 256 * 2**20  # per copy and per disk read: well past any cache
 # layers timed back to back: 4x the development host's 32 MiB L3, so the weights come from memory
@@ -107,6 +111,8 @@ def measure_disk_bytes_per_s(directory: str | os.PathLike[str], reader: DirectRe
     if existing:
         return _read_rate(_enough(existing, nbytes), reader)
     path = directory / ".tandem-disk-probe"
+    path.with_name(path.name + TMP_SUFFIX).unlink(missing_ok=True)  # left by a killed run
+    nbytes = _probe_bytes(directory, nbytes)
     buffer = aligned_empty(nbytes)
     buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))  # incompressible
     write_file(path, buffer)
@@ -114,6 +120,17 @@ def measure_disk_bytes_per_s(directory: str | os.PathLike[str], reader: DirectRe
         return _read_rate([path], reader)
     finally:
         path.unlink(missing_ok=True)
+
+
+def _probe_bytes(directory: Path, nbytes: int) -> int:
+    """The probe file's size: `nbytes`, or half the filesystem's free space where that is less (a
+    less exact rate, but the layer files' own space check, not the probe, says what is missing)."""
+    room = free_bytes(directory) // 2 // IO_ALIGN_BYTES * IO_ALIGN_BYTES
+    if room >= nbytes:
+        return nbytes
+    logger.info("disk probe: %.1f MiB, half the free space of %s, not %.0f MiB; the measured rate may be less exact",
+                room / 2**20, directory, nbytes / 2**20)
+    return max(room, IO_ALIGN_BYTES)
 
 
 def _enough(paths: list[Path], nbytes: int) -> list[Path]:

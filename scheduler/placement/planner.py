@@ -64,7 +64,7 @@ class MemoryBudgets:
     gpu_bytes: int | None = None  # --memory-gib: weights, KV pool and activations together
     kv_cache_bytes: int | None = None  # a fixed GPU KV pool; None: what gpu_bytes leaves
     host_weight_bytes: int | None = None  # --weights-cpu-gib: streamed layers kept in host memory
-    disk_bytes: int | None = None  # free space in --offload-dir
+    disk_bytes: int | None = None  # room for layer files in --offload-dir: free space and the files there
     has_offload_dir: bool = False  # whether the disk tier exists at all
     host_kv_cache_bytes: int = 0  # the host KV pool (Neo), for the breakdown
 
@@ -328,8 +328,10 @@ def layer_tiers(inputs: PlannerInputs, num_resident: int) -> list[Tier] | str:
                 f"(--weights-cpu-gib {_gib(budgets.host_weight_bytes or 0)}); give --offload-dir to stream them "
                 f"from disk, or more --weights-cpu-gib / --weights-gpu-gib{_int4_hint(inputs.fmt)}")
     if num_disk and budgets.disk_bytes is not None and num_disk * layer_bytes > budgets.disk_bytes:
-        return (f"{num_disk} layers need {_gib(num_disk * layer_bytes)} in --offload-dir, which has "
-                f"{_gib(budgets.disk_bytes)} free")
+        need, room = num_disk * layer_bytes, budgets.disk_bytes
+        return (f"{num_disk} layers need {_gib(need)} ({need} bytes) in --offload-dir, which has room for "
+                f"{_gib(room)} ({room} bytes: its free space and the layer files there): {_gib(need - room)} "
+                f"({need - room} bytes) missing; free space there, or point --offload-dir at a filesystem with room")
     streamed_on_disk = iter(spread(num_disk, num_streamed))
     return [Tier.GPU if resident else (Tier.DISK if next(streamed_on_disk) else Tier.HOST)
             for resident in spread(num_resident, num_layers)]

@@ -109,6 +109,17 @@ def test_layers_beyond_host_memory_need_an_offload_dir():
     assert placement.memory.host_layer_bytes + placement.memory.staging_bytes <= 4 * LAYER
 
 
+def test_layers_beyond_the_offload_dirs_room_are_refused_with_the_bytes_missing():
+    budgets = MemoryBudgets(gpu_weight_bytes=GLOBALS + 2 * LAYER, kv_cache_bytes=GIB_BYTES, host_weight_bytes=0,
+                            disk_bytes=3 * LAYER, has_offload_dir=True)
+    with pytest.raises(PlacementError) as info:
+        plan_placement(inputs(budgets, mode="disk"))
+    message = str(info.value)
+    assert f"in --offload-dir, which has room for {3 * LAYER / GIB_BYTES:.2f} GiB" in message
+    assert f"({3 * LAYER} bytes: its free space and the layer files there)" in message
+    assert "bytes) missing; free space there, or point --offload-dir" in message
+
+
 def test_gpu_mode_refuses_a_model_that_does_not_fit_and_cpu_mode_streams_everything():
     budgets = MemoryBudgets(gpu_weight_bytes=GLOBALS + 4 * LAYER, kv_cache_bytes=GIB_BYTES)
     with pytest.raises(PlacementError, match="16 resident layers"):

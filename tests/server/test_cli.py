@@ -133,8 +133,41 @@ def test_convert_writes_one_aligned_file_per_layer(tmp_path, capsys):
     manifest = json.loads((offload_dir / "manifest.json").read_text())
     assert manifest["key"]["quantization"] == "int4" and set(manifest["layers"]) == {"0", "1"}
     for entry in manifest["layers"].values():
-        assert (offload_dir / entry["file"]).stat().st_size == entry["image"]["nbytes"]
-        assert entry["image"]["nbytes"] % 4096 == 0
+        file_bytes = (offload_dir / entry["file"]).stat().st_size
+        assert file_bytes == entry["payload_offset"] + entry["image"]["nbytes"]
+        assert entry["payload_offset"] % 4096 == 0 and entry["image"]["nbytes"] % 4096 == 0
     assert main(flags) == 0
     assert "0 layer files written, 2 already there" in capsys.readouterr().err
     assert main(["convert", "--model", str(model), "--log-level", "warning"]) == 2
+
+
+def test_convert_verify_names_a_damaged_file_which_convert_writes_again(tmp_path, capsys):
+    """--verify has no source weights to write a file again: it names the file and says what to
+    do; convert then rewrites that file alone."""
+    from gguf import GGMLQuantizationType as QType
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "weights"))
+    from tiny_gguf import write_tiny_gguf
+
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model, qtype=QType.Q4_0)
+    offload_dir = tmp_path / "offload"
+    flags = ["convert", "--model", str(model), "--offload-dir", str(offload_dir), "--dtype", "float32",
+             "--quantization", "int4", "--log-level", "warning"]
+    assert main(flags) == 0
+    damaged = offload_dir / "layer-0001.bin"
+    with open(damaged, "r+b") as file:  # one bit of the payload, past the 4 KiB header
+        file.seek(4096 + 100)
+        byte = file.read(1)[0]
+        file.seek(4096 + 100)
+        file.write(bytes([byte ^ 1]))
+    capsys.readouterr()
+    assert main([*flags, "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert f"{damaged}: payload damaged" in err and "run `tandem convert` without --verify" in err
+    assert "layer-0000.bin" not in err
+    assert main(flags) == 0
+    err = capsys.readouterr().err
+    assert "1 layer files written, 1 already there" in err
+    assert main([*flags, "--verify"]) == 0
+    assert "all 2 layer files intact" in capsys.readouterr().err

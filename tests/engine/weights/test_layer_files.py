@@ -49,12 +49,13 @@ def direct_io_dir(tmp_path: Path) -> Path:
 
 
 def read_back(files: LayerFiles, index: int, reader: DirectReader) -> tuple[LayerImage, torch.Tensor]:
-    image = files.image(index)
+    image = files.verify(index)
     buffer = aligned_empty(image.nbytes)
     file = files.open(index)
     try:
         blocks = []
-        reader.read(file, 0, image.nbytes, buffer, on_block=lambda a, b: blocks.append((a, b)))
+        reader.read(file, files.payload_offset(index), image.nbytes, buffer,
+                    on_block=lambda a, b: blocks.append((a, b)))
     finally:
         os.close(file.fd)
     assert sorted(blocks)[0][0] == 0 and sum(b - a for a, b in blocks) == image.nbytes  # every block handed on
