@@ -241,7 +241,8 @@ def measure_tier(args, tier: str, resident: LLMEngine, compute_by_len: dict[int,
 
 
 def to_markdown(result: dict) -> str:
-    lines = [f"{result['cpu']}, {result.get('device', 'host-only testbed (GPU thread on one core, transfers on the other)')}, "
+    where = result.get("device", "host-only testbed (GPU thread on one core, transfers on the other)")
+    lines = [f"{result['cpu']}, {where}, "
              f"{result['model']} random weights in {result['dtype']}, every decoder layer streamed "
              f"(--weights-gpu-gib {result['weights_gpu_gib']}). One forward = the prefill of a P-token prompt, P "
              f"where compute ~ transfer; seconds per forward, medians of {result['forwards']} forwards and "
@@ -298,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         resident.close()
     device = {"device": f"{torch.cuda.get_device_name()} (layers copied by its copy engine)"} if on_cuda else {}
-    result = {"cpu": host_cpu_model(), **device, "model": args.model, "dtype": args.dtype, "weights_gpu_gib": args.weights_gpu_gib,
+    result = {"cpu": host_cpu_model(), **device, "model": args.model, "dtype": args.dtype,
+              "weights_gpu_gib": args.weights_gpu_gib,
               "reps": args.reps, "forwards": args.forwards, "io_threads": args.io_threads,
               "compute_by_prompt_len_s": compute_by_len, "rows": rows}
     write_results(args.output, result, to_markdown(result))

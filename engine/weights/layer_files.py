@@ -13,7 +13,8 @@ Files are checked once, when the caller decides to reuse them, before anything i
 layer image it builds from the source weights (a check on a forward's first read would find the
 damage with the image gone and a request waiting). Verifying reads each file once with O_DIRECT
 and hashes it: 0.56-0.64 s per GB on the 2-core VM with another test suite running, where the
-reads alone took 0.46-0.57 (CRC-32 hashes while the next blocks are read: the disk bounds it). Without source weights (`tandem convert --verify`) a damaged file is refused by name.
+reads alone took 0.46-0.57 (CRC-32 hashes while the next blocks are read: the disk bounds it).
+Without source weights (`tandem convert --verify`) a damaged file is refused by name.
 
 Files are written with O_DIRECT where the filesystem allows it, so converting a model does not
 fill the page cache with it, and all or nothing (file_writes.py); the bytes to write are checked
