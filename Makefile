@@ -42,7 +42,9 @@ test-streamed: install
 
 # The deployment checks that need system tools and minutes (tests marked integration): Prometheus
 # scraping a live server, the Dockerfiles built by buildah on a debootstrapped Debian base and run
-# by podman. The tools come from Debian's packages when missing (CI runs as root).
+# by podman; and a chaos soak, one server with every mechanism on under mixed, malformed and dropped
+# requests for 150 s (CHAOS_SOAK_S lengthens it). The tools come from Debian's packages when missing
+# (CI runs as root).
 INTEGRATION_TOOLS := prometheus promtool buildah podman runc debootstrap
 INTEGRATION_PACKAGES := prometheus buildah podman runc debootstrap
 # Further combinations of the embedded model's streamed and sliced runs, and the Triton interpreter's
