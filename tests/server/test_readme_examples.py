@@ -113,7 +113,9 @@ def test_readme_plan_and_convert_commands_run(tmp_path, monkeypatch, capsys):
             monkeypatch.setenv(name, value)
         assert main(argv) == 0, (argv, capsys.readouterr().err[-2000:])
         out, err = capsys.readouterr()
-        assert ("tandem plan:" in out) if argv[0] == "plan" else ("layer files written" in err), argv
+        expected = ("tandem plan:" in out if argv[0] == "plan" else "layer files intact" in err
+                    if "--verify" in argv else "layer files written" in err)
+        assert expected, argv
 
 
 def test_readme_serve_commands_take_their_flags(tmp_path, monkeypatch):
