@@ -115,9 +115,8 @@ def test_weights_that_fit_nowhere_are_refused_before_loading(command, capsys):
     assert "Traceback" not in err
 
 
-def test_convert_writes_one_aligned_file_per_layer(tmp_path, capsys):
-    import json
-
+def tiny_convert_flags(tmp_path: Path) -> tuple[Path, Path, list[str]]:
+    """A tiny Q4_0 GGUF and the `tandem convert` flags that write its layer files: (model, offload dir, flags)."""
     from gguf import GGMLQuantizationType as QType
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "weights"))
@@ -126,8 +125,14 @@ def test_convert_writes_one_aligned_file_per_layer(tmp_path, capsys):
     model = tmp_path / "tiny.gguf"
     write_tiny_gguf(model, qtype=QType.Q4_0)
     offload_dir = tmp_path / "offload"
-    flags = ["convert", "--model", str(model), "--offload-dir", str(offload_dir), "--dtype", "float32",
-             "--quantization", "int4", "--log-level", "warning"]
+    return model, offload_dir, ["convert", "--model", str(model), "--offload-dir", str(offload_dir),
+                                "--dtype", "float32", "--quantization", "int4", "--log-level", "warning"]
+
+
+def test_convert_writes_one_aligned_file_per_layer(tmp_path, capsys):
+    import json
+
+    model, offload_dir, flags = tiny_convert_flags(tmp_path)
     assert main(flags) == 0
     assert "2 layer files written, 0 already there" in capsys.readouterr().err
     manifest = json.loads((offload_dir / "manifest.json").read_text())
@@ -144,16 +149,7 @@ def test_convert_writes_one_aligned_file_per_layer(tmp_path, capsys):
 def test_convert_verify_names_a_damaged_file_which_convert_writes_again(tmp_path, capsys):
     """--verify has no source weights to write a file again: it names the file and says what to
     do; convert then rewrites that file alone."""
-    from gguf import GGMLQuantizationType as QType
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "weights"))
-    from tiny_gguf import write_tiny_gguf
-
-    model = tmp_path / "tiny.gguf"
-    write_tiny_gguf(model, qtype=QType.Q4_0)
-    offload_dir = tmp_path / "offload"
-    flags = ["convert", "--model", str(model), "--offload-dir", str(offload_dir), "--dtype", "float32",
-             "--quantization", "int4", "--log-level", "warning"]
+    _, offload_dir, flags = tiny_convert_flags(tmp_path)
     assert main(flags) == 0
     damaged = offload_dir / "layer-0001.bin"
     with open(damaged, "r+b") as file:  # one bit of the payload, past the 4 KiB header
