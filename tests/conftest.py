@@ -36,16 +36,16 @@ def pytest_collection_modifyitems(config, items):
     """Tests of an opt-in marker skip unless their option is given; tests marked cuda skip without a
     CUDA device (`make test-gpu` runs exactly those where one is)."""
     skip_cuda = pytest.mark.skip(reason="no CUDA device: `make test-gpu` runs it where a GPU is lent")
-    if not _cuda_available():
+    if not _cuda_available():  # the marker, not a keyword: "cuda" in a parameter id is no reason to skip
         for item in items:
-            if "cuda" in item.keywords:
+            if item.get_closest_marker("cuda") is not None:
                 item.add_marker(skip_cuda)
     for marker, (option, target) in OPT_IN_MARKERS.items():
         if config.getoption(option):
             continue
         skip = pytest.mark.skip(reason=f"{marker} test: `{target}` runs it ({option})")
         for item in items:
-            if marker in item.keywords:
+            if item.get_closest_marker(marker) is not None:
                 item.add_marker(skip)
 
 
