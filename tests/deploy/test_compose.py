@@ -75,5 +75,5 @@ def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard(services
 def test_the_server_is_started_again_when_it_exits_on_failure(services):
     """A dead engine loop ends `tandem serve` with exit code 1; the supervisors restart it."""
     assert services["tandem"]["restart"] in ("unless-stopped", "always", "on-failure")
-    unit = (ROOT / "README.md").read_text().split("# /etc/systemd/system/tandem.service")[1].split("```")[0]
+    unit = (ROOT / "docs" / "deploy.md").read_text().split("# /etc/systemd/system/tandem.service")[1].split("```")[0]
     assert "\nRestart=on-failure\n" in unit

@@ -4,7 +4,7 @@
 - python blocks run in this process, the SDK's against the same server;
 - `tandem plan` and `tandem convert` lines run in this process through `server.cli.main`, with
   their /tmp/tandem-* paths and the profile cache moved to a temporary directory;
-- `tandem serve` lines, and the systemd unit's ExecStart, start servers that run until stopped:
+- `tandem serve` lines, and the systemd unit's ExecStart (docs/deploy.md), start servers that run until stopped:
   they are parsed with the README's YAML files and their own TANDEM_ variables, and their
   EngineConfig is built, which checks every flag and value. Serving in each mode is what the shared
   server and the server suites run (test_offload_server.py, test_moe_server.py, make test-streamed).
@@ -27,14 +27,15 @@ import pytest
 from server.cli import engine_config, main, parse_command_line
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+DEPLOY_PAGE = README.parent / "docs" / "deploy.md"
 DEFAULT_URL = "http://127.0.0.1:8000"
 SCRATCH_PATH = re.compile(r"/tmp/tandem-[\w.-]+")  # the examples' scratch directories
 ASSIGNMENT = re.compile(r"^[A-Z][A-Z0-9_]*=")
 SERVE_BINARY = re.compile(r"^\S*/tandem serve\b")  # the systemd unit's ExecStart
 
 
-def readme_blocks(language: str) -> list[str]:
-    return [m["body"] for m in re.finditer(r"^```(?P<lang>\w*)\n(?P<body>.*?)^```$", README.read_text(), re.M | re.S)
+def readme_blocks(language: str, page: Path = README) -> list[str]:
+    return [m["body"] for m in re.finditer(r"^```(?P<lang>\w*)\n(?P<body>.*?)^```$", page.read_text(), re.M | re.S)
             if m["lang"] == language]
 
 
@@ -125,7 +126,7 @@ def test_readme_serve_commands_take_their_flags(tmp_path, monkeypatch):
             (tmp_path / first_line[2:]).write_text(block)
     monkeypatch.chdir(tmp_path)
     serve = tandem_commands("serve")
-    for block in readme_blocks("ini"):
+    for block in readme_blocks("ini", DEPLOY_PAGE):  # the systemd unit
         for line in block.splitlines():
             if line.startswith("ExecStart="):
                 serve.append(({}, shlex.split(SERVE_BINARY.sub("tandem serve", line[len("ExecStart="):]))[1:]))
