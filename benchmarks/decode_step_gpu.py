@@ -5,7 +5,7 @@ tokens in. Per batch size, medians over `--steps` steps after a warm-up, the two
 
 - eager: the runner's eager path, inputs built as device tensors and the forward launched op by
   op. Host time: until the forward has been issued; step: until its logits are ready.
-- graph: engine/execution/cuda_graphs.py (inputs staged through pinned buffers, one replay).
+- graph: engine/runtime/cuda_graphs.py (inputs staged through pinned buffers, one replay).
 - GPU time: CUDA events around a graph's step, where the kernels run back to back: the GPU's own
   time, the floor a step can reach. The target is host time below it (the host then keeps ahead).
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from benchmarks.report import write_results  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
-from engine.execution.cuda_graphs import DecodeGraphs, DecodeRows  # noqa: E402
+from engine.runtime.cuda_graphs import DecodeGraphs, DecodeRows  # noqa: E402
 from scheduler.block_pool import blocks_for  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_step_gpu.json"

@@ -31,12 +31,12 @@ import kernels  # noqa: E402,F401  (before torch: the engine's OpenMP spin cap)
 from benchmarks.report import write_results  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine, model_max_len  # noqa: E402
-from engine.execution.fit import apply_fit, default_offload_dir, fit_config, fit_request  # noqa: E402
+from engine.planning.fit import apply_fit, default_offload_dir, fit_config, fit_request  # noqa: E402
 from engine.profiling import compute_dtype  # noqa: E402
 from engine.profiling.cache import host_cpu_model  # noqa: E402
 from engine.weights import create_loader  # noqa: E402
-from scheduler.fit import Configuration, Fit  # noqa: E402
-from scheduler.fit.search import placements_of, with_predictions  # noqa: E402
+from scheduler.planning.fit import Configuration, Fit  # noqa: E402
+from scheduler.planning.fit.search import placements_of, with_predictions  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m"  # on the testbed in float32: 0.50 GiB of weights, 46 KB of KV a token

@@ -50,10 +50,10 @@ def budget_gib(model: str, dtype_name: str) -> float:
     """Attention, embeddings, head and norms (MoE routers), a quarter of the MLPs and one MLP's
     bytes for the buffers."""
     from engine.config import EngineConfig
-    from engine.execution.weight_plan import weight_format
+    from engine.planning.weights import weight_format
     from engine.profiling import compute_dtype
     from engine.weights import create_loader
-    from scheduler.placement.slicing_plan import fixed_weight_bytes, layer_works
+    from scheduler.planning.slicing.plan import fixed_weight_bytes, layer_works
 
     config = EngineConfig.from_flat(**common(model, dtype_name))
     shape = create_loader(config.model, config.load_format).config.shape
@@ -130,10 +130,10 @@ def _timed_steps(engine, prompt: list[int], max_tokens: int) -> list[float]:
 def predicted_layers_s(engine) -> list[float]:
     """The slicing model's time of each layer's MLP in a batch-1 decode step at the engine's rates
     (every MLP resident when nothing is sliced)."""
-    from engine.execution.weight_plan import slicing_costs, weight_format
-    from scheduler.placement.slicing import SliceRates
-    from scheduler.placement.slicing_model import layer_time_s
-    from scheduler.placement.slicing_plan import layer_works
+    from engine.planning.weights import slicing_costs, weight_format
+    from scheduler.planning.slicing.rates import SliceRates
+    from scheduler.planning.slicing.model import layer_time_s
+    from scheduler.planning.slicing.plan import layer_works
 
     config, model_config = engine.config, engine.model_config
     rates = engine.slicing.rates if engine.slicing else config.weights.slice_rates(model_config.num_layers)

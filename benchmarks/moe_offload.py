@@ -145,7 +145,7 @@ def log_popularity(popularity: list[float], order: list[int]) -> torch.Tensor:
 
 def skew_routers(model, zipf_exponent: float, seed: int) -> dict[int, SkewedRouter]:
     """Every routed layer's router wrapped in place; layer -> its wrapper."""
-    from scheduler.placement.hot_experts import zipf_popularity
+    from scheduler.planning.experts.hot_experts import zipf_popularity
 
     routers = {}
     for layer, weights in enumerate(model.layers):
@@ -452,7 +452,7 @@ def decode_metrics(rows: dict[str, dict]) -> list[str]:
 
 def summarize(rows: dict[str, dict], num_experts: int, top_k: int, num_slots: int, zipf_exponent: float) -> dict:
     """Hot experts over static slicing and over all on the CPU, beside the targets; the Zipf expectation."""
-    from scheduler.placement.hot_experts import expected_hit_rate, zipf_popularity
+    from scheduler.planning.experts.hot_experts import expected_hit_rate, zipf_popularity
 
     cache = rows[CACHE]
     summary = {"expected_hit_rate": expected_hit_rate(zipf_popularity(num_experts, zipf_exponent), top_k, num_slots)}
@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     from benchmarks.report import median_rows, write_results
-    from engine.model import ModelConfig
+    from engine.model_config import ModelConfig
     from engine.profiling.cache import host_cpu_model
 
     model_config = ModelConfig.from_preset(args.model)

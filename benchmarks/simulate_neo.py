@@ -2,7 +2,7 @@
 
 For each of Neo's three setups (T4 + Llama-2-7B, A10G + Llama-3.1-8B, 2xH100 + Llama-3.1-70B) this
 runs Neo's synthetic workload (fixed input length, output lengths swept, both +-10% uniform, all
-requests at once) through the real NeoScheduler in simulated time (scheduler/simulator.py) with
+requests at once) through the real NeoScheduler in simulated time (scheduler/simulation/simulator.py) with
 the roofline cost model of the machine's datasheet profile (configs/hardware/), once with the host
 KV pool and once without it (GPU-only), and prints the ratio beside Neo's published peak gains.
 
@@ -18,11 +18,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.model import load_model_preset
-from scheduler.kv_format import kv_format
+from engine.model_config import load_model_preset
+from scheduler.planning.kv_format import kv_format
 from scheduler.neo import NeoKnobs
-from scheduler.roofline import HardwareProfile, RooflineCostModel, size_pools
-from scheduler.simulator import Comparison, Workload, compare
+from scheduler.simulation.roofline import HardwareProfile, RooflineCostModel, size_pools
+from scheduler.simulation.simulator import Comparison, Workload, compare
 
 RESULTS = Path(__file__).resolve().parent / "results" / "simulate_neo.json"
 
@@ -175,7 +175,7 @@ def t4_small_pool(num_requests: int) -> list[dict]:
 
 
 def markdown(rows: list[dict], summary: list[dict], small_pool: list[dict], num_requests: int) -> list[str]:
-    lines = [f"Simulated (scheduler/simulator.py: the real NeoScheduler, roofline costs from datasheet profiles in "
+    lines = [f"Simulated (scheduler/simulation/simulator.py: the real NeoScheduler, roofline costs from datasheet profiles in "
              f"configs/hardware/), {num_requests} requests at once per run, lengths +-10% uniform, seed {SEED}. "
              f"\"relative\" is tandem's output throughput over its GPU-only mode (`num_cpu_blocks=0`); with every "
              f"request arriving at once, per-token latency is mostly queueing.", ""]

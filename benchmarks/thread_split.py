@@ -1,4 +1,4 @@
-"""The thread split Algorithm 3 plans (scheduler/thread_plan.py) against every split of a grid,
+"""The thread split Algorithm 3 plans (scheduler/planning/threads.py) against every split of a grid,
 on the host-only testbed with Neo's CPU attention, weight streaming and MLP slicing all on.
 
 The embedded model (real weights) with every layer's MLP sliced 0.25/0.25/0.5 (CC/CG/GG), a
@@ -16,7 +16,7 @@ or not. Configurations interleave per repetition (in order, then reversed); medi
 also gets the planner's predicted iteration time, to compare its ranking with the measured one.
 
 No flag sets the copy engine's threads yet, so the grid sets them where the layer store makes
-its copy engine (engine/execution/layer_store.py create_transfer).
+its copy engine (engine/offload/layer_store.py create_transfer).
 
     nice -n 10 .venv/bin/python benchmarks/thread_split.py [--reps 3] [--quick] [--offload-dir DIR]
         [--gpu-threads 1 2] [--cpu-threads ...] [--copy-threads ...] [--io-threads ...]
@@ -42,24 +42,24 @@ import kernels  # noqa: E402,F401  (before torch: the engine's OpenMP spin cap)
 from benchmarks.report import run_interleaved, write_results  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine, model_max_len  # noqa: E402
-from engine.execution import layer_store  # noqa: E402
-from engine.execution.cores import host_cores  # noqa: E402
-from engine.execution.thread_split import (  # noqa: E402
+from engine.offload import layer_store  # noqa: E402
+from engine.device.cores import host_cores  # noqa: E402
+from engine.planning.threads import (  # noqa: E402
     iteration_profiles,
     iteration_volumes,
     plan_thread_split,
     thread_profiles,
 )
-from engine.execution.weight_plan import plan_model, weight_format  # noqa: E402
+from engine.planning.weights import plan_model, weight_format  # noqa: E402
 from engine.profiling import compute_dtype  # noqa: E402
 from engine.profiling.cache import host_cpu_model  # noqa: E402
 from engine.weights import EMBEDDED_MODEL, create_loader  # noqa: E402
-from scheduler.placement import ModelPlan, layer_image_bytes  # noqa: E402
-from scheduler.placement.memory import resident_global_bytes  # noqa: E402
-from scheduler.placement.tiers import Tier  # noqa: E402
+from scheduler.planning import ModelPlan, layer_image_bytes  # noqa: E402
+from scheduler.planning.memory import resident_global_bytes  # noqa: E402
+from scheduler.planning.tiers import Tier  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
-from scheduler.scheduler import PlanMode  # noqa: E402
-from scheduler.thread_plan import TESTBED, ThreadPlan, ThreadSplit, predict_seconds  # noqa: E402
+from scheduler.iteration_plan import PlanMode
+from scheduler.planning.threads import TESTBED, ThreadPlan, ThreadSplit, predict_seconds  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "thread_split.json"
 NUM_PROMPTS, PROMPT_TOKENS, OUTPUT_TOKENS = 16, 64, 64

@@ -69,7 +69,7 @@ def _measure_first(config) -> None:
     allocated and freed is not counted as the engine's."""
     import gc
 
-    from engine.execution.weight_plan import measure
+    from engine.planning.weights import measure
     from engine.profiling import compute_dtype
     from engine.weights import create_loader
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from engine.execution.runner import FatalRunnerError
+from engine.runtime.runner import FatalRunnerError
 from engine.engine import LLMEngine, RequestFailedError
 from engine.request import PreparedRequest
 from engine.outputs import RequestOutput

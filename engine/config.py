@@ -14,13 +14,13 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from engine.model.config import ConfigError
-from scheduler.kv_format import KV_CACHE_DTYPES, QUANTIZED_KV_BLOCK_MULTIPLE, kv_format
+from engine.model_config import ConfigError
+from scheduler.planning.kv_format import KV_CACHE_DTYPES, QUANTIZED_KV_BLOCK_MULTIPLE, kv_format
 from scheduler.neo import NeoKnobs
-from scheduler.placement.slicing import SliceRates
-from scheduler.placement.planner import PIPELINE_CHOICES, PLACEMENT_MODES
-from scheduler.placement.hot_experts import DEFAULT_WINDOW_TOKENS, NUM_WINDOW_BUCKETS
-from scheduler.placement.slicing_plan import SLICING_AUTO, parse_mlp_slicing
+from scheduler.planning.slicing.rates import SliceRates
+from scheduler.planning.placement import PIPELINE_CHOICES, PLACEMENT_MODES
+from scheduler.planning.experts.hot_experts import DEFAULT_WINDOW_TOKENS, NUM_WINDOW_BUCKETS
+from scheduler.planning.slicing.plan import SLICING_AUTO, parse_mlp_slicing
 
 # Compute dtype names a user may give -> torch's names for them (the short ones are aliases).
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -28,7 +28,7 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", 
 CPU_ATTENTION_MODES = ("auto", "on", "off")
 # --quantization -> the linear method (engine/quant) every decoder-layer matmul uses
 QUANTIZATION_METHODS = {"none": "dense", "int4": "int4"}
-# auto: the fit (engine/execution/fit.py) chooses: 4-bit blocks a GGUF stores stay packed, and
+# auto: the fit (engine/planning/fit.py) chooses: 4-bit blocks a GGUF stores stay packed, and
 # 16-bit weights are quantized only where memory binds and the performance model predicts a gain
 QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_METHODS)
 PROFILE_GRIDS = ("default", "quick")  # quick: a coarse profile, for tests
@@ -68,7 +68,7 @@ def _require_choice(config: object, name: str, choices: tuple[str, ...]) -> None
 
 
 def _parse_slice_rates(text: str) -> SliceRates | str:
-    """--mlp-slicing's text: "off", "auto" or fixed CC,CG rates (scheduler/placement/slicing_plan.py)."""
+    """--mlp-slicing's text: "off", "auto" or fixed CC,CG rates (scheduler/planning/slicing/plan.py)."""
     try:
         return parse_mlp_slicing(text)
     except ValueError as exc:
@@ -114,7 +114,7 @@ class CacheConfig:
     # Automatic prefix caching (scheduler/prefix_cache.py): full blocks a prompt shares with an
     # earlier one are taken from the cache instead of being computed again.
     enable_prefix_caching: bool = True
-    # How both pools store K/V (scheduler/kv_format.py): auto (the compute dtype), a float dtype,
+    # How both pools store K/V (scheduler/planning/kv_format.py): auto (the compute dtype), a float dtype,
     # or group-quantized int8 / int4 codes
     kv_cache_dtype: str = "auto"
 
@@ -216,7 +216,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class WeightsConfig:
     """Where decoder layers' weights live (PIPO): resident on the GPU, or streamed into it
-    from host memory or from per-layer files in `offload_dir`. The planner (scheduler/placement)
+    from host memory or from per-layer files in `offload_dir`. The planner (scheduler/planning)
     decides per layer from these budgets and measured bandwidths; with placement `auto` and no
     `gpu_gib` every layer stays resident, as without this section."""
 
@@ -225,13 +225,13 @@ class WeightsConfig:
     host_gib: float | None = field(default=None, metadata={FLAT_NAME: "weights_cpu_gib"})  # None: what the host has
     offload_dir: str | None = None  # where disk-placed layers' files live (`tandem convert` writes them)
     pipeline: str = field(default="auto", metadata={FLAT_NAME: "weight_pipeline"})  # auto | performance | memory
-    # disk reads in flight; None: planned (scheduler/thread_plan.py: on 2 cores 1 beat 4 by 1.15x)
+    # disk reads in flight; None: planned (scheduler/planning/threads.py: on 2 cores 1 beat 4 by 1.15x)
     num_io_threads: int | None = field(default=None, metadata={FLAT_NAME: "weight_io_threads"})
-    # the host copy engine's threads for streamed layers; None: planned (scheduler/thread_plan.py)
+    # the host copy engine's threads for streamed layers; None: planned (scheduler/planning/threads.py)
     num_copy_threads: int | None = field(default=None, metadata={FLAT_NAME: "weight_copy_threads"})
     # the decode the planner's throughput estimate is for: tokens a sequence holds; None: max_model_len
     expected_context_len: int | None = None
-    # ScheInfer's MLP slicing (engine/execution/sliced_mlp.py): "off"; "auto", solved at start
+    # ScheInfer's MLP slicing (engine/offload/slicing/sliced_mlp.py): "off"; "auto", solved at start
     # within gpu_gib for decode batches of max_num_seqs; "CC,CG", the fractions of every
     # layer's MLP units computed on the CPU and streamed to the GPU (the rest stays
     # resident), e.g. "0.25,0.5"; or one SliceRates per layer
@@ -240,7 +240,7 @@ class WeightsConfig:
     # the tokens the slicing models say to CG' (CC's weights copied to the GPU); "off",
     # the CPU computes CC for every token (for ablations)
     mlp_prefill_moving: str = "on"
-    # The hot-expert cache of a MoE model (engine/execution/expert_cache.py): "auto", where the
+    # The hot-expert cache of a MoE model (engine/offload/experts/cache.py): "auto", where the
     # experts do not fit gpu_gib, each routed layer keeps as many of its most-routed experts on the
     # GPU as the budget leaves, the CPU computing the rest; "off"; or N, that many per layer
     hot_experts: str = "auto"
@@ -336,7 +336,7 @@ class EngineConfig:
     # auto: chosen by the fit | none: weights dense in `dtype` | int4: packed INT4 (GGUF Q4 blocks as stored,
     # else round-to-nearest at load; devices cpu and cuda)
     quantization: str = "auto"
-    # The fit's two budgets (engine/execution/fit.py): the GPU's memory for weights, layer buffers,
+    # The fit's two budgets (engine/planning/fit.py): the GPU's memory for weights, layer buffers,
     # activations and its KV pool (None: cuda 90% of the device; cpu and testbed, the host's), and
     # host memory for streamed layers and the host KV pool (None: 80% of what the host has available)
     gpu_memory_gib: float | None = None
@@ -344,7 +344,7 @@ class EngineConfig:
     # How a CPU model's decoder layers run: layers (a decode batch's layers in C++, engine/model/native.py),
     # fused (op by op from Python, RMSNorm and RoPE as C++ kernels) or torch (every op a torch op)
     cpu_ops: str = "layers"
-    # On CUDA, GPU-only decode steps replay CUDA graphs (engine/execution/cuda_graphs.py); True: every step eager
+    # On CUDA, GPU-only decode steps replay CUDA graphs (engine/runtime/cuda_graphs.py); True: every step eager
     enforce_eager: bool = False
     show_progress: bool = False  # progress bars while the weights load and the costs are profiled
     cache: CacheConfig = field(default_factory=CacheConfig)

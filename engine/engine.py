@@ -19,39 +19,40 @@ import torch
 
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.distributed import ModelSource, TensorParallelRunner, largest_rank_config
-from engine.execution import ModelRunner
-from engine.execution.runner import FatalRunnerError
-from engine.execution.cores import CoreAssignment
-from engine.execution.fit import describe_fit, fit_config
-from engine.execution.expert_cache import LayerHeat
-from engine.execution.expert_store import EXPERT_STATS_KIND, HotExpertLayers, create_expert_store
-from engine.execution.layer_store import create_layer_store, open_layer_files
-from engine.execution.thread_split import core_assignment, plan_thread_split
-from engine.execution.stats import WeightStats
-from engine.execution.weight_plan import conversion_key, plan_model, profile_key, slicing_costs, weight_format
+from engine.runtime import ModelRunner
+from engine.runtime.runner import FatalRunnerError
+from engine.device.cores import CoreAssignment
+from engine.planning.fit import describe_fit, fit_config
+from engine.offload.experts.cache import LayerHeat
+from engine.offload.experts.store import EXPERT_STATS_KIND, HotExpertLayers, create_expert_store
+from engine.offload.layer_store import create_layer_store, open_layer_files
+from engine.planning.threads import core_assignment, plan_thread_split
+from engine.offload.stats import WeightStats
+from engine.planning.weights import conversion_key, plan_model, profile_key, slicing_costs, weight_format
 from engine.kv import KVCache
 from engine.kv.layouts import resolve_kv_format
-from engine.model import ConfigError, ModelConfig
+from engine.model_config import ConfigError, ModelConfig
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.profiling import compute_dtype
 from engine.profiling.cache import profile_path
 from engine.request import InputProcessor, PreparedRequest, Request
 from engine.text import Tokenizer
 from engine.weights import create_loader
-from scheduler.cost_model import CostModel, TableCostModel
-from scheduler.kv_format import KVFormat
+from scheduler.planning.cost_model import CostModel, TableCostModel
+from scheduler.planning.kv_format import KVFormat
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.neo import NeoConfig, NeoScheduler
-from scheduler.placement import SlicingCosts, SlicingPlan, WeightPlacement, describe_model_plan
-from scheduler.placement.cost import SlicedMlpCostModel, StreamingCostModel
-from scheduler.placement.hot_experts import ExpertCachePlan
-from scheduler.placement.moved_tokens import MovedTokens, SolvedMovedTokens
-from scheduler.placement.slicing import SliceRates
-from scheduler.placement.slicing_plan import layer_works
-from scheduler.placement.tiers import Tier
+from scheduler.planning import SlicingCosts, SlicingPlan, WeightPlacement, describe_model_plan
+from scheduler.planning.offload_cost import SlicedMlpCostModel, StreamingCostModel
+from scheduler.planning.experts.hot_experts import ExpertCachePlan
+from scheduler.planning.slicing.moved_tokens import MovedTokens, SolvedMovedTokens
+from scheduler.planning.slicing.rates import SliceRates
+from scheduler.planning.slicing.plan import layer_works
+from scheduler.planning.tiers import Tier
 from scheduler.prefix_cache import PrefixCacheCounters
-from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig
-from scheduler.thread_plan import DEFAULT_IO_THREADS
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.iteration_plan import IterationPlan, PlanMode
+from scheduler.planning.threads import DEFAULT_IO_THREADS
 
 logger = logging.getLogger(__name__)
 

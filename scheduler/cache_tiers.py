@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from scheduler.block_pool import BlockPool
 from scheduler.prefix_cache import PrefixCache
-from scheduler.scheduler import BlockCopy, IterationPlan
+from scheduler.iteration_plan import BlockCopy, IterationPlan
 
 
 def carry_hashes(src_pool: BlockPool, src_blocks: list[int], dst_pool: BlockPool, dst_blocks: list[int]) -> None:

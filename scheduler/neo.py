@@ -56,10 +56,10 @@ from typing import Iterable
 
 from scheduler.block_pool import BlockPool, blocks_for
 from scheduler.cache_tiers import HostCacheTier, carry_hashes
-from scheduler.cost_model import CostModel
+from scheduler.planning.cost_model import CostModel
 from scheduler.sequence import Sequence, SequenceStatus, Tier
-from scheduler.scheduler import (BlockCopy, IterationPlan, PlanMode, ScheduledSeq, Scheduler, SchedulerConfig,
-                                 SchedulerConfigError, Swap)
+from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError
+from scheduler.iteration_plan import BlockCopy, IterationPlan, PlanMode, ScheduledSeq, Swap
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import sys
 from typing import Mapping
 
 import kernels  # noqa: F401  (before torch loads: caps its OpenMP spinning, kernels/__init__.py)
-from scheduler.kv_format import KV_CACHE_DTYPES
-from scheduler.placement.hot_experts import DEFAULT_SKEW, DEFAULT_WINDOW_TOKENS
+from scheduler.planning.kv_format import KV_CACHE_DTYPES
+from scheduler.planning.experts.hot_experts import DEFAULT_SKEW, DEFAULT_WINDOW_TOKENS
 from server.flag_sources import CONFIG_ENV, FlagSourceError, RepeatableFlag, add_deprecated_flag, layered_defaults
 from server.tool_calls.registry import AUTO_PARSER, PARSER_NAMES
 
@@ -163,7 +163,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
-    """The fit's two budgets (engine/execution/fit.py)."""
+    """The fit's two budgets (engine/planning/fit.py)."""
     memory = parser.add_argument_group(
         "memory: the fit divides two budgets among weights, layer buffers and both KV pools, and picks the "
         "weight and KV formats (the older knobs below stay as overrides)")
@@ -283,15 +283,15 @@ def plan(args: argparse.Namespace) -> int:
 
     from engine.distributed.partition import describe_ranks, rank_memories
     from engine.engine import describe_scheduler, model_max_len
-    from engine.execution.fit import describe_fit, fit_config
-    from engine.execution.thread_split import plan_thread_split
+    from engine.planning.fit import describe_fit, fit_config
+    from engine.planning.threads import plan_thread_split
     from engine.kv.layouts import resolve_kv_format
-    from scheduler.cost_model import kv_bytes_per_token
-    from engine.execution.weight_plan import plan_model, slicing_costs, weight_format
-    from scheduler.placement.hot_experts import describe_expert_speeds
+    from scheduler.planning.cost_model import kv_bytes_per_token
+    from engine.planning.weights import plan_model, slicing_costs, weight_format
+    from scheduler.planning.experts.hot_experts import describe_expert_speeds
     from engine.profiling import compute_dtype
     from engine.weights import create_loader
-    from scheduler.placement import describe_model_plan
+    from scheduler.planning import describe_model_plan
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
@@ -362,12 +362,12 @@ def convert(args: argparse.Namespace) -> int:
     import torch
 
     from engine.config import QUANTIZATION_METHODS
-    from engine.execution.weight_plan import conversion_key
+    from engine.planning.weights import conversion_key
     from engine.profiling import compute_dtype
     from engine.quant import create_linear_method
     from engine.weights import create_loader
-    from engine.weights.convert import convert as convert_layers
-    from engine.weights.convert import verify
+    from engine.offload.convert import convert as convert_layers
+    from engine.offload.convert import verify
     from engine.weights.layer_files import LayerFiles
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -496,10 +496,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _startup_errors() -> tuple[type[BaseException], ...]:
     """What a bad flag value or model raises while the engine is built."""
-    from engine.model import ConfigError
+    from engine.model_config import ConfigError
     from engine.text import TokenizerError
     from engine.weights import WeightLoadError
-    from scheduler.placement import PlacementError
+    from scheduler.planning import PlacementError
     from scheduler.scheduler import SchedulerConfigError
 
     return ConfigError, SchedulerConfigError, WeightLoadError, TokenizerError, PlacementError

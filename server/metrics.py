@@ -8,12 +8,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import GaugeMetricFamily
 
 from engine.engine import LLMEngine
-from engine.execution.expert_cache import LayerHeat
+from engine.offload.experts.cache import LayerHeat
 from engine.outputs import RequestOutput
-from scheduler.placement import TIER_DISK, TIER_HOST
-from scheduler.scheduler import PLAN_MODES
+from scheduler.planning import TIER_DISK, TIER_HOST
+from scheduler.iteration_plan import PLAN_MODES
 from scheduler.sequence import SequenceStatus, Tier
-from scheduler.thread_plan import THREAD_TASKS, ThreadSplit
+from scheduler.planning.threads import THREAD_TASKS, ThreadSplit
 
 STREAMED_TIERS = (TIER_HOST, TIER_DISK)  # where streamed layers come from
 KV_TIERS = tuple(tier.value for tier in Tier)  # where a request's KV lives
@@ -312,7 +312,7 @@ class Metrics:
         self._kv_bytes_per_token.labels(self._model_name, fmt).set(bytes_per_token)
 
     def record_threads(self, split: ThreadSplit) -> None:
-        """The host threads each task takes (scheduler/thread_plan.py), set once the split is planned."""
+        """The host threads each task takes (scheduler/planning/threads.py), set once the split is planned."""
         for task, num_threads in split.by_task().items():
             self._threads.labels(self._model_name, task).set(num_threads)
 

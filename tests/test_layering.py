@@ -191,3 +191,54 @@ def test_no_function_longer_than_the_limit():
                         where = f"{path.relative_to(ROOT)}:{node.lineno}"
                         long_functions.append(f"{where} {node.name} ({num_lines} lines)")
     assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long_functions)
+
+
+# ---- package cycles and folder sizes ---------------------------------------------------------
+def package_of(module: str) -> str:
+    """The package a module counts toward: its second-level package (engine.offload for
+    engine.offload.slicing.sliced_mlp), or the module itself at the top of a product package
+    (engine.config)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or module in PACKAGES_AT_SECOND_LEVEL else module
+
+
+PACKAGES_AT_SECOND_LEVEL = {module_name(path.parent / "__init__.py") for package in PRODUCT_PACKAGES
+                            for path in (ROOT / package).glob("*/__init__.py")}
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        edges = graph.setdefault(package_of(module), set())
+        edges.update(package_of(target) for target in targets)
+    for package, edges in graph.items():
+        edges.discard(package)
+    return graph
+
+
+def test_package_of_names_second_level_packages():
+    assert package_of("engine.offload.slicing.sliced_mlp") == "engine.offload"
+    assert package_of("engine.kv") == "engine.kv"
+    assert package_of("engine.config") == "engine.config"
+    assert package_of("scheduler.planning.fit.search") == "scheduler.planning"
+
+
+def test_no_package_import_cycles():
+    """engine.kv must not import engine.model while engine.model imports engine.kv: a package
+    is understood, and could be replaced, below the ones that import it."""
+    graph = package_graph()
+    cycles = [" -> ".join(shortest_cycle(graph, component)) for component in strongly_connected(graph)]
+    assert not cycles, "package import cycles:\n" + "\n".join(cycles)
+
+
+MAX_MODULES_PER_FOLDER = 14
+
+
+def test_no_folder_holds_more_than_the_limit():
+    crowded = []
+    for package in (*PRODUCT_PACKAGES, "benchmarks"):
+        for folder in [ROOT / package, *(p for p in (ROOT / package).rglob("*") if p.is_dir())]:
+            num_modules = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
+            if num_modules > MAX_MODULES_PER_FOLDER:
+                crowded.append(f"{folder.relative_to(ROOT)}: {num_modules} modules")
+    assert not crowded, f"folders over {MAX_MODULES_PER_FOLDER} modules:\n" + "\n".join(crowded)

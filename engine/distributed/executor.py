@@ -15,12 +15,12 @@ from multiprocessing import shared_memory
 from engine.distributed.partition import plan_shards
 from engine.distributed.wire import wire_plan
 from engine.distributed.worker import ModelSource, RankFailure, RankReport, RankWorker
-from engine.execution.cores import CoreAssignment, device_kind, host_cores
-from engine.execution.runner import FatalRunnerError, RunnerOutput
-from engine.execution.stats import WeightStats
-from engine.model import ModelConfig
-from scheduler.cost_model import TableCostModel
-from scheduler.scheduler import IterationPlan
+from engine.device.cores import CoreAssignment, device_kind, host_cores
+from engine.runtime.runner import FatalRunnerError, RunnerOutput
+from engine.offload.stats import WeightStats
+from engine.model_config import ModelConfig
+from scheduler.planning.cost_model import TableCostModel
+from scheduler.iteration_plan import IterationPlan
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,10 @@ from typing import Protocol
 
 import torch
 
-from engine.model.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.model.feed_forward import FeedForward, SiluMul
-from engine.model.llama import LayerStore, LayerWeights
+from engine.model.layer_weights import LayerWeights
+from engine.model.layer_store import LayerStore
 from engine.model.moe import MoeLayerWeights
 from engine.quant import LinearMethod, LinearWeight
 from engine.quant.base import WrappedWeight

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.model.config import ConfigError, ModelConfig
-from scheduler.cost_model import kv_bytes_per_token
-from scheduler.placement.memory import WeightFormat, layer_image_bytes, resident_global_bytes
+from engine.model_config import ConfigError, ModelConfig
+from scheduler.planning.cost_model import kv_bytes_per_token
+from scheduler.planning.memory import WeightFormat, layer_image_bytes, resident_global_bytes
 
 # Columns a row-parallel weight's input is cut in: the INT4 group (32 weights, GGUF's Q4 block).
 WIDTH_UNIT = 32

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from engine.distributed.partition import RankShard, shard_config
-from engine.model.config import ConfigError
+from engine.model_config import ConfigError
 from engine.quant.int4 import weight_columns, weight_rows
 from engine.weights.base import SHARED_EXPERT_PREFIX, WeightLoader
 

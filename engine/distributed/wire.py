@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.structured.mask import allow_all_bitmask
-from scheduler.scheduler import IterationPlan, ScheduledSeq
+from scheduler.iteration_plan import IterationPlan, ScheduledSeq
 from scheduler.sequence import Sequence
 
 

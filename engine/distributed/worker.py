@@ -15,15 +15,15 @@ from engine.distributed.collectives import create_collectives
 from engine.distributed.parallel_linear import TensorParallelLayers
 from engine.distributed.partition import RankShard
 from engine.distributed.sharded_loader import ShardedLoader
-from engine.execution.cores import CoreAssignment
-from engine.execution.runner import ModelRunner, RunnerOutput
-from engine.execution.stats import WeightStats
-from engine.model import ModelConfig
-from engine.model.llama import LayerStore
+from engine.device.cores import CoreAssignment
+from engine.runtime.runner import ModelRunner, RunnerOutput
+from engine.offload.stats import WeightStats
+from engine.model_config import ModelConfig
+from engine.model.layer_store import LayerStore
 from engine.model.moe import ResidentMoeLayers
 from engine.weights import create_loader
-from scheduler.cost_model import TableCostModel
-from scheduler.scheduler import IterationPlan
+from scheduler.planning.cost_model import TableCostModel
+from scheduler.iteration_plan import IterationPlan
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import torch
 
 from engine.kv.host_memory import host_zeros
 from engine.kv.layouts import KVLayout, block_runs, create_layout
-from engine.model.config import ModelConfig
-from scheduler.cost_model import kv_bytes_per_token
-from scheduler.kv_format import KVFormat
+from engine.model_config import ModelConfig
+from scheduler.planning.cost_model import kv_bytes_per_token
+from scheduler.planning.kv_format import KVFormat
 
 
 class KVCache:

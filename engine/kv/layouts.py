@@ -15,7 +15,7 @@ import torch
 
 from kernels import kv_quant
 from scheduler.block_pool import blocks_for
-from scheduler.kv_format import KVFormat, kv_format
+from scheduler.planning.kv_format import KVFormat, kv_format
 
 Zeros = Callable[..., torch.Tensor]  # zeros(shape, dtype=...) on the pool's device
 

@@ -1,12 +1,12 @@
 """The model: its configuration (torch-free), the Llama family as stages, the mixture-of-experts
 families on the same stages, and their small layers.
 
-`engine.model.config` imports no torch, so planners can read model shapes cheaply; the models
+`engine.model_config` imports no torch, so planners can read model shapes cheaply; the models
 load on first use of `LlamaModel`, `MoeModel` or `create_model` (the class of a config's family).
 """
 from importlib import import_module
 
-from engine.model.config import PRESET_DIR, ConfigError, ModelConfig, RopeScaling, list_presets, load_model_preset
+from engine.model_config import PRESET_DIR, ConfigError, ModelConfig, RopeScaling, list_presets, load_model_preset
 
 _LAZY = {"LlamaModel": "engine.model.llama", "LayerWeights": "engine.model.llama", "MoeModel": "engine.model.moe",
          "create_model": "engine.model.registry"}

@@ -1,5 +1,5 @@
 """A decoder layer's MLP as one part with one `apply`: a dense SwiGLU MLP here; routed experts
-(engine/model/moe.py) and MLPs sliced across the CPU and the GPU (engine/execution/sliced_mlp.py)
+(engine/model/moe.py) and MLPs sliced across the CPU and the GPU (engine/offload/slicing/sliced_mlp.py)
 are other parts of the same shape."""
 from __future__ import annotations
 

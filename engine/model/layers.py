@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.model.config import RopeScaling
+from engine.model_config import RopeScaling
 from kernels import cpu as cpu_kernels
 
 

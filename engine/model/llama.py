@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,150 +19,24 @@ from engine.attention import AttentionMetadata, DecodeAttentionBackend, prefill_
 from engine.attention.prefill import paged_prefill
 from engine.attention.decode import CpuPagedDecode, quantized_format_args
 from engine.kv import TwoTierKVCache
-from engine.model.config import ModelConfig
-from engine.model.feed_forward import FeedForward, Make, SwiGluMlp
+from engine.model_config import ModelConfig
+from engine.model.layer_store import LayerStore
 from engine.model.layers import RotaryEmbedding, fused_rms_norm, fused_silu_mul, rms_norm, silu_mul
 from engine.model.native import NativeDecoder, NotNative
 from engine.model.registry import register_model
-from engine.quant import LinearMethod, LinearWeight, create_linear_method
-from engine.quant.int4 import fuse
+from engine.quant import LinearMethod, create_linear_method
 from engine.weights import WeightLoader
-from scheduler.placement.tiers import Tier
+from scheduler.planning.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
 
 
 
-def linear_maker(linear: LinearMethod, dtype: torch.dtype, device: torch.device,
-                 layout_device: torch.device | None = None) -> Make:
-    """`make(weight, bias=None)`: a loaded matrix as `linear`'s weight object computing in `dtype` on `device`."""
-    def make(weight, bias: torch.Tensor | None = None) -> LinearWeight:
-        return linear.create_weight(weight, bias, dtype=dtype, device=device, layout_device=layout_device)
-
-    return make
-
-
-def attention_linears(w: dict, make: Make) -> dict[str, LinearWeight]:
-    """A loaded layer's attention projections as weight objects: the fused QKV (with Qwen2's
-    bias) and the O-projection, as LayerWeights' fields of those names."""
-    bias = None
-    if "q_bias" in w:
-        bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]])
-    return {"qkv": make(fuse([w["q_proj"], w["k_proj"], w["v_proj"]]), bias), "o_proj": make(w["o_proj"])}
-
-
-def attention_weights(w: dict, make: Make, device: torch.device) -> dict:
-    """The attention half of a decoder layer from a loader's layer: its norms on `device` and its
-    projections (attention_linears)."""
-    return dict(input_norm=w["input_layernorm"].to(device), post_norm=w["post_attention_layernorm"].to(device),
-                **attention_linears(w, make))
-
-
 def _paged_prefill_kernels(device: torch.device):
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return None
     return importlib.import_module("kernels.triton.paged_prefill")
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
-    qkv: LinearWeight  # [q_size + 2 * kv_size, hidden], Q, K and V fused into one matmul (bias: Qwen2)
-    o_proj: LinearWeight  # [hidden, q_size]
-    post_norm: torch.Tensor  # [hidden]
-    mlp: FeedForward  # a SwiGluMlp, or one sliced across the CPU and the GPU
-
-    @classmethod
-    def from_loaded(cls, w: dict, linear: LinearMethod, dtype: torch.dtype, device: torch.device,
-                    layout_device: torch.device | None = None) -> "LayerWeights":
-        """From a loader's layer (tensors, and packed 4-bit weights where the method takes them);
-        `layout_device`: whose kernels the weights are laid out for, when they are stored elsewhere
-        (a streamed layer, kept on the host until it is copied to the GPU)."""
-        make = linear_maker(linear, dtype, device, layout_device)
-        return cls(**attention_weights(w, make, device), mlp=SwiGluMlp.from_loaded(w, make))
-
-    @classmethod
-    def of_linears(cls, input_norm: torch.Tensor, post_norm: torch.Tensor,
-                   linears: dict[str, LinearWeight]) -> "LayerWeights":
-        """From the norms and the four linear weights by name (`named_linears`' names)."""
-        return cls(input_norm, linears["qkv"], linears["o_proj"], post_norm,
-                   SwiGluMlp(linears["gate_up"], linears["down"]))
-
-    def named_linears(self) -> dict[str, LinearWeight]:
-        """A dense layer's linear weights by name, in a layer image's order (layer_image.LINEAR_NAMES)."""
-        if not isinstance(self.mlp, SwiGluMlp):
-            raise TypeError(f"a layer whose MLP is a {type(self.mlp).__name__} has no single gate_up and down")
-        return dict(qkv=self.qkv, o_proj=self.o_proj, gate_up=self.mlp.gate_up, down=self.mlp.down)
-
-    def linear_weights(self) -> tuple[LinearWeight, ...]:
-        """Every linear weight of the layer, for reports."""
-        return (self.qkv, self.o_proj, *self.mlp.linear_weights())
-
-    def dense_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The tensors outside weight objects (norms), for reports."""
-        return (self.input_norm, self.post_norm)
-
-
-class LayerStore:
-    """Where decoder layers' weights live and how a forward gets at them. This one keeps every
-    layer resident on the GPU; engine/execution/layer_store.py places them by a ModelPlan
-    (streamed whole, or with the MLP sliced across the CPU and the GPU).
-
-    A forward `acquire`s each layer before its first stage and `release`s it after its last (with
-    two sub-batches, after the second's), layers in order; both run where the GPU's work
-    runs."""
-
-    # Whether every layer's weights stay in the tensors they were built in for the model's life
-    # (engine/model/native.py keeps pointers to them); streamed layers come and go.
-    weights_stay_put = True
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    @property
-    def graph_capturable(self) -> bool:
-        """Whether a forward over these layers may be recorded as a CUDA graph and replayed
-        (engine/execution/cuda_graphs.py): only where every weight stays where it was built."""
-        return self.weights_stay_put
-
-    def build(self, index: int, loaded: dict, linear: LinearMethod, dtype: torch.dtype) -> LayerWeights:
-        """Layer `index`'s weights from what the loader gave."""
-        return LayerWeights.from_loaded(loaded, linear, dtype, self.device)
-
-    def head(self, weight: LinearWeight) -> LinearWeight:
-        """The LM head as the forward applies it (split over tensor-parallel ranks: gathered)."""
-        return weight
-
-    def start(self) -> None:
-        """Every layer is built: allocate what serving needs."""
-
-    def use_gpu(self, gpu) -> None:
-        """The engine.execution.queues.GpuQueue the forward's GPU work runs on,
-        given before any layer is built (a sliced MLP hands its CPU part through it)."""
-
-    def acquire(self, layer: int) -> None:
-        """The layer's weights are about to be used on the GPU."""
-
-    def release(self, layer: int) -> None:
-        """The forward is done with the layer's weights."""
-
-    def recover(self) -> None:
-        """After a failed forward (layers acquired and never released): start over."""
-
-    def begin_serving(self) -> None:
-        """Start-up forwards (profiling) are over: what the store measures from here is traffic."""
-
-    def between_forwards(self) -> None:
-        """A forward is done and the next not begun (the engine thread, the GPU idle): what a
-        store changes in where weights live, it changes here."""
-
-    def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
-        """Bytes of weight memory beside the weights themselves (streaming buffers), by (format, tier)."""
-        return {}
-
-    def close(self) -> None:
-        """Stop threads and close files."""
 
 
 @register_model("llama")

@@ -11,8 +11,8 @@ tokens are grouped by expert (one stable sort of the (token, slot) pairs): each 
 weights are applied once per forward to all the rows routed to it, never per token.
 
 Where a layer's parts live is the layer store's choice: a `MoeLayerStore` builds MoE layers.
-`ResidentMoeLayers` keeps every layer resident; `PlannedLayers` (engine/execution/layer_store.py,
-engine/execution/moe_slicing.py) puts whole experts in ScheInfer's CC, CG and GG tiers and
+`ResidentMoeLayers` keeps every layer resident; `PlannedLayers` (engine/offload/layer_store.py,
+engine/offload/slicing/moe_slicing.py) puts whole experts in ScheInfer's CC, CG and GG tiers and
 refuses a plan that streams a MoE layer whole.
 """
 from __future__ import annotations
@@ -22,10 +22,13 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from engine.model.config import ConfigError, ModelConfig
+from engine.model_config import ConfigError, ModelConfig
 from engine.model.feed_forward import FeedForward, SiluMul, SwiGluMlp
 from engine.model.layers import rms_norm
-from engine.model.llama import LayerStore, LlamaModel, Make, attention_weights, linear_maker
+from engine.model.feed_forward import Make
+from engine.model.llama import LlamaModel
+from engine.model.layer_weights import attention_weights, linear_maker
+from engine.model.layer_store import LayerStore
 from engine.model.registry import register_model
 from engine.quant import LinearMethod, LinearWeight, create_linear_method
 from engine.weights import WeightLoader
@@ -207,7 +210,7 @@ class ResidentMoeLayers(LayerStore):
 @register_model("qwen3_moe")
 class MoeModel(LlamaModel):
     """LlamaModel whose layers are MoeLayerWeights, built by a MoeLayerStore: resident without a
-    store, or with experts sliced across tiers (engine/execution/moe_slicing.py)."""
+    store, or with experts sliced across tiers (engine/offload/slicing/moe_slicing.py)."""
 
     graph_capturable = False  # routing groups rows by expert counts read on the host
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from engine.model.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.registry import Registry
 
 MODELS: Registry = Registry("model family")

@@ -1,4 +1,4 @@
-"""Decode attention per KV format on this machine: what the fit (scheduler/fit) weighs a KV format's
+"""Decode attention per KV format on this machine: what the fit (scheduler/planning/fit) weighs a KV format's
 reads, widening and quantizing writes by. One layer's C++ paged decode with the fused append of
 each step's new K/V, on a pool of the model's heads in the format, the blocks drawn from a pool
 larger than the caches (timings on warm caches ran fast), at a few threads; well under a second
@@ -13,7 +13,7 @@ import torch
 from engine.attention import create_decode_backend
 from engine.kv import KVCache
 from engine.kv.layouts import resolve_kv_format
-from engine.model import ModelConfig
+from engine.model_config import ModelConfig
 from engine.profiling.profiler import median_seconds
 
 PROBE_SEQUENCES = 4

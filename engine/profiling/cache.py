@@ -21,7 +21,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from engine.weights import EMBEDDED_MODEL, embedded_gguf_path
-from scheduler.cost_model import TableCostModel
+from scheduler.planning.cost_model import TableCostModel
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,6 +1,6 @@
 """Measures this machine's cost tables for the offloading scheduler (Neo 3.2).
 
-`profile_costs` times each quantity of `scheduler.cost_model.CostModel` over a grid, in the
+`profile_costs` times each quantity of `scheduler.planning.cost_model.CostModel` over a grid, in the
 conditions the engine runs it:
 
 - GPU work (linear stages, prefill and decode attention, the head, swaps) is submitted
@@ -27,13 +27,13 @@ import torch
 from tqdm import tqdm
 
 from engine.attention import DecodeAttentionBackend, prefill_attention
-from engine.execution.queues import GpuQueue
-from engine.execution.stats import WeightStats
+from engine.device.queues import GpuQueue
+from engine.offload.stats import WeightStats
 from engine.kv import KVCache, TwoTierKVCache
 from engine.kv.layouts import resolve_kv_format
-from engine.model import ModelConfig
+from engine.model_config import ModelConfig
 from engine.model.llama import LlamaModel
-from scheduler.cost_model import Curve, Grid, TableCostModel, kv_bytes_per_token
+from scheduler.planning.cost_model import Curve, Grid, TableCostModel, kv_bytes_per_token
 
 # ---- the grid -------------------------------------------------------------------------------
 @dataclass(frozen=True)

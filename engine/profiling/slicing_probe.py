@@ -30,10 +30,10 @@ from typing import Callable, TypeVar
 
 import torch
 
-from engine.execution.cores import CoreAssignment
-from engine.execution.queues import GpuQueue
-from engine.execution.transfer import CopyEngine, pin_to
-from engine.model import ModelConfig
+from engine.device.cores import CoreAssignment
+from engine.device.queues import GpuQueue
+from engine.offload.transfer import CopyEngine, pin_to
+from engine.model_config import ModelConfig
 from engine.profiling.streaming_probe import (
     COLD_WEIGHT_BYTES,
     PROBE_BYTES,
@@ -43,7 +43,7 @@ from engine.profiling.streaming_probe import (
     measure_copy_s,
 )
 from engine.quant import LinearWeight, create_linear_method
-from scheduler.placement.slicing_cost import UNIT_BYTES, SlicingCosts, fit_gemm_cost, fit_linear_cost
+from scheduler.planning.slicing.cost import UNIT_BYTES, SlicingCosts, fit_gemm_cost, fit_linear_cost
 
 GEMM_TOKENS = (1, 4, 16, 64)
 UNIT_FRACTIONS = (0.25, 1.0)  # of the MLP's intermediate units: a slice, and the whole weight

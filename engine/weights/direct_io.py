@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from engine.kv.host_memory import HUGE_PAGE_BYTES, advise_huge_pages
-from scheduler.placement import IMAGE_ALIGN_BYTES
+from scheduler.planning import IMAGE_ALIGN_BYTES
 
 IO_ALIGN_BYTES = IMAGE_ALIGN_BYTES
 # PIPO App. A: 8 MB blocks read fastest from an NVMe disk into host memory; on this repository's

@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from engine.model import ModelConfig
+from engine.model_config import ModelConfig
 from engine.weights.base import WeightLoader, global_shapes, layer_shapes, register_loader
 
 # A prime: row r of a [rows, width] tensor starts at pool[(offset + r * width) % POOL_SIZE],

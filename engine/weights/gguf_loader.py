@@ -26,7 +26,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from engine.model import ConfigError, ModelConfig
+from engine.model_config import ConfigError, ModelConfig
 from engine.quant.int4 import KeepDense, PackedInt4
 from engine.weights.base import (
     WeightLoader,

@@ -1,7 +1,7 @@
 """A decoder layer's linear weights as one flat byte image (PIPO sec. 3.3's data merging).
 
 Each weight object names the tensors it reads (`LinearWeight.tensors()`); the image lays them
-out one after the other (scheduler.placement.image_layout: each on a 256-byte boundary, the
+out one after the other (scheduler.planning.image_layout: each on a 256-byte boundary, the
 whole padded to 4 KiB), so a layer is one buffer in host memory, one file region on disk, one
 read and one copy into a GPU buffer. `bind` turns any buffer holding the image back into
 weight objects whose tensors are views into it: a streamed layer's weights in whichever ring
@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from engine.quant import LinearWeight
-from scheduler.placement import image_layout
+from scheduler.planning import image_layout
 
 LINEAR_NAMES = ("qkv", "o_proj", "gate_up", "down")  # LayerWeights' linear fields, in image order
 

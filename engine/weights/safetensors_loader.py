@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.model import ModelConfig
+from engine.model_config import ModelConfig
 from engine.weights.base import (
     MLP_KEYS,
     ROUTER_KEY,

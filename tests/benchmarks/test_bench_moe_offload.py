@@ -8,7 +8,7 @@ import torch
 
 from benchmarks.moe_offload import RESULTS, SkewedRouter, popularity_order, shift_summary, to_markdown
 from engine.model.moe import TopKRouter
-from scheduler.placement.hot_experts import zipf_popularity
+from scheduler.planning.experts.hot_experts import zipf_popularity
 
 CPU = torch.device("cpu")
 

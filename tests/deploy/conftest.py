@@ -24,7 +24,7 @@ def offloading_server(tmp_path_factory) -> ServerProcess:
     pool, so that every labelled series (tiers, plan modes, swap directions) exists."""
     if not TWO_CORES:
         pytest.skip("the testbed needs 2 cores")
-    from engine.model.config import PRESET_DIR
+    from engine.model_config import PRESET_DIR
 
     num_layers = json.loads((PRESET_DIR / "smollm2-135m.json").read_text())["num_hidden_layers"]
     workdir = tmp_path_factory.mktemp("offloading")

@@ -11,10 +11,10 @@ from engine import LLM, SamplingParams
 from engine.config import (ACTIVATION_RESERVE_GIB, DEPRECATED_FLAT_NAMES, FLAT_NAMES, CacheConfig, EngineConfig,
                            CpuAttentionConfig, ParallelConfig, WeightsConfig)
 from engine.engine import LLMEngine
-from engine.model import ConfigError
+from engine.model_config import ConfigError
 from engine.profiling import dtype_probe
 from scheduler.neo import NeoKnobs
-from scheduler.placement.slicing import SliceRates
+from scheduler.planning.slicing.rates import SliceRates
 from scheduler.scheduler import SchedulerConfigError
 
 

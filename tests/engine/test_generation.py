@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 
-from scheduler.kv_format import kv_format
+from scheduler.planning.kv_format import kv_format
 from engine import LLM, ParamError, SamplingParams
 from engine.config import ACTIVATION_RESERVE_GIB
-from engine.model import ConfigError
+from engine.model_config import ConfigError
 from engine.weights import embedded_gguf_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

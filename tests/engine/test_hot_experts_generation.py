@@ -8,10 +8,10 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.execution import hot_moe
-from engine.execution.expert_store import HotExpertLayers
-from scheduler.placement import PlacementError
-from scheduler.placement.expert_split import ExpertSplit
+from engine.offload.experts import hot_moe
+from engine.offload.experts.store import HotExpertLayers
+from scheduler.planning import PlacementError
+from scheduler.planning.experts.split import ExpertSplit
 from test_offload_generation import SMALL_POOLS, generate_recording_paths
 from test_weight_streaming import TWO_CORES, on_testbed, slow_cost_tables
 

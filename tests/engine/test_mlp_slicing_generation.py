@@ -9,11 +9,11 @@ import pytest
 
 import engine.engine
 from engine import LLM
-from engine.execution.sliced_mlp import DENSE_SLICE_UNITS
+from engine.offload.slicing.sliced_mlp import DENSE_SLICE_UNITS
 from engine.weights import create_loader
-from scheduler.placement import TIER_GPU, TIER_DISK, TIER_HOST
-from scheduler.placement.moved_tokens import SolvedMovedTokens
-from scheduler.placement.slicing import SliceRates
+from scheduler.planning import TIER_GPU, TIER_DISK, TIER_HOST
+from scheduler.planning.slicing.moved_tokens import SolvedMovedTokens
+from scheduler.planning.slicing.rates import SliceRates
 from test_offload_generation import SMALL_POOLS
 import test_weight_streaming
 from test_weight_streaming import EMBEDDED, EMBEDDED_INT4, generate, on_testbed, slow_cost_tables, tier_budgets, workload

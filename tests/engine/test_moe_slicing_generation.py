@@ -5,7 +5,7 @@ attention), serially and on the host-only testbed."""
 import pytest
 
 from engine import LLM, SamplingParams
-from scheduler.placement import TIER_HOST
+from scheduler.planning import TIER_HOST
 from test_offload_generation import SMALL_POOLS, generate_recording_paths
 from test_weight_streaming import on_testbed, slow_cost_tables
 

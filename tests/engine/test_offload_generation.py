@@ -15,7 +15,7 @@ from engine import LLM, SamplingParams
 from offload_costs import write_cost_tables
 from engine.weights import EMBEDDED_MODEL, create_loader
 from scheduler.sequence import Tier
-from scheduler.scheduler import PlanMode
+from scheduler.iteration_plan import PlanMode
 
 PROMPTS = [
     "The capital of France is",

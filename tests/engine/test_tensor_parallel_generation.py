@@ -14,7 +14,7 @@ from engine.weights import EMBEDDED_MODEL, create_loader
 from engine.weights.base import embedded_gguf_path
 from offload_costs import write_cost_tables
 from tiny_qwen2 import save_tiny_qwen2
-from scheduler.placement.tiers import Tier
+from scheduler.planning.tiers import Tier
 from test_offload_generation import ALL_PATHS, MAX_TOKENS, PROMPTS, SMALL_POOLS, TWO_CORES, generate_recording_paths
 
 ray = pytest.importorskip("ray")

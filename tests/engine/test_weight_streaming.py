@@ -12,9 +12,9 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.weights import EMBEDDED_MODEL, create_loader
-from scheduler.placement import TIER_GPU, TIER_DISK, TIER_HOST, WeightFormat, layer_image_bytes
-from scheduler.placement.memory import resident_global_bytes
-from scheduler.scheduler import PlanMode
+from scheduler.planning import TIER_GPU, TIER_DISK, TIER_HOST, WeightFormat, layer_image_bytes
+from scheduler.planning.memory import resident_global_bytes
+from scheduler.iteration_plan import PlanMode
 from test_offload_generation import MAX_TOKENS as NEO_MAX_TOKENS
 from test_offload_generation import PROMPTS as NEO_PROMPTS
 from offload_costs import cost_tables

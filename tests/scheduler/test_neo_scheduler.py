@@ -7,11 +7,12 @@ from dataclasses import dataclass, fields
 
 import pytest
 
-from scheduler.cost_model import Curve, Grid, TableCostModel
+from scheduler.planning.cost_model import Curve, Grid, TableCostModel
 from scheduler.neo import NeoConfig, NeoScheduler
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence, SequenceStatus, Tier
-from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig, SchedulerConfigError
+from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError
+from scheduler.iteration_plan import IterationPlan, PlanMode
 
 EOS = 2
 BLOCK_SIZE = 4

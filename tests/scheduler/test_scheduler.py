@@ -8,7 +8,8 @@ import pytest
 from scheduler.block_pool import BlockPool, blocks_for
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.scheduler import IterationPlan, PlanMode, Scheduler, SchedulerConfig, SchedulerConfigError
+from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError
+from scheduler.iteration_plan import IterationPlan, PlanMode
 
 EOS = 2
 

@@ -6,7 +6,7 @@ import time
 from types import SimpleNamespace
 
 from engine.async_engine import AsyncEngine
-from engine.execution.runner import FatalRunnerError
+from engine.runtime.runner import FatalRunnerError
 from server.cli import ExitWhenDead
 
 WAIT_S = 5.0

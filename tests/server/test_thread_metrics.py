@@ -2,7 +2,7 @@
 then the planned split's counts."""
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.thread_plan import THREAD_TASKS, ThreadSplit
+from scheduler.planning.threads import THREAD_TASKS, ThreadSplit
 from server.metrics import Metrics
 
 

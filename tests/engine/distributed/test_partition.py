@@ -9,10 +9,10 @@ from engine.distributed.partition import (WIDTH_UNIT, describe_ranks, largest_ra
                                           split_evenly)
 from engine.distributed.sharded_loader import ShardedLoader
 from engine.distributed.wire import wire_plan
-from engine.model import ConfigError
-from engine.model.config import ModelConfig
+from engine.model_config import ConfigError
+from engine.model_config import ModelConfig
 from engine.weights import EMBEDDED_MODEL, create_loader
-from scheduler.placement.memory import WeightFormat
+from scheduler.planning.memory import WeightFormat
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import Sequence

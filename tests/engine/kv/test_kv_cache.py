@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler.kv_format import kv_format
-from engine.model import ModelConfig
+from scheduler.planning.kv_format import kv_format
+from engine.model_config import ModelConfig
 from engine.kv import HUGE_PAGE_BYTES, KVCache, host_zeros
 from engine.weights import EMBEDDED_MODEL
 

@@ -7,11 +7,11 @@ from engine.attention.decode import TorchPagedDecode
 from engine.config import CacheConfig
 from engine.kv import KVCache, TwoTierKVCache
 from engine.kv.layouts import create_layout, resolve_kv_format
-from engine.model import ConfigError
+from engine.model_config import ConfigError
 from engine.weights import EMBEDDED_MODEL, create_loader
 from kernels import kv_quant
 from kernels.cpu import reference
-from scheduler.kv_format import KV_FORMATS, KV_GROUP_SIZE, kv_format
+from scheduler.planning.kv_format import KV_FORMATS, KV_GROUP_SIZE, kv_format
 
 FORMATS = list(KV_FORMATS)
 QUANTIZED = ["int8", "int4"]

@@ -4,7 +4,7 @@ import torch
 import transformers
 
 from engine.attention import create_decode_backend
-from engine.execution import ModelRunner
+from engine.runtime import ModelRunner
 from engine.model import LlamaModel
 from engine.weights import create_loader
 from scheduler.sampling_params import SamplingParams

@@ -3,8 +3,8 @@ bad values named, and the dummy loader's expert weights."""
 import pytest
 import torch
 
-from engine.model import ConfigError, ModelConfig
-from engine.model.moe_config import MoeConfig, MoeConfigError
+from engine.model_config import ConfigError, ModelConfig
+from engine.moe_config import MoeConfig, MoeConfigError
 from engine.weights import create_loader, expert_prefix, layer_shapes
 
 # name -> (layers, hidden, heads, kv heads, head_dim, vocab, experts, top-k, expert width, renormalized, qk norm)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.attention import create_decode_backend
-from engine.execution import ModelRunner
+from engine.runtime import ModelRunner
 from engine.model import MoeModel, create_model
 from engine.model.moe import SparseMoe, SwiGluMlp
 from engine.quant import create_linear_method
@@ -123,7 +123,7 @@ def test_cpu_decoder_declines_moe_and_the_model_runs_op_by_op(tiny_moe, caplog):
 
 def test_weight_streaming_refuses_moe_layers_with_a_reason():
     from engine import LLM
-    from engine.model import ConfigError
+    from engine.model_config import ConfigError
     with pytest.raises(ConfigError, match="weight streaming does not take mixture-of-experts layers; .*--mlp-slicing auto"):
         LLM("qwen3-moe-tiny", load_format="dummy", dtype="float32", weight_placement="cpu")
 
@@ -154,8 +154,8 @@ def test_int4_experts_are_weight_objects_of_their_own(tiny_moe):
 
 
 def test_layer_files_refuse_moe_layers(tmp_path):
-    from engine.model import ConfigError
-    from engine.weights.convert import convert
+    from engine.model_config import ConfigError
+    from engine.offload.convert import convert
     from engine.weights.layer_files import ConversionKey, LayerFiles
     loader = create_loader("qwen3-moe-tiny", load_format="dummy")
     files = LayerFiles(str(tmp_path), ConversionKey(loader.source, 0, "float32", "none", "cpu"), loader.config.num_layers)

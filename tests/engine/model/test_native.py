@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from engine.attention import AttentionMetadata, create_decode_backend
-from engine.execution import ModelRunner
+from engine.runtime import ModelRunner
 from engine.model import LlamaModel
 from engine.model.native import NativeDecoder
 from engine.quant import create_linear_method

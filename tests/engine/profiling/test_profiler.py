@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.attention import DecodeAttentionBackend, create_decode_backend
-from engine.model import ModelConfig
+from engine.model_config import ModelConfig
 from engine.model import LlamaModel
 from engine.profiling import ProfileGrid, profile_costs
 from engine.profiling.cache import (
@@ -27,10 +27,10 @@ from engine.profiling.cache import (
     load_or_profile,
     profile_path,
 )
-from engine.execution import InlineQueue, WorkerThreadQueue
+from engine.device.queues import InlineQueue, WorkerThreadQueue
 from engine.weights import create_loader, global_shapes, layer_shapes
 from engine.weights.safetensors_loader import layer_tensor_name
-from scheduler.cost_model import TableCostModel
+from scheduler.planning.cost_model import TableCostModel
 
 BLOCK_SIZE = 4
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -339,12 +339,12 @@ def test_linear_table_of_a_streamed_model_is_its_compute_alone(checkpoint, tmp_p
     slowed by 30 ms, far above the tiny model's compute."""
     import time
 
-    from engine.execution.cores import CoreAssignment
-    from engine.execution.layer_store import create_layer_store
+    from engine.device.cores import CoreAssignment
+    from engine.offload.layer_store import create_layer_store
     from engine.weights.layer_files import ConversionKey, LayerFiles
-    from scheduler.placement import TIER_DISK, TIER_HOST, ForwardTimeline, MemoryBreakdown, ThroughputEstimate
-    from scheduler.placement import WeightPlacement
-    from scheduler.placement.layer_plan import ModelPlan
+    from scheduler.planning import TIER_DISK, TIER_HOST, ForwardTimeline, MemoryBreakdown, ThroughputEstimate
+    from scheduler.planning import WeightPlacement
+    from scheduler.planning.layer_plan import ModelPlan
 
     loader = create_loader(str(checkpoint), "safetensors")
     tiers = (TIER_HOST, TIER_DISK, TIER_HOST)

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from engine.execution import InlineQueue, WorkerThreadQueue
-from engine.execution.cores import CoreAssignment
-from engine.execution.transfer import create_copy_engine
-from engine.model import ModelConfig
+from engine.device.queues import InlineQueue, WorkerThreadQueue
+from engine.device.cores import CoreAssignment
+from engine.offload.transfer import create_copy_engine
+from engine.model_config import ModelConfig
 from engine.profiling.cache import ProfileKey, load_cached, load_or_measure, profile_path
 from engine.profiling.slicing_probe import measure_slicing_costs
-from scheduler.placement import SlicingCosts
+from scheduler.planning import SlicingCosts
 
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,

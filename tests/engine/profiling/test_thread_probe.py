@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from engine.model import ModelConfig
+from engine.model_config import ModelConfig
 from engine.profiling.cache import ProfileKey, load_or_measure
 from engine.profiling.thread_probe import ThreadProfiles, measure_thread_profiles, probe_thread_counts
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.model import ConfigError
+from engine.model_config import ConfigError
 from engine.quant import LinearWeight, create_linear_method, linear_method_names
 from engine.quant.base import ConcatWeight
 from engine.quant.int4 import (MAX_KERNEL_ROWS, CpuInt4Kernels, Int4Weight, KeepDense, PackedInt4, TritonInt4Kernels,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from engine.execution import ModelRunner
+from engine.runtime import ModelRunner
 from engine.quant.base import ConcatWeight
 from engine.quant.int4 import KeepDense, PackedInt4
 from engine.weights import create_loader

@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.execution.cores import CoreAssignment
-from engine.execution.layer_store import create_layer_store, open_layer_files
-from engine.model import ModelConfig
+from engine.device.cores import CoreAssignment
+from engine.offload.layer_store import create_layer_store, open_layer_files
+from engine.model_config import ModelConfig
 from engine.quant import create_linear_method
 from engine.weights import WeightLoadError, create_loader, layer_shapes
 from engine.weights import file_writes
-from engine.weights.convert import build_host_layer, convert, verify
+from engine.offload.convert import build_host_layer, convert, verify
 from engine.weights.file_writes import TMP_SUFFIX, peak_bytes
 from engine.weights.layer_files import ConversionKey, LayerFiles, room_bytes
-from scheduler.placement import TIER_DISK, ForwardTimeline, MemoryBreakdown, ThroughputEstimate, WeightPlacement
-from scheduler.placement.layer_plan import ModelPlan
+from scheduler.planning import TIER_DISK, ForwardTimeline, MemoryBreakdown, ThroughputEstimate, WeightPlacement
+from scheduler.planning.layer_plan import ModelPlan
 from tiny_gguf import write_tiny_gguf
 
 CPU = torch.device("cpu")

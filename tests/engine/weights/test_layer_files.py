@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model import ModelConfig
-from engine.model.llama import LayerWeights
+from engine.model_config import ModelConfig
+from engine.model.layer_weights import LayerWeights
 from engine.quant import create_linear_method
 from engine.weights import create_loader, layer_shapes
-from engine.weights.convert import build_host_layer, convert
+from engine.offload.convert import build_host_layer, convert
 from engine.weights.direct_io import (
     IO_ALIGN_BYTES,
     DirectReader,
@@ -26,7 +26,7 @@ from engine.weights.direct_io import (
 )
 from engine.weights.layer_files import ConversionKey, LayerFiles
 from engine.weights.layer_image import LINEAR_NAMES, LayerImage, meta_templates
-from scheduler.placement import WeightFormat, layer_image_bytes
+from scheduler.planning import WeightFormat, layer_image_bytes
 from test_weights import save_tiny_hf
 from tiny_gguf import write_tiny_gguf
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from engine.execution import ModelRunner
-from engine.model import ModelConfig
+from engine.runtime import ModelRunner
+from engine.model_config import ModelConfig
 from engine.quant.int4 import PackedInt4
 from engine.weights import create_loader, expert_prefix
 from engine.weights.gguf_loader import GGUFLoader

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file, save_file
 
-from engine.model import PRESET_DIR, ConfigError, ModelConfig, list_presets
+from engine.model_config import PRESET_DIR, ConfigError, ModelConfig, list_presets
 from engine.weights import (
     EMBEDDED_MODEL,
     WeightLoadError,

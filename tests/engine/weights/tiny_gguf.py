@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from engine.model import ModelConfig
+from engine.model_config import ModelConfig
 from engine.weights import global_shapes, layer_shapes
 from engine.weights.gguf_loader import SUPPORTED_TYPES
 
