@@ -136,9 +136,9 @@ def predicted_layers_s(engine) -> list[float]:
     from scheduler.planning.slicing.plan import layer_works
 
     config, model_config = engine.config, engine.model_config
-    rates = engine.slicing.rates if engine.slicing else config.weights.slice_rates(model_config.num_layers)
+    rates = engine.plan.layers.slicing.rates if engine.plan.layers.slicing else config.weights.slice_rates(model_config.num_layers)
     rates = rates or [SliceRates.resident()] * model_config.num_layers
-    costs = engine.slicing_costs or slicing_costs(config, model_config, engine.dtype)
+    costs = engine.plan.slicing_costs or slicing_costs(config, model_config, engine.dtype)
     works = layer_works(model_config.shape, weight_format(config, engine.dtype), 1)
     return [layer_time_s(work, costs, layer_rates) for work, layer_rates in zip(works, rates)]
 
@@ -154,7 +154,7 @@ def measure_one(flags: dict) -> dict:
         _timed_steps(engine, [(5 * j + 1) % vocab for j in range(PREFILL_TOKENS)], 1)  # first-forward costs
         prefill_s = _timed_steps(engine, [(7 * j + 3) % vocab for j in range(PREFILL_TOKENS)], 1)[0]
         decode = _timed_steps(engine, [(11 * j + 5) % vocab for j in range(PROMPT_TOKENS)], DECODE_STEPS + 1)[1:]
-        rates = engine.slicing.rates if engine.slicing else engine.config.weights.slice_rates(num_layers)
+        rates = engine.plan.layers.slicing.rates if engine.plan.layers.slicing else engine.config.weights.slice_rates(num_layers)
         predicted = predicted_layers_s(engine)
         measured = timer.medians_s(1, num_layers)
         return {"decode_tokens_per_s": 1.0 / statistics.median(decode), "prefill_tokens_per_s": PREFILL_TOKENS / prefill_s,

@@ -231,7 +231,7 @@ def build(name: str, flags: dict, args: argparse.Namespace) -> Bench:
         model.layer_store.stats_path = None  # the skew is this benchmark's: leave no windows to seed later runs
     routers = skew_routers(model, args.zipf_exponent, args.seed)
     num_experts = len(model.layers[min(routers)].mlp.experts)
-    rates = llm.engine.plan.rates
+    rates = llm.engine.plan.layers.rates
     gpu_experts = None
     if rates is not None:  # experts [0, cc) computed by the CPU, the rest on the GPU (streamed or resident)
         gpu_experts = {layer: list(range(rates[layer].counts(num_experts)[0], num_experts)) for layer in routers}

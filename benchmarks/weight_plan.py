@@ -92,7 +92,7 @@ def measure_one(flags: dict) -> dict:
     before = _rss_bytes("VmRSS")
     engine = LLMEngine(config)
     try:
-        placement = engine.placement
+        placement = engine.plan.layers.placement
         estimate = placement.estimate
         _reset_peak_rss()
         vocab, batch = engine.model_config.vocab_size, estimate.batch

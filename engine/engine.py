@@ -13,54 +13,41 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
-
-import torch
 
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
-from engine.distributed import ModelSource, TensorParallelRunner, largest_rank_config
-from engine.runtime import ModelRunner
-from engine.runtime.runner import FatalRunnerError
-from engine.device.cores import CoreAssignment
-from engine.planning.fit import describe_fit, fit_config
+from engine.distributed import ModelSource, TensorParallelRunner
+from engine.model_config import ModelConfig
 from engine.offload.experts.cache import LayerHeat
 from engine.offload.experts.store import EXPERT_STATS_KIND, HotExpertLayers, create_expert_store
 from engine.offload.layer_store import create_layer_store, open_layer_files
-from engine.planning.threads import core_assignment, plan_thread_split
 from engine.offload.stats import WeightStats
-from engine.planning.weights import conversion_key, plan_model, profile_key, slicing_costs, weight_format
-from engine.kv import KVCache
-from engine.kv.layouts import resolve_kv_format
-from engine.model_config import ConfigError, ModelConfig
 from engine.outputs import RequestMetrics, RequestOutput
-from engine.profiling import compute_dtype
+from engine.planning.fit import describe_fit
+from engine.planning.stage import EnginePlan, expert_stats_key, plan_engine
+from engine.planning.weights import conversion_key, weight_format
 from engine.profiling.cache import profile_path
 from engine.request import InputProcessor, PreparedRequest, Request
+from engine.runtime import ModelRunner
+from engine.runtime.runner import FatalRunnerError
 from engine.text import Tokenizer
 from engine.weights import create_loader
-from scheduler.planning.cost_model import CostModel, TableCostModel
-from scheduler.planning.kv_format import KVFormat
-from scheduler.sampling_params import ParamError, SamplingParams
+from scheduler.iteration_plan import IterationPlan, PlanMode
 from scheduler.neo import NeoConfig, NeoScheduler
-from scheduler.planning import SlicingCosts, SlicingPlan, WeightPlacement, describe_model_plan
-from scheduler.planning.offload_cost import SlicedMlpCostModel, StreamingCostModel
+from scheduler.planning import describe_model_plan
+from scheduler.planning.cost_model import CostModel, TableCostModel
 from scheduler.planning.experts.hot_experts import ExpertCachePlan
+from scheduler.planning.kv_format import KVFormat
+from scheduler.planning.offload_cost import SlicedMlpCostModel, StreamingCostModel
 from scheduler.planning.slicing.moved_tokens import MovedTokens, SolvedMovedTokens
-from scheduler.planning.slicing.rates import SliceRates
 from scheduler.planning.slicing.plan import layer_works
+from scheduler.planning.slicing.rates import SliceRates
+from scheduler.planning.threads import DEFAULT_IO_THREADS, ThreadPlan
 from scheduler.planning.tiers import Tier
 from scheduler.prefix_cache import PrefixCacheCounters
+from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.iteration_plan import IterationPlan, PlanMode
-from scheduler.planning.threads import DEFAULT_IO_THREADS
 
 logger = logging.getLogger(__name__)
-
-# Without an explicit max_model_len, contexts are capped here to keep prefill buffers sane.
-DEFAULT_MAX_MODEL_LEN_CAP = 8192
-# The share of a CUDA device's memory for weights and KV when no size is given (vLLM's default too).
-CUDA_MEMORY_FRACTION = 0.9
-
 
 @dataclass
 class IterationStats:
@@ -119,61 +106,43 @@ class RequestFailure:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         loader = create_loader(config.model, config.load_format, seed=config.seed)
         self.model_config: ModelConfig = loader.config
         self.tokenizer = Tokenizer.from_source(loader.tokenizer_source) if loader.tokenizer_source else None
-        # resolved here, once: `auto` runs the dtype probe, and everything after uses this value
-        self.dtype, reason = compute_dtype(config.dtype, config.torch_device)
-        logger.info("compute dtype: %s (%s)", str(self.dtype).removeprefix("torch."), reason)
-        # the weight and KV formats, the layers' places and both pools from the budgets (LM-Offload)
-        self.config = config = self._fit(config, loader)
-        # the model as one rank holds it: the whole model, or tensor parallelism's largest shard
-        self.rank_model_config = largest_rank_config(self.model_config, config.parallel.tensor_parallel_size)
-        # each decoder layer's tier and MLP slice rates, with the slicing models they were solved with
-        # (every rank places its shard's layers by this one plan)
-        self.plan, self.slicing_costs = plan_model(config, self.rank_model_config, self.dtype, self._model_max_len())
-        if config.parallel.enabled and self.plan.num_layers_in(Tier.DISK):
-            raise ConfigError(f"--tensor-parallel-size {config.parallel.tensor_parallel_size}: the plan streams layers "
-                              f"from disk, and a rank's shard of the offload directory is not built; give each rank "
-                              f"more --weights-cpu-gib (host memory) or --weights-gpu-gib, and no --weight-placement "
-                              f"disk")
-        self.placement: WeightPlacement | None = self.plan.placement  # the whole-layer streaming part
-        self.slicing: SlicingPlan | None = self.plan.slicing  # the solved slicing part
-        if self.placement is not None or self.slicing is not None:
-            logger.info("%s", describe_model_plan(self.plan, config.weights.offload_dir))
+        # how the engine runs, decided once (engine/planning/stage.py); what follows only builds it
+        self.plan: EnginePlan = plan_engine(config, loader)
+        plan = self.plan
+        self.config = config = plan.config
+        self.dtype = plan.dtype
+        logger.info("compute dtype: %s (%s)", str(self.dtype).removeprefix("torch."), plan.dtype_reason)
+        logger.info("%s", describe_fit(plan.fit, config))
+        layers = plan.layers
+        if layers.placement is not None or layers.slicing is not None:
+            logger.info("%s", describe_model_plan(layers, config.weights.offload_dir))
         self.weight_stats = WeightStats()  # what the layer store's parts did, read around each step
         cache = config.cache
-        self.kv_format = self._kv_format()
-        # one rank's share of the KV heads sizes the pools (every rank's pools hold the same blocks)
-        block_bytes = KVCache.bytes_per_block(self.rank_model_config, cache.block_size, self.kv_format)
-        self.kv_bytes_per_token = block_bytes // cache.block_size  # every layer's K and V, scales included
-        num_cpu_blocks = cache.num_cpu_blocks_for(block_bytes) if config.cpu_attention_enabled else 0
-        # the host's cores among the GPU thread, the CPU side, copies and reads (Algorithm 3)
-        self.thread_plan = plan_thread_split(config, self.rank_model_config, self.dtype, self.plan,
-                                             self._model_max_len(), copy_threads=config.weights.num_copy_threads)
-        self.runner = self._create_runner(loader, core_assignment(config, self.thread_plan.split), dict(
-            dtype=self.dtype, num_blocks=self._kv_pool_size(block_bytes), num_cpu_blocks=num_cpu_blocks,
-            block_size=cache.block_size, max_model_len=self._model_max_len(), decode_backend=config.decode_attention,
+        self.runner = self._create_runner(loader, dict(
+            dtype=self.dtype, num_blocks=plan.gpu_pool.size(config), num_cpu_blocks=plan.num_cpu_blocks,
+            block_size=cache.block_size, max_model_len=plan.max_model_len, decode_backend=config.decode_attention,
             seed=config.seed, linear_method=QUANTIZATION_METHODS[config.quantization],
-            cpu_ops=config.cpu_ops, show_progress=config.show_progress, kv_cache_dtype=self.kv_format.name,
-            cuda_graph_max_batch=self._cuda_graph_max_batch()))
+            cpu_ops=config.cpu_ops, show_progress=config.show_progress, kv_cache_dtype=plan.kv_format.name,
+            cuda_graph_max_batch=plan.cuda_graph_max_batch))
         num_blocks = self.runner.num_gpu_blocks
         logger.info("weights: %s; KV pool: %d blocks of %d tokens (%.2f GiB, %s)",
                     _describe_bytes(self.runner.weight_bytes()), num_blocks, cache.block_size,
-                    num_blocks * block_bytes / GIB_BYTES, self.kv_format.describe())
+                    num_blocks * plan.gpu_pool.block_bytes / GIB_BYTES, plan.kv_format.describe())
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         scheduler_config = SchedulerConfig(
             num_blocks=num_blocks, block_size=cache.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.batched_tokens_budget,
             enable_prefix_caching=cache.enable_prefix_caching, prefix_cache_key=self._prefix_cache_key(),
             max_prefill_slowdown=config.prefill_slowdown_limit)
-        logger.info("scheduler: %s", describe_scheduler(config))
+        logger.info("scheduler: %s", plan.scheduler.describe())
         self.cost_model: CostModel | None = None
-        self.profile_path: Path | None = None  # the cached cost tables, when profiled
-        if num_cpu_blocks:
-            self.cost_model = self._load_cost_model(loader, self.dtype)
-            self.scheduler: Scheduler = NeoScheduler(scheduler_config, NeoConfig.from_knobs(config.neo, num_cpu_blocks),
+        if plan.scheduler.kind == "neo":
+            self.cost_model = self._load_cost_model()
+            self.scheduler: Scheduler = NeoScheduler(scheduler_config,
+                                                     NeoConfig.from_knobs(config.neo, plan.num_cpu_blocks),
                                                      self.cost_model)
         else:
             self.scheduler = Scheduler(scheduler_config)
@@ -187,36 +156,34 @@ class LLMEngine:
         self.stats = IterationStats()
         self.runner.begin_serving()
 
-    def _create_runner(self, loader, cores: CoreAssignment, runner_kwargs: dict) -> ModelRunner | TensorParallelRunner:
+    @property
+    def kv_format(self) -> KVFormat:
+        return self.plan.kv_format
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.plan.kv_bytes_per_token
+
+    @property
+    def thread_plan(self) -> ThreadPlan:
+        return self.plan.threads
+
+    @property
+    def profile_path(self) -> Path | None:
+        """The cached cost tables, when profiled."""
+        return self.plan.profile_path
+
+    def _create_runner(self, loader, runner_kwargs: dict) -> ModelRunner | TensorParallelRunner:
         """The model on this process (its layers where the plan puts them), or split over
         --tensor-parallel-size ranks, each a Ray actor building its shard (engine/distributed)."""
         config = self.config
         runner_kwargs = dict(runner_kwargs, layer_store=self._layer_store_factory(loader))
         if not config.parallel.enabled:
-            return ModelRunner(self.model_config, loader, device=config.device, cores=cores, **runner_kwargs)
+            return ModelRunner(self.model_config, loader, device=config.device, cores=self.plan.cores,
+                               **runner_kwargs)
         source = ModelSource(config.model, config.load_format, config.seed)
         return TensorParallelRunner(self.model_config, source, config.device, config.parallel.tensor_parallel_size,
                                     config.parallel.ray_address, runner_kwargs, self.weight_stats)
-
-    def _cuda_graph_max_batch(self) -> int:
-        """The largest decode batch replayed as a CUDA graph: every batch the scheduler makes, on CUDA
-        and unless --enforce-eager."""
-        config = self.config
-        return 0 if config.enforce_eager or not config.device.startswith("cuda") else config.max_num_seqs
-
-    def _fit(self, config: EngineConfig, loader) -> EngineConfig:
-        fitted, self.fit = fit_config(config, loader, self.dtype, model_max_len(config, loader.config))
-        logger.info("%s", describe_fit(self.fit, fitted))
-        return fitted
-
-    def _kv_format(self) -> KVFormat:
-        """--kv-cache-dtype resolved (auto: the compute dtype's); ConfigError where the model's
-        heads cannot take it."""
-        fmt = resolve_kv_format(self.config.cache.kv_cache_dtype, self.dtype)
-        problem = fmt.check_head_dim(self.model_config.head_dim)
-        if problem:
-            raise ConfigError(problem)
-        return fmt
 
     def _prefix_cache_key(self) -> str:
         """What, besides the tokens, decides a block's K/V: the weights, how they compute, and how
@@ -227,7 +194,7 @@ class LLMEngine:
 
     def _layer_store_factory(self, loader):
         """How the runner builds its layer store for the plan (None: every layer resident)."""
-        plan, config = self.plan, self.config
+        plan, config = self.plan.layers, self.config
         weights = config.weights
         if plan.experts is not None:
             return self._expert_store_factory(plan.experts)
@@ -246,77 +213,54 @@ class LLMEngine:
                                  moved_tokens=moved_tokens, stats=self.weight_stats)
 
     def _expert_store_factory(self, plan: ExpertCachePlan):
-        """The hot-expert cache's store; the slicing models (measured once and cached) split each
-        forward's experts between the sides, except on device cpu, where one thread computes both in
-        turn; its statistics are kept beside them for the next run's first hot sets."""
+        """The hot-expert cache's store; the slicing models split each forward's experts between
+        the sides, except on device cpu, where one thread computes both in turn; its statistics are
+        kept beside them for the next run's first hot sets."""
         config = self.config
-        costs = None
-        if config.device != "cpu":
-            costs = self.slicing_costs = self.slicing_costs or slicing_costs(config, self.rank_model_config, self.dtype)
-        key = profile_key(config, self.dtype)
-        stats_path = profile_path(key, config.cpu_attention.profile_cache_dir, EXPERT_STATS_KIND)
+        costs = None if config.device == "cpu" else self.plan.slicing_costs
+        stats_path = profile_path(expert_stats_key(self.plan), config.cpu_attention.profile_cache_dir,
+                                  EXPERT_STATS_KIND)
         return functools.partial(create_expert_store, plan, stats=self.weight_stats, split_costs=costs,
                                  stats_path=stats_path)
 
     def _moved_tokens(self, rates: tuple[SliceRates, ...]) -> MovedTokens | None:
         """Prefill token assignment (ScheInfer sec. IV-B): how many of each forward's tokens a
-        sliced layer moves to CG', solved from the slicing models (measured once and cached, and
-        kept for the cost model); None with --mlp-prefill-moving off, and on device cpu, where one
-        thread computes both sides in turn: a move would only add the copy of CC's weights."""
+        sliced layer moves to CG', solved from the plan's slicing models; None with
+        --mlp-prefill-moving off, and on device cpu, where one thread computes both sides in turn:
+        a move would only add the copy of CC's weights."""
         if not self.config.weights.prefill_moving:
             return None
         if self.config.device == "cpu":
             logger.info("MLP slicing: no tokens move to CG' on device cpu (nothing computes beside the CPU)")
             return None
-        self.slicing_costs = self.slicing_costs or slicing_costs(self.config, self.rank_model_config, self.dtype)
-        fmt, shape = weight_format(self.config, self.dtype), self.rank_model_config.shape
+        fmt, shape = weight_format(self.config, self.dtype), self.plan.rank_model_config.shape
         logger.info("MLP slicing: each forward moves the tokens the slicing models say to CG' "
                     "(--mlp-prefill-moving on)")
-        return SolvedMovedTokens(rates, self.slicing_costs, lambda num_tokens: layer_works(shape, fmt, num_tokens))
+        return SolvedMovedTokens(rates, self.plan.slicing_costs,
+                                 lambda num_tokens: layer_works(shape, fmt, num_tokens))
 
-    def _linear_weights_key(self) -> str:
-        """What the linear stages compute from, for the profile's key: the format, and the slicing or
-        the hot-expert cache."""
-        key = self._placed_weights_key()
-        parallel = self.config.parallel
-        # each rank profiles its shard, waiting on the others' collectives
-        return f"{key}, rank 0 of {parallel.tensor_parallel_size}" if parallel.enabled else key
-
-    def _placed_weights_key(self) -> str:
-        rates, experts = self.plan.rates, self.plan.experts
-        if experts is not None:  # the experts the GPU does not hold compute on the CPU
-            return f"{self.config.quantization}, {experts.num_slots} of {experts.num_experts} experts hot per layer"
-        if rates is None:
-            return self.config.quantization
-        return f"{self.config.quantization}, MLPs sliced cc/cg/gg " + " ".join(f"{r.cc:g}/{r.cg:g}/{r.gg:g}" for r in rates)
-
-    def _load_cost_model(self, loader, dtype: torch.dtype) -> CostModel:
+    def _load_cost_model(self) -> CostModel:
         """Cost tables from the given file, else this machine's profile (measured once per key);
         with streamed layers, their transfers stretch the linear stage (StreamingCostModel); with
         sliced MLPs, the CPU's share of it is charged to the CPU (SlicedMlpCostModel)."""
-        model = self._load_table_cost_model(loader, dtype)
-        if self.placement is not None and self.placement.streamed_layers:
-            model = StreamingCostModel.for_placement(model, self.placement)
-        rates = self.plan.rates
-        if rates is None:
+        model = self._load_table_cost_model()
+        layers = self.plan.layers
+        if "streamed" in self.plan.scheduler.layer_costs:
+            model = StreamingCostModel.for_placement(model, layers.placement)
+        if "sliced" not in self.plan.scheduler.layer_costs:
             return model
-        costs = self.slicing_costs or slicing_costs(self.config, self.rank_model_config, dtype)
-        fmt, shape = weight_format(self.config, dtype), self.rank_model_config.shape
-        return SlicedMlpCostModel(model, lambda num_tokens: layer_works(shape, fmt, num_tokens), costs, rates)
+        fmt, shape = weight_format(self.config, self.dtype), self.plan.rank_model_config.shape
+        return SlicedMlpCostModel(model, lambda num_tokens: layer_works(shape, fmt, num_tokens),
+                                  self.plan.slicing_costs, layers.rates)
 
-    def _load_table_cost_model(self, loader, dtype: torch.dtype) -> CostModel:
-        config, cpu_attention = self.config, self.config.cpu_attention
-        if cpu_attention.cost_tables:
-            return TableCostModel.load(cpu_attention.cost_tables)
-        from engine.profiling import ProfileGrid, ProfileKey, load_or_profile, profile_path
+    def _load_table_cost_model(self) -> CostModel:
+        scheduler, cpu_attention = self.plan.scheduler, self.config.cpu_attention
+        if scheduler.cost_tables:
+            return TableCostModel.load(scheduler.cost_tables)
+        from engine.profiling import ProfileGrid, load_or_profile
 
-        runner = self.runner
+        runner, config, dtype = self.runner, self.config, self.dtype
         block_size = config.cache.block_size
-        key = ProfileKey.create(model=config.model, load_format=config.load_format, dtype=dtype,
-                                device=config.device, gpu_threads=runner.cores.gpu_threads,
-                                cpu_attention_threads=runner.cores.cpu_attention_threads,
-                                block_size=block_size, linear_weights=self._linear_weights_key(),
-                                kv_cache_dtype=self.kv_format.name)
         grid = ProfileGrid.quick() if cpu_attention.profile_grid == "quick" else ProfileGrid()
 
         def build() -> TableCostModel:
@@ -325,42 +269,18 @@ class LLMEngine:
                                         weight_stats=self.weight_stats,
                                         kv_cache_dtype=self.kv_format.name)
 
-        self.profile_path = profile_path(key, cpu_attention.profile_cache_dir)
         if cpu_attention.force_profile and self.profile_path.exists():
             self.profile_path.unlink()
-        return load_or_profile(key, build, cpu_attention.profile_cache_dir)
+        return load_or_profile(scheduler.profile_key, build, cpu_attention.profile_cache_dir)
 
     def close(self) -> None:
         """Stop the runner's threads (the testbed's GPU thread)."""
         self.runner.close()
 
-    def _kv_pool_size(self, block_bytes: int) -> int | Callable[[int], int]:
-        """The GPU pool's blocks, or, under a memory budget, how to size it from the bytes
-        of the loaded weights (ModelRunner calls it once they are loaded)."""
-        cache = self.config.cache
-        memory_gib = cache.memory_gib if cache.sized_by_memory_budget else None
-        if memory_gib is None and self._device_memory_default_applies():
-            memory_gib = CUDA_MEMORY_FRACTION * torch.cuda.get_device_properties(self.config.torch_device).total_memory \
-                / GIB_BYTES
-        if memory_gib is None:
-            return cache.num_gpu_blocks_for(block_bytes)
-        if self.placement is not None:  # the planner's activation estimate, as it sized the pool
-            reserve_gib = self.placement.memory.activation_bytes / GIB_BYTES
-            return lambda weight_bytes: cache.num_gpu_blocks_after(weight_bytes, block_bytes, memory_gib, reserve_gib)
-        return lambda weight_bytes: cache.num_gpu_blocks_after(weight_bytes, block_bytes, memory_gib)
-
-    def _device_memory_default_applies(self) -> bool:
-        cache = self.config.cache
-        unset = cache.num_blocks is None and cache.kv_cache_memory_gib is None and cache.memory_gib is None
-        return unset and self.config.device.startswith("cuda")
-
-    def _model_max_len(self) -> int:
-        return model_max_len(self.config, self.model_config)
-
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         if self.config.max_model_len is not None:
             return self.config.max_model_len  # the scheduler config reports it if the cache cannot hold it
-        return min(self._model_max_len(), num_blocks * self.config.cache.block_size)
+        return min(self.plan.max_model_len, num_blocks * self.config.cache.block_size)
 
     # ---- requests -------------------------------------------------------------------------
     def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> PreparedRequest:
@@ -516,26 +436,6 @@ class LLMEngine:
                 del self._requests[request.request_id]
             outputs.append(output)
         return outputs
-
-
-def model_max_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The longest sequence the model will be asked for, before the KV pool caps it."""
-    trained = model_config.max_position_embeddings
-    if config.max_model_len is not None:
-        if config.max_model_len > trained:
-            raise ConfigError(f"max_model_len ({config.max_model_len}) exceeds the model's context "
-                              f"length ({trained})")
-        return config.max_model_len
-    return min(trained, DEFAULT_MAX_MODEL_LEN_CAP)
-
-
-def describe_scheduler(config: EngineConfig) -> str:
-    """The token budget and the prefix cache, as the engine logs them and `tandem plan` prints them."""
-    caching = "on" if config.cache.enable_prefix_caching else "off"
-    slowdown = config.prefill_slowdown_limit
-    pacing = f", prompt chunks at most {slowdown:g} decode steps' time while streams decode" if slowdown else ""
-    return (f"{config.batched_tokens_budget} tokens per iteration (longer prompts in chunks){pacing}, "
-            f"prefix caching {caching}")
 
 
 def _describe_bytes(bytes_by_format_tier: dict[tuple[str, str], int]) -> str:

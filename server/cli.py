@@ -276,83 +276,22 @@ def profile(args: argparse.Namespace) -> int:
 
 
 def plan(args: argparse.Namespace) -> int:
-    """Each decoder layer's plan (resident, sliced, or streamed whole), the memory breakdown and the
-    expected speed, from the model's shape and this machine's measurements, after the scheduler's
-    token budget and whether prefix caching is on; no weight is loaded."""
+    """The planning stage's plan (engine/planning/stage.py), exactly the one `tandem serve` builds
+    with these flags: formats, each decoder layer's place, the KV pools, threads, the scheduler and
+    the expected speed; no weight is loaded."""
     import json
 
-    from engine.distributed.partition import describe_ranks, rank_memories
-    from engine.engine import describe_scheduler, model_max_len
-    from engine.planning.fit import describe_fit, fit_config
-    from engine.planning.threads import plan_thread_split
-    from engine.kv.layouts import resolve_kv_format
-    from scheduler.planning.cost_model import kv_bytes_per_token
-    from engine.planning.weights import plan_model, slicing_costs, weight_format
-    from scheduler.planning.experts.hot_experts import describe_expert_speeds
-    from engine.profiling import compute_dtype
+    from engine.planning.stage import plan_engine
     from engine.weights import create_loader
-    from scheduler.planning import describe_model_plan
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
     loader = create_loader(config.model, config.load_format, seed=config.seed)  # the shape only
-    model_config = loader.config
-    dtype, reason = compute_dtype(config.dtype, config.torch_device)
-    config, fitted = fit_config(config, loader, dtype, model_max_len(config, model_config), predict_always=True)
-    print(f"tandem plan: {args.model}, {str(dtype).removeprefix('torch.')} ({reason}), "
-          f"{'int4 ' if config.quantization == 'int4' else ''}weights, on {args.device}")
-    print(describe_fit(fitted, config))
-    print(f"as flags: {' '.join(fitted_flags(config))}")
-    print(f"scheduler: {describe_scheduler(config)}")
-    kv_format = resolve_kv_format(config.cache.kv_cache_dtype, dtype)
-    kv_token_bytes = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-                                        kv_format.element_bytes)
-    print(f"kv cache: {kv_format.describe()}; {kv_token_bytes} bytes a token")
-    model_plan, costs = plan_model(config, model_config, dtype, model_max_len(config, model_config),
-                                   expert_skew=args.expert_skew)
-    print(describe_model_plan(model_plan, config.weights.offload_dir))
-    if model_plan.experts is not None:
-        costs = slicing_costs(config, model_config, dtype)
-        print(describe_expert_speeds(model_plan.experts, model_config.shape, weight_format(config, dtype), costs,
-                                     config.max_num_seqs, config.batched_tokens_budget))
-    thread_plan = plan_thread_split(config, model_config, dtype, model_plan, model_max_len(config, model_config),
-                                    copy_threads=config.weights.num_copy_threads)
-    print(f"threads: {thread_plan.describe()}")
-    ranks = rank_memories(model_config, config.parallel.tensor_parallel_size, weight_format(config, dtype),
-                          kv_format.element_bytes)
-    if config.parallel.enabled:
-        print(describe_ranks(ranks))
+    engine_plan = plan_engine(config, loader, predict=True, expert_skew=args.expert_skew)
+    print(engine_plan.describe())
     if args.json:
-        scheduler = {"max_num_batched_tokens": config.batched_tokens_budget,
-                     "enable_prefix_caching": config.cache.enable_prefix_caching,
-                     "max_prefill_slowdown": config.prefill_slowdown_limit}
-        report = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "scheduler": scheduler,
-                  "kv_cache": {"format": kv_format.name, "bytes_per_token": kv_token_bytes},
-                  "fit": None if fitted is None else fitted.to_dict(), "threads": thread_plan.to_dict(),
-                  "ranks": [memory.to_dict() for memory in ranks], **model_plan.to_dict()}
-        if costs is not None:
-            report["slicing_costs"] = costs.to_dict()
-        print(json.dumps(report, indent=1))
+        print(json.dumps(engine_plan.to_dict(), indent=1))
     return 0
-
-
-def fitted_flags(config) -> list[str]:
-    """The flags that run what the fit chose (`tandem serve` with them skips nothing it decides)."""
-    cache, weights = config.cache, config.weights
-    flags = [f"--quantization {config.quantization}", f"--kv-cache-dtype {cache.kv_cache_dtype}"]
-    if cache.num_blocks is not None:
-        flags.append(f"--num-gpu-blocks {cache.num_blocks}")
-    if cache.num_cpu_blocks is not None:
-        flags.append(f"--num-cpu-blocks {cache.num_cpu_blocks}")
-    if weights.gpu_gib is not None:
-        flags.append(f"--weights-gpu-gib {weights.gpu_gib:.6g}")
-    if weights.host_gib is not None:
-        flags.append(f"--weights-cpu-gib {weights.host_gib:.6g}")
-    if weights.pipeline != "auto":
-        flags.append(f"--weight-pipeline {weights.pipeline}")
-    if weights.offload_dir:
-        flags.append(f"--offload-dir {weights.offload_dir}")
-    return flags
 
 
 def convert(args: argparse.Namespace) -> int:

@@ -211,7 +211,7 @@ def percentile(values: list[float], quantile: float) -> float:
 def simulate(scheduler: NeoScheduler, workload: Workload, cost: CostModel | None = None) -> SimulationResult:
     """Run `workload` through `scheduler` to the end; the clock follows `cost` (by default the
     scheduler's own cost model)."""
-    cost = cost or scheduler.planning.cost_model
+    cost = cost or scheduler.cost_model
     pending = workload.sample()
     next_arrival = 0
     clock = 0.0

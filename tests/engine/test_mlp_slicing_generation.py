@@ -135,7 +135,7 @@ def test_solved_rates_within_the_budget_equal_resident(references, tmp_path, dev
     with LLM(**EMBEDDED, device=device, cpu_attention="off", mlp_slicing="auto", weights_gpu_gib=budget_gib,
              profile_cache_dir=str(tmp_path / "profiles")) as llm:
         outputs, _ = generate(llm, *workload(EMBEDDED, "off"))
-        plan = llm.engine.slicing
+        plan = llm.engine.plan.layers.slicing
         assert plan is not None and plan.gpu_weight_bytes <= budget_gib * 2**30
         assert any(rates.gg < 1.0 for rates in plan.rates)
         store = llm.engine.runner.model.layer_store  # the layers were cut at the solved rates
@@ -155,7 +155,7 @@ def test_solved_slicing_beside_layers_streamed_whole_equals_resident(references,
     with LLM(**EMBEDDED, device=device, cpu_attention="off", mlp_slicing="auto", weights_gpu_gib=budget_gib,
              weights_cpu_gib=0.1, profile_cache_dir=str(tmp_path / "profiles")) as llm:
         outputs, _ = generate(llm, *workload(EMBEDDED, "off"))
-        plan = llm.engine.plan
+        plan = llm.engine.plan.layers
         assert plan.streamed_layers and plan.sliced_layers
         assert plan.gpu_weight_bytes <= budget_gib * 2**30
         store = llm.engine.runner.model.layer_store

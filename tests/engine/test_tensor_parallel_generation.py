@@ -89,12 +89,12 @@ def test_tiny_qwen2_with_biases_at_two_ranks_equals_one(tiny_qwen2, quantization
 
 def streams_layers(engine):
     """Some layers stream, and rank 0's ring reported its loads to the driver (as /metrics reads them)."""
-    assert 0 < engine.plan.num_layers_in(Tier.HOST) < len(engine.plan.layers)
+    assert 0 < engine.plan.layers.num_layers_in(Tier.HOST) < len(engine.plan.layers.layers)
     assert engine.weight_stats.bytes_by_tier[Tier.HOST] > 0
 
 
 def slices_mlps(engine):
-    assert engine.plan.rates is not None and all(rates.cc == 0.25 for rates in engine.plan.rates)
+    assert engine.plan.layers.rates is not None and all(rates.cc == 0.25 for rates in engine.plan.layers.rates)
     assert engine.weight_stats.num_cc_calls > 0
 
 
@@ -111,7 +111,7 @@ def test_each_rank_places_its_shard_by_the_plan(placement, check):
 
 
 def holds_two_hot_experts(engine):
-    assert engine.plan.experts is not None and engine.plan.experts.num_slots == 2
+    assert engine.plan.layers.experts is not None and engine.plan.layers.experts.num_slots == 2
     stats = engine.weight_stats
     assert stats.num_hit_pairs + stats.num_miss_pairs > 0
 

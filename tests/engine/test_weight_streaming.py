@@ -104,7 +104,7 @@ def run(model: dict, tmp_path, device="cpu", cpu_attention="off", tier=None, off
         outputs, seen = generate(llm, *workload(model, cpu_attention))
         if tier is not None:
             stats = llm.engine.weight_stats
-            streamed = set(llm.engine.placement.tiers) - {TIER_GPU}
+            streamed = set(llm.engine.plan.layers.placement.tiers) - {TIER_GPU}
             assert all(stats.bytes_by_tier[t] > 0 for t in streamed)
     return outputs, seen
 
@@ -112,7 +112,7 @@ def run(model: dict, tmp_path, device="cpu", cpu_attention="off", tier=None, off
 def check_placement(llm: LLM, tier: str, weights_gpu_gib: float) -> None:
     tiers = set(llm.engine.runner.model.layer_store.tiers)
     expected = {"host": {TIER_HOST}, "disk": {TIER_DISK}, "mixed": {TIER_GPU, TIER_HOST, TIER_DISK}}[tier]
-    assert tiers == expected, llm.engine.placement.tiers
+    assert tiers == expected, llm.engine.plan.layers.placement.tiers
     weight_bytes = llm.engine.runner.model.gpu_weight_bytes()
     assert weight_bytes <= weights_gpu_gib * 2**30  # the budget holds on the testbed too
 

@@ -39,7 +39,7 @@ def test_plan_prints_the_breakdown_and_the_expected_speed_without_loading_weight
     out = capsys.readouterr().out
     assert "weight placement (auto):" in out and "streamed (" in out and "memory (GiB):" in out
     assert "KV pool" in out and "activations" in out and "tokens/s" in out
-    assert ("scheduler: 2048 tokens per iteration (longer prompts in chunks), prompt chunks at most 3 decode steps' "
+    assert ("scheduler: gpu-only: 2048 tokens per iteration (longer prompts in chunks), prompt chunks at most 3 decode steps' "
             "time while streams decode, prefix caching on") in out  # cpu's defaults
 
 
@@ -47,10 +47,11 @@ def test_plan_prints_the_token_budget_and_whether_prefix_caching_is_on(capsys):
     assert main(["plan", "--dtype", "float32", "--max-num-batched-tokens", "256", "--no-prefix-caching",
                  "--max-prefill-slowdown", "0", "--log-level", "warning", "--json"]) == 0
     out = capsys.readouterr().out
-    assert "scheduler: 256 tokens per iteration (longer prompts in chunks), prefix caching off" in out
+    assert "scheduler: gpu-only: 256 tokens per iteration (longer prompts in chunks), prefix caching off" in out
     report = json.loads(out[out.index("\n{") + 1:])
-    assert report["scheduler"] == {"max_num_batched_tokens": 256, "enable_prefix_caching": False,
-                                   "max_prefill_slowdown": 0.0}
+    assert report["scheduler"] == {"kind": "gpu-only", "max_num_batched_tokens": 256, "enable_prefix_caching": False,
+                                   "max_prefill_slowdown": 0.0, "cost_tables": None, "profile_key": None,
+                                   "layer_costs": []}
 
 
 def test_plan_accounts_per_tensor_parallel_rank(capsys):

@@ -116,7 +116,7 @@ class FitRequest:
     budgets: FitBudgets
     measure: Callable[[], FitProbes]  # called only where speed decides (or `predict_always`)
     fixed: FixedChoices = FixedChoices()
-    predict_always: bool = False  # `tandem plan`: the expected speed even where memory alone decides
+    predict_always: bool = False  # `tandem plan`: the expected speed even where memory alone decides (the same choice)
 
 
 @dataclass(frozen=True)
@@ -183,8 +183,13 @@ def fit(request: FitRequest) -> Fit:
     lossless = request.options[0]
     first = placements_of(request, lossless, None)
     resident = [c for c in first if not isinstance(c, str) and not c.streams]
-    if resident and not _memory_binds(request, resident[0]) and not request.predict_always:
-        return Fit(resident[0], "everything fits resident; nothing is quantized that is not stored so")
+    if resident and not _memory_binds(request, resident[0]):
+        reason = "everything fits resident; nothing is quantized that is not stored so"
+        if not request.predict_always:
+            return Fit(resident[0], reason)
+        # the same choice, with its expected speed: predicting never changes what runs
+        predicted = with_predictions(request, resident[:1], request.measure())[0]
+        return Fit(resident[0], reason) if isinstance(predicted, str) else Fit(predicted, reason, (predicted,))
     probes = request.measure()
     weighed = [first] + [placements_of(request, option, None) for option in request.options[1:]]
     best, refused = [], {}

@@ -20,7 +20,7 @@ def planned_and_started_bytes(llm: LLM) -> tuple[tuple[int, int], tuple[int, int
     """(GPU, host) bytes of weights, layer buffers and KV pools: as the fit planned them, as the
     started engine holds them."""
     engine = llm.engine
-    chosen = engine.fit.chosen
+    chosen = engine.plan.fit.chosen
     planned = (chosen.gpu_weight_bytes + chosen.gpu_kv_bytes, chosen.host_layer_bytes + chosen.host_kv_bytes)
     weights = engine.runner.model.weight_bytes()
     by_tier = {tier: sum(n for (_, t), n in weights.items() if t == tier) for tier in ("gpu", "host")}
@@ -38,7 +38,7 @@ def test_a_testbed_fit_holds_what_it_planned_and_the_resident_engines_tokens():
     with LLM(gpu_memory_gib=0.45, host_memory_gib=1.0, **flat) as llm:
         assert llm.engine.config.quantization == "none"  # INT4 does not run on the testbed
         # some layers stream from host memory (how many is the measured model's call: near-ties here)
-        assert llm.engine.placement.num_layers_in("host") > 0
+        assert llm.engine.plan.layers.placement.num_layers_in("host") > 0
         planned, started = planned_and_started_bytes(llm)
         for plan, engine in zip(planned, started):
             assert engine == pytest.approx(plan, rel=0.10)
