@@ -9,8 +9,9 @@
   EngineConfig is built, which checks every flag and value. Serving in each mode is what the shared
   server and the server suites run (test_offload_server.py, test_moe_server.py, make test-streamed).
 
-```sh blocks hold what needs make, Docker or systemd: tests/deploy and `make test-integration`
-check the images and compose files; a ```bash block may hold only curl and tandem commands.
+```sh blocks hold what needs make, Docker, systemd or minutes: tests/deploy and `make test-integration`
+check the images and compose files, and `make test-slow` runs the recipes' `tandem plan` lines on the
+testbed against the output the README shows; a ```bash block may hold only curl and tandem commands.
 """
 from __future__ import annotations
 
@@ -117,6 +118,37 @@ def test_readme_plan_and_convert_commands_run(tmp_path, monkeypatch, capsys):
         expected = ("tandem plan:" in out if argv[0] == "plan" else "layer files intact" in err
                     if "--verify" in argv else "layer files written" in err)
         assert expected, argv
+
+
+# The lines of a plan that are decisions (the rest are this machine's measured speeds)
+DECISION_PREFIXES = ("fit: weights", "as flags:", "model plan:", "hot experts:", "kv cache:")
+
+
+def recipe_plans() -> list[tuple[list[str], str]]:
+    """(argv after `tandem`, the ```text block right after it) of each ```sh recipe's `tandem plan` line."""
+    blocks = [(m["lang"], m["body"]) for m in re.finditer(r"^```(?P<lang>\w*)\n(?P<body>.*?)^```$",
+                                                           README.read_text(), re.M | re.S)]
+    recipes = []
+    for (lang, body), (next_lang, shown) in zip(blocks, blocks[1:]):
+        if lang == "sh" and next_lang == "text":
+            recipes += [(shlex.split(line)[1:], shown) for line in body.splitlines() if line.startswith("tandem plan")]
+    return recipes
+
+
+def decision_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(DECISION_PREFIXES)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, shown", recipe_plans(), ids=lambda v: v[2] if isinstance(v, list) else "")
+def test_readme_recipes_plan_what_the_readme_shows(argv, shown, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    assert main([*argv, "--log-level", "warning"]) == 0
+    assert decision_lines(capsys.readouterr().out) == decision_lines(shown)
+
+
+def test_the_readme_has_its_recipes():
+    assert len(recipe_plans()) == 2
 
 
 def test_readme_serve_commands_take_their_flags(tmp_path, monkeypatch):
