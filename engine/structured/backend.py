@@ -2,7 +2,7 @@
 
 xgrammar is the one registered: on the embedded model's 49152-token vocabulary it fills a JSON
 schema's next-token mask in a median 1-5 us (p99 4-17 us), against llguidance's 4-18 us (p99
-20-86 us); benchmarks/structured_decode.py measures both side by side.
+20-86 us); benchmarks/serving/structured_decode.py measures both side by side.
 """
 from __future__ import annotations
 

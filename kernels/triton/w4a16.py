@@ -33,7 +33,7 @@ from kernels.cpu.int4 import BLOCK, check_group_size
 
 # Rows of x up to which `packed_linear` runs; above, `dequantize_into` and torch.matmul. Sixteen
 # rows are one tile of tl.dot (its smallest M), so up to here W is read and unpacked once
-# whatever the batch. A first choice, not yet measured on a GPU (benchmarks/triton_w4a16.py).
+# whatever the batch. A first choice, not yet measured on a GPU (benchmarks/kernels/triton_w4a16.py).
 MAX_PACKED_ROWS = 16
 PACKED_BLOCK_M = 16  # rows of x per program of the packed kernel: tl.dot's smallest M
 

@@ -221,7 +221,7 @@ def plan_threads(num_cores: int, device_kind: str, profiles: IterationProfiles, 
 def _better(candidate: Candidate, chosen: Candidate, num_cores: int, device_kind: str) -> bool:
     """Faster beyond the tie tolerance; on a tie, fewer disk readers beyond their cores (the
     profiles time no reads: 4 readers beside the CPU side's one core ran 1.15x slower than 1 on the
-    2-core VM, benchmarks/thread_split.py)."""
+    2-core VM, benchmarks/offload/thread_split.py)."""
     if candidate.predicted_s < chosen.predicted_s * (1.0 - TIE_TOLERANCE):
         return True
     tie = candidate.predicted_s <= chosen.predicted_s * (1.0 + TIE_TOLERANCE)

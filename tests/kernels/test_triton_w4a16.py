@@ -5,7 +5,7 @@ dequantize-then-matmul path, the switch between them, and the errors malformed i
 
 The interpreter runs every program instance in Python, so the shapes are small: SmolLM2-135M's
 matmuls, odd ones (n odd, k not a multiple of 256) and one 4096x4096 at batch 2. Llama-3.1-8B's
-MLP shapes (3.5x that: ~30 s each here) are left to benchmarks/triton_w4a16.py on a GPU.
+MLP shapes (3.5x that: ~30 s each here) are left to benchmarks/kernels/triton_w4a16.py on a GPU.
 """
 
 import pytest

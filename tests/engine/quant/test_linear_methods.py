@@ -1,6 +1,6 @@
 """The linear-method seam: weight objects (dense, INT4) against a plain matmul on fresh random
 inputs, the registry, and the model applying every matmul through weight objects. (An INT4 model
-against the dense model of its own dequantized weights: tests/benchmarks/test_accuracy.py.)"""
+against the dense model of its own dequantized weights: tests/benchmarks/kernels/test_accuracy.py.)"""
 import re
 from pathlib import Path
 
