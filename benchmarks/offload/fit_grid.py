@@ -28,7 +28,8 @@ import kernels  # noqa: F401  (before torch: the engine's OpenMP spin cap)
 
 from benchmarks.report import RESULTS_DIR, write_results
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, model_max_len
+from engine.engine import LLMEngine
+from engine.planning.stage import model_max_len
 from engine.planning.fit import apply_fit, default_offload_dir, fit_config, fit_request
 from engine.profiling import compute_dtype
 from engine.profiling.cache import host_cpu_model

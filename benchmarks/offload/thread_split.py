@@ -39,7 +39,8 @@ import kernels  # noqa: F401  (before torch: the engine's OpenMP spin cap)
 
 from benchmarks.report import RESULTS_DIR, run_interleaved, write_results
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, model_max_len
+from engine.engine import LLMEngine
+from engine.planning.stage import model_max_len
 from engine.offload import layer_store
 from engine.device.cores import host_cores
 from engine.planning.threads import (
