@@ -19,12 +19,13 @@ from engine.distributed import ModelSource, TensorParallelRunner
 from engine.model_config import ModelConfig
 from engine.offload.experts.cache import LayerHeat
 from engine.offload.experts.store import EXPERT_STATS_KIND, HotExpertLayers, create_expert_store
+from engine.offload.convert import conversion_key
 from engine.offload.layer_store import create_layer_store, open_layer_files
 from engine.offload.stats import WeightStats
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.planning.fit import describe_fit
 from engine.planning.stage import EnginePlan, expert_stats_key, plan_engine
-from engine.planning.weights import conversion_key, weight_format
+from engine.planning.weights import weight_format
 from engine.profiling.cache import profile_path
 from engine.request import InputProcessor, PreparedRequest, Request
 from engine.runtime import ModelRunner

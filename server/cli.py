@@ -303,7 +303,7 @@ def convert(args: argparse.Namespace) -> int:
     import torch
 
     from engine.config import QUANTIZATION_METHODS
-    from engine.planning.weights import conversion_key
+    from engine.offload.convert import conversion_key
     from engine.profiling import compute_dtype
     from engine.quant import create_linear_method
     from engine.weights import create_loader

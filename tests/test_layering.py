@@ -242,3 +242,38 @@ def test_no_folder_holds_more_than_the_limit():
             if num_modules > MAX_MODULES_PER_FOLDER:
                 crowded.append(f"{folder.relative_to(ROOT)}: {num_modules} modules")
     assert not crowded, f"folders over {MAX_MODULES_PER_FOLDER} modules:\n" + "\n".join(crowded)
+
+
+# ---- planning decided once, docs inside the repository ----------------------------------------
+def test_the_server_decides_nothing_about_how_the_engine_runs():
+    """server/ asks the planning stage (engine/planning/stage.py) and nothing else that plans:
+    from the planners it may take constants (flag defaults and choices) and types (errors, the
+    plan's values it reports), never a function that decides."""
+    for path in python_files("server"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            planning = node.module.startswith(("engine.planning", "scheduler.planning"))
+            if planning and node.module != "engine.planning.stage":
+                names = [a.name for a in node.names if a.name.islower()]
+                assert not names, f"{path.relative_to(ROOT)} imports {names} from {node.module}"
+
+
+def test_no_module_edits_sys_path():
+    for package in (*PRODUCT_PACKAGES, "benchmarks"):
+        for path in python_files(package):
+            assert "sys.path.insert" not in path.read_text(), path.relative_to(ROOT)
+
+
+
+def test_docs_link_nothing_outside_the_repository():
+    import re
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)]+)\)", page.read_text()):
+            if "://" in target or target.startswith("#"):
+                continue
+            resolved = (page.parent / target.split("#")[0]).resolve()
+            assert resolved.is_relative_to(ROOT), f"{page.name} links {target}, outside the repository"
+        assert "../shared" not in page.read_text(), f"{page.name} points at ../shared, outside the repository"

@@ -14,16 +14,23 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from engine.config import EngineConfig
 from engine.model_config import ConfigError
 from engine.model.layer_weights import LayerWeights
 from engine.quant import LinearMethod
 from engine.weights.base import WeightLoader, WeightLoadError
 from engine.weights.direct_io import aligned_empty
-from engine.weights.layer_files import LayerFiles
+from engine.weights.layer_files import ConversionKey, LayerFiles
 from engine.weights.layer_image import LayerImage
 from scheduler.planning import WeightFormat, layer_image_bytes
 
 logger = logging.getLogger(__name__)
+
+
+def conversion_key(config: EngineConfig, source: str, dtype: torch.dtype) -> ConversionKey:
+    """What an offload directory's files are made from under this config."""
+    return ConversionKey.create(source, dtype, config.quantization, torch.device(config.torch_device),
+                                seed=config.seed if config.load_format == "dummy" else 0)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from engine.profiling.streaming_probe import (
 )
 from engine.weights.direct_io import DEFAULT_BLOCK_BYTES, DirectReader
 from scheduler.planning.threads import DEFAULT_IO_THREADS
-from engine.weights.layer_files import ConversionKey, room_bytes
+from engine.weights.layer_files import room_bytes
 from scheduler.planning import (
     ComputeCosts,
     MemoryBudgets,
@@ -35,15 +35,11 @@ from scheduler.planning import (
     PlacementRequest,
     PlannerInputs,
     SlicingCosts,
-    SlicingPlan,
     SlicingRequest,
     TransferRates,
     WeightFormat,
-    WeightPlacement,
     Workload,
     layer_image_bytes,
-    plan_placement,
-    plan_slicing,
 )
 from scheduler.planning import plan_model as plan_layers
 from scheduler.planning.experts.hot_experts import DEFAULT_FETCH_BUFFERS, DEFAULT_SKEW, plan_expert_cache
@@ -71,12 +67,6 @@ class Measurements:
 
 def weight_format(config: EngineConfig, dtype: torch.dtype) -> WeightFormat:
     return WeightFormat(config.quantization, dtype.itemsize)
-
-
-def conversion_key(config: EngineConfig, source: str, dtype: torch.dtype) -> ConversionKey:
-    """What an offload directory's files are made from under this config."""
-    return ConversionKey.create(source, dtype, config.quantization, torch.device(config.torch_device),
-                                seed=config.seed if config.load_format == "dummy" else 0)
 
 
 def available_host_bytes() -> int:
