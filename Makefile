@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -252,6 +252,13 @@ bench-moe: install
 # Tensor parallelism on this host: one rank against two (Ray actors), decode and a step's overhead.
 bench-tp: install
 	$(PY) -m benchmarks.serving.tensor_parallel
+	$(PY) -m benchmarks.update_benchmarks_doc
+
+# Two revisions side by side (a redesign should cost nothing): the embedded model resident, sliced
+# and streamed, each revision in its own worktree and process, repetitions interleaved.
+BASE ?= e66490e
+bench-revisions: install
+	$(PY) -m benchmarks.serving.revisions --base $(BASE)
 	$(PY) -m benchmarks.update_benchmarks_doc
 
 # On a CUDA GPU (GPU_PYTHON as for test-gpu): a decode step's host and GPU time, eager and as a CUDA

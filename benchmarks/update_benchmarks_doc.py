@@ -115,6 +115,13 @@ SECTIONS = (
             "On a CPU-only host one rank already reads the weights with both cores, so this measures the\n"
             "machinery's cost, not a gain; the gain needs a GPU per rank (the CUDA path has not run yet).",
             "## Structured outputs (`benchmarks/serving/structured_decode.py`)"),
+    Section("revisions", "## A redesign against the code before it (`benchmarks/serving/revisions.py`)",
+            "Run by `make bench-revisions BASE=<commit>` on a quiet machine: two revisions checked out side by side,\n"
+            "each running the same offline decode on the embedded model (device cpu) in its own process, resident\n"
+            "(INT4), with every MLP sliced 0.25/0.5 (CC/CG) and with layers streamed from host memory (a 0.25 GiB\n"
+            "weight budget for the float32 model), repetitions interleaved, medians. A change meant to cost nothing\n"
+            "should read 1.00x within the noise of the repetitions, with the same greedy tokens.",
+            "## Compute dtype"),
 )
 
 
