@@ -93,6 +93,9 @@ DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 DEFAULT_CPU_KV_CACHE_MEMORY_GIB = 4.0
 # What --memory-gib keeps back from the KV pool for activations, logits and scratch buffers.
 ACTIVATION_RESERVE_GIB = 0.25
+# The share of a CUDA device's total memory the engine takes where no budget says otherwise: the
+# fit's GPU budget and the KV pool's default (engine/device/memory.py); vLLM's default too.
+GPU_MEMORY_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,8 @@ class CacheConfig:
 
     The GPU pool is, first that is set: `num_blocks`; `kv_cache_memory_gib`; what
     `memory_gib` (weights and pool together) leaves once the weights are loaded, less
-    ACTIVATION_RESERVE_GIB; DEFAULT_KV_CACHE_MEMORY_GIB. (On CUDA the engine budgets 90% of the
-    device's memory when none is set.)"""
+    ACTIVATION_RESERVE_GIB; DEFAULT_KV_CACHE_MEMORY_GIB. (On CUDA the engine budgets
+    GPU_MEMORY_FRACTION of the device's memory when none is set.)"""
 
     block_size: int = 16  # tokens per block
     num_blocks: int | None = None  # the GPU pool; None: sized by memory

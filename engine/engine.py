@@ -22,6 +22,7 @@ from engine.distributed import ModelSource, TensorParallelRunner, largest_rank_c
 from engine.runtime import ModelRunner
 from engine.runtime.runner import FatalRunnerError
 from engine.device.cores import CoreAssignment
+from engine.device.memory import default_gpu_memory_bytes
 from engine.planning.fit import describe_fit, fit_config
 from engine.offload.experts.cache import LayerHeat
 from engine.offload.experts.store import EXPERT_STATS_KIND, HotExpertLayers, create_expert_store
@@ -58,8 +59,6 @@ logger = logging.getLogger(__name__)
 
 # Without an explicit max_model_len, contexts are capped here to keep prefill buffers sane.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
-# The share of a CUDA device's memory for weights and KV when no size is given (vLLM's default too).
-CUDA_MEMORY_FRACTION = 0.9
 
 
 @dataclass
@@ -340,8 +339,7 @@ class LLMEngine:
         cache = self.config.cache
         memory_gib = cache.memory_gib if cache.sized_by_memory_budget else None
         if memory_gib is None and self._device_memory_default_applies():
-            memory_gib = CUDA_MEMORY_FRACTION * torch.cuda.get_device_properties(self.config.torch_device).total_memory \
-                / GIB_BYTES
+            memory_gib = default_gpu_memory_bytes(self.config.torch_device) / GIB_BYTES
         if memory_gib is None:
             return cache.num_gpu_blocks_for(block_bytes)
         if self.placement is not None:  # the planner's activation estimate, as it sized the pool

@@ -11,6 +11,7 @@ import sys
 from typing import Mapping
 
 import kernels  # noqa: F401  (before torch loads: caps its OpenMP spinning, kernels/__init__.py)
+from engine.config import GPU_MEMORY_FRACTION
 from scheduler.planning.kv_format import KV_CACHE_DTYPES
 from scheduler.planning.experts.hot_experts import DEFAULT_SKEW, DEFAULT_WINDOW_TOKENS
 from server.flag_sources import CONFIG_ENV, FlagSourceError, RepeatableFlag, add_deprecated_flag, layered_defaults
@@ -169,7 +170,8 @@ def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
         "weight and KV formats (the older knobs below stay as overrides)")
     memory.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="the GPU's memory for weights, layer buffers, activations and its KV pool (default: "
-                             "cuda 90%% of the device's free memory; cpu and testbed, the host's memory)")
+                             f"cuda {GPU_MEMORY_FRACTION:.0%}% of the device's total memory; cpu and testbed, the "
+                             "host's memory)")
     memory.add_argument("--host-memory-gib", type=float, default=None,
                         help="host memory for streamed layers and the host KV pool (default: 80%% of what the host "
                              "has available)")
@@ -213,7 +215,8 @@ def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--num-gpu-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
                        help="GPU KV pool blocks (default: from --kv-cache-gib); caps it to emulate a small GPU")
     cache.add_argument("--kv-cache-gib", type=float, default=None,
-                       help="GPU KV pool size (default: from --memory-gib, else 1; on cuda 90%% of the device)")
+                       help=f"GPU KV pool size (default: from --memory-gib, else 1; on cuda what "
+                            f"{GPU_MEMORY_FRACTION:.0%}% of the device's total memory leaves)")
     cache.add_argument("--memory-gib", type=float, default=None,
                        help="GPU memory for weights and KV pool together: the pool gets what the weights leave")
     cache.add_argument("--num-cpu-blocks", type=int, default=None,

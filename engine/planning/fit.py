@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from engine.config import GIB_BYTES, EngineConfig
+from engine.device.memory import default_gpu_memory_bytes
 from engine.planning.weights import (
-    CUDA_MEMORY_FRACTION,
     HOST_MEMORY_FRACTION,
     available_host_bytes,
     engine_cores,
@@ -166,7 +166,7 @@ def fit_budgets(config: EngineConfig, offload_dir: str) -> FitBudgets:
     if gpu_gib:
         gpu_bytes, shared = int(gpu_gib * GIB_BYTES), False
     elif cuda:
-        gpu_bytes, shared = int(CUDA_MEMORY_FRACTION * torch.cuda.mem_get_info(config.torch_device)[0]), False
+        gpu_bytes, shared = default_gpu_memory_bytes(config.torch_device), False
     else:
         gpu_bytes, shared = host_bytes, True
     pools_by_budget = cuda or bool(gpu_gib) or config.host_memory_gib is not None
