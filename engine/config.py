@@ -18,7 +18,7 @@ from engine.model_config import ConfigError
 from scheduler.planning.kv_format import KV_CACHE_DTYPES, QUANTIZED_KV_BLOCK_MULTIPLE, kv_format
 from scheduler.neo import NeoKnobs
 from scheduler.planning.slicing.rates import SliceRates
-from scheduler.planning.placement import PIPELINE_CHOICES, PLACEMENT_MODES
+from scheduler.planning.placement import PlacementMode, WeightPipeline
 from scheduler.planning.experts.hot_experts import DEFAULT_WINDOW_TOKENS, NUM_WINDOW_BUCKETS
 from scheduler.planning.slicing.plan import SLICING_AUTO, parse_mlp_slicing
 
@@ -251,10 +251,10 @@ class WeightsConfig:
     expert_window_tokens: int = DEFAULT_WINDOW_TOKENS
 
     def __post_init__(self) -> None:
-        _require_choice(self, "placement", PLACEMENT_MODES)
+        _require_choice(self, "placement", tuple(PlacementMode))
         self.hot_expert_slots  # raises ConfigError for a value it cannot read
         _require_int(self, "expert_window_tokens", NUM_WINDOW_BUCKETS)
-        _require_choice(self, "pipeline", PIPELINE_CHOICES)
+        _require_choice(self, "pipeline", tuple(WeightPipeline))
         for name in ("gpu_gib", "host_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
