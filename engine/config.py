@@ -17,10 +17,10 @@ from typing import Any
 from engine.model_config import ConfigError
 from scheduler.planning.kv_format import KV_CACHE_DTYPES, QUANTIZED_KV_BLOCK_MULTIPLE, kv_format
 from scheduler.neo import NeoKnobs
-from scheduler.planning.slicing.rates import SliceRates
+from scheduler.planning.slicing.rates import MlpSlicing, SliceRates
 from scheduler.planning.placement import PlacementMode, WeightPipeline
-from scheduler.planning.experts.hot_experts import DEFAULT_WINDOW_TOKENS, NUM_WINDOW_BUCKETS
-from scheduler.planning.slicing.plan import SLICING_AUTO, parse_mlp_slicing
+from scheduler.planning.experts.hot_experts import (DEFAULT_WINDOW_TOKENS, NUM_WINDOW_BUCKETS, HotExperts,
+                                                    parse_hot_experts)
 
 # Compute dtype names a user may give -> torch's names for them (the short ones are aliases).
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -65,15 +65,6 @@ def _require_choice(config: object, name: str, choices: tuple[str, ...]) -> None
     value = getattr(config, name)
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-
-
-def _parse_slice_rates(text: str) -> SliceRates | str:
-    """--mlp-slicing's text: "off", "auto" or fixed CC,CG rates (scheduler/planning/slicing/plan.py)."""
-    try:
-        return parse_mlp_slicing(text)
-    except ValueError as exc:
-        raise ConfigError(f"{exc}; CC,CG are the CPU-computed and the streamed share of each MLP, e.g. "
-                          "0.25,0.5") from None
 
 
 def _blocks_in(memory_gib: float, block_bytes: int) -> int:
@@ -234,11 +225,11 @@ class WeightsConfig:
     num_copy_threads: int | None = field(default=None, metadata={FLAT_NAME: "weight_copy_threads"})
     # the decode the planner's throughput estimate is for: tokens a sequence holds; None: max_model_len
     expected_context_len: int | None = None
-    # ScheInfer's MLP slicing (engine/offload/slicing/sliced_mlp.py): "off"; "auto", solved at start
-    # within gpu_gib for decode batches of max_num_seqs; "CC,CG", the fractions of every
-    # layer's MLP units computed on the CPU and streamed to the GPU (the rest stays
-    # resident), e.g. "0.25,0.5"; or one SliceRates per layer
-    mlp_slicing: str | tuple[SliceRates, ...] = "off"
+    # ScheInfer's MLP slicing (engine/offload/slicing/sliced_mlp.py): off; auto, solved at start
+    # within gpu_gib for decode batches of max_num_seqs; or fixed rates: "CC,CG", the fractions of
+    # every layer's MLP units computed on the CPU and streamed to the GPU (the rest stays
+    # resident), e.g. "0.25,0.5", SliceRates for every layer or one per layer
+    mlp_slicing: MlpSlicing = MlpSlicing()
     # ScheInfer's prefill token assignment (sec. IV-B) under MLP slicing: "on", each forward moves
     # the tokens the slicing models say to CG' (CC's weights copied to the GPU); "off",
     # the CPU computes CC for every token (for ablations)
@@ -246,13 +237,18 @@ class WeightsConfig:
     # The hot-expert cache of a MoE model (engine/offload/experts/cache.py): "auto", where the
     # experts do not fit gpu_gib, each routed layer keeps as many of its most-routed experts on the
     # GPU as the budget leaves, the CPU computing the rest; "off"; or N, that many per layer
-    hot_experts: str = "auto"
+    hot_experts: HotExperts | int = HotExperts.AUTO
     # the routed tokens per layer whose expert counts choose the hot set (a sliding window)
     expert_window_tokens: int = DEFAULT_WINDOW_TOKENS
 
     def __post_init__(self) -> None:
+        for name, flag, parse in (("mlp_slicing", "--mlp-slicing", MlpSlicing.parse),
+                                  ("hot_experts", "--hot-experts", parse_hot_experts)):
+            try:
+                object.__setattr__(self, name, parse(getattr(self, name)))  # the text given, as its type
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{flag} {exc}") from None
         _require_choice(self, "placement", tuple(PlacementMode))
-        self.hot_expert_slots  # raises ConfigError for a value it cannot read
         _require_int(self, "expert_window_tokens", NUM_WINDOW_BUCKETS)
         _require_choice(self, "pipeline", tuple(WeightPipeline))
         for name in ("gpu_gib", "host_gib"):
@@ -266,30 +262,21 @@ class WeightsConfig:
                               "--offload-dir")
         if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
             raise ConfigError(f"offload_dir must be a directory path, got {self.offload_dir!r}")
-        self.slice_rates(None)  # raises ConfigError for a value it cannot read
         if self.mlp_prefill_moving not in ON_OFF:
             raise ConfigError(f"--mlp-prefill-moving must be on or off, got {self.mlp_prefill_moving!r}")
 
-    def slice_rates(self, num_layers: int | None) -> tuple[SliceRates, ...] | None:
+    def slice_rates(self, num_layers: int) -> tuple[SliceRates, ...] | None:
         """Each of `num_layers` layers' MLP slice rates, or None when slicing is off or solved at
-        start (`slicing_solved`; None layers: only check the setting)."""
-        value = self.mlp_slicing
-        if isinstance(value, str):
-            rates = _parse_slice_rates(value)
-            if isinstance(rates, str) or num_layers is None:
-                return None
-            return (rates,) * num_layers
-        if not isinstance(value, (tuple, list)) or not all(isinstance(r, SliceRates) for r in value):
-            raise ConfigError(f"mlp_slicing must be off, auto, CC,CG (e.g. 0.25,0.5) or one SliceRates per layer, "
-                              f"got {value!r}")
-        if num_layers is not None and len(value) != num_layers:
-            raise ConfigError(f"mlp_slicing gives slice rates for {len(value)} layers, but the model has {num_layers}")
-        return tuple(value)
+        start (`slicing_solved`)."""
+        try:
+            return self.mlp_slicing.layer_rates(num_layers)
+        except ValueError as exc:
+            raise ConfigError(f"mlp_slicing {exc}") from None
 
     @property
     def slicing_solved(self) -> bool:
         """--mlp-slicing auto: the engine solves each layer's rates at start (ScheInfer sec. IV-A)."""
-        return isinstance(self.mlp_slicing, str) and self.mlp_slicing.strip().lower() == SLICING_AUTO
+        return self.mlp_slicing.solved
 
     @property
     def prefill_moving(self) -> bool:
@@ -298,16 +285,11 @@ class WeightsConfig:
     @property
     def hot_expert_slots(self) -> int | None:
         """--hot-experts as a number of slots per routed layer; None for auto and off."""
-        value = str(self.hot_experts).strip().lower()
-        if value in ("auto", "off"):
-            return None
-        if not value.isdigit():
-            raise ConfigError(f"--hot-experts must be auto, off or a number of experts per layer, got {self.hot_experts!r}")
-        return int(value)
+        return None if isinstance(self.hot_experts, HotExperts) else self.hot_experts
 
     @property
     def hot_experts_off(self) -> bool:
-        return str(self.hot_experts).strip().lower() == "off"
+        return self.hot_experts == HotExperts.OFF
 
     @property
     def streaming_requested(self) -> bool:

@@ -47,7 +47,7 @@ from scheduler.scheduler import SchedulerConfigError
     (WeightsConfig, {"mlp_slicing": "0.75,0.5"}, "--mlp-slicing must be off, auto or CC,CG.*must sum to 1"),
     (WeightsConfig, {"mlp_slicing": "half,0.5"}, "--mlp-slicing must be off, auto or CC,CG"),
     (WeightsConfig, {"mlp_slicing": "-0.25,0.5"}, "--mlp-slicing must be off, auto or CC,CG.*must lie in"),
-    (WeightsConfig, {"mlp_slicing": [0.25, 0.5]}, "mlp_slicing must be off, auto, CC,CG .* or one SliceRates per layer"),
+    (WeightsConfig, {"mlp_slicing": [0.25, 0.5]}, "--mlp-slicing must be off, auto, CC,CG .* or one SliceRates per layer"),
     (WeightsConfig, {"mlp_prefill_moving": "yes"}, "--mlp-prefill-moving must be on or off, got 'yes'"),
     (WeightsConfig, {"mlp_prefill_moving": True}, "--mlp-prefill-moving must be on or off, got True"),
 ])
