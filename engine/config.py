@@ -12,9 +12,10 @@ import logging
 import math
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 from engine.model_config import ConfigError
+from scheduler.modes import Mode
 from scheduler.planning.kv_format import KV_CACHE_DTYPES, QUANTIZED_KV_BLOCK_MULTIPLE, kv_format
 from scheduler.neo import NeoKnobs
 from scheduler.planning.slicing.rates import MlpSlicing, SliceRates
@@ -25,12 +26,53 @@ from scheduler.planning.experts.hot_experts import (DEFAULT_WINDOW_TOKENS, NUM_W
 # Compute dtype names a user may give -> torch's names for them (the short ones are aliases).
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}
-CPU_ATTENTION_MODES = ("auto", "on", "off")
+
+
+class CpuAttention(Mode):
+    """--cpu-attention: whether some sequences' KV lives in a host pool, their decoding attention
+    on the CPU (Neo)."""
+
+    AUTO = "auto"  # on for testbed and cuda, off for cpu
+    ON = "on"  # also on device cpu (everything serial: how tests check identical tokens)
+    OFF = "off"  # GPU-only
+
+
+class Quantization(Mode):
+    """--quantization: the decoder layers' weight format."""
+
+    # the fit (engine/planning/fit.py) chooses: 4-bit blocks a GGUF stores stay packed, and 16-bit
+    # weights are quantized only where memory binds and the performance model predicts a gain
+    AUTO = "auto"
+    NONE = "none"
+    INT4 = "int4"
+
+
+class CpuOps(Mode):
+    """--cpu-ops: how a CPU model's decoder layers run, fastest first."""
+
+    LAYERS = "layers"  # a decode batch's layers in one C++ call (engine/model/native.py)
+    FUSED = "fused"  # op by op from Python, RMSNorm, RoPE and SiLU*up as C++ kernels
+    TORCH = "torch"  # every op a torch op
+
+
+class LoadFormat(Mode):
+    """--load-format: how --model is read (engine/weights)."""
+
+    AUTO = "auto"  # from --model: a .gguf file, a directory, a preset
+    GGUF = "gguf"
+    SAFETENSORS = "safetensors"
+    DUMMY = "dummy"  # a preset's shape with random weights
+
+
+class Switch(Mode):
+    """A knob that is on or off by those words (--mlp-prefill-moving)."""
+
+    ON = "on"
+    OFF = "off"
+
+
 # --quantization -> the linear method (engine/quant) every decoder-layer matmul uses
-QUANTIZATION_METHODS = {"none": "dense", "int4": "int4"}
-# auto: the fit (engine/planning/fit.py) chooses: 4-bit blocks a GGUF stores stay packed, and
-# 16-bit weights are quantized only where memory binds and the performance model predicts a gain
-QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_METHODS)
+QUANTIZATION_METHODS = {Quantization.NONE: "dense", Quantization.INT4: "int4"}
 PROFILE_GRIDS = ("default", "quick")  # quick: a coarse profile, for tests
 # cpu: the CPU plays both roles; testbed: a GPU thread on its own cores beside the CPU
 # attention (Neo's overlap on a CPU-only host); cuda[:N]: a GPU
@@ -38,7 +80,6 @@ _DEVICE_PATTERN = re.compile(r"cpu|testbed|cuda(:\d+)?")
 GIB_BYTES = 2**30
 # Field metadata key: the flat keyword of a section's field, where it differs from the field's name.
 FLAT_NAME = "flat_name"
-CPU_OPS = ("layers", "fused", "torch")  # EngineConfig.cpu_ops, fastest first
 # Former flat keywords -> the fields' flat names now (issue 30's one vocabulary): from_flat takes the
 # deprecated spelling with a warning wherever it no longer names a field itself.
 DEPRECATED_FLAT_NAMES = {"offload": "cpu_attention", "accelerator_threads": "gpu_threads"}
@@ -65,6 +106,16 @@ def _require_choice(config: object, name: str, choices: tuple[str, ...]) -> None
     value = getattr(config, name)
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _parse_fields(config: object, parses: tuple[tuple[str, str, Callable[[Any], Any]], ...]) -> None:
+    """For a config being built: each (field, its flag, parse) field's value as given (the flag's
+    text, or a value of the field's type) in the field's type; ConfigError naming the flag."""
+    for name, flag, parse in parses:
+        try:
+            object.__setattr__(config, name, parse(getattr(config, name)))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{flag} {exc}") from None
 
 
 def _blocks_in(memory_gib: float, block_bytes: int) -> int:
@@ -172,7 +223,7 @@ class CpuAttentionConfig:
 
     # auto: a host KV pool whenever the GPU is not the host CPU itself (cuda, testbed);
     # on: also with device cpu (everything serial: how tests check identical tokens); off: GPU-only.
-    mode: str = field(default="auto", metadata={FLAT_NAME: "cpu_attention"})
+    mode: CpuAttention = field(default=CpuAttention.AUTO, metadata={FLAT_NAME: "cpu_attention"})
     gpu_threads: int | None = None  # testbed: cores that play the GPU (default half)
     cpu_attention_threads: int | None = None  # threads of the CPU decoding attention (default: the rest)
     cost_tables: str | None = None  # a JSON file of cost tables; None: profile once, cached
@@ -181,14 +232,10 @@ class CpuAttentionConfig:
     force_profile: bool = False  # measure again even if a cached profile exists
 
     def __post_init__(self) -> None:
-        if self.mode not in CPU_ATTENTION_MODES:
-            raise ConfigError(f"cpu_attention must be auto, on or off, got {self.mode!r}")
+        _parse_fields(self, (("mode", "--cpu-attention", CpuAttention.parse),))
         _require_int(self, "gpu_threads", 1, none_means="half the testbed's cores")
         _require_int(self, "cpu_attention_threads", 1, none_means="the cores the GPU leaves")
         _require_choice(self, "profile_grid", PROFILE_GRIDS)
-
-
-ON_OFF = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -214,11 +261,11 @@ class WeightsConfig:
     decides per layer from these budgets and measured bandwidths; with placement `auto` and no
     `gpu_gib` every layer stays resident, as without this section."""
 
-    placement: str = field(default="auto", metadata={FLAT_NAME: "weight_placement"})  # auto | gpu | cpu | disk
+    placement: PlacementMode = field(default=PlacementMode.AUTO, metadata={FLAT_NAME: "weight_placement"})
     gpu_gib: float | None = field(default=None, metadata={FLAT_NAME: "weights_gpu_gib"})
     host_gib: float | None = field(default=None, metadata={FLAT_NAME: "weights_cpu_gib"})  # None: what the host has
     offload_dir: str | None = None  # where disk-placed layers' files live (`tandem convert` writes them)
-    pipeline: str = field(default="auto", metadata={FLAT_NAME: "weight_pipeline"})  # auto | performance | memory
+    pipeline: WeightPipeline = field(default=WeightPipeline.AUTO, metadata={FLAT_NAME: "weight_pipeline"})
     # disk reads in flight; None: planned (scheduler/planning/threads.py: on 2 cores 1 beat 4 by 1.15x)
     num_io_threads: int | None = field(default=None, metadata={FLAT_NAME: "weight_io_threads"})
     # the host copy engine's threads for streamed layers; None: planned (scheduler/planning/threads.py)
@@ -233,7 +280,7 @@ class WeightsConfig:
     # ScheInfer's prefill token assignment (sec. IV-B) under MLP slicing: "on", each forward moves
     # the tokens the slicing models say to CG' (CC's weights copied to the GPU); "off",
     # the CPU computes CC for every token (for ablations)
-    mlp_prefill_moving: str = "on"
+    mlp_prefill_moving: Switch = Switch.ON
     # The hot-expert cache of a MoE model (engine/offload/experts/cache.py): "auto", where the
     # experts do not fit gpu_gib, each routed layer keeps as many of its most-routed experts on the
     # GPU as the budget leaves, the CPU computing the rest; "off"; or N, that many per layer
@@ -242,28 +289,23 @@ class WeightsConfig:
     expert_window_tokens: int = DEFAULT_WINDOW_TOKENS
 
     def __post_init__(self) -> None:
-        for name, flag, parse in (("mlp_slicing", "--mlp-slicing", MlpSlicing.parse),
-                                  ("hot_experts", "--hot-experts", parse_hot_experts)):
-            try:
-                object.__setattr__(self, name, parse(getattr(self, name)))  # the text given, as its type
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{flag} {exc}") from None
-        _require_choice(self, "placement", tuple(PlacementMode))
+        _parse_fields(self, (("placement", "--weight-placement", PlacementMode.parse),
+                             ("pipeline", "--weight-pipeline", WeightPipeline.parse),
+                             ("mlp_slicing", "--mlp-slicing", MlpSlicing.parse),
+                             ("mlp_prefill_moving", "--mlp-prefill-moving", Switch.parse),
+                             ("hot_experts", "--hot-experts", parse_hot_experts)))
         _require_int(self, "expert_window_tokens", NUM_WINDOW_BUCKETS)
-        _require_choice(self, "pipeline", tuple(WeightPipeline))
         for name in ("gpu_gib", "host_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
         _require_int(self, "num_io_threads", 1, none_means="planned")
         _require_int(self, "num_copy_threads", 1, none_means="planned")
         _require_int(self, "expected_context_len", 1, none_means="max_model_len")
-        if self.placement == "disk" and not self.offload_dir:
+        if self.placement == PlacementMode.DISK and not self.offload_dir:
             raise ConfigError("weight_placement disk streams every layer from files in offload_dir; give "
                               "--offload-dir")
         if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
             raise ConfigError(f"offload_dir must be a directory path, got {self.offload_dir!r}")
-        if self.mlp_prefill_moving not in ON_OFF:
-            raise ConfigError(f"--mlp-prefill-moving must be on or off, got {self.mlp_prefill_moving!r}")
 
     def slice_rates(self, num_layers: int) -> tuple[SliceRates, ...] | None:
         """Each of `num_layers` layers' MLP slice rates, or None when slicing is off or solved at
@@ -280,7 +322,7 @@ class WeightsConfig:
 
     @property
     def prefill_moving(self) -> bool:
-        return self.mlp_prefill_moving == "on"
+        return self.mlp_prefill_moving == Switch.ON
 
     @property
     def hot_expert_slots(self) -> int | None:
@@ -294,7 +336,7 @@ class WeightsConfig:
     @property
     def streaming_requested(self) -> bool:
         """Whether the planner places layers: a placement other than auto, or a weight budget."""
-        return self.placement != "auto" or self.gpu_gib is not None
+        return self.placement != PlacementMode.AUTO or self.gpu_gib is not None
 
 
 @dataclass(frozen=True)
@@ -302,12 +344,11 @@ class EngineConfig:
     """Everything an engine is built from: the top-level fields below and four sections.
     Users pass flat keywords through `from_flat`.
 
-    `load_format` and `decode_attention` name entries of registries that can grow
-    (engine.weights, engine.attention), so those registries check them as the engine starts;
-    the loader is the first thing it builds."""
+    `decode_attention` names an entry of a registry that can grow (engine.attention), so that
+    registry checks it as the engine starts."""
 
     model: str = "smollm2-135m"
-    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    load_format: LoadFormat = LoadFormat.AUTO
     dtype: str = "auto"  # auto (measured as the engine starts) | float32 | bfloat16 | float16 (or fp32, ...)
     device: str = "cpu"  # cpu | testbed | cuda[:N]
     seed: int = 0  # dummy weights and the shared generator of unseeded requests
@@ -320,7 +361,7 @@ class EngineConfig:
     decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
     # auto: chosen by the fit | none: weights dense in `dtype` | int4: packed INT4 (GGUF Q4 blocks as stored,
     # else round-to-nearest at load; devices cpu and cuda)
-    quantization: str = "auto"
+    quantization: Quantization = Quantization.AUTO
     # The fit's two budgets (engine/planning/fit.py): the GPU's memory for weights, layer buffers,
     # activations and its KV pool (None: cuda 90% of the device; cpu and testbed, the host's), and
     # host memory for streamed layers and the host KV pool (None: 80% of what the host has available)
@@ -328,7 +369,7 @@ class EngineConfig:
     host_memory_gib: float | None = None
     # How a CPU model's decoder layers run: layers (a decode batch's layers in C++, engine/model/native.py),
     # fused (op by op from Python, RMSNorm and RoPE as C++ kernels) or torch (every op a torch op)
-    cpu_ops: str = "layers"
+    cpu_ops: CpuOps = CpuOps.LAYERS
     # On CUDA, GPU-only decode steps replay CUDA graphs (engine/runtime/cuda_graphs.py); True: every step eager
     enforce_eager: bool = False
     show_progress: bool = False  # progress bars while the weights load and the costs are profiled
@@ -339,6 +380,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        _parse_fields(self, (("load_format", "--load-format", LoadFormat.parse),
+                             ("quantization", "--quantization", Quantization.parse),
+                             ("cpu_ops", "--cpu-ops", CpuOps.parse)))
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):
@@ -351,14 +395,12 @@ class EngineConfig:
         if slowdown is not None and (not isinstance(slowdown, (int, float)) or isinstance(slowdown, bool)
                                      or not (slowdown == 0 or slowdown > 1)):
             raise ConfigError(f"max_prefill_slowdown must be 0 (off) or a number > 1, got {slowdown!r}")
-        _require_choice(self, "quantization", QUANTIZATION_CHOICES)
         for name in ("gpu_memory_gib", "host_memory_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
-        _require_choice(self, "cpu_ops", CPU_OPS)
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
-        if self.quantization == "int4" and self.device == "testbed":
+        if self.quantization == Quantization.INT4 and self.device == "testbed":
             raise ConfigError("quantization int4 runs on device cpu or cuda, not on the testbed: its GPU "
                               "thread would share the CPU kernels' thread pool with the CPU attention; use "
                               "--quantization none there")
@@ -401,9 +443,9 @@ class EngineConfig:
     @property
     def cpu_attention_enabled(self) -> bool:
         """Whether the engine keeps a host KV pool and plans with the Neo scheduler."""
-        if self.cpu_attention.mode == "auto":
+        if self.cpu_attention.mode == CpuAttention.AUTO:
             return self.device == "testbed" or self.device.startswith("cuda")
-        return self.cpu_attention.mode == "on"
+        return self.cpu_attention.mode == CpuAttention.ON
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> "EngineConfig":

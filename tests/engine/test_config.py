@@ -24,7 +24,7 @@ from scheduler.scheduler import SchedulerConfigError
     (CacheConfig, {"num_cpu_blocks": 2.5}, "num_cpu_blocks must be an integer"),
     (CacheConfig, {"kv_cache_memory_gib": 0}, "kv_cache_memory_gib must be a number > 0"),
     (CacheConfig, {"cpu_kv_cache_memory_gib": float("nan")}, "cpu_kv_cache_memory_gib must be a number > 0"),
-    (CpuAttentionConfig, {"mode": "maybe"}, "cpu_attention must be auto, on or off, got 'maybe'"),
+    (CpuAttentionConfig, {"mode": "maybe"}, "--cpu-attention must be one of auto, on, off, got 'maybe'"),
     (CpuAttentionConfig, {"gpu_threads": 0}, "gpu_threads must be an integer >= 1"),
     (CpuAttentionConfig, {"cpu_attention_threads": -2}, "cpu_attention_threads must be an integer >= 1"),
     (CpuAttentionConfig, {"profile_grid": "fine"}, "profile_grid must be one of default, quick"),
@@ -48,8 +48,8 @@ from scheduler.scheduler import SchedulerConfigError
     (WeightsConfig, {"mlp_slicing": "half,0.5"}, "--mlp-slicing must be off, auto or CC,CG"),
     (WeightsConfig, {"mlp_slicing": "-0.25,0.5"}, "--mlp-slicing must be off, auto or CC,CG.*must lie in"),
     (WeightsConfig, {"mlp_slicing": [0.25, 0.5]}, "--mlp-slicing must be off, auto, CC,CG .* or one SliceRates per layer"),
-    (WeightsConfig, {"mlp_prefill_moving": "yes"}, "--mlp-prefill-moving must be on or off, got 'yes'"),
-    (WeightsConfig, {"mlp_prefill_moving": True}, "--mlp-prefill-moving must be on or off, got True"),
+    (WeightsConfig, {"mlp_prefill_moving": "yes"}, "--mlp-prefill-moving must be one of on, off, got 'yes'"),
+    (WeightsConfig, {"mlp_prefill_moving": True}, "--mlp-prefill-moving must be one of on, off, got True"),
 ])
 def test_each_section_refuses_a_bad_value_when_built(section, kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -76,7 +76,7 @@ def test_flat_keywords_reach_their_sections():
                                      weight_placement="auto", weight_pipeline="memory").weights
     assert weights == WeightsConfig(gpu_gib=2.0, host_gib=8.0, offload_dir="/tmp/x", pipeline="memory")
     assert weights.streaming_requested and not WeightsConfig().streaming_requested
-    with pytest.raises(ConfigError, match="cpu_attention must be auto, on or off"):
+    with pytest.raises(ConfigError, match="--cpu-attention must be one of auto, on, off"):
         EngineConfig.from_flat(cpu_attention="sometimes")
 
 
