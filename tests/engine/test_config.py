@@ -88,9 +88,13 @@ def test_every_field_has_its_own_flat_name():
 
 
 def test_deprecated_flat_names_still_reach_their_fields(caplog):
-    old_names = {"offload": "off", "accelerator_threads": 2}  # deprecated spellings, LLM(offload="off") and such
+    # deprecated spellings, LLM(offload="off") and such: former flags' names and former field-named keywords
+    old_names = {"offload": "off", "accelerator_threads": 2, "num_blocks": 7, "kv_cache_memory_gib": 0.5,
+                 "cpu_kv_cache_memory_gib": 2.0, "enable_prefix_caching": False}
     config = EngineConfig.from_flat(**old_names)
     assert (config.cpu_attention.mode, config.cpu_attention.gpu_threads) == ("off", 2)
+    assert config.cache == CacheConfig(num_blocks=7, kv_cache_memory_gib=0.5, cpu_kv_cache_memory_gib=2.0,
+                                       enable_prefix_caching=False)
     for old in old_names:
         assert (f"{old} is deprecated: use {DEPRECATED_FLAT_NAMES[old]}" in caplog.text) == (old not in FLAT_NAMES)
     assert set(DEPRECATED_FLAT_NAMES) == set(old_names) and not set(DEPRECATED_FLAT_NAMES.values()) & set(old_names)
