@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.knobs import Group, config_knobs, flat_names, knob, parse_knobs, sections
+from engine.knobs import Group, config_knobs, flat_names, keyword_of, knob, parse_knobs, sections
 from engine.model_config import ConfigError
 from scheduler.modes import Mode
 from scheduler.planning.kv_format import KV_CACHE_DTYPES, QUANTIZED_KV_BLOCK_MULTIPLE, kv_format
@@ -84,6 +84,7 @@ GIB_BYTES = 2**30
 log = logging.getLogger(__name__)
 
 
+# The checks below name a field by its knob's keyword (keyword_of): the word the user gave.
 def _require_int(config: object, name: str, minimum: int, none_means: str | None = None) -> None:
     """`config.<name>` must be an integer >= minimum; or None, where `none_means` says what None does."""
     value = getattr(config, name)
@@ -91,19 +92,20 @@ def _require_int(config: object, name: str, minimum: int, none_means: str | None
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         alternative = f" or None ({none_means})" if none_means is not None else ""
-        raise ConfigError(f"{name} must be an integer >= {minimum}{alternative}, got {value!r}")
+        raise ConfigError(f"{keyword_of(type(config), name)} must be an integer >= {minimum}{alternative}, "
+                          f"got {value!r}")
 
 
 def _require_positive(config: object, name: str) -> None:
     value = getattr(config, name)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+        raise ConfigError(f"{keyword_of(type(config), name)} must be a number > 0, got {value!r}")
 
 
 def _require_choice(config: object, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(config, name)
     if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        raise ConfigError(f"{keyword_of(type(config), name)} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def _blocks_in(memory_gib: float, block_bytes: int) -> int:
@@ -178,15 +180,15 @@ class CacheConfig:
                               f"{QUANTIZED_KV_BLOCK_MULTIPLE} (the kernels read whole vectors of tokens), "
                               f"got {self.block_size}")
         if not isinstance(self.enable_prefix_caching, bool):
-            raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+            raise ConfigError(f"prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         _require_int(self, "num_blocks", 1, none_means="size the pool by memory")
         _require_int(self, "num_cpu_blocks", 1,
-                     none_means="size the pool by cpu_kv_cache_memory_gib; cpu_attention='off' drops the pool")
+                     none_means="size the pool by cpu_kv_cache_gib; cpu_attention='off' drops the pool")
         for name in ("kv_cache_memory_gib", "memory_gib", "cpu_kv_cache_memory_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
         if self.kv_cache_memory_gib is not None and self.memory_gib is not None:
-            raise ConfigError("give kv_cache_memory_gib (the KV pool alone) or memory_gib (weights and KV pool "
+            raise ConfigError("give kv_cache_gib (the KV pool alone) or memory_gib (weights and KV pool "
                               "together), not both")
 
     @property

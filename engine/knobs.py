@@ -112,6 +112,12 @@ def sections(config_type: type) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(config_type) if _is_section(f, hints[f.name])}
 
 
+def keyword_of(config_type: type, name: str) -> str:
+    """What a message names field `name` of `config_type` by: its knob's keyword (the flag's name
+    with underscores, as the user gave it), else the field's own name."""
+    return dict(_field_knobs(config_type)).get(name, Knob("--" + name, "", "")).keyword
+
+
 def parse_knobs(config: Any) -> None:
     """For a config being built (its __post_init__): each knob field's value as given (a flag's
     text, or a value of the field's type) in the field's type; ConfigError naming the flag

@@ -1,6 +1,6 @@
-"""EngineConfig: each section refuses a bad value when it is built, naming the field; flat keywords
-reach their sections through one mapping; the compute dtype is measured once, when the engine
-starts, and logged."""
+"""EngineConfig: each section refuses a bad value when it is built, naming it as the user gave it (the
+flag's keyword, or the flag); flat keywords reach their sections through one mapping; the compute
+dtype is measured once, when the engine starts, and logged."""
 import logging
 from dataclasses import fields
 
@@ -20,10 +20,10 @@ from scheduler.scheduler import SchedulerConfigError
 
 @pytest.mark.parametrize("section, kwargs, message", [
     (CacheConfig, {"block_size": 0}, "block_size must be an integer >= 1"),
-    (CacheConfig, {"num_blocks": 0}, "num_blocks must be an integer >= 1 or None"),
+    (CacheConfig, {"num_blocks": 0}, "num_gpu_blocks must be an integer >= 1 or None"),
     (CacheConfig, {"num_cpu_blocks": 2.5}, "num_cpu_blocks must be an integer"),
-    (CacheConfig, {"kv_cache_memory_gib": 0}, "kv_cache_memory_gib must be a number > 0"),
-    (CacheConfig, {"cpu_kv_cache_memory_gib": float("nan")}, "cpu_kv_cache_memory_gib must be a number > 0"),
+    (CacheConfig, {"kv_cache_memory_gib": 0}, "kv_cache_gib must be a number > 0"),
+    (CacheConfig, {"cpu_kv_cache_memory_gib": float("nan")}, "cpu_kv_cache_gib must be a number > 0"),
     (CpuAttentionConfig, {"mode": "maybe"}, "--cpu-attention must be one of auto, on, off, got 'maybe'"),
     (CpuAttentionConfig, {"gpu_threads": 0}, "gpu_threads must be an integer >= 1"),
     (CpuAttentionConfig, {"cpu_attention_threads": -2}, "cpu_attention_threads must be an integer >= 1"),
@@ -39,10 +39,10 @@ from scheduler.scheduler import SchedulerConfigError
      "cpu_attention must be of type CpuAttentionConfig, got 'on'; flat keywords go through"),
     (WeightsConfig, {"placement": "ssd"}, "placement must be one of auto, gpu, cpu, disk"),
     (WeightsConfig, {"gpu_gib": 0}, "gpu_gib must be a number > 0"),
-    (WeightsConfig, {"host_gib": -1.0}, "host_gib must be a number > 0"),
+    (WeightsConfig, {"host_gib": -1.0}, "weights_cpu_gib must be a number > 0"),
     (WeightsConfig, {"placement": "disk"}, "weight_placement disk streams every layer from files in offload_dir"),
     (WeightsConfig, {"pipeline": "fast"}, "pipeline must be one of auto, performance, memory"),
-    (WeightsConfig, {"num_io_threads": 0}, "num_io_threads must be an integer >= 1"),
+    (WeightsConfig, {"num_io_threads": 0}, "weight_io_threads must be an integer >= 1"),
     (WeightsConfig, {"mlp_slicing": "0.25"}, "--mlp-slicing must be off, auto or CC,CG"),
     (WeightsConfig, {"mlp_slicing": "0.75,0.5"}, "--mlp-slicing must be off, auto or CC,CG.*must sum to 1"),
     (WeightsConfig, {"mlp_slicing": "half,0.5"}, "--mlp-slicing must be off, auto or CC,CG"),
