@@ -20,6 +20,7 @@ from engine.knobs import Group, config_knobs, flat_names, keyword_of, knob, pars
 from engine.model_config import ConfigError
 from scheduler.modes import Mode
 from scheduler.planning.kv_format import KV_CACHE_DTYPES, QUANTIZED_KV_BLOCK_MULTIPLE, kv_format
+from scheduler.planning.memory import Quantization
 from scheduler.neo import NeoKnobs
 from scheduler.planning.slicing.rates import MlpSlicing, SliceRates
 from scheduler.planning.placement import PlacementMode, WeightPipeline
@@ -38,16 +39,6 @@ class CpuAttention(Mode):
     AUTO = "auto"  # on for testbed and cuda, off for cpu
     ON = "on"  # also on device cpu (everything serial: how tests check identical tokens)
     OFF = "off"  # GPU-only
-
-
-class Quantization(Mode):
-    """--quantization: the decoder layers' weight format."""
-
-    # the fit (engine/planning/fit.py) chooses: 4-bit blocks a GGUF stores stay packed, and 16-bit
-    # weights are quantized only where memory binds and the performance model predicts a gain
-    AUTO = "auto"
-    NONE = "none"
-    INT4 = "int4"
 
 
 class CpuOps(Mode):

@@ -27,6 +27,7 @@ from scheduler.planning.cost_model import Curve, ModelShape
 from scheduler.planning.memory import (
     GIB_BYTES,
     MemoryBreakdown,
+    Quantization,
     WeightFormat,
     activation_peak_bytes,
     kv_block_bytes,
@@ -310,7 +311,7 @@ def placement_of(inputs: PlannerInputs, tiers: Sequence[Tier], pipeline: str | N
 
 
 def _int4_hint(fmt: WeightFormat) -> str:
-    return ", or --quantization int4 (layers about 3/8 the size of 16-bit ones)" if fmt.quantization == "none" else ""
+    return ", or --quantization int4 (layers about 3/8 the size of 16-bit ones)" if fmt.quantization == Quantization.NONE else ""
 
 
 def _kv_block_bytes(inputs: PlannerInputs) -> int:
