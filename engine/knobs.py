@@ -102,8 +102,15 @@ def config_knobs(config_type: type) -> tuple[Knob, ...]:
 
 def flat_names(config_type: type) -> dict[str, tuple[str, ...]]:
     """Every keyword `from_flat` takes -> the path of its field: a knob's keyword, and the
-    field's own name for a field without a flag (NeoKnobs, `show_progress`, ...)."""
-    return {(knob.keyword if knob is not None else path[-1]): path for knob, path in _walk(config_type, ())}
+    field's own name for a field without a flag (NeoKnobs, `show_progress`, ...); TypeError
+    where two fields would take the same keyword."""
+    names: dict[str, tuple[str, ...]] = {}
+    for knob, path in _walk(config_type, ()):
+        keyword = knob.keyword if knob is not None else path[-1]
+        if keyword in names:
+            raise TypeError(f"{'.'.join(path)} and {'.'.join(names[keyword])} both take the keyword {keyword}")
+        names[keyword] = path
+    return names
 
 
 def sections(config_type: type) -> dict[str, type]:
@@ -115,7 +122,8 @@ def sections(config_type: type) -> dict[str, type]:
 def keyword_of(config_type: type, name: str) -> str:
     """What a message names field `name` of `config_type` by: its knob's keyword (the flag's name
     with underscores, as the user gave it), else the field's own name."""
-    return dict(_field_knobs(config_type)).get(name, Knob("--" + name, "", "")).keyword
+    declared = dict(_field_knobs(config_type)).get(name)
+    return declared.keyword if declared is not None else name
 
 
 def parse_knobs(config: Any) -> None:
