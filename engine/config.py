@@ -1,50 +1,81 @@
 """The engine's configuration: small frozen configs, each validated once, when it is built.
 
-`EngineConfig` composes `CacheConfig`, `CpuAttentionConfig`, the Neo scheduler's `NeoKnobs` and
-`WeightsConfig` (where weights live);
-`EngineConfig.from_flat(**kwargs)` is the one place flat keywords (`LLM(...)`, the CLI's flags)
-are routed to them. Derived values are properties that do no I/O: the compute dtype that
-`dtype="auto"` stands for is measured by `LLMEngine` when it starts, not here. No torch here.
+`EngineConfig` composes `CacheConfig`, `CpuAttentionConfig`, the Neo scheduler's `NeoKnobs`,
+`WeightsConfig` (where weights live) and `ParallelConfig`. Every knob a user sets is declared
+here once, as a field: `knob(flag, default, help, group)` (engine/knobs.py). The CLI's flags, the
+YAML keys and TANDEM_ variables, and the keywords of `LLM(...)` and `EngineConfig.from_flat` are
+generated from these declarations (ENGINE_KNOBS, FLAT_NAMES). Derived values are properties that
+do no I/O: the compute dtype that `dtype="auto"` stands for is measured by `LLMEngine` when it
+starts, not here. No torch here.
 """
 from __future__ import annotations
 
 import logging
 import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
+from engine.knobs import Group, config_knobs, flat_names, keyword_of, knob, parse_knobs, sections
 from engine.model_config import ConfigError
+from scheduler.modes import Mode
 from scheduler.planning.kv_format import KV_CACHE_DTYPES, QUANTIZED_KV_BLOCK_MULTIPLE, kv_format
+from scheduler.planning.memory import Quantization
 from scheduler.neo import NeoKnobs
-from scheduler.planning.slicing.rates import SliceRates
-from scheduler.planning.placement import PIPELINE_CHOICES, PLACEMENT_MODES
-from scheduler.planning.experts.hot_experts import DEFAULT_WINDOW_TOKENS, NUM_WINDOW_BUCKETS
-from scheduler.planning.slicing.plan import SLICING_AUTO, parse_mlp_slicing
+from scheduler.planning.slicing.rates import MlpSlicing, SliceRates
+from scheduler.planning.placement import PlacementMode, WeightPipeline
+from scheduler.planning.experts.hot_experts import (DEFAULT_WINDOW_TOKENS, NUM_WINDOW_BUCKETS, HotExperts,
+                                                    parse_hot_experts)
 
 # Compute dtype names a user may give -> torch's names for them (the short ones are aliases).
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}
-CPU_ATTENTION_MODES = ("auto", "on", "off")
+
+
+class CpuAttention(Mode):
+    """--cpu-attention: whether some sequences' KV lives in a host pool, their decoding attention
+    on the CPU (Neo)."""
+
+    AUTO = "auto"  # on for testbed and cuda, off for cpu
+    ON = "on"  # also on device cpu (everything serial: how tests check identical tokens)
+    OFF = "off"  # GPU-only
+
+
+class CpuOps(Mode):
+    """--cpu-ops: how a CPU model's decoder layers run, fastest first."""
+
+    LAYERS = "layers"  # a decode batch's layers in one C++ call (engine/model/native.py)
+    FUSED = "fused"  # op by op from Python, RMSNorm, RoPE and SiLU*up as C++ kernels
+    TORCH = "torch"  # every op a torch op
+
+
+class LoadFormat(Mode):
+    """--load-format: how --model is read (engine/weights)."""
+
+    AUTO = "auto"  # from --model: a .gguf file, a directory, a preset
+    GGUF = "gguf"
+    SAFETENSORS = "safetensors"
+    DUMMY = "dummy"  # a preset's shape with random weights
+
+
+class Switch(Mode):
+    """A knob that is on or off by those words (--mlp-prefill-moving)."""
+
+    ON = "on"
+    OFF = "off"
+
+
 # --quantization -> the linear method (engine/quant) every decoder-layer matmul uses
-QUANTIZATION_METHODS = {"none": "dense", "int4": "int4"}
-# auto: the fit (engine/planning/fit.py) chooses: 4-bit blocks a GGUF stores stay packed, and
-# 16-bit weights are quantized only where memory binds and the performance model predicts a gain
-QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_METHODS)
+QUANTIZATION_METHODS = {Quantization.NONE: "dense", Quantization.INT4: "int4"}
 PROFILE_GRIDS = ("default", "quick")  # quick: a coarse profile, for tests
 # cpu: the CPU plays both roles; testbed: a GPU thread on its own cores beside the CPU
 # attention (Neo's overlap on a CPU-only host); cuda[:N]: a GPU
 _DEVICE_PATTERN = re.compile(r"cpu|testbed|cuda(:\d+)?")
 GIB_BYTES = 2**30
-# Field metadata key: the flat keyword of a section's field, where it differs from the field's name.
-FLAT_NAME = "flat_name"
-CPU_OPS = ("layers", "fused", "torch")  # EngineConfig.cpu_ops, fastest first
-# Former flat keywords -> the fields' flat names now (issue 30's one vocabulary): from_flat takes the
-# deprecated spelling with a warning wherever it no longer names a field itself.
-DEPRECATED_FLAT_NAMES = {"offload": "cpu_attention", "accelerator_threads": "gpu_threads"}
 log = logging.getLogger(__name__)
 
 
+# The checks below name a field by its knob's keyword (keyword_of): the word the user gave.
 def _require_int(config: object, name: str, minimum: int, none_means: str | None = None) -> None:
     """`config.<name>` must be an integer >= minimum; or None, where `none_means` says what None does."""
     value = getattr(config, name)
@@ -52,28 +83,20 @@ def _require_int(config: object, name: str, minimum: int, none_means: str | None
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         alternative = f" or None ({none_means})" if none_means is not None else ""
-        raise ConfigError(f"{name} must be an integer >= {minimum}{alternative}, got {value!r}")
+        raise ConfigError(f"{keyword_of(type(config), name)} must be an integer >= {minimum}{alternative}, "
+                          f"got {value!r}")
 
 
 def _require_positive(config: object, name: str) -> None:
     value = getattr(config, name)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+        raise ConfigError(f"{keyword_of(type(config), name)} must be a number > 0, got {value!r}")
 
 
 def _require_choice(config: object, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(config, name)
     if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-
-
-def _parse_slice_rates(text: str) -> SliceRates | str:
-    """--mlp-slicing's text: "off", "auto" or fixed CC,CG rates (scheduler/planning/slicing/plan.py)."""
-    try:
-        return parse_mlp_slicing(text)
-    except ValueError as exc:
-        raise ConfigError(f"{exc}; CC,CG are the CPU-computed and the streamed share of each MLP, e.g. "
-                          "0.25,0.5") from None
+        raise ConfigError(f"{keyword_of(type(config), name)} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def _blocks_in(memory_gib: float, block_bytes: int) -> int:
@@ -93,6 +116,10 @@ DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 DEFAULT_CPU_KV_CACHE_MEMORY_GIB = 4.0
 # What --memory-gib keeps back from the KV pool for activations, logits and scratch buffers.
 ACTIVATION_RESERVE_GIB = 0.25
+# The share of a CUDA device's total memory the engine takes where no budget says otherwise: the
+# fit's GPU budget and the KV pool's default (engine/device/memory.py); vLLM's default too.
+GPU_MEMORY_FRACTION = 0.9
+_OF_THE_GPU = f"{GPU_MEMORY_FRACTION:.0%} of the device's total memory"
 
 
 @dataclass(frozen=True)
@@ -101,24 +128,41 @@ class CacheConfig:
 
     The GPU pool is, first that is set: `num_blocks`; `kv_cache_memory_gib`; what
     `memory_gib` (weights and pool together) leaves once the weights are loaded, less
-    ACTIVATION_RESERVE_GIB; DEFAULT_KV_CACHE_MEMORY_GIB. (On CUDA the engine budgets 90% of the
-    device's memory when none is set.)"""
+    ACTIVATION_RESERVE_GIB; DEFAULT_KV_CACHE_MEMORY_GIB. (On CUDA the engine budgets
+    GPU_MEMORY_FRACTION of the device's memory when none is set.)"""
 
-    block_size: int = 16  # tokens per block
-    num_blocks: int | None = None  # the GPU pool; None: sized by memory
-    kv_cache_memory_gib: float | None = None
-    memory_gib: float | None = None  # the GPU memory for weights and the KV pool together
-    num_cpu_blocks: int | None = None  # the host pool, when offloading; None: from cpu_kv_cache_memory_gib
+    block_size: int = knob("--block-size", 16, "tokens per KV block", Group.KV_CACHE)
+    num_blocks: int | None = knob(  # None: sized by memory
+        "--num-gpu-blocks", None, "GPU KV pool blocks (default: from --kv-cache-gib); caps it to emulate a small GPU",
+        Group.MEMORY_OVERRIDES, deprecated=("--num-blocks",))
+    kv_cache_memory_gib: float | None = knob(
+        "--kv-cache-gib", None, f"GPU KV pool size (default: what --memory-gib leaves, else "
+        f"{DEFAULT_KV_CACHE_MEMORY_GIB:g}; on cuda what {_OF_THE_GPU} leaves)", Group.MEMORY_OVERRIDES,
+        deprecated_keywords=("kv_cache_memory_gib",))
+    memory_gib: float | None = knob(
+        "--memory-gib", None, "GPU memory for weights and KV pool together: the pool gets what the weights leave",
+        Group.MEMORY_OVERRIDES)
+    num_cpu_blocks: int | None = knob(  # None: from cpu_kv_cache_memory_gib
+        "--num-cpu-blocks", None, "host KV pool blocks (default: --cpu-kv-cache-gib)", Group.MEMORY_OVERRIDES)
     # None: the fit sizes the host pool (DEFAULT_CPU_KV_CACHE_MEMORY_GIB, or from --host-memory-gib)
-    cpu_kv_cache_memory_gib: float | None = None
+    cpu_kv_cache_memory_gib: float | None = knob(
+        "--cpu-kv-cache-gib", None, f"host KV pool size (default: {DEFAULT_CPU_KV_CACHE_MEMORY_GIB:g}, or what "
+        "--host-memory-gib leaves)", Group.MEMORY_OVERRIDES, deprecated_keywords=("cpu_kv_cache_memory_gib",))
     # Automatic prefix caching (scheduler/prefix_cache.py): full blocks a prompt shares with an
     # earlier one are taken from the cache instead of being computed again.
-    enable_prefix_caching: bool = True
-    # How both pools store K/V (scheduler/planning/kv_format.py): auto (the compute dtype), a float dtype,
-    # or group-quantized int8 / int4 codes
-    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = knob(
+        "--prefix-caching", True, "reuse the KV of prompt prefixes seen before, in both KV pools "
+        "(--no-prefix-caching: compute every prompt in full)", Group.KV_CACHE,
+        deprecated_keywords=("enable_prefix_caching",))
+    # How both pools store K/V (scheduler/planning/kv_format.py)
+    kv_cache_dtype: str = knob(
+        "--kv-cache-dtype", "auto", "how both KV pools store keys and values: auto (the compute dtype; int8 or int4 "
+        "only where memory binds and the fit predicts a gain), a float dtype, or int8 / int4 codes with a scale "
+        "per 64 channels of a token (about 1.9x / 3.6x the sequences in the same memory)", Group.KV_CACHE,
+        choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
+        parse_knobs(self)
         _require_int(self, "block_size", 1)
         _require_choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         quantized_kv = self.kv_cache_dtype != "auto" and kv_format(self.kv_cache_dtype).quantized
@@ -127,15 +171,15 @@ class CacheConfig:
                               f"{QUANTIZED_KV_BLOCK_MULTIPLE} (the kernels read whole vectors of tokens), "
                               f"got {self.block_size}")
         if not isinstance(self.enable_prefix_caching, bool):
-            raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+            raise ConfigError(f"prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         _require_int(self, "num_blocks", 1, none_means="size the pool by memory")
         _require_int(self, "num_cpu_blocks", 1,
-                     none_means="size the pool by cpu_kv_cache_memory_gib; cpu_attention='off' drops the pool")
+                     none_means="size the pool by cpu_kv_cache_gib; cpu_attention='off' drops the pool")
         for name in ("kv_cache_memory_gib", "memory_gib", "cpu_kv_cache_memory_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
         if self.kv_cache_memory_gib is not None and self.memory_gib is not None:
-            raise ConfigError("give kv_cache_memory_gib (the KV pool alone) or memory_gib (weights and KV pool "
+            raise ConfigError("give kv_cache_gib (the KV pool alone) or memory_gib (weights and KV pool "
                               "together), not both")
 
     @property
@@ -160,7 +204,7 @@ class CacheConfig:
                 f"memory_gib ({memory_gib:g}) leaves no room for the KV cache: the weights take "
                 f"{weight_bytes / GIB_BYTES:.2f} GiB and activations {activation_reserve_gib:.2f} GiB; give more "
                 f"memory, --quantization int4, a --weights-gpu-gib to stream layers, or a fixed --kv-cache-gib / "
-                f"--num-blocks")
+                f"--num-gpu-blocks")
         return int(free_bytes // block_bytes)
 
     def num_cpu_blocks_for(self, block_bytes: int) -> int:
@@ -176,25 +220,29 @@ class CpuAttentionConfig:
     """Neo's CPU offloading: whether there is a host KV pool, the cores each side gets, and where
     the cost tables the scheduler plans with come from."""
 
-    # auto: a host KV pool whenever the GPU is not the host CPU itself (cuda, testbed);
-    # on: also with device cpu (everything serial: how tests check identical tokens); off: GPU-only.
-    mode: str = field(default="auto", metadata={FLAT_NAME: "cpu_attention"})
-    gpu_threads: int | None = None  # testbed: cores that play the GPU (default half)
-    cpu_attention_threads: int | None = None  # threads of the CPU decoding attention (default: the rest)
-    cost_tables: str | None = None  # a JSON file of cost tables; None: profile once, cached
-    profile_cache_dir: str | None = None  # None: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles
+    mode: CpuAttention = knob(
+        "--cpu-attention", CpuAttention.AUTO, "Neo: some sequences' KV in a host pool and their decoding attention "
+        "on the CPU; auto: on for testbed and cuda, chosen per iteration by the cost model; off: GPU-only",
+        Group.DEVICE, deprecated=("--offload",))
+    gpu_threads: int | None = knob(
+        "--gpu-threads", None, "testbed: cores playing the GPU (default: planned from this machine's thread "
+        "profile, LM-Offload's Algorithm 3)", Group.DEVICE, deprecated=("--accelerator-threads",))
+    cpu_attention_threads: int | None = knob(
+        "--cpu-attention-threads", None, "threads of the CPU side: decoding attention and CPU-computed MLP parts "
+        "(default: planned; device cpu: 1)", Group.DEVICE)
+    cost_tables: str | None = knob(  # None: profile once, cached
+        "--cost-tables", None, "a JSON file of cost tables instead of this machine's profile", Group.DEVICE)
+    profile_cache_dir: str | None = knob(
+        "--profile-cache-dir", None, "where profiles are cached (default: $TANDEM_CACHE_DIR or "
+        "~/.cache/tandem/profiles)", Group.DEVICE)
     profile_grid: str = "default"
     force_profile: bool = False  # measure again even if a cached profile exists
 
     def __post_init__(self) -> None:
-        if self.mode not in CPU_ATTENTION_MODES:
-            raise ConfigError(f"cpu_attention must be auto, on or off, got {self.mode!r}")
+        parse_knobs(self)
         _require_int(self, "gpu_threads", 1, none_means="half the testbed's cores")
         _require_int(self, "cpu_attention_threads", 1, none_means="the cores the GPU leaves")
         _require_choice(self, "profile_grid", PROFILE_GRIDS)
-
-
-ON_OFF = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -202,10 +250,16 @@ class ParallelConfig:
     """Tensor parallelism: the model split over this many ranks, one Ray actor each
     (engine/distributed), on a local Ray cluster or the one at `ray_address`."""
 
-    tensor_parallel_size: int = 1
-    ray_address: str | None = None  # None: start a local cluster when tensor_parallel_size > 1
+    tensor_parallel_size: int = knob(
+        "--tensor-parallel-size", 1, "split the model's heads, MLP units and LM head over this many ranks, one Ray "
+        "actor each with its own GPU (one per rank on cuda) or its own share of the host's cores, and its own GPU "
+        "and host KV pools", Group.PARALLEL, short="-tp")
+    ray_address: str | None = knob(  # None: start a local cluster when tensor_parallel_size > 1
+        "--ray-address", None, "the Ray cluster the ranks run on (default: a local one, started with the server)",
+        Group.PARALLEL)
 
     def __post_init__(self) -> None:
+        parse_knobs(self)
         _require_int(self, "tensor_parallel_size", 1)
 
     @property
@@ -220,132 +274,149 @@ class WeightsConfig:
     decides per layer from these budgets and measured bandwidths; with placement `auto` and no
     `gpu_gib` every layer stays resident, as without this section."""
 
-    placement: str = field(default="auto", metadata={FLAT_NAME: "weight_placement"})  # auto | gpu | cpu | disk
-    gpu_gib: float | None = field(default=None, metadata={FLAT_NAME: "weights_gpu_gib"})
-    host_gib: float | None = field(default=None, metadata={FLAT_NAME: "weights_cpu_gib"})  # None: what the host has
-    offload_dir: str | None = None  # where disk-placed layers' files live (`tandem convert` writes them)
-    pipeline: str = field(default="auto", metadata={FLAT_NAME: "weight_pipeline"})  # auto | performance | memory
-    # disk reads in flight; None: planned (scheduler/planning/threads.py: on 2 cores 1 beat 4 by 1.15x)
-    num_io_threads: int | None = field(default=None, metadata={FLAT_NAME: "weight_io_threads"})
-    # the host copy engine's threads for streamed layers; None: planned (scheduler/planning/threads.py)
-    num_copy_threads: int | None = field(default=None, metadata={FLAT_NAME: "weight_copy_threads"})
-    # the decode the planner's throughput estimate is for: tokens a sequence holds; None: max_model_len
-    expected_context_len: int | None = None
-    # ScheInfer's MLP slicing (engine/offload/slicing/sliced_mlp.py): "off"; "auto", solved at start
-    # within gpu_gib for decode batches of max_num_seqs; "CC,CG", the fractions of every
-    # layer's MLP units computed on the CPU and streamed to the GPU (the rest stays
-    # resident), e.g. "0.25,0.5"; or one SliceRates per layer
-    mlp_slicing: str | tuple[SliceRates, ...] = "off"
-    # ScheInfer's prefill token assignment (sec. IV-B) under MLP slicing: "on", each forward moves
-    # the tokens the slicing models say to CG' (CC's weights copied to the GPU); "off",
-    # the CPU computes CC for every token (for ablations)
-    mlp_prefill_moving: str = "on"
-    # The hot-expert cache of a MoE model (engine/offload/experts/cache.py): "auto", where the
-    # experts do not fit gpu_gib, each routed layer keeps as many of its most-routed experts on the
-    # GPU as the budget leaves, the CPU computing the rest; "off"; or N, that many per layer
-    hot_experts: str = "auto"
-    # the routed tokens per layer whose expert counts choose the hot set (a sliding window)
-    expert_window_tokens: int = DEFAULT_WINDOW_TOKENS
+    placement: PlacementMode = knob(
+        "--weight-placement", PlacementMode.AUTO, "auto: chosen per layer from the budgets and measured bandwidths; "
+        "gpu: all resident; cpu: all streamed from host memory; disk: all streamed from --offload-dir", Group.WEIGHTS)
+    gpu_gib: float | None = knob(
+        "--weights-gpu-gib", None, "GPU memory for weights (embeddings, head, norms, resident layers and the "
+        "buffers streamed layers pass through); layers beyond it stream", Group.MEMORY_OVERRIDES)
+    host_gib: float | None = knob(  # None: what the host has
+        "--weights-cpu-gib", None, "host memory for streamed layers (default: 80% of what the host has "
+        "available); layers beyond it stream from --offload-dir", Group.MEMORY_OVERRIDES)
+    offload_dir: str | None = knob(
+        "--offload-dir", None, "where disk-placed layers' files live ('tandem convert' writes them; serve writes "
+        "missing ones)", Group.WEIGHTS)
+    pipeline: WeightPipeline = knob(
+        "--weight-pipeline", WeightPipeline.AUTO, "performance: the next streamed layer preloads (one buffer "
+        "more); memory: one buffer per layer in use; auto: by estimated throughput", Group.WEIGHTS)
+    # None: planned (scheduler/planning/threads.py: on 2 cores 1 beat 4 by 1.15x)
+    num_io_threads: int | None = knob(
+        "--weight-io-threads", None, "disk reads in flight per layer load (default: planned)", Group.WEIGHTS)
+    num_copy_threads: int | None = knob(  # None: planned (scheduler/planning/threads.py)
+        "--weight-copy-threads", None, "threads of the host copy engine streamed layers pass through (default: "
+        "planned)", Group.WEIGHTS)
+    expected_context_len: int | None = knob(
+        "--expected-context-len", None, "tokens per sequence the placement's throughput estimate assumes "
+        "(default: max-model-len)", Group.WEIGHTS)
+    # ScheInfer's MLP slicing (engine/offload/slicing/sliced_mlp.py); from Python also SliceRates
+    # for every layer or one per layer
+    mlp_slicing: MlpSlicing = knob(
+        "--mlp-slicing", MlpSlicing(), "ScheInfer's MLP slicing: off; auto (rates solved within --weights-gpu-gib "
+        "for decode batches of --max-num-seqs); or CC,CG: the fractions of each layer's MLP (of a MoE layer's "
+        "experts, whole) computed on the CPU and streamed to the GPU (the rest resident), e.g. 0.25,0.5",
+        Group.WEIGHTS, metavar="off|auto|CC,CG", parse=MlpSlicing.parse)
+    # ScheInfer's prefill token assignment (sec. IV-B); off for ablations
+    mlp_prefill_moving: Switch = knob(
+        "--mlp-prefill-moving", Switch.ON, "under --mlp-slicing, ScheInfer's prefill token assignment: each forward "
+        "moves the tokens the slicing models say to the GPU with CC's weights copied over (CG'); off: the CPU "
+        "computes its slices for every token", Group.WEIGHTS)
+    # The hot-expert cache of a MoE model (engine/offload/experts/cache.py)
+    hot_experts: HotExperts | int = knob(
+        "--hot-experts", HotExperts.AUTO, "a MoE model's hot-expert cache: auto (where the experts do not fit "
+        "--weights-gpu-gib, each routed layer keeps as many of its most-routed experts on the GPU as the budget "
+        "leaves; the CPU computes the rest); off; or N experts per layer", Group.WEIGHTS, metavar="auto|off|N",
+        parse=parse_hot_experts)
+    expert_window_tokens: int = knob(
+        "--expert-window-tokens", DEFAULT_WINDOW_TOKENS, "the routed tokens per layer whose expert counts choose "
+        "the hot experts (a sliding window: the hot set follows a shift in popularity within about this many "
+        "tokens)", Group.WEIGHTS)
 
     def __post_init__(self) -> None:
-        _require_choice(self, "placement", PLACEMENT_MODES)
-        self.hot_expert_slots  # raises ConfigError for a value it cannot read
+        parse_knobs(self)
         _require_int(self, "expert_window_tokens", NUM_WINDOW_BUCKETS)
-        _require_choice(self, "pipeline", PIPELINE_CHOICES)
         for name in ("gpu_gib", "host_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
         _require_int(self, "num_io_threads", 1, none_means="planned")
         _require_int(self, "num_copy_threads", 1, none_means="planned")
         _require_int(self, "expected_context_len", 1, none_means="max_model_len")
-        if self.placement == "disk" and not self.offload_dir:
+        if self.placement == PlacementMode.DISK and not self.offload_dir:
             raise ConfigError("weight_placement disk streams every layer from files in offload_dir; give "
                               "--offload-dir")
         if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
             raise ConfigError(f"offload_dir must be a directory path, got {self.offload_dir!r}")
-        self.slice_rates(None)  # raises ConfigError for a value it cannot read
-        if self.mlp_prefill_moving not in ON_OFF:
-            raise ConfigError(f"--mlp-prefill-moving must be on or off, got {self.mlp_prefill_moving!r}")
 
-    def slice_rates(self, num_layers: int | None) -> tuple[SliceRates, ...] | None:
+    def slice_rates(self, num_layers: int) -> tuple[SliceRates, ...] | None:
         """Each of `num_layers` layers' MLP slice rates, or None when slicing is off or solved at
-        start (`slicing_solved`; None layers: only check the setting)."""
-        value = self.mlp_slicing
-        if isinstance(value, str):
-            rates = _parse_slice_rates(value)
-            if isinstance(rates, str) or num_layers is None:
-                return None
-            return (rates,) * num_layers
-        if not isinstance(value, (tuple, list)) or not all(isinstance(r, SliceRates) for r in value):
-            raise ConfigError(f"mlp_slicing must be off, auto, CC,CG (e.g. 0.25,0.5) or one SliceRates per layer, "
-                              f"got {value!r}")
-        if num_layers is not None and len(value) != num_layers:
-            raise ConfigError(f"mlp_slicing gives slice rates for {len(value)} layers, but the model has {num_layers}")
-        return tuple(value)
+        start (`slicing_solved`)."""
+        try:
+            return self.mlp_slicing.layer_rates(num_layers)
+        except ValueError as exc:
+            raise ConfigError(f"mlp_slicing {exc}") from None
 
     @property
     def slicing_solved(self) -> bool:
         """--mlp-slicing auto: the engine solves each layer's rates at start (ScheInfer sec. IV-A)."""
-        return isinstance(self.mlp_slicing, str) and self.mlp_slicing.strip().lower() == SLICING_AUTO
+        return self.mlp_slicing.solved
 
     @property
     def prefill_moving(self) -> bool:
-        return self.mlp_prefill_moving == "on"
+        return self.mlp_prefill_moving == Switch.ON
 
     @property
     def hot_expert_slots(self) -> int | None:
         """--hot-experts as a number of slots per routed layer; None for auto and off."""
-        value = str(self.hot_experts).strip().lower()
-        if value in ("auto", "off"):
-            return None
-        if not value.isdigit():
-            raise ConfigError(f"--hot-experts must be auto, off or a number of experts per layer, got {self.hot_experts!r}")
-        return int(value)
+        return None if isinstance(self.hot_experts, HotExperts) else self.hot_experts
 
     @property
     def hot_experts_off(self) -> bool:
-        return str(self.hot_experts).strip().lower() == "off"
+        return self.hot_experts == HotExperts.OFF
 
     @property
     def streaming_requested(self) -> bool:
         """Whether the planner places layers: a placement other than auto, or a weight budget."""
-        return self.placement != "auto" or self.gpu_gib is not None
+        return self.placement != PlacementMode.AUTO or self.gpu_gib is not None
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an engine is built from: the top-level fields below and four sections.
+    """Everything an engine is built from: the top-level fields below and five sections.
     Users pass flat keywords through `from_flat`.
 
-    `load_format` and `decode_attention` name entries of registries that can grow
-    (engine.weights, engine.attention), so those registries check them as the engine starts;
-    the loader is the first thing it builds."""
+    `decode_attention` names an entry of a registry that can grow (engine.attention), so that
+    registry checks it as the engine starts."""
 
-    model: str = "smollm2-135m"
-    load_format: str = "auto"  # auto | gguf | safetensors | dummy
-    dtype: str = "auto"  # auto (measured as the engine starts) | float32 | bfloat16 | float16 (or fp32, ...)
-    device: str = "cpu"  # cpu | testbed | cuda[:N]
-    seed: int = 0  # dummy weights and the shared generator of unseeded requests
-    max_model_len: int | None = None  # None: the model's, capped by the engine's default and the cache
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: the device's default (DEFAULT_BATCHED_TOKENS)
-    # While sequences decode, an iteration carrying prefill chunks takes at most this many decode
-    # steps' time (scheduler/prefill_pacing.py); 0: the token budget alone; None: the device's default
-    max_prefill_slowdown: float | None = None
+    model: str = knob("--model", "smollm2-135m", "a GGUF file, an HF safetensors directory, or a preset name "
+                      "(with --load-format dummy)", Group.MODEL)
+    load_format: LoadFormat = knob("--load-format", LoadFormat.AUTO, "auto: from --model (a .gguf file, a "
+                                   "directory, a preset)", Group.MODEL)
+    # auto: measured as the engine starts; also the short names (fp32, ...)
+    dtype: str = knob("--dtype", "auto", "auto (measured), float32, bfloat16 or float16", Group.MODEL)
+    quantization: Quantization = knob(
+        "--quantization", Quantization.AUTO, "decoder-layer weights: auto (a GGUF's 4-bit blocks stay packed; "
+        "16-bit weights become int4 only where memory binds and the fit predicts a gain), none (dense in --dtype), "
+        "int4 (packed; round-to-nearest in groups of 32 where not stored so; devices cpu and cuda)", Group.MODEL)
+    cpu_ops: CpuOps = knob(
+        "--cpu-ops", CpuOps.LAYERS, "how the decoder layers run on a CPU device: layers (a decode batch's layers in "
+        "one C++ call), fused (op by op, RMSNorm, RoPE and SiLU*up as C++ kernels), torch (torch ops)", Group.MODEL)
+    # On CUDA, GPU-only decode steps replay CUDA graphs (engine/runtime/cuda_graphs.py)
+    enforce_eager: bool = knob("--enforce-eager", False, "on CUDA, run every decode step op by op instead of "
+                               "replaying CUDA graphs of it", Group.MODEL)
+    seed: int = knob("--seed", 0, "dummy weights and unseeded requests' sampling", Group.MODEL)
+    device: str = knob(
+        "--device", "cpu", "the GPU: cpu (the CPU plays both roles), testbed (a GPU thread on its own cores beside "
+        "the CPU attention: Neo's overlap on a CPU-only host), cuda[:N]", Group.DEVICE)
+    max_model_len: int | None = knob(
+        "--max-model-len", None, "context length (default: the model's, capped by the engine and the KV cache)",
+        Group.BATCHING)
+    max_num_seqs: int = knob("--max-num-seqs", 64, "sequences running at once", Group.BATCHING)
+    max_num_batched_tokens: int | None = knob(  # None: the device's default (DEFAULT_BATCHED_TOKENS)
+        "--max-num-batched-tokens", None, "tokens in one iteration; longer prompts are prefilled in chunks "
+        f"(default: {DEFAULT_BATCHED_TOKENS['cuda']})", Group.BATCHING)
+    # scheduler/prefill_pacing.py; None: the device's default (DEFAULT_PREFILL_SLOWDOWN)
+    max_prefill_slowdown: float | None = knob(
+        "--max-prefill-slowdown", None, "while streams decode, an iteration carrying prompt chunks takes at most "
+        "this many decode steps' time, so running streams keep their pace (0: the token budget alone; default "
+        f"{DEFAULT_PREFILL_SLOWDOWN['cpu']:g} on cpu and testbed, {DEFAULT_PREFILL_SLOWDOWN['cuda']:g} on cuda)",
+        Group.BATCHING)
+    # The fit's two budgets (engine/planning/fit.py)
+    gpu_memory_gib: float | None = knob(
+        "--gpu-memory-gib", None, "the GPU's memory for weights, layer buffers, activations and its KV pool "
+        f"(default: cuda {_OF_THE_GPU}; cpu and testbed, the host's memory)", Group.MEMORY)
+    host_memory_gib: float | None = knob(
+        "--host-memory-gib", None, "host memory for streamed layers and the host KV pool (default: 80% of what "
+        "the host has available)", Group.MEMORY)
     decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
-    # auto: chosen by the fit | none: weights dense in `dtype` | int4: packed INT4 (GGUF Q4 blocks as stored,
-    # else round-to-nearest at load; devices cpu and cuda)
-    quantization: str = "auto"
-    # The fit's two budgets (engine/planning/fit.py): the GPU's memory for weights, layer buffers,
-    # activations and its KV pool (None: cuda 90% of the device; cpu and testbed, the host's), and
-    # host memory for streamed layers and the host KV pool (None: 80% of what the host has available)
-    gpu_memory_gib: float | None = None
-    host_memory_gib: float | None = None
-    # How a CPU model's decoder layers run: layers (a decode batch's layers in C++, engine/model/native.py),
-    # fused (op by op from Python, RMSNorm and RoPE as C++ kernels) or torch (every op a torch op)
-    cpu_ops: str = "layers"
-    # On CUDA, GPU-only decode steps replay CUDA graphs (engine/runtime/cuda_graphs.py); True: every step eager
-    enforce_eager: bool = False
     show_progress: bool = False  # progress bars while the weights load and the costs are profiled
     cache: CacheConfig = field(default_factory=CacheConfig)
     cpu_attention: CpuAttentionConfig = field(default_factory=CpuAttentionConfig)
@@ -354,6 +425,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        parse_knobs(self)
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):
@@ -366,14 +438,12 @@ class EngineConfig:
         if slowdown is not None and (not isinstance(slowdown, (int, float)) or isinstance(slowdown, bool)
                                      or not (slowdown == 0 or slowdown > 1)):
             raise ConfigError(f"max_prefill_slowdown must be 0 (off) or a number > 1, got {slowdown!r}")
-        _require_choice(self, "quantization", QUANTIZATION_CHOICES)
         for name in ("gpu_memory_gib", "host_memory_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
-        _require_choice(self, "cpu_ops", CPU_OPS)
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
-        if self.quantization == "int4" and self.device == "testbed":
+        if self.quantization == Quantization.INT4 and self.device == "testbed":
             raise ConfigError("quantization int4 runs on device cpu or cuda, not on the testbed: its GPU "
                               "thread would share the CPU kernels' thread pool with the CPU attention; use "
                               "--quantization none there")
@@ -416,42 +486,36 @@ class EngineConfig:
     @property
     def cpu_attention_enabled(self) -> bool:
         """Whether the engine keeps a host KV pool and plans with the Neo scheduler."""
-        if self.cpu_attention.mode == "auto":
+        if self.cpu_attention.mode == CpuAttention.AUTO:
             return self.device == "testbed" or self.device.startswith("cuda")
-        return self.cpu_attention.mode == "on"
+        return self.cpu_attention.mode == CpuAttention.ON
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> "EngineConfig":
-        """Route flat keywords to their sections (`block_size` to `cache`, `cpu_attention` to
-        `cpu_attention.mode`, `swap_cooldown_iterations` to `neo`, ...); an unknown keyword raises
-        TypeError listing the known ones."""
+        """Route flat keywords to their fields (FLAT_NAMES: `block_size` to `cache.block_size`,
+        `cpu_attention` to `cpu_attention.mode`, `swap_cooldown_iterations` to `neo`, ...); an
+        unknown keyword raises TypeError naming it and listing the known ones."""
         kwargs = _renamed_flat_names(kwargs)
         unknown = sorted(set(kwargs) - set(FLAT_NAMES))
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(FLAT_NAMES)}")
-        values: dict[str | None, dict[str, Any]] = {None: {}, **{section: {} for section in _SECTIONS}}
+        values: dict[tuple[str, ...], dict[str, Any]] = {(): {}, **{(section,): {} for section in _SECTIONS}}
         for name, value in kwargs.items():
-            section, field_name = FLAT_NAMES[name]
-            values[section][field_name] = value
-        sections = {section: config_type(**values[section]) for section, config_type in _SECTIONS.items()}
-        return cls(**values[None], **sections)
+            *section, field_name = FLAT_NAMES[name]
+            values[tuple(section)][field_name] = value
+        built = {section: config_type(**values[(section,)]) for section, config_type in _SECTIONS.items()}
+        return cls(**values[()], **built)
 
 
-_SECTIONS = {"cache": CacheConfig, "cpu_attention": CpuAttentionConfig, "neo": NeoKnobs, "weights": WeightsConfig,
-             "parallel": ParallelConfig}
-
-
-def _flat_names() -> dict[str, tuple[str | None, str]]:
-    """Every flat keyword -> (its section, or None for a top-level field; the field's name)."""
-    names: dict[str, tuple[str | None, str]] = {f.name: (None, f.name) for f in fields(EngineConfig)
-                                                if f.name not in _SECTIONS}
-    for section, config_type in _SECTIONS.items():
-        for f in fields(config_type):
-            names[f.metadata.get(FLAT_NAME, f.name)] = (section, f.name)
-    return names
-
-
-FLAT_NAMES = _flat_names()
+_SECTIONS = sections(EngineConfig)
+# Every knob a user sets, in declaration order: each with its flag, help, group and field.
+ENGINE_KNOBS = config_knobs(EngineConfig)
+# Every keyword from_flat takes -> the path of its field: a knob's flag name with underscores, and
+# the field's own name where it has no flag (NeoKnobs, decode_attention, ...).
+FLAT_NAMES = flat_names(EngineConfig)
+# Former keywords -> the keywords now: the former flags' names (--offload: offload) and the former
+# field-named keywords (kv_cache_memory_gib); from_flat takes them with a warning.
+DEPRECATED_FLAT_NAMES = {former: knob.keyword for knob in ENGINE_KNOBS for former in knob.former_keywords}
 
 
 def _renamed_flat_names(kwargs: dict[str, Any]) -> dict[str, Any]:

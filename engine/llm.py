@@ -12,16 +12,21 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Batch generation over the engine. Keyword arguments are EngineConfig's flat names
-    (`EngineConfig.from_flat`: `block_size`, `cpu_attention`, `swap_cooldown_iterations`, ...).
+    """Batch generation over the engine. Keyword arguments are the engine's knobs by their flags'
+    names with underscores (`max_num_seqs`, `cpu_attention`, `kv_cache_gib`: `tandem serve --help`
+    lists them, engine/config.py declares them), and the config fields that have no flag by their
+    own names (`swap_cooldown_iterations`, ...); `EngineConfig.from_flat` routes them, and refuses
+    an unknown one naming it.
 
-    LLM(model="smollm2-135m")                      # the embedded default (real weights)
+    LLM()                                          # the embedded default model (real weights)
     LLM(model="/path/model.gguf") / LLM(model="/path/hf_dir")
     LLM(model="llama-3.1-8b", load_format="dummy") # a preset shape with random weights
     """
 
-    def __init__(self, model: str = "smollm2-135m", **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig.from_flat(model=model, **kwargs))
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        if model is not None:
+            kwargs["model"] = model
+        self.engine = LLMEngine(EngineConfig.from_flat(**kwargs))
 
     def close(self) -> None:
         """Stop the engine's threads (the testbed's GPU thread); the LLM is unusable after."""

@@ -1,5 +1,6 @@
-"""`tandem serve` (the OpenAI-compatible daemon), `profile`, `plan`, `convert` and `bench`. Flags map onto
-the frozen configs in one place."""
+"""`tandem serve` (the OpenAI-compatible daemon), `profile`, `plan`, `convert` and `bench`. Their flags
+are made from knob declarations: the engine's in engine/config.py, the server's and each
+command's own below; flags map onto the frozen configs in one place (`engine_config`)."""
 from __future__ import annotations
 
 import argparse
@@ -8,15 +9,56 @@ import os
 import signal
 import threading
 import sys
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import kernels  # noqa: F401  (before torch loads: caps its OpenMP spinning, kernels/__init__.py)
-from scheduler.planning.kv_format import KV_CACHE_DTYPES
-from scheduler.planning.experts.hot_experts import DEFAULT_SKEW, DEFAULT_WINDOW_TOKENS
-from server.flag_sources import CONFIG_ENV, FlagSourceError, RepeatableFlag, add_deprecated_flag, layered_defaults
+from engine.config import ENGINE_KNOBS
+from engine.knobs import Group, Knob
+from scheduler.planning.experts.hot_experts import DEFAULT_SKEW
+from server.flag_sources import CONFIG_ENV, FlagSourceError, add_knob_flags, layered_defaults
 from server.tool_calls.registry import AUTO_PARSER, PARSER_NAMES
 
 API_KEY_ENV = "TANDEM_API_KEY"  # one key, or several separated by commas
+
+# ---- the server's knobs and each command's own (the engine's: engine/config.py) ----------------
+SERVER = "server"
+ADMISSION = "admission (beyond these bounds: 429 with Retry-After)"
+LOGGING = "logging"
+CONFIG_KNOB = Knob("--config", "flag values from a YAML file, keys named as the flags (max-num-seqs: 8); also "
+                   f"${CONFIG_ENV}", "config", metavar="FILE.yaml")
+SERVER_KNOBS = (
+    Knob("--host", "address to listen on (0.0.0.0: every interface)", SERVER, default="127.0.0.1"),
+    Knob("--port", "port to listen on", SERVER, default=8000, type=int),
+    Knob("--served-model-name", "the name clients use (default: --model)", SERVER),
+    Knob("--api-key", f"require this bearer key (repeatable; also ${API_KEY_ENV}, comma-separated)", SERVER,
+         repeatable=True),
+    Knob("--max-body-bytes", "larger request bodies get 413", SERVER, default=4 * 2**20, type=int),
+    Knob("--cors-origins", "comma-separated allowed origins ('*' for any)", SERVER, default=""),
+    Knob("--shutdown-grace", "seconds in-flight requests may finish after SIGTERM/SIGINT", SERVER, default=10.0,
+         type=float),
+    Knob("--dead-engine-grace", "once the engine loop has died (a tensor-parallel rank lost), seconds /health "
+         "answers 503 with the reason before the server exits 1 for its supervisor to restart it", SERVER,
+         default=2.0, type=float),
+    Knob("--tool-call-parser", "the format the model writes tool calls in (auto: the one its chat template teaches; "
+         "hermes where the template renders no tools, which tandem then describes itself)", SERVER,
+         default=AUTO_PARSER, choices=(AUTO_PARSER, *PARSER_NAMES)),
+    Knob("--max-waiting-requests", "queued requests", ADMISSION, default=256, type=int),
+    Knob("--max-waiting-tokens", "queued prompt tokens", ADMISSION, default=262144, type=int),
+)
+LOG_LEVEL = Knob("--log-level", "log threshold", LOGGING, default="info", choices=("debug", "info", "warning", "error"))
+PROFILE_KNOBS = (Knob("--force", "measure again even if a cached profile exists", "profile", default=False,
+                      switch=True),)
+PLAN_KNOBS = (
+    Knob("--json", "print the plan as JSON after the breakdown", "plan", default=False, switch=True),
+    Knob("--expert-skew", "a MoE model's expert popularity the hot-expert cache's expected hit rate assumes: the "
+         "exponent of a Zipf law over the experts (0: uniform)", "plan", default=DEFAULT_SKEW, type=float),
+)
+CONVERT_KNOBS = (Knob("--verify", "check every layer file in --offload-dir (its header, model, layer, size and "
+                      "checksum) without writing any; exit 2 naming each file that is missing or damaged", "convert",
+                      default=False, switch=True),)
+# --help's sections: the two memory budgets first, their overrides next
+SERVE_GROUPS = (Group.MEMORY, Group.MEMORY_OVERRIDES, CONFIG_KNOB.group, SERVER, ADMISSION, *Group, LOGGING)
+ENGINE_GROUPS = (*Group, LOGGING)
 
 
 def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -25,28 +67,16 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server", description=SERVE_DESCRIPTION,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument_group("config").add_argument(
-        "--config", metavar="FILE.yaml", default=None,
-        help=f"flag values from a YAML file, keys named as the flags (max-num-seqs: 8); also ${CONFIG_ENV}")
-    add_server_flags(serve)
-    add_engine_flags(serve)
+    add_knob_flags(serve, [CONFIG_KNOB, *SERVER_KNOBS, *ENGINE_KNOBS, LOG_LEVEL], SERVE_GROUPS)
     profile = sub.add_parser("profile", help="measure this machine's cost tables for the offloading scheduler",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_engine_flags(profile)
-    profile.add_argument("--force", action="store_true", help="measure again even if a cached profile exists")
+    add_engine_flags(profile, PROFILE_KNOBS)
     plan = sub.add_parser("plan", help="where the weights would live, the memory breakdown and the expected speed, "
                           "without loading weights", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_engine_flags(plan)
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON after the breakdown")
-    plan.add_argument("--expert-skew", type=float, default=DEFAULT_SKEW,
-                      help="a MoE model's expert popularity the hot-expert cache's expected hit rate assumes: the "
-                           "exponent of a Zipf law over the experts (0: uniform)")
+    add_engine_flags(plan, PLAN_KNOBS)
     convert = sub.add_parser("convert", help="write per-layer weight files into --offload-dir for streaming from disk",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_engine_flags(convert)
-    convert.add_argument("--verify", action="store_true",
-                         help="check every layer file in --offload-dir (its header, model, layer, size and checksum) "
-                              "without writing any; exit 2 naming each file that is missing or damaged")
+    add_engine_flags(convert, CONVERT_KNOBS)
     bench = sub.add_parser("bench", help="run a benchmark by name: 'tandem bench --help' lists them",
                            epilog=bench_suites_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,200 +91,18 @@ SERVE_DESCRIPTION = (
     "the environment, which wins over the file.")
 
 
-def add_server_flags(parser: argparse.ArgumentParser) -> None:
-    """`serve`'s own flags: the HTTP side and the queue bounds."""
-    http = parser.add_argument_group("server")
-    http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    http.add_argument("--port", type=int, default=8000, help="port to listen on")
-    http.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    http.add_argument("--api-key", action=RepeatableFlag, default=None,
-                      help=f"require this bearer key (repeatable; also ${API_KEY_ENV}, comma-separated)")
-    http.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
-    http.add_argument("--cors-origins", default="", help="comma-separated allowed origins ('*' for any)")
-    http.add_argument("--shutdown-grace", type=float, default=10.0,
-                      help="seconds in-flight requests may finish after SIGTERM/SIGINT")
-    http.add_argument("--dead-engine-grace", type=float, default=2.0,
-                      help="once the engine loop has died (a tensor-parallel rank lost), seconds /health answers "
-                           "503 with the reason before the server exits 1 for its supervisor to restart it")
-    http.add_argument("--tool-call-parser", choices=(AUTO_PARSER, *PARSER_NAMES), default=AUTO_PARSER,
-                      help="the format the model writes tool calls in (auto: the one its chat template teaches; "
-                           "hermes where the template renders no tools, which tandem then describes itself)")
-    admission = parser.add_argument_group("admission (beyond these bounds: 429 with Retry-After)")
-    admission.add_argument("--max-waiting-requests", type=int, default=256, help="queued requests")
-    admission.add_argument("--max-waiting-tokens", type=int, default=262144, help="queued prompt tokens")
-
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags that map onto EngineConfig, shared by `serve` and `profile`, grouped by concern."""
-    _add_model_flags(parser)
-    batching = parser.add_argument_group("batching")
-    batching.add_argument("--max-model-len", type=int, default=None,
-                          help="context length (default: the model's, capped by the engine and the KV cache)")
-    batching.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
-    batching.add_argument("--max-num-batched-tokens", type=int, default=None,
-                          help="tokens in one iteration; longer prompts are prefilled in chunks "
-                               "(default: 2048)")
-    batching.add_argument("--max-prefill-slowdown", type=float, default=None,
-                          help="while streams decode, an iteration carrying prompt chunks takes at most this "
-                               "many decode steps' time, so running streams keep their pace (0: the token budget "
-                               "alone; default 3 on cpu and testbed, 0 on cuda)")
-    _add_memory_flags(parser)
-    _add_cache_flags(parser)
-    devices = parser.add_argument_group("device and CPU offloading")
-    devices.add_argument("--device", default="cpu",
-                         help="the GPU: cpu (the CPU plays both roles), testbed (a GPU thread on its "
-                              "own cores beside the CPU attention: Neo's overlap on a CPU-only host), cuda[:N]")
-    cpu_attention = devices.add_argument(
-        "--cpu-attention", default="auto", choices=["auto", "on", "off"],
-        help="Neo: some sequences' KV in a host pool and their decoding attention on the CPU; auto: on for testbed "
-             "and cuda, chosen per iteration by the cost model; off: GPU-only")
-    add_deprecated_flag(devices, "--offload", cpu_attention)
-    gpu_threads = devices.add_argument("--gpu-threads", type=int, default=None,
-                                       help="testbed: cores playing the GPU (default: planned from this machine's "
-                                            "thread profile, LM-Offload's Algorithm 3)")
-    add_deprecated_flag(devices, "--accelerator-threads", gpu_threads)
-    devices.add_argument("--cpu-attention-threads", type=int, default=None,
-                         help="threads of the CPU side: decoding attention and CPU-computed MLP parts (default: "
-                              "planned; device cpu: 1)")
-    devices.add_argument("--cost-tables", default=None,
-                         help="a JSON file of cost tables instead of this machine's profile")
-    devices.add_argument("--profile-cache-dir", default=None,
-                         help="where profiles are cached (default: $TANDEM_CACHE_DIR or ~/.cache/tandem/profiles)")
-    _add_parallel_flags(parser)
-    logs = parser.add_argument_group("logging")
-    logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                      help="log threshold")
-    weights = parser.add_argument_group("weight streaming (PIPO): where decoder layers live")
-    weights.add_argument("--weight-placement", default="auto", choices=["auto", "gpu", "cpu", "disk"],
-                         help="auto: chosen per layer from the budgets and measured bandwidths; gpu: all resident; "
-                              "cpu: all streamed from host memory; disk: all streamed from --offload-dir")
-    weights.add_argument("--weights-gpu-gib", type=float, default=None,
-                         help="GPU memory for weights (embeddings, head, norms, resident layers and the "
-                              "buffers streamed layers pass through); layers beyond it stream")
-    weights.add_argument("--weights-cpu-gib", type=float, default=None,
-                         help="host memory for streamed layers (default: 80%% of what the host has available); "
-                              "layers beyond it stream from --offload-dir")
-    weights.add_argument("--offload-dir", default=None,
-                         help="where disk-placed layers' files live ('tandem convert' writes them; serve writes "
-                              "missing ones)")
-    weights.add_argument("--weight-pipeline", default="auto", choices=["auto", "performance", "memory"],
-                         help="performance: the next streamed layer preloads (one buffer more); memory: one "
-                              "buffer per layer in use; auto: by estimated throughput")
-    weights.add_argument("--weight-io-threads", type=int, default=None,
-                         help="disk reads in flight per layer load (default: planned)")
-    weights.add_argument("--weight-copy-threads", type=int, default=None,
-                         help="threads of the host copy engine streamed layers pass through (default: planned)")
-    weights.add_argument("--expected-context-len", type=int, default=None,
-                         help="tokens per sequence the placement's throughput estimate assumes (default: max-model-len)")
-    weights.add_argument("--mlp-slicing", default="off", metavar="off|auto|CC,CG",
-                         help="ScheInfer's MLP slicing: off; auto (rates solved within --weights-gpu-gib for decode "
-                              "batches of --max-num-seqs); or CC,CG: the fractions of each layer's MLP (of a MoE "
-                              "layer's experts, whole) computed on the CPU and streamed to the GPU (the rest "
-                              "resident), e.g. 0.25,0.5")
-    weights.add_argument("--mlp-prefill-moving", default="on", choices=["on", "off"],
-                         help="under --mlp-slicing, ScheInfer's prefill token assignment: each forward moves the "
-                              "tokens the slicing models say to the GPU with CC's weights copied over (CG'); "
-                              "off: the CPU computes its slices for every token")
-    weights.add_argument("--hot-experts", default="auto", metavar="auto|off|N",
-                         help="a MoE model's hot-expert cache: auto (where the experts do not fit --weights-gpu-gib, "
-                              "each routed layer keeps as many of its most-routed experts on the GPU as the budget "
-                              "leaves; the CPU computes the rest); off; or N experts per layer")
-    weights.add_argument("--expert-window-tokens", type=int, default=DEFAULT_WINDOW_TOKENS,
-                         help="the routed tokens per layer whose expert counts choose the hot experts (a sliding "
-                              "window: the hot set follows a shift in popularity within about this many tokens)")
-
-
-def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
-    """The fit's two budgets (engine/planning/fit.py)."""
-    memory = parser.add_argument_group(
-        "memory: the fit divides two budgets among weights, layer buffers and both KV pools, and picks the "
-        "weight and KV formats (the older knobs below stay as overrides)")
-    memory.add_argument("--gpu-memory-gib", type=float, default=None,
-                        help="the GPU's memory for weights, layer buffers, activations and its KV pool (default: "
-                             "cuda 90%% of the device's free memory; cpu and testbed, the host's memory)")
-    memory.add_argument("--host-memory-gib", type=float, default=None,
-                        help="host memory for streamed layers and the host KV pool (default: 80%% of what the host "
-                             "has available)")
-
-
-def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """The model, its weights' format and how its layers run."""
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", default="smollm2-135m",
-                       help="a GGUF file, an HF safetensors directory, or a preset name (with --load-format dummy)")
-    model.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"],
-                       help="auto: from --model (a .gguf file, a directory, a preset)")
-    model.add_argument("--dtype", default="auto", help="auto (measured), float32, bfloat16 or float16")
-    model.add_argument("--quantization", default="auto", choices=["auto", "none", "int4"],
-                       help="decoder-layer weights: auto (a GGUF's 4-bit blocks stay packed; 16-bit weights become "
-                            "int4 only where memory binds and the fit predicts a gain), none (dense in --dtype), int4 "
-                            "(packed; round-to-nearest in groups of 32 where not stored so; devices cpu and cuda)")
-    model.add_argument("--cpu-ops", default="layers", choices=["layers", "fused", "torch"],
-                       help="how the decoder layers run on a CPU device: layers (a decode batch's layers in one "
-                            "C++ call), fused (op by op, RMSNorm, RoPE and SiLU*up as C++ kernels), torch (torch ops)")
-    model.add_argument("--enforce-eager", action="store_true",
-                       help="on CUDA, run every decode step op by op instead of replaying CUDA graphs of it")
-    model.add_argument("--seed", type=int, default=0, help="dummy weights and unseeded requests' sampling")
-
-
-def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
-    """Tensor parallelism over Ray actors (engine/distributed)."""
-    parallel = parser.add_argument_group("tensor parallelism (Ray)")
-    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                          help="split the model's heads, MLP units and LM head over this many ranks, one Ray actor "
-                               "each with its own GPU (one per rank on cuda) or its own share of the host's cores, "
-                               "and its own GPU and host KV pools")
-    parallel.add_argument("--ray-address", default=None,
-                          help="the Ray cluster the ranks run on (default: a local one, started with the server)")
-
-
-def _add_cache_flags(parser: argparse.ArgumentParser) -> None:
-    """The KV cache's block size, pool sizes, format and prefix caching."""
-    cache = parser.add_argument_group("KV cache")
-    cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    cache.add_argument("--num-gpu-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
-                       help="GPU KV pool blocks (default: from --kv-cache-gib); caps it to emulate a small GPU")
-    cache.add_argument("--kv-cache-gib", type=float, default=None,
-                       help="GPU KV pool size (default: from --memory-gib, else 1; on cuda 90%% of the device)")
-    cache.add_argument("--memory-gib", type=float, default=None,
-                       help="GPU memory for weights and KV pool together: the pool gets what the weights leave")
-    cache.add_argument("--num-cpu-blocks", type=int, default=None,
-                       help="host KV pool blocks (default: --cpu-kv-cache-gib)")
-    cache.add_argument("--cpu-kv-cache-gib", type=float, default=None,
-                       help="host KV pool size (default: 4, or what --host-memory-gib leaves)")
-    cache.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                       help="how both KV pools store keys and values: auto (the compute dtype; int8 or int4 only "
-                            "where memory binds and the fit predicts a gain), a float dtype, or int8 / int4 codes with a scale per 64 channels of a token (about 1.9x / 3.6x "
-                            "the sequences in the same memory)")
-    cache.add_argument("--prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
-                       default=True, help="reuse the KV of prompt prefixes seen before, in both KV pools "
-                                          "(--no-prefix-caching: compute every prompt in full)")
+def add_engine_flags(parser: argparse.ArgumentParser, command_knobs: Sequence[Knob] = ()) -> None:
+    """The engine's knobs and --log-level, shared by `profile`, `plan` and `convert`, with the
+    command's own knobs."""
+    add_knob_flags(parser, [*ENGINE_KNOBS, LOG_LEVEL, *command_knobs], ENGINE_GROUPS)
 
 
 def engine_config(args: argparse.Namespace, **overrides):
-    """The flags' EngineConfig (with `overrides` on top), through its one flat-name mapping."""
+    """The flags' EngineConfig (with `overrides` on top): every engine knob by its keyword."""
     from engine.config import EngineConfig
 
-    return EngineConfig.from_flat(**{**dict(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
-        quantization=args.quantization, cpu_ops=args.cpu_ops, enforce_eager=args.enforce_eager,
-        gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_slowdown=args.max_prefill_slowdown,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks, kv_cache_memory_gib=args.kv_cache_gib, memory_gib=args.memory_gib,
-        device=args.device, cpu_attention=args.cpu_attention,
-        num_cpu_blocks=args.num_cpu_blocks, cpu_kv_cache_memory_gib=args.cpu_kv_cache_gib,
-        enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-        gpu_threads=args.gpu_threads, cpu_attention_threads=args.cpu_attention_threads,
-        cost_tables=args.cost_tables, profile_cache_dir=args.profile_cache_dir, show_progress=True,
-        weight_placement=args.weight_placement, weights_gpu_gib=args.weights_gpu_gib,
-        weights_cpu_gib=args.weights_cpu_gib, offload_dir=args.offload_dir, weight_pipeline=args.weight_pipeline,
-        weight_io_threads=args.weight_io_threads, weight_copy_threads=args.weight_copy_threads,
-        expected_context_len=args.expected_context_len,
-        mlp_slicing=args.mlp_slicing, mlp_prefill_moving=args.mlp_prefill_moving,
-        hot_experts=args.hot_experts, expert_window_tokens=args.expert_window_tokens,
-        tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address), **overrides})
+    values = {knob.keyword: getattr(args, knob.keyword) for knob in ENGINE_KNOBS}
+    return EngineConfig.from_flat(**{**values, "show_progress": True, **overrides})
 
 
 def profile(args: argparse.Namespace) -> int:

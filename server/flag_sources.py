@@ -1,4 +1,5 @@
-"""Flag values from outside the command line: `tandem serve --config FILE.yaml` and TANDEM_<FLAG>
+"""The flags of `tandem`'s commands, made from knob declarations (`add_knob_flags`, engine/knobs.py),
+and their values from outside the command line: `tandem serve --config FILE.yaml` and TANDEM_<FLAG>
 environment variables.
 
 A file's keys are the flags' long names without the dashes (`max-num-seqs`; `max_num_seqs` is
@@ -16,9 +17,11 @@ import argparse
 import difflib
 import logging
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import yaml
+
+from engine.knobs import Knob
 
 CONFIG_ENV = "TANDEM_CONFIG"  # the file when --config is not given
 ENV_PREFIX = "TANDEM_"
@@ -56,6 +59,30 @@ class DeprecatedFlag(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         log.warning("%s is deprecated: use %s", option_string, self.replaced_by)
         setattr(namespace, self.dest, values)
+
+
+def add_knob_flags(parser: argparse.ArgumentParser, knobs: Iterable[Knob], group_order: Sequence[str] = ()) -> None:
+    """One flag per knob, under its --help group, with its former names as deprecated flags; the
+    groups in `group_order` first, the others in the order their first knob comes."""
+    knobs = list(knobs)
+    titles = dict.fromkeys([*map(str, group_order), *(knob.group for knob in knobs)])
+    used = {knob.group for knob in knobs}
+    groups = {title: parser.add_argument_group(title) for title in titles if title in used}
+    for knob in knobs:
+        group = groups[knob.group]
+        flag = group.add_argument(knob.flag, *([knob.short] if knob.short else []), dest=knob.keyword,
+                                  default=knob.default, help=knob.help.replace("%", "%%"), **_how_given(knob))
+        for former in knob.deprecated:
+            add_deprecated_flag(group, former, flag)
+
+
+def _how_given(knob: Knob) -> dict[str, Any]:
+    """The add_argument arguments for how the knob's value is given."""
+    if knob.switch:  # --x, or --x/--no-x where it is on by default
+        return {"action": argparse.BooleanOptionalAction if knob.default else "store_true"}
+    if knob.repeatable:
+        return {"action": RepeatableFlag, "type": knob.type, "metavar": knob.metavar}
+    return {"type": knob.type, "choices": knob.choices, "metavar": knob.metavar}
 
 
 def add_deprecated_flag(group, old_name: str, flag: argparse.Action) -> None:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from engine.attention import AttentionMetadata, DecodeAttentionBackend, prefill_attention
 from engine.attention.prefill import paged_prefill
 from engine.attention.decode import CpuPagedDecode, quantized_format_args
+from engine.config import CpuOps
 from engine.kv import TwoTierKVCache
 from engine.model_config import ModelConfig
 from engine.model.layer_store import LayerStore
@@ -49,10 +50,10 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype,
                  device: torch.device | str, max_model_len: int, decode_backend: DecodeAttentionBackend,
                  show_progress: bool = False, linear_method: LinearMethod | None = None,
-                 cpu_ops: str = "layers", layer_store: LayerStore | None = None) -> None:
+                 cpu_ops: CpuOps = CpuOps.LAYERS, layer_store: LayerStore | None = None) -> None:
         self.config = config
         # the RMSNorms, RoPE and SwiGLU's silu(gate) * up in one C++ call each where the kernels apply, or as torch ops
-        fused = cpu_ops != "torch"
+        fused = cpu_ops != CpuOps.TORCH
         self.rms_norm = fused_rms_norm if fused else rms_norm
         self.silu_mul = fused_silu_mul if fused else silu_mul
         self.dtype = dtype
@@ -81,7 +82,7 @@ class LlamaModel:
                                     self.device, fused=fused)
         # decode-sized stages (and whole decode steps) in one C++ call: engine/model/native.py
         # (only over weights that stay where they were loaded: streamed layers come and go)
-        self.native = self._native_decoder() if cpu_ops == "layers" and self.layer_store.weights_stay_put else None
+        self.native = self._native_decoder() if cpu_ops == CpuOps.LAYERS and self.layer_store.weights_stay_put else None
 
     def _build_layer(self, index: int, loaded: dict):
         """Layer `index`'s weights from what the loader gave, where the layer store keeps them."""

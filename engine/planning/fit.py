@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from engine.config import GIB_BYTES, EngineConfig
+from engine.device.memory import default_gpu_memory_bytes
 from engine.planning.weights import (
-    CUDA_MEMORY_FRACTION,
     HOST_MEMORY_FRACTION,
     available_host_bytes,
     engine_cores,
@@ -98,7 +98,7 @@ def _fit_moe(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, opt
     if weight_bytes <= room:
         return config
     weights = config.weights
-    if budgets.shared_memory or weights.hot_experts_off or weights.mlp_slicing != "off":
+    if budgets.shared_memory or weights.hot_experts_off or weights.mlp_slicing.enabled:
         raise FitError(f"{loader.config.architecture}: its weights ({weight_bytes / GIB_BYTES:.1f} GiB as "
                        f"{option.quantization}) exceed the GPU's {room / GIB_BYTES:.1f} GiB, and a mixture-of-experts "
                        f"model's layers do not stream whole: keep its hottest experts on the GPU with --hot-experts "
@@ -151,7 +151,7 @@ def _placement_pinned(config: EngineConfig, model_config: ModelConfig) -> bool:
     what the weights leave), a MoE model's experts are placed by slicing only, or the model is split
     over tensor-parallel ranks (each holds its shard resident)."""
     weights = config.weights
-    return (weights.streaming_requested or weights.host_gib is not None or weights.mlp_slicing != "off"
+    return (weights.streaming_requested or weights.host_gib is not None or weights.mlp_slicing.enabled
             or config.cache.memory_gib is not None or model_config.is_moe or config.parallel.enabled)
 
 
@@ -166,7 +166,7 @@ def fit_budgets(config: EngineConfig, offload_dir: str) -> FitBudgets:
     if gpu_gib:
         gpu_bytes, shared = int(gpu_gib * GIB_BYTES), False
     elif cuda:
-        gpu_bytes, shared = int(CUDA_MEMORY_FRACTION * torch.cuda.mem_get_info(config.torch_device)[0]), False
+        gpu_bytes, shared = default_gpu_memory_bytes(config.torch_device), False
     else:
         gpu_bytes, shared = host_bytes, True
     pools_by_budget = cuda or bool(gpu_gib) or config.host_memory_gib is not None

@@ -18,6 +18,7 @@ import torch
 
 from engine.config import GIB_BYTES, EngineConfig
 from engine.device.cores import CoreAssignment
+from engine.device.memory import default_gpu_memory_bytes
 from engine.distributed.partition import RankMemory, describe_ranks, largest_rank_config, rank_memories
 from engine.kv import KVCache
 from engine.kv.layouts import resolve_kv_format
@@ -39,8 +40,6 @@ logger = logging.getLogger(__name__)
 
 # Without an explicit max_model_len, contexts are capped here to keep prefill buffers sane.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
-# The share of a CUDA device's memory for weights and KV when no size is given (vLLM's default too).
-CUDA_MEMORY_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -267,13 +266,12 @@ def _slicing_costs_needed(config: EngineConfig, model_config: ModelConfig, dtype
 
 def _gpu_pool(config: EngineConfig, block_bytes: int, layers: ModelPlan) -> GpuPoolPlan:
     """The GPU pool: --num-gpu-blocks or --kv-cache-gib as given, else what --memory-gib (on CUDA
-    by default CUDA_MEMORY_FRACTION of the device) leaves after the weights and the weight planner's
-    activation estimate."""
+    by default the one GPU memory rule, engine/device/memory.py) leaves after the weights and the
+    weight planner's activation estimate."""
     cache = config.cache
     memory_gib = cache.memory_gib if cache.sized_by_memory_budget else None
     if memory_gib is None and _device_memory_default_applies(config):
-        total_bytes = torch.cuda.get_device_properties(config.torch_device).total_memory
-        memory_gib = CUDA_MEMORY_FRACTION * total_bytes / GIB_BYTES
+        memory_gib = default_gpu_memory_bytes(config.torch_device) / GIB_BYTES
     if memory_gib is None:
         return GpuPoolPlan(block_bytes, cache.num_gpu_blocks_for(block_bytes))
     placement = layers.placement

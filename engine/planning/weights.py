@@ -12,6 +12,7 @@ import torch
 
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.device.cores import CoreAssignment
+from engine.device.memory import default_gpu_memory_bytes
 from engine.device.queues import GpuQueue, CudaStreamQueue, InlineQueue, WorkerThreadQueue
 from engine.offload.transfer import create_copy_engine
 from engine.kv import KVCache
@@ -51,9 +52,6 @@ logger = logging.getLogger(__name__)
 # With no --weights-cpu-gib, host memory for streamed layers is this share of what the host has
 # available, less the host KV pool.
 HOST_MEMORY_FRACTION = 0.8
-# The GPU's memory when its weights are budgeted but its KV pool is sized from what is
-# left (--memory-gib) and none is given on CUDA: as engine.engine.CUDA_MEMORY_FRACTION.
-CUDA_MEMORY_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -90,8 +88,7 @@ def budgets(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype)
     if cache.sized_by_memory_budget:
         gpu_bytes = int(cache.memory_gib * GIB_BYTES)
     elif cache.num_blocks is None and cache.kv_cache_memory_gib is None and config.device.startswith("cuda"):
-        total = torch.cuda.get_device_properties(config.torch_device).total_memory
-        gpu_bytes = int(CUDA_MEMORY_FRACTION * total)
+        gpu_bytes = default_gpu_memory_bytes(config.torch_device)
     else:
         kv_bytes = cache.num_gpu_blocks_for(block_bytes) * block_bytes
     host = weights.host_gib

@@ -20,6 +20,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
+from engine.config import LoadFormat
 from engine.weights import EMBEDDED_MODEL, embedded_gguf_path
 from scheduler.planning.cost_model import TableCostModel
 
@@ -65,23 +66,23 @@ def model_identity(model: str | os.PathLike[str], load_format: str) -> tuple[str
     its size and latest modification (a directory: config.json and its *.safetensors files), or
     for random weights the preset name with zeros."""
     model = os.fspath(model)
-    if load_format == "dummy":
-        return f"dummy:{model}", 0, 0, load_format
-    if model == EMBEDDED_MODEL and load_format in ("auto", "gguf"):
+    if load_format == LoadFormat.DUMMY:
+        return f"dummy:{model}", 0, 0, str(load_format)
+    if model == EMBEDDED_MODEL and load_format in (LoadFormat.AUTO, LoadFormat.GGUF):
         path = embedded_gguf_path()
     else:
         path = Path(model)
     path = path.expanduser().resolve()
     if path.is_dir():
         files = [p for p in (path / "config.json", *sorted(path.glob("*.safetensors"))) if p.is_file()]
-        load_format = "safetensors" if load_format == "auto" else load_format
+        load_format = LoadFormat.SAFETENSORS if load_format == LoadFormat.AUTO else load_format
     elif path.is_file():
         files = [path]
-        load_format = "gguf" if load_format == "auto" and path.suffix == ".gguf" else load_format
+        load_format = LoadFormat.GGUF if load_format == LoadFormat.AUTO and path.suffix == ".gguf" else load_format
     else:
         raise FileNotFoundError(f"{model}: no such model file or directory to key a cost profile on")
     stats = [p.stat() for p in files]
-    return str(path), sum(s.st_size for s in stats), max((s.st_mtime_ns for s in stats), default=0), load_format
+    return str(path), sum(s.st_size for s in stats), max((s.st_mtime_ns for s in stats), default=0), str(load_format)
 
 
 @dataclass(frozen=True)

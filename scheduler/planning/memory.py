@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from scheduler.modes import Mode
 from scheduler.planning.cost_model import ModelShape, kv_bytes_per_token
 
 GIB_BYTES = 2**30
@@ -30,7 +31,19 @@ INT4_PARAM_BYTES = 4
 # largest weight is used (engine/quant/int4.py, MAX_KERNEL_ROWS).
 INT4_KERNEL_MAX_ROWS = 64
 LOGITS_BYTES = 4  # the LM head's output is fp32
-QUANTIZATIONS = ("none", "int4")
+
+
+class Quantization(Mode):
+    """--quantization: the decoder layers' weight format."""
+
+    # the fit (engine/planning/fit.py) chooses: 4-bit blocks a GGUF stores stay packed, and 16-bit
+    # weights are quantized only where memory binds and the performance model predicts a gain
+    AUTO = "auto"
+    NONE = "none"  # dense in the compute dtype
+    INT4 = "int4"
+
+
+QUANTIZATIONS = (Quantization.NONE, Quantization.INT4)  # the formats a weight is stored in
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -52,18 +65,19 @@ def image_layout(tensor_bytes: Iterable[int]) -> tuple[list[int], int]:
 class WeightFormat:
     """How decoder layers' linear weights are stored: dense in the compute dtype, or INT4."""
 
-    quantization: str  # "none" | "int4"
+    quantization: Quantization  # none | int4
     dtype_bytes: int  # the compute dtype: dense weights, biases, norms, embeddings, activations, KV
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        object.__setattr__(self, "quantization", Quantization(self.quantization))  # the word given, as its member
         if self.dtype_bytes not in (2, 4):
             raise ValueError(f"dtype_bytes must be 2 or 4, got {self.dtype_bytes}")
 
     def linear_tensor_bytes(self, out_features: int, in_features: int) -> list[int]:
         """Bytes of each tensor one [out, in] weight is stored as, in image order."""
-        if self.quantization == "none":
+        if self.quantization == Quantization.NONE:
             return [out_features * in_features * self.dtype_bytes]
         rows = align_up(out_features, INT4_TILE_ROWS)
         params = rows * (in_features // INT4_GROUP_SIZE) * INT4_PARAM_BYTES
@@ -135,7 +149,7 @@ def activation_peak_bytes(shape: ModelShape, fmt: WeightFormat, num_tokens: int,
         mlp = num_tokens * (4 * d + 3 * inter) * p + routing  # + the rows gathered and the sum
     head = num_logit_rows * (d * p + shape.vocab_size * (p + LOGITS_BYTES))
     scratch = 0
-    if fmt.quantization == "int4" and num_tokens > INT4_KERNEL_MAX_ROWS:
+    if fmt.quantization == Quantization.INT4 and num_tokens > INT4_KERNEL_MAX_ROWS:
         scratch = max(n * k for n, k in linear_shapes(shape).values()) * p  # the dequantized weight
     return max(attention, mlp, head) + scratch
 

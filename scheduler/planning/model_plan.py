@@ -26,19 +26,20 @@ from scheduler.planning.cost_model import ModelShape
 from scheduler.planning.layer_plan import LayerPlan, ModelPlan, Tier
 from scheduler.planning.memory import GIB_BYTES, WeightFormat, layer_image_bytes, resident_global_bytes
 from scheduler.planning.placement import (
-    PIPELINE_MEMORY,
-    PIPELINE_PERFORMANCE,
     ComputeCosts,
     MemoryBudgets,
     PlacementError,
+    PlacementMode,
     PlannerInputs,
     TransferRates,
+    WeightPipeline,
     WeightPlacement,
     Workload,
     describe,
     is_better,
     layer_tiers,
     num_layer_buffers,
+    pipelines_to_try,
     placement_of,
     plan_placement,
 )
@@ -61,8 +62,8 @@ class PlacementRequest:
     budgets: MemoryBudgets
     workload: Workload
     measure: Callable[[], tuple[TransferRates, ComputeCosts]]
-    mode: str = "auto"
-    pipeline: str = "auto"
+    mode: PlacementMode = PlacementMode.AUTO
+    pipeline: WeightPipeline = WeightPipeline.AUTO
 
     def inputs(self, shape: ModelShape, fmt: WeightFormat) -> PlannerInputs:
         rates, costs = self.measure()
@@ -104,12 +105,12 @@ def plan_model(shape: ModelShape, fmt: WeightFormat, placement: PlacementRequest
         except PlacementError as error:
             raise PlacementError(f"{error} (a mixture-of-experts model's layers do not stream whole: its "
                                  f"attention, routers and shared experts stay resident)") from None
-    if slicing.rates is not None or placement.mode in ("cpu", "disk"):
+    if slicing.rates is not None or placement.mode in (PlacementMode.CPU, PlacementMode.DISK):
         return _with_placement(shape, fmt, placement.inputs(shape, fmt), slicing)
     try:
         return _every_layer_sliced(shape, fmt, slicing, budget)
     except PlacementError as error:
-        if placement.mode == "gpu":  # every layer resident: none may stream whole
+        if placement.mode == PlacementMode.GPU:  # every layer resident: none may stream whole
             raise
         return _fewest_streamed(shape, fmt, placement.inputs(shape, fmt), slicing, str(error))
 
@@ -154,7 +155,7 @@ def _fewest_streamed(shape: ModelShape, fmt: WeightFormat, inputs: PlannerInputs
     layers whole, the rest sliced within what the budget leaves beside the globals and the ring;
     of the pipelines that fit at that count, the one the placement planner prefers."""
     reasons = [slicing_alone]
-    pipelines = [PIPELINE_PERFORMANCE, PIPELINE_MEMORY] if inputs.pipeline == "auto" else [inputs.pipeline]
+    pipelines = pipelines_to_try(inputs.pipeline)
     for num_streamed in range(1, shape.num_layers + 1):
         tiers = layer_tiers(inputs, shape.num_layers - num_streamed)
         if isinstance(tiers, str):  # no room in host memory or on disk: streaming more needs more of it

@@ -27,12 +27,14 @@ from scheduler.planning.cost_model import Curve, ModelShape
 from scheduler.planning.memory import (
     GIB_BYTES,
     MemoryBreakdown,
+    Quantization,
     WeightFormat,
     activation_peak_bytes,
     kv_block_bytes,
     layer_image_bytes,
     resident_global_bytes,
 )
+from scheduler.modes import Mode
 from scheduler.planning.tiers import Tier
 from scheduler.planning.pipeline import ForwardTimeline, simulate_forward
 
@@ -40,10 +42,28 @@ from scheduler.planning.pipeline import ForwardTimeline, simulate_forward
 TIER_GPU = Tier.GPU
 TIER_HOST = Tier.HOST
 TIER_DISK = Tier.DISK
-PLACEMENT_MODES = ("auto", "gpu", "cpu", "disk")  # auto: chosen; else every layer in that tier
-PIPELINE_PERFORMANCE = "performance"
-PIPELINE_MEMORY = "memory"
-PIPELINE_CHOICES = ("auto", PIPELINE_PERFORMANCE, PIPELINE_MEMORY)
+
+
+class PlacementMode(Mode):
+    """--weight-placement: where decoder layers live."""
+
+    AUTO = "auto"  # chosen per layer from the budgets and measured bandwidths
+    GPU = "gpu"  # every layer resident
+    CPU = "cpu"  # every layer streamed from host memory
+    DISK = "disk"  # every layer streamed from files in the offload directory
+
+
+class WeightPipeline(Mode):
+    """--weight-pipeline: how streamed layers pass through the GPU's buffers."""
+
+    AUTO = "auto"  # the one with the higher estimated throughput
+    PERFORMANCE = "performance"  # one buffer more: the next streamed layer preloads
+    MEMORY = "memory"  # one buffer per layer in use
+
+
+# The pipelines' older names, kept as aliases of the enum's members.
+PIPELINE_PERFORMANCE = WeightPipeline.PERFORMANCE
+PIPELINE_MEMORY = WeightPipeline.MEMORY
 # Disk layers are read into host buffers first: two, so one load's reads can land while the
 # previous load's last copies leave.
 NUM_STAGING_BUFFERS = 2
@@ -126,14 +146,15 @@ class PlannerInputs:
     budgets: MemoryBudgets
     rates: TransferRates
     costs: ComputeCosts
-    mode: str = "auto"
-    pipeline: str = "auto"
+    mode: PlacementMode = PlacementMode.AUTO
+    pipeline: WeightPipeline = WeightPipeline.AUTO
 
     def __post_init__(self) -> None:
-        if self.mode not in PLACEMENT_MODES:
-            raise PlacementError(f"weight placement must be one of {', '.join(PLACEMENT_MODES)}, got {self.mode!r}")
-        if self.pipeline not in PIPELINE_CHOICES:
-            raise PlacementError(f"weight pipeline must be one of {', '.join(PIPELINE_CHOICES)}, got {self.pipeline!r}")
+        for name, mode_type in (("mode", PlacementMode), ("pipeline", WeightPipeline)):
+            try:
+                object.__setattr__(self, name, mode_type.parse(getattr(self, name)))
+            except ValueError as exc:
+                raise PlacementError(f"weight {'placement' if name == 'mode' else name} {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -157,9 +178,9 @@ class ThroughputEstimate:
 class WeightPlacement:
     """The planner's decision: each layer's tier, the pipeline, and what it costs and earns."""
 
-    mode: str
+    mode: PlacementMode
     tiers: tuple[Tier, ...]  # per decoder layer
-    pipeline: str | None  # None when nothing streams
+    pipeline: WeightPipeline | None  # None when nothing streams
     num_buffers: int  # GPU buffers streamed layers pass through
     layer_bytes: int  # one layer image (the planner's estimate; the engine's own are exact)
     memory: MemoryBreakdown
@@ -181,11 +202,22 @@ class WeightPlacement:
 
 
 # ---- choosing -------------------------------------------------------------------------------
+def resident_layer_counts(mode: PlacementMode, num_layers: int) -> Sequence[int]:
+    """The numbers of resident layers a placement mode allows, most first."""
+    fixed = {PlacementMode.GPU: [num_layers], PlacementMode.CPU: [0], PlacementMode.DISK: [0]}
+    return fixed.get(mode, range(num_layers, -1, -1))
+
+
+def pipelines_to_try(pipeline: WeightPipeline) -> list[WeightPipeline]:
+    """The pipelines --weight-pipeline leaves to compare: both under auto."""
+    return [PIPELINE_PERFORMANCE, PIPELINE_MEMORY] if pipeline == WeightPipeline.AUTO else [pipeline]
+
+
 def plan_placement(inputs: PlannerInputs) -> WeightPlacement:
     """The placement with the highest estimated throughput that fits; PlacementError otherwise."""
     num_layers = inputs.shape.num_layers
-    resident_counts = {"gpu": [num_layers], "cpu": [0], "disk": [0]}.get(inputs.mode, range(num_layers, -1, -1))
-    pipelines = [PIPELINE_PERFORMANCE, PIPELINE_MEMORY] if inputs.pipeline == "auto" else [inputs.pipeline]
+    resident_counts = resident_layer_counts(inputs.mode, num_layers)
+    pipelines = pipelines_to_try(inputs.pipeline)
     best: WeightPlacement | None = None
     reasons: list[str] = []
     for num_resident in resident_counts:
@@ -279,7 +311,7 @@ def placement_of(inputs: PlannerInputs, tiers: Sequence[Tier], pipeline: str | N
 
 
 def _int4_hint(fmt: WeightFormat) -> str:
-    return ", or --quantization int4 (layers about 3/8 the size of 16-bit ones)" if fmt.quantization == "none" else ""
+    return ", or --quantization int4 (layers about 3/8 the size of 16-bit ones)" if fmt.quantization == Quantization.NONE else ""
 
 
 def _kv_block_bytes(inputs: PlannerInputs) -> int:
@@ -317,9 +349,9 @@ def layer_tiers(inputs: PlannerInputs, num_resident: int) -> list[Tier] | str:
     budgets, num_layers = inputs.budgets, inputs.shape.num_layers
     layer_bytes = layer_image_bytes(inputs.shape, inputs.fmt)
     num_streamed = num_layers - num_resident
-    num_host = 0 if inputs.mode == "disk" else _num_host_layers(budgets.host_weight_bytes, num_streamed, layer_bytes)
+    num_host = 0 if inputs.mode == PlacementMode.DISK else _num_host_layers(budgets.host_weight_bytes, num_streamed, layer_bytes)
     num_disk = num_streamed - num_host
-    if inputs.mode == "cpu" and num_disk:
+    if inputs.mode == PlacementMode.CPU and num_disk:
         return (f"{num_streamed} layers of {_gib(layer_bytes)} stream from host memory but --weights-cpu-gib "
                 f"gives {_gib(budgets.host_weight_bytes or 0)}; give more, or --weight-placement auto with "
                 f"--offload-dir")

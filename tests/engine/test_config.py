@@ -1,6 +1,6 @@
-"""EngineConfig: each section refuses a bad value when it is built, naming the field; flat keywords
-reach their sections through one mapping; the compute dtype is measured once, when the engine
-starts, and logged."""
+"""EngineConfig: each section refuses a bad value when it is built, naming it as the user gave it (the
+flag's keyword, or the flag); flat keywords reach their sections through one mapping; the compute
+dtype is measured once, when the engine starts, and logged."""
 import logging
 from dataclasses import fields
 
@@ -20,11 +20,11 @@ from scheduler.scheduler import SchedulerConfigError
 
 @pytest.mark.parametrize("section, kwargs, message", [
     (CacheConfig, {"block_size": 0}, "block_size must be an integer >= 1"),
-    (CacheConfig, {"num_blocks": 0}, "num_blocks must be an integer >= 1 or None"),
+    (CacheConfig, {"num_blocks": 0}, "num_gpu_blocks must be an integer >= 1 or None"),
     (CacheConfig, {"num_cpu_blocks": 2.5}, "num_cpu_blocks must be an integer"),
-    (CacheConfig, {"kv_cache_memory_gib": 0}, "kv_cache_memory_gib must be a number > 0"),
-    (CacheConfig, {"cpu_kv_cache_memory_gib": float("nan")}, "cpu_kv_cache_memory_gib must be a number > 0"),
-    (CpuAttentionConfig, {"mode": "maybe"}, "cpu_attention must be auto, on or off, got 'maybe'"),
+    (CacheConfig, {"kv_cache_memory_gib": 0}, "kv_cache_gib must be a number > 0"),
+    (CacheConfig, {"cpu_kv_cache_memory_gib": float("nan")}, "cpu_kv_cache_gib must be a number > 0"),
+    (CpuAttentionConfig, {"mode": "maybe"}, "--cpu-attention must be one of auto, on, off, got 'maybe'"),
     (CpuAttentionConfig, {"gpu_threads": 0}, "gpu_threads must be an integer >= 1"),
     (CpuAttentionConfig, {"cpu_attention_threads": -2}, "cpu_attention_threads must be an integer >= 1"),
     (CpuAttentionConfig, {"profile_grid": "fine"}, "profile_grid must be one of default, quick"),
@@ -39,17 +39,17 @@ from scheduler.scheduler import SchedulerConfigError
      "cpu_attention must be of type CpuAttentionConfig, got 'on'; flat keywords go through"),
     (WeightsConfig, {"placement": "ssd"}, "placement must be one of auto, gpu, cpu, disk"),
     (WeightsConfig, {"gpu_gib": 0}, "gpu_gib must be a number > 0"),
-    (WeightsConfig, {"host_gib": -1.0}, "host_gib must be a number > 0"),
+    (WeightsConfig, {"host_gib": -1.0}, "weights_cpu_gib must be a number > 0"),
     (WeightsConfig, {"placement": "disk"}, "weight_placement disk streams every layer from files in offload_dir"),
     (WeightsConfig, {"pipeline": "fast"}, "pipeline must be one of auto, performance, memory"),
-    (WeightsConfig, {"num_io_threads": 0}, "num_io_threads must be an integer >= 1"),
+    (WeightsConfig, {"num_io_threads": 0}, "weight_io_threads must be an integer >= 1"),
     (WeightsConfig, {"mlp_slicing": "0.25"}, "--mlp-slicing must be off, auto or CC,CG"),
     (WeightsConfig, {"mlp_slicing": "0.75,0.5"}, "--mlp-slicing must be off, auto or CC,CG.*must sum to 1"),
     (WeightsConfig, {"mlp_slicing": "half,0.5"}, "--mlp-slicing must be off, auto or CC,CG"),
     (WeightsConfig, {"mlp_slicing": "-0.25,0.5"}, "--mlp-slicing must be off, auto or CC,CG.*must lie in"),
-    (WeightsConfig, {"mlp_slicing": [0.25, 0.5]}, "mlp_slicing must be off, auto, CC,CG .* or one SliceRates per layer"),
-    (WeightsConfig, {"mlp_prefill_moving": "yes"}, "--mlp-prefill-moving must be on or off, got 'yes'"),
-    (WeightsConfig, {"mlp_prefill_moving": True}, "--mlp-prefill-moving must be on or off, got True"),
+    (WeightsConfig, {"mlp_slicing": [0.25, 0.5]}, "--mlp-slicing must be off, auto, CC,CG .* or one SliceRates per layer"),
+    (WeightsConfig, {"mlp_prefill_moving": "yes"}, "--mlp-prefill-moving must be one of on, off, got 'yes'"),
+    (WeightsConfig, {"mlp_prefill_moving": True}, "--mlp-prefill-moving must be one of on, off, got True"),
 ])
 def test_each_section_refuses_a_bad_value_when_built(section, kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -76,7 +76,7 @@ def test_flat_keywords_reach_their_sections():
                                      weight_placement="auto", weight_pipeline="memory").weights
     assert weights == WeightsConfig(gpu_gib=2.0, host_gib=8.0, offload_dir="/tmp/x", pipeline="memory")
     assert weights.streaming_requested and not WeightsConfig().streaming_requested
-    with pytest.raises(ConfigError, match="cpu_attention must be auto, on or off"):
+    with pytest.raises(ConfigError, match="--cpu-attention must be one of auto, on, off"):
         EngineConfig.from_flat(cpu_attention="sometimes")
 
 
@@ -88,9 +88,13 @@ def test_every_field_has_its_own_flat_name():
 
 
 def test_deprecated_flat_names_still_reach_their_fields(caplog):
-    old_names = {"offload": "off", "accelerator_threads": 2}  # deprecated spellings, LLM(offload="off") and such
+    # deprecated spellings, LLM(offload="off") and such: former flags' names and former field-named keywords
+    old_names = {"offload": "off", "accelerator_threads": 2, "num_blocks": 7, "kv_cache_memory_gib": 0.5,
+                 "cpu_kv_cache_memory_gib": 2.0, "enable_prefix_caching": False}
     config = EngineConfig.from_flat(**old_names)
     assert (config.cpu_attention.mode, config.cpu_attention.gpu_threads) == ("off", 2)
+    assert config.cache == CacheConfig(num_blocks=7, kv_cache_memory_gib=0.5, cpu_kv_cache_memory_gib=2.0,
+                                       enable_prefix_caching=False)
     for old in old_names:
         assert (f"{old} is deprecated: use {DEPRECATED_FLAT_NAMES[old]}" in caplog.text) == (old not in FLAT_NAMES)
     assert set(DEPRECATED_FLAT_NAMES) == set(old_names) and not set(DEPRECATED_FLAT_NAMES.values()) & set(old_names)

@@ -33,7 +33,8 @@ EVERY_FLAG = {
     "tensor-parallel-size": 2, "ray-address": "ray://head:10001",
 }
 # Former flag names -> (the flag now, a value unlike its default); each still works and warns (deprecated)
-DEPRECATED_FLAGS = {"offload": ("cpu-attention", "off"), "accelerator-threads": ("gpu-threads", 2)}
+DEPRECATED_FLAGS = {"offload": ("cpu-attention", "off"), "accelerator-threads": ("gpu-threads", 2),
+                    "num-blocks": ("num-gpu-blocks", 40)}
 # EngineConfig takes one of kv_cache_memory_gib and memory_gib, and no weight streaming with tensor parallelism
 ENGINE_FLAGS = {name: value for name, value in EVERY_FLAG.items() if name not in ("kv-cache-gib", "tensor-parallel-size")}
 
@@ -96,7 +97,7 @@ def test_every_flag_from_the_environment_equals_the_flags():
 def test_keys_with_underscores_and_aliases_name_the_same_flags(tmp_path):
     values = {"max_num_seqs": 5, "num-blocks": 40, "cpu_ops": "fused", "api_key": "k1"}
     args = parse("--config", write_config(tmp_path, values))
-    assert (args.max_num_seqs, args.num_blocks, args.cpu_ops, args.api_key) == (5, 40, "fused", ["k1"])
+    assert (args.max_num_seqs, args.num_gpu_blocks, args.cpu_ops, args.api_key) == (5, 40, "fused", ["k1"])
 
 
 def test_the_command_line_wins_over_the_environment_over_the_file(tmp_path):
@@ -179,7 +180,12 @@ def test_help_groups_every_flag_by_concern(capsys):
             current.append(line.split()[0].rstrip(","))
     assert sections["options"] == ["-h"]
     assert {"config", "server", "model", "batching", "KV cache", "device and CPU offloading", "logging"} <= set(sections)
-    assert "--kv-cache-gib" in sections["KV cache"] and "--cpu-attention" in sections["device and CPU offloading"]
+    assert "--block-size" in sections["KV cache"] and "--cpu-attention" in sections["device and CPU offloading"]
+    budgets, overrides = list(sections)[1:3]  # the two budgets first, then every other memory knob
+    assert budgets.startswith("memory budgets") and sections[budgets] == ["--gpu-memory-gib", "--host-memory-gib"]
+    assert overrides.startswith("memory overrides of the two budgets") and set(sections[overrides]) == {
+        "--num-gpu-blocks", "--kv-cache-gib", "--memory-gib", "--num-cpu-blocks", "--cpu-kv-cache-gib",
+        "--weights-gpu-gib", "--weights-cpu-gib"}
     assert sum(len(flags) for flags in sections.values()) == len(EVERY_FLAG) + 2  # and --help, --config
 
 

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
+from scheduler.modes import Mode
 from scheduler.planning.cost_model import ModelShape
 from scheduler.planning.memory import WeightFormat, image_layout, layer_image_bytes
 from scheduler.planning.placement import PlacementError
@@ -34,6 +35,27 @@ MAX_PROMOTIONS_IN_FLIGHT = 2  # per layer: background copies queued at once
 DEFAULT_FETCH_BUFFERS = 4  # GPU buffers a big batch's fetched experts pass through
 DEFAULT_SKEW = 1.0  # `tandem plan`'s Zipf exponent of expert popularity when none is given
 HIT_RATE_SAMPLES = 4000
+
+
+class HotExperts(Mode):
+    """--hot-experts' words; a number of slots per routed layer is the other value it takes."""
+
+    AUTO = "auto"  # where the experts do not fit the GPU's weight budget, as many as it leaves
+    OFF = "off"
+
+
+def parse_hot_experts(value: "HotExperts | int | str") -> "HotExperts | int":
+    """--hot-experts: auto, off, or N experts per routed layer (the word or the number);
+    ValueError saying what it takes otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in (HotExperts.AUTO, HotExperts.OFF):
+            return HotExperts(text)
+        if text.isdigit():
+            return int(text)
+    raise ValueError(f"must be auto, off or a number of experts per layer, got {value!r}")
 
 
 class ExpertWindow:

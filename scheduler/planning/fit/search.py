@@ -30,16 +30,18 @@ from scheduler.planning.memory import (
 )
 from scheduler.planning.placement import (
     NUM_STAGING_BUFFERS,
-    PIPELINE_MEMORY,
-    PIPELINE_PERFORMANCE,
     ComputeCosts,
     MemoryBudgets,
     PlacementError,
+    PlacementMode,
     PlannerInputs,
     TransferRates,
+    WeightPipeline,
     Workload,
     layer_tiers,
     num_layer_buffers,
+    pipelines_to_try,
+    resident_layer_counts,
 )
 from scheduler.planning.tiers import Tier
 
@@ -93,8 +95,8 @@ class FixedChoices:
     max_model_len: bool = False  # --max-model-len given: the GPU pool must hold it (else the pool caps it)
     gpu_weight_bytes: int | None = None  # --weights-gpu-gib
     host_weight_bytes: int | None = None  # --weights-cpu-gib
-    placement: str = "auto"  # --weight-placement
-    pipeline: str = "auto"  # --weight-pipeline
+    placement: PlacementMode = PlacementMode.AUTO  # --weight-placement
+    pipeline: WeightPipeline = WeightPipeline.AUTO  # --weight-pipeline
 
 
 @dataclass(frozen=True)
@@ -287,9 +289,8 @@ def placements_of(request: FitRequest, option: FitOption, probes: FitProbes | No
     does not fit."""
     inputs = _planner_inputs(request, option, probes)
     num_layers = request.shape.num_layers
-    counts = {"gpu": [num_layers], "cpu": [0], "disk": [0]}.get(request.fixed.placement, range(num_layers, -1, -1))
-    pipelines = ([PIPELINE_PERFORMANCE, PIPELINE_MEMORY] if request.fixed.pipeline == "auto"
-                 else [request.fixed.pipeline])
+    counts = resident_layer_counts(request.fixed.placement, num_layers)
+    pipelines = pipelines_to_try(request.fixed.pipeline)
     out: list[Configuration | str] = []
     for num_resident in counts:
         for pipeline in pipelines if num_resident < num_layers else [None]:

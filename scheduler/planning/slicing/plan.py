@@ -40,22 +40,6 @@ from scheduler.planning.slicing.solver import (
     solve_moved_tokens,
 )
 
-SLICING_OFF = "off"
-SLICING_AUTO = "auto"
-
-
-def parse_mlp_slicing(value: str) -> SliceRates | str:
-    """`--mlp-slicing`: "off", "auto" (solved), or "CC,CG" (fixed rates, GG the rest)."""
-    text = value.strip().lower()
-    if text in (SLICING_OFF, SLICING_AUTO):
-        return text
-    try:
-        cc, cg = (float(part) for part in text.split(","))
-        return SliceRates(cc, cg, max(0.0, 1.0 - cc - cg))
-    except ValueError as exc:
-        raise ValueError(f"--mlp-slicing must be off, auto or CC,CG with rates summing to at most 1, "
-                         f"got {value!r} ({exc})") from None
-
 
 @dataclass(frozen=True)
 class SlicingPlan:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from scheduler.modes import Mode
+
 # GPU buffers the CG parts stream through (each of the largest CG part's bytes): two
 # layers held at once (Neo's two-batch forward holds layer i+1 before it releases layer i) and one
 # preloading. The engine's ring (engine/offload/slicing/sliced_mlp.py) and the planner's budget share it.
@@ -62,6 +64,82 @@ class SliceKind(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class SlicingMode(Mode):
+    """--mlp-slicing's kinds: off, rates solved at start (auto), or rates given (CC,CG)."""
+
+    OFF = "off"
+    AUTO = "auto"
+    FIXED = "fixed"
+
+
+# What --mlp-slicing accepts, for its messages.
+_SLICING_WORDS = "off, auto or CC,CG with rates summing to at most 1"
+_SLICING_HINT = "CC,CG are the CPU-computed and the streamed share of each MLP, e.g. 0.25,0.5"
+
+
+@dataclass(frozen=True)
+class MlpSlicing:
+    """--mlp-slicing as a value: off; auto (each layer's rates solved at start, ScheInfer sec.
+    IV-A); or fixed rates, one SliceRates for every layer or one per layer."""
+
+    mode: SlicingMode = SlicingMode.OFF
+    rates: tuple[SliceRates, ...] = ()  # FIXED only
+
+    def __post_init__(self) -> None:
+        if (self.mode == SlicingMode.FIXED) != bool(self.rates):
+            raise ValueError(f"slicing {self.mode} takes {'' if self.mode == SlicingMode.FIXED else 'no '}rates, "
+                             f"got {self.rates!r}")
+
+    @classmethod
+    def parse(cls, value: "MlpSlicing | str | SliceRates | tuple[SliceRates, ...] | list[SliceRates]") -> "MlpSlicing":
+        """The flag's text ("off", "auto", "CC,CG": GG the rest), SliceRates for every layer, one per
+        layer, or an MlpSlicing; ValueError saying what it takes otherwise."""
+        if isinstance(value, MlpSlicing):
+            return value
+        if isinstance(value, SliceRates):
+            return cls(SlicingMode.FIXED, (value,))
+        if isinstance(value, str):
+            return cls._parse_text(value)
+        if isinstance(value, (tuple, list)) and value and all(isinstance(rates, SliceRates) for rates in value):
+            return cls(SlicingMode.FIXED, tuple(value))
+        raise ValueError(f"must be off, auto, CC,CG (e.g. 0.25,0.5) or one SliceRates per layer, got {value!r}")
+
+    @classmethod
+    def _parse_text(cls, value: str) -> "MlpSlicing":
+        text = value.strip().lower()
+        if text in (SlicingMode.OFF, SlicingMode.AUTO):
+            return cls(SlicingMode(text))
+        try:
+            cc, cg = (float(part) for part in text.split(","))
+            return cls(SlicingMode.FIXED, (SliceRates(cc, cg, max(0.0, 1.0 - cc - cg)),))
+        except ValueError as exc:
+            raise ValueError(f"must be {_SLICING_WORDS}, got {value!r} ({exc}); {_SLICING_HINT}") from None
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != SlicingMode.OFF
+
+    @property
+    def solved(self) -> bool:
+        """auto: the engine solves each layer's rates at start."""
+        return self.mode == SlicingMode.AUTO
+
+    def layer_rates(self, num_layers: int) -> tuple[SliceRates, ...] | None:
+        """Each of `num_layers` layers' fixed rates; None when off or solved at start."""
+        if self.mode != SlicingMode.FIXED:
+            return None
+        if len(self.rates) == 1:
+            return self.rates * num_layers
+        if len(self.rates) != num_layers:
+            raise ValueError(f"gives slice rates for {len(self.rates)} layers, but the model has {num_layers}")
+        return self.rates
+
+    def __str__(self) -> str:
+        if self.mode != SlicingMode.FIXED:
+            return str(self.mode)
+        return ";".join(f"{rates.cc:g},{rates.cg:g}" for rates in self.rates)
 
 
 def ring_size(num_layer_buffers: int, layer_bytes: int, largest_cg_bytes: int) -> tuple[int, int]:

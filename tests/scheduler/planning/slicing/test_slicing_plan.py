@@ -8,12 +8,13 @@ from scheduler.planning import (
     PlacementError,
     GemmCost,
     LinearCost,
+    MlpSlicing,
     SliceRates,
     SlicingCosts,
+    SlicingMode,
     WeightFormat,
     describe_slicing,
     layer_time_s,
-    parse_mlp_slicing,
     plan_slicing,
     solve_moved_tokens,
 )
@@ -32,16 +33,31 @@ def _bytes(num_resident_mlps: float) -> int:
     return fixed_weight_bytes(SHAPE, FMT) + mlp + round(num_resident_mlps * mlp)
 
 
-@pytest.mark.parametrize("value,expected", [("off", "off"), ("AUTO", "auto"), ("0.25,0.5", SliceRates(0.25, 0.5, 0.25)),
-                                            ("0,1", SliceRates(0.0, 1.0, 0.0))])
-def test_the_flag_parses(value, expected):
-    assert parse_mlp_slicing(value) == expected
+@pytest.mark.parametrize("value,expected", [
+    ("off", MlpSlicing()), ("AUTO", MlpSlicing(SlicingMode.AUTO)),
+    ("0.25,0.5", MlpSlicing(SlicingMode.FIXED, (SliceRates(0.25, 0.5, 0.25),))),
+    ("0,1", MlpSlicing(SlicingMode.FIXED, (SliceRates(0.0, 1.0, 0.0),))),
+    (SliceRates(0.5, 0.5, 0.0), MlpSlicing(SlicingMode.FIXED, (SliceRates(0.5, 0.5, 0.0),))),
+])
+def test_the_flag_parses_into_a_typed_value(value, expected):
+    slicing = MlpSlicing.parse(value)
+    assert slicing == expected and MlpSlicing.parse(slicing) is slicing
+    assert slicing.enabled == (expected.mode != SlicingMode.OFF) and slicing.solved == (expected.mode == SlicingMode.AUTO)
 
 
-@pytest.mark.parametrize("value", ["half", "0.7,0.5", "0.5", "-0.1,0.5"])
-def test_a_bad_flag_names_itself(value):
-    with pytest.raises(ValueError, match="--mlp-slicing"):
-        parse_mlp_slicing(value)
+def test_fixed_rates_apply_to_every_layer_or_one_per_layer():
+    per_layer = (SliceRates(1.0, 0.0, 0.0), SliceRates(0.0, 0.5, 0.5))
+    assert MlpSlicing.parse("0.25,0.5").layer_rates(3) == (SliceRates(0.25, 0.5, 0.25),) * 3
+    assert MlpSlicing.parse(per_layer).layer_rates(2) == per_layer and str(MlpSlicing.parse(per_layer)) == "1,0;0,0.5"
+    assert MlpSlicing.parse("auto").layer_rates(2) is None and str(MlpSlicing.parse("0.25,0.5")) == "0.25,0.5"
+    with pytest.raises(ValueError, match="slice rates for 2 layers, but the model has 3"):
+        MlpSlicing.parse(per_layer).layer_rates(3)
+
+
+@pytest.mark.parametrize("value", ["half", "0.7,0.5", "0.5", "-0.1,0.5", [0.25, 0.5], ()])
+def test_a_bad_value_says_what_the_flag_takes(value):
+    with pytest.raises(ValueError, match="must be off, auto"):
+        MlpSlicing.parse(value)
 
 
 def test_solved_plans_fit_their_budget_and_predict_their_rates_times():
