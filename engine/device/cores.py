@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -38,11 +39,12 @@ class CoreAssignment:
     copy_threads: int = 1
 
     @classmethod
-    def for_device(cls, device: str, gpu_threads: int | None = None,
-                   cpu_attention_threads: int | None = None) -> "CoreAssignment":
-        """Today's fixed rules: the testbed's GPU takes half the cores (or `gpu_threads`), the CPU
-        side and the copy engine the rest; on cuda the CPU side takes them all."""
-        kind, cores = device_kind(device), host_cores()
+    def for_device(cls, device: str, gpu_threads: int | None = None, cpu_attention_threads: int | None = None,
+                   cores: list[int] | None = None) -> "CoreAssignment":
+        """Today's fixed rules over `cores` (default: this process's): the testbed's GPU takes half
+        the cores (or `gpu_threads`), the CPU side and the copy engine the rest; on cuda the CPU side
+        takes them all."""
+        kind, cores = device_kind(device), cores or host_cores()
         if kind == "cuda":  # the host's cores are all the CPU attention's while the GPU computes
             return cls(kind, cpu_attention_cores=frozenset(cores),
                        cpu_attention_threads=cpu_attention_threads or len(cores), copy_threads=len(cores))
@@ -82,6 +84,14 @@ class CoreAssignment:
                    copy_threads)
 
     @classmethod
+    def for_rank(cls, device: str, rank_cores: Sequence[int]) -> "CoreAssignment":
+        """A tensor-parallel rank's assignment over its own run of cores (none: every core its
+        process may use): the testbed on one core where it has one, else today's rules."""
+        if device_kind(device) == "testbed" and len(rank_cores) == 1:
+            return cls.testbed_on_one_core(rank_cores[0])
+        return cls.for_device(device, cores=list(rank_cores) or None)
+
+    @classmethod
     def testbed_on_one_core(cls, core: int) -> "CoreAssignment":
         """The testbed on a single core (a tensor-parallel rank's share of a small host): the GPU
         thread and the CPU side take turns on it, so nothing overlaps, but every path runs."""
@@ -107,3 +117,12 @@ class CoreAssignment:
         finally:
             os.sched_setaffinity(0, cores)
             torch.set_num_threads(threads)
+
+
+def rank_core_sets(cores: list[int], world_size: int) -> list[tuple[int, ...]]:
+    """The host's cores cut into `world_size` disjoint runs (each rank's CPU attention on its own),
+    empty where there are fewer cores than ranks."""
+    if len(cores) < world_size:
+        return [()] * world_size
+    per_rank = len(cores) // world_size
+    return [tuple(cores[rank * per_rank:(rank + 1) * per_rank]) for rank in range(world_size)]

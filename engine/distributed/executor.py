@@ -15,7 +15,7 @@ from multiprocessing import shared_memory
 from engine.distributed.partition import plan_shards
 from engine.distributed.wire import wire_plan
 from engine.distributed.worker import ModelSource, RankFailure, RankReport, RankWorker
-from engine.device.cores import CoreAssignment, device_kind, host_cores
+from engine.device.cores import CoreAssignment, device_kind, host_cores, rank_core_sets
 from engine.runtime.runner import FatalRunnerError, RunnerOutput
 from engine.offload.stats import WeightStats
 from engine.model_config import ModelConfig
@@ -32,15 +32,6 @@ CLOSE_TIMEOUT_S = 10.0  # a rank's own close (its threads, its process group)
 
 class RankLostError(FatalRunnerError):
     """A tensor-parallel rank died or failed alone: the ranks are out of step and cannot go on."""
-
-
-def rank_core_sets(cores: list[int], world_size: int) -> list[tuple[int, ...]]:
-    """The host's cores cut into `world_size` disjoint runs (each rank's CPU attention on its own),
-    empty where there are fewer cores than ranks."""
-    if len(cores) < world_size:
-        return [()] * world_size
-    per_rank = len(cores) // world_size
-    return [tuple(cores[rank * per_rank:(rank + 1) * per_rank]) for rank in range(world_size)]
 
 
 class TensorParallelRunner:

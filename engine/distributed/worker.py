@@ -127,9 +127,7 @@ class RankWorker:
         return RankReport(self.shard.rank, os.getpid(), cores, self.runner.num_gpu_blocks, self.runner.weight_bytes())
 
     def _core_assignment(self, device: str) -> CoreAssignment:
-        if device == "testbed" and len(self.cores) == 1:
-            return CoreAssignment.testbed_on_one_core(self.cores[0])
-        return CoreAssignment.for_device(_local_device(device))
+        return CoreAssignment.for_rank(_local_device(device), self.cores)
 
     def execute(self, plan: IterationPlan) -> tuple[RunnerOutput, WeightStats] | RankFailure | None:
         """The plan's forward on this rank; rank 0 also samples and returns the tokens, with what its

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from engine.config import GIB_BYTES, EngineConfig
-from engine.device.cores import CoreAssignment
+from engine.device.cores import CoreAssignment, host_cores, rank_core_sets
 from engine.device.memory import default_gpu_memory_bytes
 from engine.distributed.partition import RankMemory, describe_ranks, largest_rank_config, rank_memories
 from engine.kv import KVCache
@@ -190,7 +190,7 @@ def plan_engine(config: EngineConfig, loader: WeightLoader, *, predict: bool = F
     costs = costs or _slicing_costs_needed(config, rank_model_config, dtype, layers, num_cpu_blocks)
     threads = plan_thread_split(config, rank_model_config, dtype, layers, max_model_len,
                                 copy_threads=config.weights.num_copy_threads)
-    cores = core_assignment(config, threads.split)
+    cores = _cores(config, threads)
     ranks = rank_memories(model_config, config.parallel.tensor_parallel_size, weight_format(config, dtype),
                           kv_format.element_bytes)
     return EnginePlan(
@@ -232,6 +232,18 @@ def fitted_flags(config: EngineConfig) -> list[str]:
     return flags
 
 
+def _cores(config: EngineConfig, threads: ThreadPlan) -> CoreAssignment:
+    """Which cores do what: the thread plan's split, or under tensor parallelism rank 0's own run
+    of this host's cores (each rank pins to its run; on a Ray cluster of other hosts, this host's
+    rules stand in for theirs)."""
+    parallel = config.parallel
+    if not parallel.enabled:
+        return core_assignment(config, threads.split)
+    world_size = parallel.tensor_parallel_size
+    rank_cores = rank_core_sets(host_cores(), world_size)[0] if parallel.ray_address is None else ()
+    return CoreAssignment.for_rank("cuda" if config.device.startswith("cuda") else config.device, rank_cores)
+
+
 def _refuse_sharded_disk_tier(config: EngineConfig, layers: ModelPlan) -> None:
     if config.parallel.enabled and layers.num_layers_in(Tier.DISK):
         raise ConfigError(f"--tensor-parallel-size {config.parallel.tensor_parallel_size}: the plan streams layers "
@@ -253,14 +265,15 @@ def _kv_format(config: EngineConfig, dtype: torch.dtype, model_config: ModelConf
 def _slicing_costs_needed(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, layers: ModelPlan,
                           num_cpu_blocks: int) -> SlicingCosts | None:
     """The slicing models (measured once and cached) where something beyond the slicing solver
-    reads them: the hot-expert cache's split of each forward and its expected speeds, the prefill
-    tokens moved to CG' beside a CPU (not on device cpu, where one thread computes both sides), and
-    the cost model of sliced MLPs."""
+    reads them: the hot-expert cache's split of each forward (and its expected speeds), the prefill
+    tokens moved to CG', and the cost model of sliced MLPs. On device cpu nothing computes beside
+    the CPU, so neither a split nor a move has two sides to weigh."""
+    beside_cpu = config.device != "cpu"
     if layers.experts is not None:
-        return slicing_costs(config, model_config, dtype)
+        return slicing_costs(config, model_config, dtype) if beside_cpu else None
     if layers.rates is None:
         return None
-    moving = config.weights.prefill_moving and config.device != "cpu"
+    moving = config.weights.prefill_moving and beside_cpu
     return slicing_costs(config, model_config, dtype) if moving or num_cpu_blocks else None
 
 

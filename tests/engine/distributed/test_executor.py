@@ -2,7 +2,8 @@
 which leave the ranks out of step; each rank's cores."""
 import pytest
 
-from engine.distributed.executor import RankLostError, TensorParallelRunner, rank_core_sets
+from engine.device.cores import rank_core_sets
+from engine.distributed.executor import RankLostError, TensorParallelRunner
 from engine.distributed.worker import RankFailure
 
 
