@@ -9,6 +9,8 @@ import zlib
 
 import pytest
 
+from session_cache import CACHE_DIR_ENV  # tests/ is on sys.path (pyproject.toml's pythonpath)
+
 INTEGRATION_OPTION = "--integration"
 SLOW_OPTION = "--slow"
 API_OPTION = "--api"
@@ -19,8 +21,6 @@ OPT_IN_MARKERS = {"integration": (INTEGRATION_OPTION, "make test-integration"), 
                   "api": (API_OPTION, "make test-api"), "tp": (TP_OPTION, "make test-tp")}
 
 
-# engine.profiling.cache.CACHE_DIR_ENV, named here so that the scheduler tests' collection needs no torch
-CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
 _CACHE_DIR_KEY = pytest.StashKey[str]()
 _USER_CACHE_DIR_KEY = pytest.StashKey["str | None"]()  # put back when the session ends
 
