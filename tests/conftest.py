@@ -175,6 +175,17 @@ def triton_kv_quant_write(triton_device):
     return triton_kernels("kv_quant_write", triton_device)
 
 
+@pytest.fixture(scope="session")
+def llm():
+    """The embedded model as `tandem serve` loads it by default, in float32, for the session: the
+    engine tests read its generations, the server tests compare the server's with them. Tests that
+    count from zero, plant failures or abort requests build their own engine."""
+    from engine import LLM
+
+    with LLM("smollm2-135m", dtype="float32") as shared:
+        yield shared
+
+
 @pytest.fixture
 def gen(request):
     """A generator seeded by the test's own id: fresh data for every test and parameter set,
