@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
+import tempfile
 import zlib
 
 import pytest
+
+from session_cache import CACHE_DIR_ENV  # tests/ is on sys.path (pyproject.toml's pythonpath)
 
 INTEGRATION_OPTION = "--integration"
 SLOW_OPTION = "--slow"
@@ -14,6 +19,32 @@ TP_OPTION = "--tp"
 # marker -> (option, the make target that runs them)
 OPT_IN_MARKERS = {"integration": (INTEGRATION_OPTION, "make test-integration"), "slow": (SLOW_OPTION, "make test-slow"),
                   "api": (API_OPTION, "make test-api"), "tp": (TP_OPTION, "make test-tp")}
+
+
+_CACHE_DIR_KEY = pytest.StashKey[str]()
+_USER_CACHE_DIR_KEY = pytest.StashKey["str | None"]()  # put back when the session ends
+
+
+def pytest_configure(config):
+    """One profile cache for the whole session, in a temporary directory: tests never read or write
+    the user's ~/.cache/tandem (whose profiles would hide a measurement that fails), and what one
+    test measured (cost tables, thread profiles, slicing costs, expert statistics) later tests and
+    the servers they start (os.environ, which subprocesses inherit) reuse. Tests of a cache miss
+    pass their own directory."""
+    config.stash[_CACHE_DIR_KEY] = tempfile.mkdtemp(prefix="tandem-test-cache-")
+    config.stash[_USER_CACHE_DIR_KEY] = os.environ.get(CACHE_DIR_ENV)
+    os.environ[CACHE_DIR_ENV] = config.stash[_CACHE_DIR_KEY]
+
+
+def pytest_unconfigure(config):
+    if _CACHE_DIR_KEY not in config.stash:
+        return
+    user_cache_dir = config.stash[_USER_CACHE_DIR_KEY]
+    if user_cache_dir is None:
+        os.environ.pop(CACHE_DIR_ENV, None)
+    else:
+        os.environ[CACHE_DIR_ENV] = user_cache_dir
+    shutil.rmtree(config.stash[_CACHE_DIR_KEY], ignore_errors=True)
 
 
 def pytest_addoption(parser):
@@ -142,6 +173,17 @@ def triton_paged_prefill(triton_device):
 @pytest.fixture
 def triton_kv_quant_write(triton_device):
     return triton_kernels("kv_quant_write", triton_device)
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The embedded model as `tandem serve` loads it by default, in float32, for the session: the
+    engine tests read its generations, the server tests compare the server's with them. Tests that
+    count from zero, plant failures or abort requests build their own engine."""
+    from engine import LLM
+
+    with LLM("smollm2-135m", dtype="float32") as shared:
+        yield shared
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))  # tandem_server
 
 from offloading import OFFLOADING_FLAGS, TWO_CORES, send_requests  # noqa: E402
+from session_cache import own_expert_statistics  # noqa: E402
 from tandem_server import ServerProcess, pipelining_cost_tables  # noqa: E402
 
 # a dummy-weight MoE preset (up in seconds) with 2 of its 8 experts per layer in GPU slots
@@ -44,11 +45,12 @@ def hot_expert_server(tmp_path_factory) -> ServerProcess:
     (module scope: a module that sends it requests does not share it). The offloading server's
     model is dense, so this is the server that exports the cache's per-layer, per-expert series;
     `--hot-experts 2` turns the cache on, which `auto` does only where a weight budget leaves the
-    experts out. Its expert statistics are saved in its own directory, not the user's cache."""
+    experts out. Its expert statistics are saved in its own directory, beside the session's measured
+    profiles."""
     workdir = tmp_path_factory.mktemp("hot-experts")
-    server = ServerProcess(workdir / "serve.log", *HOT_EXPERT_FLAGS,
-                           "--profile-cache-dir", str(workdir / "profiles")).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    with own_expert_statistics(workdir / "profiles") as profiles:
+        server = ServerProcess(workdir / "serve.log", *HOT_EXPERT_FLAGS, "--profile-cache-dir", str(profiles)).start()
+        try:
+            yield server
+        finally:
+            server.stop()

@@ -9,7 +9,6 @@ from scheduler.planning.kv_format import kv_format
 from engine import LLM, ParamError, SamplingParams
 from engine.config import ACTIVATION_RESERVE_GIB
 from engine.model_config import ConfigError
-from engine.weights import embedded_gguf_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -27,22 +26,16 @@ NEW_TOKENS = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM("smollm2-135m", dtype="float32")
-
-
+# `llm`: the embedded model as served by default, in float32 (tests/conftest.py, shared with the
+# server tests' offline references)
 @pytest.fixture(scope="module")
 def prompt_ids(llm):
     return [llm.tokenizer.encode(p) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(prompt_ids):
-    import transformers
-    gguf = embedded_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+def hf_greedy(prompt_ids, embedded_hf_model):
+    model = embedded_hf_model
     outputs = []
     with torch.inference_mode():
         for ids in prompt_ids:

@@ -12,6 +12,7 @@ from engine.offload.experts import hot_moe
 from engine.offload.experts.store import HotExpertLayers
 from scheduler.planning import PlacementError
 from scheduler.planning.experts.split import ExpertSplit
+from session_cache import own_expert_statistics
 from test_offload_generation import SMALL_POOLS, generate_recording_paths
 from test_weight_streaming import TWO_CORES, on_testbed, slow_cost_tables
 
@@ -22,6 +23,7 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * len(P
 
 
 def engine_args(tmp_path, device: str = "cpu", neo: bool = False) -> dict:
+    """The engine's keywords; its profile cache is tmp_path/profiles (see `own_profiles`)."""
     args = dict(load_format="dummy", dtype="float32", device=device, profile_cache_dir=str(tmp_path / "profiles"))
     if neo:
         args.update(cpu_attention="on", cost_tables=slow_cost_tables(tmp_path, NUM_LAYERS), **SMALL_POOLS)
@@ -30,17 +32,26 @@ def engine_args(tmp_path, device: str = "cpu", neo: bool = False) -> dict:
     return args
 
 
+@pytest.fixture(autouse=True)
+def own_profiles(tmp_path):
+    """Each test's engines keep their expert statistics in a profile cache of the test's own (a run
+    seeds the next run's first hot sets), which shares the session's measurements (the slicing
+    costs take half a minute to measure)."""
+    with own_expert_statistics(tmp_path / "profiles"):
+        yield
+
+
 @pytest.fixture(scope="module")
 def resident_tokens(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("resident")
-    with LLM(MOE_PRESET, **engine_args(tmp_path)) as llm:
+    with own_expert_statistics(tmp_path / "profiles"), LLM(MOE_PRESET, **engine_args(tmp_path)) as llm:
         return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, PARAMS)]
 
 
 @pytest.fixture(scope="module")
 def resident_neo_tokens(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("resident-neo")
-    with LLM(MOE_PRESET, **engine_args(tmp_path, neo=True)) as llm:
+    with own_expert_statistics(tmp_path / "profiles"), LLM(MOE_PRESET, **engine_args(tmp_path, neo=True)) as llm:
         return generate_recording_paths(llm, PROMPTS, PARAMS)[0]
 
 

@@ -19,7 +19,6 @@ import test_weight_streaming
 from test_weight_streaming import EMBEDDED, EMBEDDED_INT4, generate, on_testbed, slow_cost_tables, tier_budgets, workload
 
 SLICING = "0.25,0.5"
-references = test_weight_streaming.references  # the fixture: the tokens with every layer resident
 
 
 def run_sliced(model: dict, tmp_path, device: str, cpu_attention: str, slicing=SLICING, **extra) -> tuple[list, set,
@@ -128,12 +127,11 @@ def test_sliced_beside_streamed_layers_equals_resident(references, tmp_path, dev
 
 
 @pytest.mark.parametrize("device", ["cpu", on_testbed("testbed")])
-def test_solved_rates_within_the_budget_equal_resident(references, tmp_path, device):
+def test_solved_rates_within_the_budget_equal_resident(references, device):
     """--mlp-slicing auto: the rates come from the solver, measured on this machine, within a weight
     budget that holds the attention weights and embeddings but not every MLP; tokens unchanged."""
     budget_gib = 0.3  # the embedded model in float32: 0.21 GiB beside the MLPs, which take 0.3 GiB
-    with LLM(**EMBEDDED, device=device, cpu_attention="off", mlp_slicing="auto", weights_gpu_gib=budget_gib,
-             profile_cache_dir=str(tmp_path / "profiles")) as llm:
+    with LLM(**EMBEDDED, device=device, cpu_attention="off", mlp_slicing="auto", weights_gpu_gib=budget_gib) as llm:
         outputs, _ = generate(llm, *workload(EMBEDDED, "off"))
         plan = llm.engine.plan.layers.slicing
         assert plan is not None and plan.gpu_weight_bytes <= budget_gib * 2**30
@@ -148,12 +146,12 @@ def test_solved_rates_within_the_budget_equal_resident(references, tmp_path, dev
 
 
 @pytest.mark.parametrize("device", [on_testbed("testbed")])  # device cpu: tests/server/test_streaming_server.py
-def test_solved_slicing_beside_layers_streamed_whole_equals_resident(references, tmp_path, device):
+def test_solved_slicing_beside_layers_streamed_whole_equals_resident(references, device):
     """--mlp-slicing auto with a weight budget too small for every layer's attention weights: one
     planner call streams some layers whole and slices the rest, within the budget; tokens unchanged."""
     budget_gib = 0.2  # the embedded model in float32: 0.21 GiB of attention weights, embeddings and head
     with LLM(**EMBEDDED, device=device, cpu_attention="off", mlp_slicing="auto", weights_gpu_gib=budget_gib,
-             weights_cpu_gib=0.1, profile_cache_dir=str(tmp_path / "profiles")) as llm:
+             weights_cpu_gib=0.1) as llm:
         outputs, _ = generate(llm, *workload(EMBEDDED, "off"))
         plan = llm.engine.plan.layers
         assert plan.streamed_layers and plan.sliced_layers

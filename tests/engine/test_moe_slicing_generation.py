@@ -6,6 +6,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from scheduler.planning import TIER_HOST
+from session_cache import own_expert_statistics
 from test_offload_generation import SMALL_POOLS, generate_recording_paths
 from test_weight_streaming import on_testbed, slow_cost_tables
 
@@ -16,10 +17,11 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * len(P
 
 
 def generate(tmp_path, device: str = "cpu", **extra) -> tuple[list, set, object]:
-    """(greedy tokens per prompt, the offloading paths taken, the layer store)"""
-    with LLM(MOE_PRESET, load_format="dummy", dtype="float32", device=device, cpu_attention="on", **SMALL_POOLS,
-             cost_tables=slow_cost_tables(tmp_path, NUM_LAYERS), profile_cache_dir=str(tmp_path / "profiles"),
-             **extra) as llm:
+    """(greedy tokens per prompt, the offloading paths taken, the layer store); the expert statistics
+    are the run's own, the measured profiles the session's"""
+    with own_expert_statistics(tmp_path / "profiles") as profiles, \
+            LLM(MOE_PRESET, load_format="dummy", dtype="float32", device=device, cpu_attention="on", **SMALL_POOLS,
+                cost_tables=slow_cost_tables(tmp_path, NUM_LAYERS), profile_cache_dir=str(profiles), **extra) as llm:
         outputs, seen = generate_recording_paths(llm, PROMPTS, PARAMS)
         store = llm.engine.runner.model.layer_store
     return outputs, seen, store

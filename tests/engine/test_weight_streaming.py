@@ -128,20 +128,6 @@ def offload_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("offload")
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    cache = {}
-
-    def reference(model: dict, cpu_attention: str) -> list:
-        """All resident, offloading off: the same prompts give the same tokens whatever the plans."""
-        key = (tuple(sorted(model.items())), cpu_attention)
-        if key not in cache:
-            with LLM(**model, cpu_attention="off") as llm:
-                cache[key] = generate(llm, *workload(model, cpu_attention))[0]
-        return cache[key]
-    return reference
-
-
 # Each factor (tier, device, Neo, format, model) is covered; not every combination, to keep the suite short.
 @pytest.mark.parametrize("device, cpu_attention, tier", [
     ("cpu", "off", "host"), pytest.param("cpu", "on", "disk", marks=pytest.mark.slow),

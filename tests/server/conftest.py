@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tandem_server import MODEL, REQUEST_TIMEOUT_S, ServerProcess
+from tandem_server import REQUEST_TIMEOUT_S, ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -42,9 +42,3 @@ def http(server):
 @pytest.fixture(scope="session")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
-
-
-@pytest.fixture(scope="session")
-def llm():
-    from engine import LLM
-    return LLM(MODEL, dtype="float32")

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.metrics import EXPERT_COPY_KINDS, EXPERT_PAIR_KINDS, Metrics
+from session_cache import own_expert_statistics
 
 MOE_PRESET = "qwen3-moe-tiny"
 NUM_LAYERS, NUM_EXPERTS, TOP_K, NUM_SLOTS = 2, 8, 2, 2  # every layer routed
@@ -34,8 +35,8 @@ def served(tmp_path_factory):
     from engine import LLM, SamplingParams
 
     profiles = tmp_path_factory.mktemp("profiles")
-    with LLM(MOE_PRESET, load_format="dummy", dtype="float32", hot_experts=str(NUM_SLOTS),
-             profile_cache_dir=str(profiles)) as llm:
+    with own_expert_statistics(profiles), LLM(MOE_PRESET, load_format="dummy", dtype="float32",
+                                              hot_experts=str(NUM_SLOTS), profile_cache_dir=str(profiles)) as llm:
         engine = llm.engine
         metrics = Metrics(MOE_PRESET)
         metrics.watch_experts(engine.expert_heat)

@@ -3,7 +3,8 @@
 - curl lines run verbatim through bash against the shared test server (only the port changes);
 - python blocks run in this process, the SDK's against the same server;
 - `tandem plan` and `tandem convert` lines run in this process through `server.cli.main`, with
-  their /tmp/tandem-* paths and the profile cache moved to a temporary directory;
+  their /tmp/tandem-* paths moved to a temporary directory; they plan from the session's profile
+  cache (tests/conftest.py), where what earlier tests measured is kept;
 - `tandem serve` lines, and the systemd unit's ExecStart (docs/deploy.md), start servers that run until stopped:
   they are parsed with the README's YAML files and their own TANDEM_ variables, and their
   EngineConfig is built, which checks every flag and value. Serving in each mode is what the shared
@@ -106,7 +107,6 @@ def test_readme_python_examples_run(server):
 
 
 def test_readme_plan_and_convert_commands_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     commands = tandem_commands("plan", "convert",
                                rewrite=lambda c: SCRATCH_PATH.sub(lambda m: str(tmp_path / Path(m[0]).name), c))
     assert commands

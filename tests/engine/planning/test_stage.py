@@ -37,8 +37,8 @@ def decisions(plan: dict) -> dict:
 @pytest.mark.parametrize("name, flags", CASES, ids=[name for name, _ in CASES])
 def test_tandem_plan_prints_the_plan_the_engine_builds(name, flags, tmp_path, capsys):
     costs = write_cost_tables(tmp_path, NUM_LAYERS[name])
-    flags = [*flags, "--cost-tables", costs, "--profile-cache-dir", str(tmp_path / "profiles"),
-             "--max-num-seqs", "8", "--log-level", "warning"]
+    # the session's profile cache (tests/conftest.py): the plan and the engine read the same profiles
+    flags = [*flags, "--cost-tables", costs, "--max-num-seqs", "8", "--log-level", "warning"]
     assert main(["plan", "--json", *flags]) == 0
     printed = capsys.readouterr().out
     printed_plan = json.loads(printed[printed.index("\n{") + 1:])

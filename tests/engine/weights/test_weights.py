@@ -63,12 +63,7 @@ def embedded_loader():
     return create_loader(EMBEDDED_MODEL)
 
 
-@pytest.fixture(scope="module")
-def embedded_hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = embedded_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+# `embedded_hf_model`: tests/engine/conftest.py
 
 
 def test_embedded_gguf_matches_transformers(embedded_loader, embedded_hf_model):
