@@ -62,11 +62,12 @@ def measure(tree: Path, mode: dict, num_prompts: int, num_tokens: int) -> dict:
 def markdown(base: str, head: str, rows: list[dict], reps: int, args: argparse.Namespace) -> str:
     lines = [f"Revisions {base} (base) and {head} (head), {args.num_prompts} prompts x {args.num_tokens} "
              f"decoded tokens, medians of {reps} interleaved runs each, device cpu, embedded model.", "",
-             "| mode | base tokens/s | head tokens/s | head / base | same greedy tokens |",
+             "| mode | base tokens/s (min-max) | head tokens/s (min-max) | head / base | same greedy tokens |",
              "| --- | ---: | ---: | ---: | --- |"]
     for row in rows:
-        lines.append(f"| {row['mode']} | {row['base']:.1f} | {row['head']:.1f} | {row['ratio']:.2f}x | "
-                     f"{'yes' if row['same_tokens'] else 'NO'} |")
+        base, head = row["base_range"], row["head_range"]
+        lines.append(f"| {row['mode']} | {row['base']:.1f} ({base[0]:.0f}-{base[1]:.0f}) | {row['head']:.1f} "
+                     f"({head[0]:.0f}-{head[1]:.0f}) | {row['ratio']:.2f}x | {'yes' if row['same_tokens'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -87,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
                 samples = run_interleaved(trees, args.reps,
                                           lambda tree: measure(tree, mode, args.num_prompts, args.num_tokens))
                 speed = {side: statistics.median(s["tokens_per_s"] for s in runs) for side, runs in samples.items()}
+                spread = {f"{side}_range": (min(s["tokens_per_s"] for s in runs), max(s["tokens_per_s"] for s in runs))
+                          for side, runs in samples.items()}
                 same = all(s["tokens"] == samples["base"][0]["tokens"] for runs in samples.values() for s in runs)
-                rows.append({"mode": name, **speed, "ratio": speed["head"] / speed["base"], "same_tokens": same})
+                rows.append({"mode": name, **speed, **spread, "ratio": speed["head"] / speed["base"],
+                             "same_tokens": same})
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
