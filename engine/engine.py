@@ -24,8 +24,8 @@ from engine.offload.layer_store import create_layer_store, open_layer_files
 from engine.offload.stats import WeightStats
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.planning.fit import describe_fit
-from engine.planning.stage import EnginePlan, expert_stats_key, plan_engine
-from engine.planning.weights import weight_format
+from engine.planning.stage import EnginePlan, plan_engine
+from engine.planning.weights import profile_key, weight_format
 from engine.profiling.cache import profile_path
 from engine.request import InputProcessor, PreparedRequest, Request
 from engine.runtime import ModelRunner
@@ -219,7 +219,7 @@ class LLMEngine:
         kept beside them for the next run's first hot sets."""
         config = self.config
         costs = None if config.device == "cpu" else self.plan.slicing_costs
-        stats_path = profile_path(expert_stats_key(self.plan), config.cpu_attention.profile_cache_dir,
+        stats_path = profile_path(profile_key(config, self.dtype), config.cpu_attention.profile_cache_dir,
                                   EXPERT_STATS_KIND)
         return functools.partial(create_expert_store, plan, stats=self.weight_stats, split_costs=costs,
                                  stats_path=stats_path)
@@ -234,11 +234,9 @@ class LLMEngine:
         if self.config.device == "cpu":
             logger.info("MLP slicing: no tokens move to CG' on device cpu (nothing computes beside the CPU)")
             return None
-        fmt, shape = weight_format(self.config, self.dtype), self.plan.rank_model_config.shape
         logger.info("MLP slicing: each forward moves the tokens the slicing models say to CG' "
                     "(--mlp-prefill-moving on)")
-        return SolvedMovedTokens(rates, self.plan.slicing_costs,
-                                 lambda num_tokens: layer_works(shape, fmt, num_tokens))
+        return SolvedMovedTokens(rates, self.plan.slicing_costs, self._layer_works)
 
     def _load_cost_model(self) -> CostModel:
         """Cost tables from the given file, else this machine's profile (measured once per key);
@@ -250,9 +248,11 @@ class LLMEngine:
             model = StreamingCostModel.for_placement(model, layers.placement)
         if "sliced" not in self.plan.scheduler.layer_costs:
             return model
-        fmt, shape = weight_format(self.config, self.dtype), self.plan.rank_model_config.shape
-        return SlicedMlpCostModel(model, lambda num_tokens: layer_works(shape, fmt, num_tokens),
-                                  self.plan.slicing_costs, layers.rates)
+        return SlicedMlpCostModel(model, self._layer_works, self.plan.slicing_costs, layers.rates)
+
+    def _layer_works(self, num_tokens: int):
+        """One rank's layer's linear work at `num_tokens`, as the slicing models price it."""
+        return layer_works(self.plan.rank_model_config.shape, weight_format(self.config, self.dtype), num_tokens)
 
     def _load_table_cost_model(self) -> CostModel:
         scheduler, cpu_attention = self.plan.scheduler, self.config.cpu_attention

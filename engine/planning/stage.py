@@ -25,7 +25,7 @@ from engine.kv.layouts import resolve_kv_format
 from engine.model_config import ConfigError, ModelConfig
 from engine.planning.fit import describe_fit, fit_config
 from engine.planning.threads import core_assignment, plan_thread_split
-from engine.planning.weights import plan_model, profile_key, slicing_costs, weight_format
+from engine.planning.weights import plan_model, slicing_costs, weight_format
 from engine.profiling import compute_dtype
 from engine.profiling.cache import ProfileKey, profile_path
 from engine.weights import WeightLoader
@@ -241,7 +241,7 @@ def _cores(config: EngineConfig, threads: ThreadPlan) -> CoreAssignment:
         return core_assignment(config, threads.split)
     world_size = parallel.tensor_parallel_size
     rank_cores = rank_core_sets(host_cores(), world_size)[0] if parallel.ray_address is None else ()
-    return CoreAssignment.for_rank("cuda" if config.device.startswith("cuda") else config.device, rank_cores)
+    return CoreAssignment.for_rank(config.device, rank_cores)
 
 
 def _refuse_sharded_disk_tier(config: EngineConfig, layers: ModelPlan) -> None:
@@ -348,8 +348,3 @@ def _cores_dict(cores: CoreAssignment) -> dict[str, Any]:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def expert_stats_key(plan: EnginePlan) -> ProfileKey:
-    """The key the hot-expert cache's routing statistics are kept under, beside the profiles."""
-    return profile_key(plan.config, plan.dtype)
