@@ -233,8 +233,8 @@ class CpuAttentionConfig:
     cost_tables: str | None = knob(  # None: profile once, cached
         "--cost-tables", None, "a JSON file of cost tables instead of this machine's profile", Group.DEVICE)
     profile_cache_dir: str | None = knob(
-        "--profile-cache-dir", None, "where profiles are cached (default: $TANDEM_CACHE_DIR or "
-        "~/.cache/tandem/profiles)", Group.DEVICE)
+        "--profile-cache-dir", None, "where profiles are cached (default: profiles/ under $TANDEM_CACHE_DIR, "
+        "else ~/.cache/tandem)", Group.DEVICE)
     profile_grid: str = "default"
     force_profile: bool = False  # measure again even if a cached profile exists
 

@@ -14,7 +14,8 @@ EXPERT_STATS_SUFFIX = ".experts.json"
 
 
 def session_cache_dir() -> Path:
-    return Path(os.environ[CACHE_DIR_ENV])
+    """The session's profiles: engine.profiling.cache's profiles/ under the cache root."""
+    return Path(os.environ[CACHE_DIR_ENV]) / "profiles"
 
 
 def _measured(directory: Path) -> list[Path]:
@@ -29,6 +30,7 @@ def own_expert_statistics(directory: Path):
     statistics to itself: a run's statistics choose the next run's first hot sets, so a test that
     saw another's would depend on their order."""
     session = session_cache_dir()
+    session.mkdir(parents=True, exist_ok=True)
     directory.mkdir(parents=True, exist_ok=True)
     for path in _measured(session):
         shutil.copy2(path, directory / path.name)

@@ -33,7 +33,7 @@ from engine.planning.weights import (
 from engine.kv import KVCache
 from engine.model_config import ModelConfig
 from engine.profiling.attention_probe import measure_attention_s_per_token
-from engine.profiling.cache import CACHE_DIR_ENV
+from engine.profiling.cache import cache_root
 from engine.weights import WeightLoader
 from engine.weights.layer_files import room_bytes
 from scheduler.planning.fit import AttentionCosts, Fit, FitBudgets, FitError, FitOption, FitProbes, FitRequest, FixedChoices, fit
@@ -189,8 +189,7 @@ def _free_disk_bytes(directory: str) -> int | None:
 def default_offload_dir(source: str) -> str:
     """Where disk-tier layers go when no --offload-dir is given: a directory per checkpoint under
     $TANDEM_CACHE_DIR (else ~/.cache/tandem)."""
-    root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "tandem")
-    return str(root / "offload" / hashlib.sha256(source.encode()).hexdigest()[:16])
+    return str(cache_root() / "offload" / hashlib.sha256(source.encode()).hexdigest()[:16])
 
 
 def fixed_choices(config: EngineConfig) -> FixedChoices:

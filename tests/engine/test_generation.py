@@ -33,16 +33,25 @@ def prompt_ids(llm):
     return [llm.tokenizer.encode(p) for p in PROMPTS]
 
 
+EOS_ID = 2
+
+
 @pytest.fixture(scope="module")
 def hf_greedy(prompt_ids, embedded_hf_model):
-    model = embedded_hf_model
-    outputs = []
+    """transformers' greedy tokens, the prompts in one left-padded batch (5x faster than one by one;
+    in float32 the padded rows gave the same tokens as each prompt alone)."""
+    width = max(map(len, prompt_ids))
+    padded = torch.tensor([[EOS_ID] * (width - len(ids)) + ids for ids in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
     with torch.inference_mode():
-        for ids in prompt_ids:
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=2, pad_token_id=2)
-            outputs.append(out[0, len(ids):].tolist())
-    return outputs
+        out = embedded_hf_model.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS,
+                                         eos_token_id=EOS_ID, pad_token_id=EOS_ID)
+    return [until_eos(row[width:].tolist()) for row in out]
+
+
+def until_eos(tokens: list[int]) -> list[int]:
+    """A finished row's tokens through its end of sequence (the batch pads the rest with it)."""
+    return tokens[:tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
 
 
 def token_ids(outputs):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from server.cli import main
+from session_cache import session_cache_dir
 
 
 def test_bench_serve_help_comes_from_the_benchmark(capsys):
@@ -62,25 +63,18 @@ def test_plan_accounts_per_tensor_parallel_rank(capsys):
     assert [rank["kv_heads"] for rank in report["ranks"]] == [[0, 2], [2, 3]]
 
 
-@pytest.fixture(scope="module")
-def slicing_cache_dir(tmp_path_factory):
-    """One profile cache for the plans below: the slicing models are measured once, not per plan."""
-    return tmp_path_factory.mktemp("profiles")
-
-
 @pytest.mark.parametrize("slicing, moving, expected", [("auto", "on", "MLP slicing (ScheInfer)"),
                                                        ("0.5,0.5", "on", "CC 0.500  CG 0.500  GG 0.000"),
                                                        ("0.5,0.5", "off", "CC 0.500  CG 0.500  GG 0.000")])
-def test_plan_shows_the_mlp_slicing_rates_when_asked(slicing, moving, expected, capsys, monkeypatch,
-                                                     slicing_cache_dir):
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(slicing_cache_dir))
+def test_plan_shows_the_mlp_slicing_rates_when_asked(slicing, moving, expected, capsys):
+    """In the session's profile cache: the slicing models are measured once, not per plan."""
     assert main(["plan", "--dtype", "float32", "--quantization", "none", "--weights-gpu-gib", "0.25",
                  "--mlp-slicing", slicing,
                  "--mlp-prefill-moving", moving, "--log-level", "warning"]) == 0
     out = capsys.readouterr().out
     assert expected in out and "predicted" in out
     assert ("tokens on CG'" in out) == (moving == "on")  # the prefill's moved tokens, unless switched off
-    assert len(list(slicing_cache_dir.glob("*.slicing-dense.json"))) == 1
+    assert any(session_cache_dir().glob("*.slicing-dense.json"))
 
 
 def test_plan_places_a_moe_models_experts_by_whole_experts(capsys, monkeypatch, tmp_path):

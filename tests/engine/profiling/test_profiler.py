@@ -242,7 +242,7 @@ def test_cache_dir_from_environment(tables, checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "from-env"))
     key = make_key(checkpoint)
     load_or_profile(key, Builds(tables))
-    assert profile_path(key) == tmp_path / "from-env" / f"{key.digest}.json"
+    assert profile_path(key) == tmp_path / "from-env" / "profiles" / f"{key.digest}.json"
     assert profile_path(key).is_file()
 
 
