@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-gpu gpu-check clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -64,9 +64,10 @@ test-tp: install
 	$(PY) -m pytest tests -m tp --tp
 
 # On a CUDA GPU, the tests marked cuda: the Triton kernels natively, the copy streams, CUDA graphs and
-# the greedy-parity runs on the device. `install` puts torch's CPU build in .venv, so GPU_PYTHON names
-# an interpreter whose torch sees the GPU (with tandem's dependencies): make test-gpu GPU_PYTHON=python3
-GPU_PYTHON ?= $(PY)
+# the greedy-parity runs on the device. `install` puts torch's CPU build in .venv, which never sees a
+# GPU, so GPU_PYTHON names an interpreter whose torch does (with tandem's dependencies); python3 by
+# default, as on the lent GPU machines: make test-gpu GPU_PYTHON=/path/to/python
+GPU_PYTHON ?= python3
 test-gpu:
 	$(GPU_PYTHON) -m kernels.cpu.build
 	$(GPU_PYTHON) -m pytest tests -m cuda -rs
@@ -269,6 +270,19 @@ bench-gpu:
 	$(GPU_PYTHON) -m benchmarks.kernels.triton_w4a16
 	$(GPU_PYTHON) -m benchmarks.gpu.neo_gpu
 	$(GPU_PYTHON) -m benchmarks.update_benchmarks_doc
+
+# Everything a short GPU session should measure, in at most 9 minutes on an H100 (GPU_PYTHON as for
+# test-gpu; nothing is installed, the machine may be offline): the C++ kernels built, every CUDA test,
+# then the W4A16 kernels (beside dense bf16, torch's int4 matmul and gemlite where importable), a decode
+# step eager vs graphed, weight streaming from pinned host memory (vs a bare pinned copy and vs
+# copy-then-compute), the hot-expert cache vs static slicing, Neo vs GPU-only. Each step has a time
+# budget under one deadline; a failed or slow step is reported and the rest still run. The tables go
+# into docs/benchmarks.md naming the card and the command, and a summary is printed at the end. The
+# GPU interpreter needs torch with CUDA, triton, pytest and tandem's dependencies (pyproject.toml; a
+# step whose packages are missing is skipped with the reason). Without a GPU, `$(PY) -m
+# benchmarks.gpu.gpu_check --quick` runs the same script at tiny sizes on the CPU (make test-slow does).
+gpu-check:
+	$(GPU_PYTHON) -m benchmarks.gpu.gpu_check
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(CPU_KERNEL) kernels/cpu/*.so

@@ -115,6 +115,23 @@ SECTIONS = (
             "On a CPU-only host one rank already reads the weights with both cores, so this measures the\n"
             "machinery's cost, not a gain; the gain needs a GPU per rank (the CUDA path has not run yet).",
             "## Structured outputs (`benchmarks/serving/structured_decode.py`)"),
+    Section("gpu_check", "### The last `make gpu-check` (`benchmarks/gpu/gpu_check.py`)",
+            "Run by `make gpu-check` on a lent GPU: every CUDA test and each GPU benchmark below in one window of at most\n"
+            "9 minutes (a budget per step, a total deadline, failures reported and the rest run on), each table naming\n"
+            "the card and its command. The steps it ran, skipped or lost to its deadline:",
+            "## CPU offloading (Neo)"),
+    Section("weight_streaming_gpu", "### Weight streaming on CUDA from pinned host memory "
+            "(`benchmarks/offload/weight_streaming.py --device cuda`, `make gpu-check`)",
+            "Run by `make gpu-check`: half of Llama-3.1-8B's layers (random bf16 weights) streamed from pinned host\n"
+            "memory through the ring on the copy stream, a one-token forward (a decode step's work), PIPO's pipeline\n"
+            "against copy-then-compute; the streamed engine's achieved host-to-GPU rate against a bare pinned copy of\n"
+            "one layer's bytes in the same run.",
+            "### `tandem plan` against the engine (`benchmarks/offload/weight_plan.py`)"),
+    Section("moe_offload_gpu", "### Hot experts on CUDA (`benchmarks/offload/moe_offload.py --device cuda`, "
+            "`make gpu-check`)",
+            "Run by `make gpu-check`: `make bench-moe`'s comparison (the section above) on a lent GPU, one repetition, no\n"
+            "popularity shift: the hot-expert cache against static slicing at the same experts per layer on the GPU.",
+            "## LM-Offload: the fit and the host's threads"),
     Section("revisions", "## A redesign against the code before it (`benchmarks/serving/revisions.py`)",
             "Run by `make bench-revisions BASE=<commit>` on a quiet machine: two revisions checked out side by side,\n"
             "each running the same offline decode on the embedded model (device cpu) in its own process, resident\n"
@@ -125,13 +142,14 @@ SECTIONS = (
 )
 
 
-def refresh(doc: str, results: Path = RESULTS) -> tuple[str, list[str]]:
-    """`doc` with each block whose results/<name>.md exists replaced by that table; the names replaced."""
+def refresh(doc: str, results: Path = RESULTS, names: set[str] | None = None) -> tuple[str, list[str]]:
+    """`doc` with each block whose results/<name>.md exists (of `names` only, where given) replaced by
+    that table; the names replaced."""
     updated = []
 
     def replace(match: re.Match) -> str:
         path = results / f"{match['name']}.md"
-        if not path.is_file():
+        if not path.is_file() or (names is not None and match["name"] not in names):
             return match[0]
         updated.append(match["name"])
         return f"{match[1]}{path.read_text().strip()}\n{match[4]}"
@@ -139,12 +157,15 @@ def refresh(doc: str, results: Path = RESULTS) -> tuple[str, list[str]]:
     return BLOCK.sub(replace, doc), updated
 
 
-def add_sections(doc: str, results: Path = RESULTS,
-                 sections: tuple[Section, ...] = SECTIONS) -> tuple[str, list[str]]:
-    """`doc` with an empty section for each of `sections` that has results but no block; the names added."""
+def add_sections(doc: str, results: Path = RESULTS, sections: tuple[Section, ...] = SECTIONS,
+                 names: set[str] | None = None) -> tuple[str, list[str]]:
+    """`doc` with an empty section for each of `sections` (of `names` only, where given) that has
+    results but no block; the names added."""
     added = []
     for section in sections:
         if section.name in block_names(doc) or not (results / f"{section.name}.md").is_file():
+            continue
+        if names is not None and section.name not in names:
             continue
         text = (f"{section.heading}\n\n{section.how_run}\n\n"
                 f"<!-- bench:{section.name} -->\n<!-- /bench:{section.name} -->\n")

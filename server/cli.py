@@ -193,7 +193,7 @@ BENCH_MODULES = (
     "benchmarks.kernels.accuracy",
     "benchmarks.offload.weight_streaming", "benchmarks.offload.weight_plan", "benchmarks.offload.mlp_slicing",
     "benchmarks.offload.moe_offload", "benchmarks.offload.thread_split", "benchmarks.offload.fit_grid",
-    "benchmarks.gpu.decode_step_gpu", "benchmarks.gpu.neo_gpu",
+    "benchmarks.gpu.decode_step_gpu", "benchmarks.gpu.neo_gpu", "benchmarks.gpu.gpu_check",
     "benchmarks.simulation.simulate_neo",
 )
 BENCH_SUITES = {module.rpartition(".")[2]: module for module in BENCH_MODULES}

@@ -10,8 +10,10 @@ tokens in. Per batch size, medians over `--steps` steps after a warm-up, the two
   time, the floor a step can reach. The target is host time below it (the host then keeps ahead).
 
     python -m benchmarks.gpu.decode_step_gpu [--model llama-3.1-8b] [--batches 1 4 16 64]
+    python -m benchmarks.gpu.decode_step_gpu --quick --device cpu   (no GPU: the eager steps alone on a
+        small model; exercises the script, measures nothing of a GPU)
 
-Needs a CUDA device: without one it says so and exits 0. Writes
+On --device cuda without one it says so and exits 0. Writes
 benchmarks/results/decode_step_gpu.json and .md (docs/benchmarks.md's `<!-- bench:decode_step_gpu -->` block).
 """
 from __future__ import annotations
@@ -42,6 +44,11 @@ def decode_rows(batch: int, context_len: int, block_size: int) -> DecodeRows:
     return DecodeRows([row % 1000 for row in range(batch)], [context_len] * batch, tables)
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def eager_step(model, kv_cache, rows: DecodeRows, device) -> tuple[float, float]:
     """(host s, step s) of one eager step, inputs built as the runner's batch builder does."""
     start = time.perf_counter()
@@ -53,7 +60,7 @@ def eager_step(model, kv_cache, rows: DecodeRows, device) -> tuple[float, float]
     model.forward(torch.tensor(rows.token_ids, device=device), torch.tensor(rows.positions, device=device),
                   kv_cache, meta, torch.tensor(range(len(rows)), device=device))
     issued = time.perf_counter()
-    torch.cuda.synchronize()
+    synchronize(device)
     return issued - start, time.perf_counter() - start
 
 
@@ -70,17 +77,20 @@ def graph_step(graphs: DecodeGraphs, rows: DecodeRows) -> tuple[float, float, fl
     return issued - start, time.perf_counter() - start, begin.elapsed_time(end) / 1e3
 
 
-def measure(model, kv_cache, graphs: DecodeGraphs, rows: DecodeRows, steps: int) -> dict:
+def measure(model, kv_cache, graphs: DecodeGraphs | None, rows: DecodeRows, steps: int) -> dict:
+    """The medians of both ways; without graphs (not on CUDA) the eager way alone, the rest None."""
     for _ in range(3):  # warm-up: the bucket's graph captured, autotuning done
         eager_step(model, kv_cache, rows, model.device)
-        graph_step(graphs, rows)
+        if graphs is not None:
+            graph_step(graphs, rows)
     eager, graph = [], []
     for _ in range(steps):
         eager.append(eager_step(model, kv_cache, rows, model.device))
-        graph.append(graph_step(graphs, rows))
+        if graphs is not None:
+            graph.append(graph_step(graphs, rows))
 
     def median_ms(samples, index):
-        return 1e3 * statistics.median(s[index] for s in samples)
+        return 1e3 * statistics.median(s[index] for s in samples) if samples else None
 
     return {"batch": len(rows), "eager_host_ms": median_ms(eager, 0), "eager_step_ms": median_ms(eager, 1),
             "graph_host_ms": median_ms(graph, 0), "graph_step_ms": median_ms(graph, 1),
@@ -95,11 +105,17 @@ def to_markdown(result: dict) -> str:
              "step eager / graph | graph host / GPU |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
+        if row["graph_step_ms"] is None:  # no CUDA: the eager columns alone
+            lines.append(f"| {row['batch']} | {row['eager_host_ms']:.2f} | {row['eager_step_ms']:.2f} | - | - | - | - | - |")
+            continue
         lines.append(f"| {row['batch']} | {row['eager_host_ms']:.2f} | {row['eager_step_ms']:.2f} | "
                      f"{row['graph_host_ms']:.2f} | {row['graph_step_ms']:.2f} | {row['gpu_ms']:.2f} | "
                      f"**{row['eager_step_ms'] / row['graph_step_ms']:.2f}x** | "
                      f"{row['graph_host_ms'] / row['gpu_ms']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+QUICK = {"model": "smollm2-135m", "batches": [1, 4], "context_len": 64, "steps": 3}  # --quick's sizes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,24 +126,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: the eager steps alone (no CUDA graphs there)")
+    parser.add_argument("--quick", action="store_true", help=f"small sizes: {QUICK}")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.quick:
+        vars(args).update(QUICK)
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("decode_step_gpu.py needs a CUDA device; nothing measured", file=sys.stderr)
         return 0
     max_batch, block_size = max(args.batches), 16
     num_blocks = 1 + max_batch * blocks_for(args.context_len + 1, block_size)
-    with LLM(model=args.model, load_format="dummy", dtype=args.dtype, quantization=args.quantization, device="cuda",
-             cpu_attention="off", max_num_seqs=max_batch, max_model_len=args.context_len + 1, block_size=block_size,
-             num_blocks=num_blocks, show_progress=True) as llm:
+    with LLM(model=args.model, load_format="dummy", dtype=args.dtype, quantization=args.quantization,
+             device=args.device, cpu_attention="off", max_num_seqs=max_batch, max_model_len=args.context_len + 1,
+             block_size=block_size, num_blocks=num_blocks, show_progress=True) as llm:
         model, kv_cache = llm.engine.runner.model, llm.engine.runner.kv_cache
         kv_cache.gpu.fill_random()
-        graphs = DecodeGraphs(model, kv_cache, max_batch, blocks_for(args.context_len + 1, block_size))
+        graphs = (DecodeGraphs(model, kv_cache, max_batch, blocks_for(args.context_len + 1, block_size))
+                  if args.device == "cuda" else None)
         with torch.inference_mode():
             rows = [measure(model, kv_cache, graphs, decode_rows(batch, args.context_len, block_size), args.steps)
                     for batch in args.batches]
     setup = {key: getattr(args, key) for key in ("model", "dtype", "quantization", "context_len", "steps")}
-    setup.update(device=torch.cuda.get_device_name(), host=f"{platform.machine()} {os.cpu_count()} CPUs")
+    setup.update(device=torch.cuda.get_device_name() if args.device == "cuda" else "CPU (eager only)",
+                 host=f"{platform.machine()} {os.cpu_count()} CPUs")
     result = {"setup": setup, "rows": rows}
     markdown = to_markdown(result)
     write_results(args.output, result, markdown)

@@ -8,6 +8,8 @@ GPU pool is capped (`--num-gpu-blocks`) to emulate a GPU short of memory, then l
 Repetitions alternate the order (A B, B A); the table gives medians and the ratios.
 
     python -m benchmarks.gpu.neo_gpu [--model llama-3.1-8b] [--num-gpu-blocks 196] [--reps 2]
+    python -m benchmarks.gpu.neo_gpu --quick --device testbed   (no GPU: a small model and workload, the
+        script exercised on the testbed)
 
 Needs a CUDA device; writes benchmarks/results/neo_gpu.json and .md (docs/benchmarks.md's
 `<!-- bench:neo_gpu -->` block).
@@ -108,7 +110,12 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+# --quick's sizes: a small model and workload, the capped pool alone
+QUICK = {"model": "smollm2-135m", "num_gpu_blocks": 12, "cpu_kv_gib": 0.25, "num_requests": 4, "input_len": 32,
+         "output_len": 8, "reps": 1, "cases": ["capped"]}
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.1-8b", help="a preset in configs/models")
     parser.add_argument("--dtype", default="bfloat16")
@@ -127,8 +134,11 @@ def main() -> int:
     parser.add_argument("--cases", nargs="+", choices=["capped", "uncapped"], default=["capped", "uncapped"],
                         help="which GPU pools to run (a short GPU session: capped alone)")
     parser.add_argument("--profile-cache-dir", default=None)
+    parser.add_argument("--quick", action="store_true", help=f"small sizes: {QUICK}")
     parser.add_argument("--output", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
     on_cuda = args.device.startswith("cuda")
     if on_cuda and not torch.cuda.is_available():
         print("neo_gpu.py needs a CUDA device (or --device testbed for a dry run)", file=sys.stderr)

@@ -37,7 +37,8 @@ per layer; after --shift-windows windows the routers switch to the second permut
 pre-shift rate, the lowest after it, and the tokens per layer until it is back within 10%.
 
     nice -n 10 .venv/bin/python -m benchmarks.offload.moe_offload [--reps 3] [--with-auto]
-    .venv/bin/python -m benchmarks.offload.moe_offload --model qwen3-moe-tiny --reps 1 ...   (smoke run)
+    .venv/bin/python -m benchmarks.offload.moe_offload --quick   (smoke run: the tiny MoE, no shift)
+    python3 -m benchmarks.offload.moe_offload --device cuda ...   (on a GPU: the copies by its copy engine)
 
 Writes benchmarks/results/moe_offload.json, .md (its block in docs/benchmarks.md) and
 moe_offload_shift.png.
@@ -74,6 +75,11 @@ SHIFT_FIELDS = ("hit_rate", "gpu_rate", "ideal_rate", "num_promotions")
 TIME_FIELDS = ("cc_s", "gpu_expert_s")  # each side's seconds computing experts (the GPU's: the cache's only)
 
 
+# --quick's sizes: the tiny MoE preset, short rounds, one engine at a time, no popularity shift
+QUICK = {"model": "qwen3-moe-tiny", "reps": 1, "streams": [1, 2], "decode_tokens": 8, "prefill_prompts": 2,
+         "prefill_len": 32, "window_tokens": 64, "shift_windows": 0.0, "kv_cache_gib": 0.05, "engines_at_once": 1}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-moe-1b-a400m", help="a MoE preset (dummy weights)")
@@ -96,8 +102,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--with-auto", action="store_true", help="also --mlp-slicing auto (solves at start)")
     parser.add_argument("--kv-cache-gib", type=float, default=0.5)
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--device", choices=["testbed", "cuda"], default="testbed")
+    parser.add_argument("--quick", action="store_true", help=f"small sizes: {QUICK}")
     parser.add_argument("--output", type=Path, default=RESULTS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
+    return args
 
 
 # ---- the skewed routers --------------------------------------------------------------------
@@ -163,7 +174,7 @@ def skew_routers(model, zipf_exponent: float, seed: int) -> dict[int, SkewedRout
 def common_flags(args: argparse.Namespace) -> dict:
     shift_run_tokens = (1 + POST_SHIFT_MULTIPLE) * args.shift_windows * args.window_tokens
     decode_len = args.prompt_len + max(args.decode_tokens, math.ceil(shift_run_tokens / max(args.streams)) + 64)
-    return dict(model=args.model, load_format="dummy", device="testbed", dtype="auto", cpu_attention="off",
+    return dict(model=args.model, load_format="dummy", device=args.device, dtype="auto", cpu_attention="off",
                 max_num_seqs=max(*args.streams, args.prefill_prompts),
                 max_model_len=max(args.prefill_len + 1, decode_len), kv_cache_memory_gib=args.kv_cache_gib,
                 expert_window_tokens=args.window_tokens)
@@ -427,7 +438,7 @@ def measure_groups(configs: dict[str, dict], args: argparse.Namespace) -> tuple[
                 print(name, "built", facts[name], file=sys.stderr, flush=True)
             groups.append(list(group))
             samples.update(run_interleaved(group, args.reps, lambda bench: measure_rep(bench, args)))
-            if CACHE in group:
+            if CACHE in group and args.shift_windows > 0:
                 shift = popularity_shift(group[CACHE], args)
         finally:
             for bench in group.values():
@@ -473,14 +484,20 @@ def even_split_estimate(cache: dict, static: dict, decode: str) -> float:
     return static_s / (static_s * (1.0 - static[f"{decode}_cc_s_share"]) + experts_s / 2)
 
 
+def where(result: dict) -> str:
+    """The GPU side: a card, or the testbed's core."""
+    if result.get("gpu"):
+        return f"{result['gpu']} (experts copied by its copy engine)"
+    return "host-only testbed (one core plays the GPU, the other the CPU)"
+
+
 def setup_line(result: dict) -> str:
     """The machine, the model, the routing, the workload, the repetitions and the command."""
     s = result["setup"]
     grouping = ("engines built one at a time" if all(len(g) == 1 for g in result["groups"]) else
                 "engines built " + " then ".join(" + ".join(g) for g in result["groups"]))
     return (f"{result['cpu']} ({result['num_cores']} cores, {result['memory_bytes'] / 2**30:.0f} GiB; peak resident "
-            f"memory {result['peak_rss_bytes'] / 2**30:.1f} GiB), host-only testbed (one core plays the GPU, the other "
-            f"the CPU), {s['model']} with random weights in {s['dtype']}. Routers skewed as trained ones are: "
+            f"memory {result['peak_rss_bytes'] / 2**30:.1f} GiB), {where(result)}, {s['model']} with random weights in {s['dtype']}. Routers skewed as trained ones are: "
             f"softmax(gate(x) + log p), p Zipf ({s['zipf_exponent']:g}) over a seeded random permutation of each "
             f"layer's experts. Every configuration keeps {s['num_slots']} of {s['num_experts']} experts per routed "
             f"layer on the GPU (top-{s['top_k']}). Decode: {' and '.join(map(str, s['streams']))} greedy streams "
@@ -583,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = {**{k: v for k, v in vars(args).items() if k not in ("output", "no_plot")}, "num_experts": num_experts,
              "top_k": top_k, "num_slots": num_slots, "dtype": facts[CACHE]["dtype"]}
     plot = args.output.with_name(args.output.stem + "_shift.png")
-    result = {"cpu": host_cpu_model(), "num_cores": os.cpu_count(),
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
+    result = {"cpu": host_cpu_model(), "gpu": gpu, "num_cores": os.cpu_count(),
               "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
               "command": " ".join(["python -m benchmarks.offload.moe_offload", *argv]), "setup": setup, "reps": args.reps,
               "groups": groups, "facts": facts, "rows": rows,

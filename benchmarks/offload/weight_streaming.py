@@ -22,6 +22,12 @@ disk reader's rate (all layer files, as the transfer thread reads them) against 
 O_DIRECT rate on a file of the same disk (best of several queue depths), interleaved.
 
     nice -n 10 .venv/bin/python -m benchmarks.offload.weight_streaming [--reps 3] [--offload-dir DIR]
+    python3 -m benchmarks.offload.weight_streaming --device cuda --tiers host ...   (pinned host memory to a GPU)
+    python -m benchmarks.offload.weight_streaming --quick   (a small model, the host tier, one repetition)
+
+Beside each tier's forwards, the transfer side's achieved rate (every streamed layer's bytes over
+the "transfer only" time) is held against a bare copy of one layer's bytes in the same round: from
+pinned host memory into a GPU buffer on cuda, a host memcpy on the testbed.
 
 Writes benchmarks/results/weight_streaming.json and .md (its block in docs/benchmarks.md).
 """
@@ -131,6 +137,22 @@ def choose_prompt_len(resident: LLMEngine, transfer_s: float, compute_by_len: di
     return min(compute_by_len, key=lambda n: abs(compute_by_len[n] - transfer_s))
 
 
+def bare_copy_rate(num_bytes: int, device: str, num_copies: int = 5) -> float:
+    """Bytes/s of a plain copy of `num_bytes` into the GPU's memory, the median of `num_copies`: from
+    pinned host memory on cuda, host to host on the testbed (its GPU memory is host memory)."""
+    on_cuda = device.startswith("cuda")
+    source = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=on_cuda).fill_(1)
+    target = torch.empty(num_bytes, dtype=torch.uint8, device=device if on_cuda else "cpu")
+    seconds = []
+    for _ in range(num_copies):
+        start = time.perf_counter()
+        target.copy_(source, non_blocking=on_cuda)
+        if on_cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return num_bytes / statistics.median(seconds)
+
+
 # ---- the disk ---------------------------------------------------------------------------------
 def reader_rate(files: list[Path], num_threads: int) -> float:
     """Bytes/s reading every layer file in turn, as the transfer thread does (no copy after)."""
@@ -189,12 +211,13 @@ def measure_tier(args, tier: str, resident: LLMEngine, compute_by_len: dict[int,
     engines = {name: LLMEngine(engine_config(args, **streamed(args, tier, pipeline)))
                for name, pipeline in (("pipelined", "performance"), ("serial", "memory"))}
     try:
-        placement = engines["pipelined"].placement
+        placement = engines["pipelined"].plan.layers.placement
         transfer = transfer_only_s(engines["pipelined"])
         num_tokens = args.prompt_len.get(tier) or choose_prompt_len(resident, transfer, compute_by_len)
         print(f"{tier}: transfer {transfer:.3f} s a forward; prompt length {num_tokens}", file=sys.stderr, flush=True)
         names = ("resident", "resident beside transfers", "transfer only", "pipelined", "serial")
         samples: dict[str, list] = {name: [] for name in names}
+        bare_copy: list[float] = []
         streams: dict[str, list] = {"pipelined": [], "serial": []}
         files = sorted(Path(args.offload_dir).glob("layer-*.bin")) if tier == "disk" else []
         reference = disk_reference(Path(args.offload_dir)) if tier == "disk" else None
@@ -209,6 +232,7 @@ def measure_tier(args, tier: str, resident: LLMEngine, compute_by_len: dict[int,
                                                                     args.forwards))
                 elif name == "transfer only":
                     samples[name].append(transfer_only_s(engines["pipelined"]))
+                    bare_copy.append(bare_copy_rate(placement.layer_bytes, args.device))
                 else:
                     seconds, stream = forward_s(engines[name], num_tokens, args.forwards)
                     samples[name].append(seconds)
@@ -220,9 +244,12 @@ def measure_tier(args, tier: str, resident: LLMEngine, compute_by_len: dict[int,
                 disk["dd"].append(dd_rate(reference))
             print(tier, rep, {k: v[-1] for k, v in samples.items()}, file=sys.stderr, flush=True)
         medians = {name: statistics.median(values) for name, values in samples.items()}
+        streamed_bytes = len(placement.streamed_layers) * placement.layer_bytes
         row = {"tier": tier, "prompt_len": num_tokens, "num_layers_streamed": len(placement.streamed_layers),
                "layer_mib": placement.layer_bytes / 2**20, **{f"{k}_s": v for k, v in medians.items()},
                "pipelined_stall_s": statistics.median(s["stall_s"] for s in streams["pipelined"]),
+               "transfer_gbs": streamed_bytes / medians["transfer only"] / 1e9,
+               "bare_copy_gbs": statistics.median(bare_copy) / 1e9,
                "speedup_vs_serial": medians["serial"] / medians["pipelined"],
                "vs_max_compute_transfer": medians["pipelined"] / max(medians["resident"], medians["transfer only"]),
                "vs_max_contended": medians["pipelined"] / max(medians["resident beside transfers"],
@@ -247,14 +274,17 @@ def to_markdown(result: dict) -> str:
              f"{result['reps']} interleaved repetitions.", "",
              "| tier | P | layers streamed | resident (compute) | resident beside transfers | transfer only | "
              "pipelined (PIPO) | serial (copy, then compute) | pipelined stall | pipelined vs serial | "
-             "pipelined / max(compute, transfer) | pipelined / max(compute beside transfers, transfer) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "pipelined / max(compute, transfer) | pipelined / max(compute beside transfers, transfer) | "
+             "transfer GB/s | bare copy GB/s | transfer / bare copy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['tier']} | {row['prompt_len']} | {row['num_layers_streamed']} x {row['layer_mib']:.0f} MiB | "
                      f"{row['resident_s']:.3f} | {row['resident beside transfers_s']:.3f} | "
                      f"{row['transfer only_s']:.3f} | {row['pipelined_s']:.3f} | "
                      f"{row['serial_s']:.3f} | {row['pipelined_stall_s']:.3f} | {row['speedup_vs_serial']:.2f}x | "
-                     f"{row['vs_max_compute_transfer']:.2f} | {row['vs_max_contended']:.2f} |")
+                     f"{row['vs_max_compute_transfer']:.2f} | {row['vs_max_contended']:.2f} | "
+                     f"{row['transfer_gbs']:.2f} | {row['bare_copy_gbs']:.2f} | "
+                     f"{row['transfer_gbs'] / row['bare_copy_gbs']:.0%} |")
     for row in result["rows"]:
         if "disk" in row:
             rates = row["disk"]["rates_gbs"]
@@ -264,6 +294,11 @@ def to_markdown(result: dict) -> str:
                       "| " + " | ".join(rates) + " | reader / best fio |", "|" + "---|" * (len(rates) + 1),
                       "| " + " | ".join(f"{v:.2f}" for v in rates.values()) + f" | {row['disk']['reader_vs_fio_best']:.2f} |"]
     return "\n".join(lines) + "\n"
+
+
+# --quick's sizes: the embedded model's shape with most layers streamed, the host tier, a short prompt
+QUICK = {"model": "smollm2-135m", "weights_gpu_gib": 0.1, "tiers": ["host"], "max_model_len": 64,
+         "kv_cache_gib": 0.05, "reps": 1, "forwards": 1, "prompt_len_host": 4}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len-disk", type=int, default=None)
     parser.add_argument("--output", type=Path, default=None, help="default: results/weight_streaming.json, "
                                                                      "weight_streaming_gpu.json on cuda")
+    parser.add_argument("--quick", action="store_true", help=f"small sizes: {QUICK}")
     args = parser.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
     on_cuda = args.device.startswith("cuda")
     args.output = args.output or (RESULTS.with_name("weight_streaming_gpu.json") if on_cuda else RESULTS)
     args.prompt_len = {"host": args.prompt_len_host, "disk": args.prompt_len_disk}

@@ -42,8 +42,8 @@ class PackedInt4:
     repacked exactly): the int4 method takes it as it is, with no quantization of its own."""
 
     qweight: torch.Tensor  # [n, k / 2] uint8
-    scales: torch.Tensor  # [n, k / group_size] fp32
-    mins: torch.Tensor  # [n, k / group_size] fp32
+    scales: torch.Tensor  # [n, k / group_size] fp32 (fp16 inside TritonInt4Kernels where exact)
+    mins: torch.Tensor  # [n, k / group_size] fp32 (likewise)
     group_size: int
 
     @property
@@ -209,7 +209,8 @@ class TritonInt4Kernels:
         self.w4a16 = w4a16
 
     def prepare(self, packed: PackedInt4, device: torch.device) -> PackedInt4:
-        return packed.to(device)
+        return PackedInt4(packed.qweight.to(device), narrowed(packed.scales).to(device),
+                          narrowed(packed.mins).to(device), packed.group_size)
 
     def linear(self, x: torch.Tensor, weight: PackedInt4, scratch: DequantScratch) -> torch.Tensor:
         dense = None
@@ -219,7 +220,15 @@ class TritonInt4Kernels:
                                        dense=dense)
 
     def to_packed(self, weight: PackedInt4) -> PackedInt4:
-        return weight
+        return PackedInt4(weight.qweight, weight.scales.float(), weight.mins.float(), weight.group_size)
+
+
+def narrowed(params: torch.Tensor) -> torch.Tensor:
+    """Scales or mins in fp16 where every value survives it (GGUF Q4_0/Q4_1 store fp16, so theirs
+    do), else as they are (fp32): half the bytes the W4A16 kernel reads besides the codes (at group
+    size 32, 4 bytes a group against 16 of codes), and never a changed weight."""
+    half = params.half()
+    return half if torch.equal(half.float(), params) else params
 
 
 class Int4Weight(LinearWeight):

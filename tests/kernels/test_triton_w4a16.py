@@ -4,8 +4,10 @@ tensors (the `triton_w4a16` fixture of tests/conftest.py): the in-register kerne
 dequantize-then-matmul path, the switch between them, and the errors malformed input gets.
 
 The interpreter runs every program instance in Python, so the shapes are small: SmolLM2-135M's
-matmuls, odd ones (n odd, k not a multiple of 256) and one 4096x4096 at batch 2. Llama-3.1-8B's
-MLP shapes (3.5x that: ~30 s each here) are left to benchmarks/kernels/triton_w4a16.py on a GPU.
+matmuls, odd ones (n odd, k not a multiple of 256) at every row count from 1 to 16 and beyond, and
+one 4096x4096 at batch 2 (slow). Llama-3.1-8B's MLP shapes (3.5x that: ~30 s each here) are left to
+benchmarks/kernels/triton_w4a16.py on a GPU. Without a GPU every schedule the packed kernel may
+time is still compiled for an H100 (sm_90), so a GPU's minutes never go to a compile error.
 """
 
 import pytest
@@ -20,14 +22,16 @@ SMOLLM2_PROBLEMS = [(n, k, group_size) for n, k in [(576, 576), (1536, 576), (57
                     for group_size in int4.GROUP_SIZES if k % group_size == 0]
 ODD_PROBLEMS = [(67, 96, 32), (67, 160, 32), (33, 192, 64), (33, 640, 128)]
 BATCHES = [1, 3, 16, 17, 33]
+DECODE_ROWS = list(range(1, 17))  # every row count the packed kernel is for
 
 
-def random_weight(n, k, group_size, gen):
-    """(qweight, scales, mins) from random codes over all 16 levels, and the fp64 [n, k] matrix
-    they stand for, computed here from the codes, not by the kernels' layout code."""
+def random_weight(n, k, group_size, gen, param_dtype=torch.float32):
+    """(qweight, scales, mins) from random codes over all 16 levels, scales and mins in
+    `param_dtype` (fp16 as GGUF Q4_0/Q4_1 store them), and the fp64 [n, k] matrix they stand for,
+    computed here from the codes, not by the kernels' layout code."""
     levels = torch.randint(0, int4.MAX_LEVEL + 1, (n, k), generator=gen, dtype=torch.uint8)
-    scales = torch.rand(n, k // group_size, generator=gen) * 0.1
-    mins = -torch.rand(n, k // group_size, generator=gen) * 0.8
+    scales = (torch.rand(n, k // group_size, generator=gen) * 0.1).to(param_dtype)
+    mins = (-torch.rand(n, k // group_size, generator=gen) * 0.8).to(param_dtype)
     groups = levels.double().reshape(n, k // group_size, group_size)
     dense = (groups * scales.double()[..., None] + mins.double()[..., None]).reshape(n, k)
     return int4.pack(levels), scales, mins, dense
@@ -57,6 +61,97 @@ def test_the_kernels_run_interpreted(interpreted_w4a16):
 
     assert isinstance(interpreted_w4a16._packed_linear_kernel, InterpretedFunction)
     assert isinstance(interpreted_w4a16._dequantize_kernel, InterpretedFunction)
+
+
+@pytest.mark.parametrize("group_size", int4.GROUP_SIZES)
+@pytest.mark.parametrize("rows", DECODE_ROWS)
+def test_packed_kernel_at_every_decode_row_count_with_fp16_scales(triton_w4a16, gen, group_size, rows):
+    """1-16 rows (one row: the elementwise path; more: tl.dot), k split into runs whose partial
+    sums the second kernel adds, a ragged n and a k that ends mid-tile; scales and mins in fp16."""
+    w4a16, device = triton_w4a16
+    n, k = 67, 640
+    qweight, scales, mins, dense = random_weight(n, k, group_size, gen, torch.float16)
+    x = torch.randn(rows, k, generator=gen)
+    on_device = on(device, x, qweight, scales, mins)
+    y = w4a16.packed_linear(*on_device, group_size)
+    assert relative_error(y, x.double() @ dense.T) <= RELATIVE_TOLERANCE
+    if device == "cpu":  # the interpreter's fixed schedule splits this k: the reduction ran
+        assert w4a16.schedule_for(*on_device, group_size).split_k > 1
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_every_split_of_k_gives_the_same_product(interpreted_w4a16, gen, split_k, rows):
+    """A schedule given outright: runs of k tiles, one of them shorter than the others at 2."""
+    w4a16 = interpreted_w4a16
+    n, k, group_size = 33, 640, 64
+    qweight, scales, mins, dense = random_weight(n, k, group_size, gen, torch.float16)
+    x = torch.randn(rows, k, generator=gen)
+    schedule = w4a16.PackedSchedule(block_n=16, block_k=128, split_k=split_k)
+    y = w4a16.packed_linear(x, qweight, scales, mins, group_size, schedule=schedule)
+    assert relative_error(y, x.double() @ dense.T) <= RELATIVE_TOLERANCE
+
+
+def test_the_split_over_k_fills_an_h100_at_batch_1(interpreted_w4a16):
+    """4096x4096 at one row: every candidate gives each of 132 SMs a program, some several, and
+    no run of k is empty."""
+    w4a16 = interpreted_w4a16
+    num_sms, programs = 132, []
+    for schedule in w4a16.candidates(4096, 4096, 1, num_sms=num_sms):
+        programs.append(-(-4096 // schedule.block_n) * schedule.split_k)
+        num_k_tiles = -(-4096 // schedule.block_k)
+        assert (schedule.split_k - 1) * -(-num_k_tiles // schedule.split_k) < num_k_tiles
+    assert min(programs) >= num_sms and max(programs) >= 4 * num_sms
+
+
+def compile_for_h100(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int):
+    """`kernel` compiled ahead of time for sm_90 (no GPU needed: Triton's own ptxas)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def packed_kernel_signature(param_dtype: str) -> dict:
+    return {"x_ptr": "*bf16", "qweight_ptr": "*u8", "scales_ptr": f"*{param_dtype}", "mins_ptr": f"*{param_dtype}",
+            "y_ptr": "*bf16", "partial_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "K_PER_RUN": "i32",
+            "stride_xm": "i32", "stride_xk": "i32"}
+
+
+def compile_candidates(w4a16, tiles, block_m: int, group_size: int, param_dtype: str) -> None:
+    import triton.language as tl
+
+    for block_n, block_k, num_warps, num_stages in tiles:
+        compiled = compile_for_h100(
+            w4a16._packed_linear_kernel, packed_kernel_signature(param_dtype),
+            {"GROUP_SIZE": group_size, "DOT_DTYPE": tl.bfloat16, "BLOCK_M": block_m, "BLOCK_N": block_n,
+             "BLOCK_K": block_k, "SPLIT_K": 4}, num_warps, num_stages)
+        assert "evict_first" in compiled.asm["ptx"]  # the weights' loads carry the hint
+
+
+def test_the_packed_kernel_compiles_for_an_h100():
+    """One tile of each path, bf16 x, fp16 scales; the sum of the splits too."""
+    from conftest import import_compiled
+
+    w4a16 = import_compiled("kernels.triton.w4a16")
+    compile_candidates(w4a16, w4a16._ROW_TILES[:1], 1, 32, "fp16")
+    compile_candidates(w4a16, w4a16._DOT_TILES[:1], w4a16.DOT_ROWS, 128, "fp16")
+    compile_for_h100(w4a16._sum_splits_kernel, {"partial_ptr": "*fp32", "y_ptr": "*bf16", "NUM_OUTPUTS": "i32"},
+                     {"SPLIT_K": 4, "BLOCK": w4a16.SUM_BLOCK}, 4, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group_size", int4.GROUP_SIZES)
+@pytest.mark.parametrize("param_dtype", ["fp16", "fp32"])
+def test_every_candidate_schedule_compiles_for_an_h100(group_size, param_dtype):
+    from conftest import import_compiled
+
+    w4a16 = import_compiled("kernels.triton.w4a16")
+    compile_candidates(w4a16, w4a16._ROW_TILES, 1, group_size, param_dtype)
+    compile_candidates(w4a16, w4a16._DOT_TILES, w4a16.DOT_ROWS, group_size, param_dtype)
 
 
 @pytest.mark.parametrize("n, k, group_size", SMOLLM2_PROBLEMS)
@@ -120,6 +215,7 @@ def test_half_precision_inputs(triton_w4a16, gen, dtype, batch):
     assert relative_error(dequantized, dense) <= tolerance(dtype, device)
 
 
+@pytest.mark.slow
 def test_llama_8b_attention_shape(triton_w4a16, gen):
     """4096x4096 (Llama-3.1-8B's O-projection), the decode case: 32 steps of the loop over k
     in each of 64 column tiles; ~8 s in the interpreter."""
@@ -165,7 +261,7 @@ def _problem():
     ("qweight", torch.zeros(64, 64, dtype=torch.int8), "qweight dtype"),
     ("qweight", torch.zeros(64, 128, dtype=torch.uint8)[:, ::2], "qweight must be contiguous"),
     ("scales", torch.ones(64, 3), r"scales must have shape \(64, 4\)"),
-    ("scales", torch.ones(64, 4, dtype=torch.float16), "scales dtype"),
+    ("scales", torch.ones(64, 4, dtype=torch.bfloat16), "scales dtype"),
     ("mins", torch.ones(64, 4, device="meta"), "mins must be on cpu"),
     ("group_size", 48, "group_size must be one of"),
     ("group_size", 256, "group_size must be one of"),

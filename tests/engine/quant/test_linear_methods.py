@@ -123,3 +123,19 @@ def test_int4_weight_on_the_triton_kernels_matches_the_cpu_kernels(interpreted_w
     x = torch.randn(rows, 192, generator=gen)
     # Triton keeps x in fp32: the exact product, where the C++ kernel's int8 x is 1e-2 off
     torch.testing.assert_close(on_triton.apply(x), x @ on_cpu.dequantize().T + bias, atol=1e-4, rtol=1e-4)
+
+
+def test_the_triton_kernels_keep_scales_in_fp16_only_where_that_is_exact(interpreted_w4a16):
+    """GGUF Q4_0/Q4_1-like fp16 scales and mins are kept as fp16 (half their bytes); round-to-nearest's
+    fp32 ones stay fp32. Either way the weight it stands for is unchanged."""
+    gen = torch.Generator().manual_seed(7)
+    levels = torch.randint(0, 16, (32, 64), generator=gen, dtype=torch.uint8)
+    exact = PackedInt4(int4.pack(levels), torch.rand(32, 2, generator=gen).half().float(),
+                       -torch.rand(32, 2, generator=gen).half().float(), 32)
+    rounded = PackedInt4(*int4.quantize_rtn(torch.randn(32, 64, generator=gen), 32), 32)
+    kernels = TritonInt4Kernels()
+    for packed, dtype in ((exact, torch.float16), (rounded, torch.float32)):
+        prepared = kernels.prepare(packed, torch.device("cpu"))
+        assert prepared.scales.dtype == prepared.mins.dtype == dtype
+        back = kernels.to_packed(prepared)
+        assert back.scales.dtype == torch.float32 and torch.equal(back.dequantize(), packed.dequantize())
