@@ -30,30 +30,31 @@ MAX_N = 128
 TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
+    """A request body, or a part of one, as every protocol's are read."""
     # strict: a wrong JSON type is an error, not coerced (true is not n=1, "0.5" is not a temperature)
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(StrictBody):
     name: str = "response"
     description: str | None = None
     json_schema: dict[str, Any] = Field(alias="schema")  # `schema` would shadow a BaseModel method
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictBody):
     """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictBody):
     """vLLM's structured_outputs: exactly one of a JSON schema, any JSON object, a regular
     expression, a list of choices or an EBNF grammar (xgrammar's dialect of GBNF)."""
     json_schema: dict[str, Any] | None = Field(default=None, alias="json")
@@ -75,7 +76,7 @@ class StructuredOutputs(_Strict):
         return StructuredOutput(kind, spec, param="structured_outputs")
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StrictBody):
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -170,24 +171,24 @@ class CompletionRequest(_SamplingFields):
         return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
-class TextPart(_Strict):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class ToolCallFunction(_Strict):
+class ToolCallFunction(StrictBody):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class MessageToolCall(_Strict):
+class MessageToolCall(StrictBody):
     """A call an assistant message made, sent back in the history."""
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
@@ -202,23 +203,23 @@ class ChatMessage(_Strict):
         return "\n".join(part.text for part in self.content)
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictBody):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictBody):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictBody):
     """tool_choice naming the one function the model must call."""
     type: Literal["function"]
     function: FunctionName
@@ -252,7 +253,7 @@ class ChatCompletionRequest(_SamplingFields):
         return renames
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictBody):
     model: str | None = None
     prompt: str | None = None
     # the chat template raises on an empty conversation: refused here, it is a 400 naming the field
@@ -261,23 +262,27 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictBody):
     model: str | None = None
     tokens: list[int]
 
 
-def parse(model_cls: type[BaseModel], body: object) -> BaseModel:
-    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+def parse(model_cls: type[BaseModel], body: object, unsupported: dict[str, str] = UNSUPPORTED_PARAMS) -> BaseModel:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its field. `unsupported`:
+    the protocol's parameters tandem refuses, each with what it is."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     for key in body:
-        if key in UNSUPPORTED_PARAMS:
-            raise bad_request(f"'{key}' ({UNSUPPORTED_PARAMS[key]}) is not supported by this server", param=key,
+        if key in unsupported:
+            raise bad_request(f"'{key}' ({unsupported[key]}) is not supported by this server", param=key,
                               code="unsupported_parameter")
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:
-        error = exc.errors()[0]
+        errors = exc.errors()
+        # a block of a type tandem does not serve also fails a union's other members (a string content):
+        # its own error says more
+        error = next((e for e in errors if e["type"] == "union_tag_invalid"), errors[0])
         # union members add their type names to the location; keep the user's field path
         path = [str(p) for p in error["loc"] if not _is_type_tag(p)]
         param = ".".join(path) or None
@@ -285,6 +290,9 @@ def parse(model_cls: type[BaseModel], body: object) -> BaseModel:
             raise bad_request(f"unknown parameter '{param}'", param=param, code="unknown_parameter") from None
         if error["type"] == "missing":
             raise bad_request(f"'{param}' is required", param=param) from None
+        if error["type"] == "union_tag_invalid":  # a block, item or tool of a type tandem does not serve
+            raise bad_request(f"'{param}' of type {error['ctx']['tag']!r} is not supported by this server; it takes "
+                              f"{error['ctx']['expected_tags']}", param=param, code="unsupported_parameter") from None
         raise bad_request(f"invalid '{param}': {error['msg']}", param=param) from None
 
 
