@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.structured_output import StructuredOutput
@@ -34,6 +34,19 @@ class StrictBody(BaseModel):
     """A request body, or a part of one, as every protocol's are read."""
     # strict: a wrong JSON type is an error, not coerced (true is not n=1, "0.5" is not a temperature)
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+def tagged_union(*members: type[BaseModel], default: str | None = None) -> Any:
+    """A union of `members` told apart by their `type` literal (`default` for an object without one).
+    Each member's tag is bracketed, "[text]", so that an error's location drops it as it drops other
+    type tags: a bad field of a text block is 'messages.0.content.1.text', not '...1.text.text'."""
+    def tag_of(value: Any) -> str | None:
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
+        return f"[{kind}]" if isinstance(kind, str) else None
+
+    tagged = tuple(Annotated[member, Tag(f"[{get_args(member.model_fields['type'].annotation)[0]}]")]
+                   for member in members)
+    return Annotated[Union[tagged], Discriminator(tag_of)]
 
 
 class StreamOptions(StrictBody):
@@ -279,21 +292,41 @@ def parse(model_cls: type[BaseModel], body: object, unsupported: dict[str, str] 
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:
-        errors = exc.errors()
-        # a block of a type tandem does not serve also fails a union's other members (a string content):
-        # its own error says more
-        error = next((e for e in errors if e["type"] == "union_tag_invalid"), errors[0])
-        # union members add their type names to the location; keep the user's field path
-        path = [str(p) for p in error["loc"] if not _is_type_tag(p)]
+        error = _most_telling(exc.errors())
+        path = _field_path(error)
         param = ".".join(path) or None
         if error["type"] == "extra_forbidden":
             raise bad_request(f"unknown parameter '{param}'", param=param, code="unknown_parameter") from None
         if error["type"] == "missing":
             raise bad_request(f"'{param}' is required", param=param) from None
         if error["type"] == "union_tag_invalid":  # a block, item or tool of a type tandem does not serve
-            raise bad_request(f"'{param}' of type {error['ctx']['tag']!r} is not supported by this server; it takes "
-                              f"{error['ctx']['expected_tags']}", param=param, code="unsupported_parameter") from None
+            tag, expected = (error["ctx"][key].replace("[", "").replace("]", "") for key in ("tag", "expected_tags"))
+            raise bad_request(f"'{param}' of type '{tag}' is not supported by this server; it takes {expected}",
+                              param=param, code="unsupported_parameter") from None
+        if error["type"] == "union_tag_not_found":
+            raise bad_request(f"'{param}' needs a 'type'", param=param) from None
         raise bad_request(f"invalid '{param}': {error['msg']}", param=param) from None
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """The error to answer with. A value that fails a union fails each member: a list of blocks sent
+    as content also fails `str`. A block of a type tandem does not serve, or a fault inside the value
+    (a missing or unknown field), says more than the wrong-type error of a member it was never meant for."""
+    tag = next((e for e in errors if e["type"] == "union_tag_invalid"), None)
+    if tag is not None:
+        return tag
+    first = errors[0]
+    if first["type"].endswith("_type"):
+        prefix = _field_path(first)
+        inside = (e for e in errors if not e["type"].endswith("_type") and len(_field_path(e)) > len(prefix)
+                  and _field_path(e)[:len(prefix)] == prefix)
+        return next(inside, first)
+    return first
+
+
+def _field_path(error: dict) -> list[str]:
+    """The error's location as the user's field path: union members add their type names to it."""
+    return [str(p) for p in error["loc"] if not _is_type_tag(p)]
 
 
 def _is_type_tag(part: object) -> bool:

@@ -8,13 +8,13 @@ needs nothing, as the prefix cache finds repeated prompts by itself."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import Field
 
 from scheduler.sampling_params import ParamError
 from server import protocol
-from server.protocol import ChatCompletionRequest, StrictBody
+from server.protocol import ChatCompletionRequest, StrictBody, tagged_union
 
 # engine and chat field names -> the Messages API's, for a ParamError's 400
 PARAM_RENAMES = {"prompt": "messages", "stop": "stop_sequences", "response_format": "output_config.format"}
@@ -51,7 +51,7 @@ class ToolResultBlock(StrictBody):
     cache_control: CacheControl | None = None
 
 
-ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+ContentBlock = tagged_union(TextBlock, ToolUseBlock, ToolResultBlock)
 
 
 class InputMessage(StrictBody):
@@ -88,8 +88,7 @@ class ToolChoiceNone(StrictBody):
     type: Literal["none"]
 
 
-ToolChoice = Annotated[Union[ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNone],
-                       Field(discriminator="type")]
+ToolChoice = tagged_union(ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNone)
 
 
 class JSONOutputFormat(StrictBody):

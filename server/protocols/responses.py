@@ -7,13 +7,13 @@ response_format. Nothing is stored: `store: true` and `previous_response_id` are
 a client sends the conversation as input items, as the Agents SDK and Codex-style clients do."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Field
 
 from scheduler.sampling_params import ParamError
 from server import protocol
-from server.protocol import ChatCompletionRequest, StrictBody
+from server.protocol import ChatCompletionRequest, StrictBody, tagged_union
 
 PARAM_RENAMES = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens",
                  "response_format": "text.format", "response_format.json_schema": "text.format.schema"}
@@ -37,7 +37,7 @@ class OutputText(StrictBody):
     logprobs: list[Any] | None = None
 
 
-ContentPart = Annotated[Union[InputText, OutputText], Field(discriminator="type")]
+ContentPart = tagged_union(InputText, OutputText)
 
 
 class MessageItem(StrictBody):
@@ -65,14 +65,8 @@ class FunctionCallOutputItem(StrictBody):
     status: STATUS | None = None
 
 
-def _item_type(item: Any) -> str | None:
-    """A message item may leave out its type (EasyInputMessage)."""
-    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
-
-
-InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
-                      Discriminator(_item_type)]
+# a message item may leave out its type (EasyInputMessage)
+InputItem = tagged_union(MessageItem, FunctionCallItem, FunctionCallOutputItem, default="message")
 
 
 class FunctionTool(StrictBody):
