@@ -53,8 +53,9 @@ test-slow: install
 	$(PY) -m pytest tests -m slow --slow
 
 # The API against live servers (tests marked api): schemathesis fuzzes every operation of /openapi.json,
-# bodies valid and not, checking for no 5xx, OpenAI-shaped 4xx and responses as documented; the SDK
-# drives structured outputs and tool calls on the embedded model.
+# bodies valid and not, checking for no 5xx, 4xx in each protocol's shape and responses as documented;
+# the openai and anthropic SDKs drive structured outputs and tool calls on the embedded model through
+# chat completions, /v1/messages and /v1/responses.
 test-api: install
 	$(PY) -m pytest tests -m api --api
 
