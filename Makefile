@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-gpu clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-gpu clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -95,6 +95,7 @@ bench: install
 	$(MAKE) bench-structured
 	$(MAKE) bench-moe
 	$(MAKE) bench-tp
+	$(MAKE) bench-protocols
 	$(PY) -m benchmarks.serving.offline
 	$(PY) -m benchmarks.load.serve --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
@@ -260,6 +261,12 @@ bench-tp: install
 BASE ?= e66490e
 bench-revisions: install
 	$(PY) -m benchmarks.serving.revisions --base $(BASE)
+	$(PY) -m benchmarks.update_benchmarks_doc
+
+# The same request through /v1/chat/completions, /v1/messages and /v1/responses, rounds interleaved:
+# what translating Anthropic's and the Responses API's protocols costs beside chat completions.
+bench-protocols: install
+	$(PY) -m benchmarks.serving.protocols
 	$(PY) -m benchmarks.update_benchmarks_doc
 
 # On a CUDA GPU (GPU_PYTHON as for test-gpu): a decode step's host and GPU time, eager and as a CUDA
