@@ -126,8 +126,8 @@ def chat_request(req: ResponsesRequest, model_name: str) -> ChatCompletionReques
                                                  "conversation as input items")
     body: dict[str, Any] = {"model": model_name, "messages": chat_messages(req), "stream": req.stream,
                             "max_tokens": req.max_output_tokens, "user": req.user}
-    body.update({name: value for name, value in (("temperature", req.temperature), ("top_p", req.top_p),
-                                                 ("parallel_tool_calls", req.parallel_tool_calls)) if value is not None})
+    optional = {"temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls}
+    body.update({name: value for name, value in optional.items() if value is not None})
     if req.tools:
         body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                          for tool in req.tools]
@@ -160,7 +160,8 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _text(item.content)})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            function = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
             if not (messages and messages[-1]["role"] == "assistant"):
                 messages.append({"role": "assistant", "content": None})
             messages[-1].setdefault("tool_calls", []).append(call)
