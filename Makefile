@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-gpu gpu-check clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-gpu gpu-check clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -53,8 +53,9 @@ test-slow: install
 	$(PY) -m pytest tests -m slow --slow
 
 # The API against live servers (tests marked api): schemathesis fuzzes every operation of /openapi.json,
-# bodies valid and not, checking for no 5xx, OpenAI-shaped 4xx and responses as documented; the SDK
-# drives structured outputs and tool calls on the embedded model.
+# bodies valid and not, checking for no 5xx, 4xx in each protocol's shape and responses as documented;
+# the openai and anthropic SDKs drive structured outputs and tool calls on the embedded model through
+# chat completions, /v1/messages and /v1/responses.
 test-api: install
 	$(PY) -m pytest tests -m api --api
 
@@ -95,6 +96,7 @@ bench: install
 	$(MAKE) bench-structured
 	$(MAKE) bench-moe
 	$(MAKE) bench-tp
+	$(MAKE) bench-protocols
 	$(PY) -m benchmarks.serving.offline
 	$(PY) -m benchmarks.load.serve --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
@@ -260,6 +262,12 @@ bench-tp: install
 BASE ?= e66490e
 bench-revisions: install
 	$(PY) -m benchmarks.serving.revisions --base $(BASE)
+	$(PY) -m benchmarks.update_benchmarks_doc
+
+# The same request through /v1/chat/completions, /v1/messages and /v1/responses, rounds interleaved:
+# what translating Anthropic's and the Responses API's protocols costs beside chat completions.
+bench-protocols: install
+	$(PY) -m benchmarks.serving.protocols
 	$(PY) -m benchmarks.update_benchmarks_doc
 
 # On a CUDA GPU (GPU_PYTHON as for test-gpu): a decode step's host and GPU time, eager and as a CUDA

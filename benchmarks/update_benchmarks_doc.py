@@ -132,6 +132,14 @@ SECTIONS = (
             "Run by `make gpu-check`: `make bench-moe`'s comparison (the section above) on a lent GPU, one repetition, no\n"
             "popularity shift: the hot-expert cache against static slicing at the same experts per layer on the GPU.",
             "## LM-Offload: the fit and the host's threads"),
+    Section("protocols", "### One request, three protocols (`benchmarks/serving/protocols.py`)",
+            "Run by `make bench-protocols`: one `tandem serve` on the embedded model at its defaults; per request\n"
+            "(plain text whole, the same streamed, a forced tool call) the same greedy request through\n"
+            "/v1/chat/completions, /v1/messages and /v1/responses, one after another in a rotating order each round,\n"
+            "after a warm-up round that puts the prompt in the prefix cache for all three. Latency is send to the\n"
+            "last byte; the two translated protocols run chat's pipeline, so their ratios read the translation's\n"
+            "cost against the run's own spread (target: within 5%).",
+            "## CPU decode attention"),
     Section("revisions", "## A redesign against the code before it (`benchmarks/serving/revisions.py`)",
             "Run by `make bench-revisions BASE=<commit>` on a quiet machine: two revisions checked out side by side,\n"
             "each running the same offline decode on the embedded model (device cpu) in its own process, resident\n"

@@ -47,3 +47,4 @@ class RequestOutput:
     metrics: RequestMetrics
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (usage's cached_tokens)

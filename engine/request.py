@@ -141,7 +141,11 @@ class Request:
         outputs = [_completion(index, seq) for index, seq in enumerate(self.sequences)]
         self.metrics.num_preemptions = sum(seq.num_preemptions for seq in self.sequences)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-                             self.metrics, self._prompt_logprobs())
+                             self.metrics, self._prompt_logprobs(), self._num_cached_tokens())
+
+    def _num_cached_tokens(self) -> int:
+        """The first sample's: its siblings wait for its blocks and would count them as cached."""
+        return self.sequences[0].num_cached_prompt_tokens or 0
 
     def _prompt_logprobs(self) -> list | None:
         """The same for every sample: whichever prefilled first."""

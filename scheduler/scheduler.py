@@ -240,6 +240,8 @@ class Scheduler:
         seq.block_ids = [*hits, *pool.allocate(needed)]
         seq.num_committed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.config.block_size
+        if seq.num_cached_prompt_tokens is None:  # a preempted sequence's readmission reuses its own blocks
+            seq.num_cached_prompt_tokens = seq.num_computed_tokens
         self.prefix_cache.record_admission(tier, seq.num_tokens, seq.num_computed_tokens)
         return True
 

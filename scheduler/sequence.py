@@ -59,6 +59,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache held at first admission
     block_ids: list[int] = field(default_factory=list)  # in the pool of `tier`
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (prefix caching)
     num_committed_blocks: int = 0  # leading blocks of `block_ids` findable by their hash in their pool

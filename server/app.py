@@ -21,9 +21,9 @@ from scheduler.sampling_params import ParamError
 from server import VERSION, openapi, protocol
 from server.context import ServerContext, ServerSettings
 from server.errors import APIError
-from server.metrics import Metrics
-from server.middleware import AuthMiddleware
-from server.routes import chat, completions, utility
+from server.metrics import API_ENDPOINTS, Metrics
+from server.middleware import AuthMiddleware, RequestCounter
+from server.routes import chat, completions, messages, responses, utility
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
     app.state.context = ServerContext.build(async_engine, settings, metrics)
     if settings.api_keys:
         app.add_middleware(AuthMiddleware, api_keys=settings.api_keys)
+    if metrics is not None:  # around the key check, so its 401s count too
+        app.add_middleware(RequestCounter, endpoints=API_ENDPOINTS, record=metrics.record_api_request)
     if settings.cors_origins:  # outermost, so a 401 carries CORS headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
@@ -41,8 +43,9 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings, metrics: Met
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(ParamError, _param_error)
     app.add_exception_handler(Exception, _internal_error)
-    for family in (completions, chat, utility):  # any route can fail internally: _internal_error's 500
+    for family in (completions, chat, responses, utility):  # any route can fail internally: a 500
         app.include_router(family.router, responses=openapi.error_responses(500))
+    app.include_router(messages.router, responses=openapi.error_responses(500, anthropic_shape=True))
     openapi.install(app, requires_key=bool(settings.api_keys))
     return app
 
@@ -56,21 +59,21 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     async_engine.shutdown()
 
 
-async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response(request.url.path)
 
 
-async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-    """Unknown routes and wrong methods answer in OpenAI's shape too."""
-    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Unknown routes and wrong methods answer in the protocol's error shape too."""
+    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response(request.url.path)
 
 
 async def _param_error(request: Request, exc: ParamError) -> JSONResponse:
     """A 400 naming the field as the client spelled it: a route whose fields differ from the
     engine's leaves its renames in request.state.param_renames."""
-    return protocol.param_error(exc, getattr(request.state, "param_renames", {})).response()
+    return protocol.param_error(exc, getattr(request.state, "param_renames", {})).response(request.url.path)
 
 
-async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error")
-    return APIError(500, f"internal server error: {exc!r}", type="internal_error").response()
+    return APIError(500, f"internal server error: {exc!r}", type="internal_error").response(request.url.path)

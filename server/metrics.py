@@ -28,6 +28,10 @@ EXPERT_PAIR_KINDS = tuple((expert, placement) for expert in (EXPERT_HOT, EXPERT_
 EXPERT_PROMOTED, EXPERT_FETCHED = "promoted", "fetched"  # what an expert copy was for: a slot, or one forward
 EXPERT_COPY_KINDS = (EXPERT_PROMOTED, EXPERT_FETCHED)
 
+# the endpoints whose requests tandem:api_requests counts, each by its protocol's path
+API_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                 "/v1/responses")
+
 disable_created_metrics()  # the *_created series only clutter dashboards (vLLM turns them off too)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -108,6 +112,8 @@ class Metrics:
         self.cost_model_error = histogram(
             "cost_model_relative_error", "|measured - predicted| / measured forward time, per iteration.",
             _ERROR_BUCKETS)
+        self._api_requests = Counter("tandem:api_requests", "HTTP requests by endpoint (each protocol's path) "
+                                     "and the status answered.", ["model_name", "endpoint", "status"], registry=r)
         self._add_weight_metrics(r, counter, histogram)
         self._add_prefix_cache_metrics(r, counter)
         self._add_expert_metrics(r, counter)
@@ -173,6 +179,9 @@ class Metrics:
             "tandem:moe_expert_copied_bytes", "Bytes of expert weights copied onto the GPU, by what for (promoted: "
             "into a slot; fetched: into a buffer for one forward).", ["model_name", "kind"], registry=r)
 
+    def record_api_request(self, endpoint: str, status: int) -> None:
+        self._api_requests.labels(self._model_name, endpoint, str(status)).inc()
+
     def _initialise_labelled_series(self) -> None:
         """A series for every known label value from the start, at 0, so a fresh dashboard shows 0
         rather than "No data" (a labelled metric exports nothing until `.labels()` is called).
@@ -180,6 +189,8 @@ class Metrics:
         name = self._model_name
         for reason in FINISH_REASONS:
             self._success.labels(name, reason)
+        for endpoint in API_ENDPOINTS:
+            self._api_requests.labels(name, endpoint, "200")
         for mode in PLAN_MODES:
             self._iterations.labels(name, mode)
         for tier in KV_TIERS:

@@ -1,12 +1,14 @@
-"""What every request passes before its route: the bearer-key check and the size-limited body reader."""
+"""What every request passes before its route: the count of requests by endpoint, the API-key check
+and the size-limited body reader."""
 from __future__ import annotations
 
 import hmac
 import json
 import re
+from typing import Callable
 
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError, bad_request
 
@@ -15,8 +17,9 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class AuthMiddleware:
-    """Bearer-key check as a plain ASGI middleware. (Starlette's BaseHTTPMiddleware would hide
-    client disconnects from request.is_disconnected(), and non-streaming aborts rely on it.)"""
+    """API-key check as a plain ASGI middleware: a bearer key (OpenAI's clients) or an x-api-key
+    header (Anthropic's). (Starlette's BaseHTTPMiddleware would hide client disconnects from
+    request.is_disconnected(), and non-streaming aborts rely on it.)"""
 
     OPEN_PATHS = ("/health", "/metrics", "/version")
     _BEARER = b"bearer "
@@ -27,8 +30,9 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._needs_key(scope) and not self._has_valid_key(scope):
-            response = APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
-                                type="authentication_error", code="invalid_api_key").response()
+            response = APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>' "
+                                     "or 'x-api-key: <key>'", type="authentication_error",
+                                code="invalid_api_key").response(scope["path"])
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -38,14 +42,38 @@ class AuthMiddleware:
         return scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self.OPEN_PATHS
 
     def _has_valid_key(self, scope: Scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
         prefix_length = len(self._BEARER)
-        token = given[prefix_length:] if given[:prefix_length].lower() == self._BEARER else b""
+        bearer = given[:prefix_length].lower() == self._BEARER
+        token = given[prefix_length:] if bearer else headers.get(b"x-api-key", b"")
         # compare against every key so timing reveals nothing about which one matched
         ok = False
         for key in self.api_keys:
             ok |= hmac.compare_digest(token, key)
         return ok
+
+
+class RequestCounter:
+    """Counts the requests to `endpoints` by the status answered (`record(endpoint, status)`); a plain
+    ASGI middleware for the reason AuthMiddleware is one."""
+
+    def __init__(self, app: ASGIApp, endpoints: tuple[str, ...], record: Callable[[str, int], None]) -> None:
+        self.app = app
+        self.endpoints = frozenset(endpoints)
+        self.record = record
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.endpoints:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.record(scope["path"], message["status"])
+            await send(message)
+
+        await self.app(scope, receive, send_counted)
 
 
 async def read_json_body(request: Request, max_body_bytes: int) -> object:

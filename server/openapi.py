@@ -12,14 +12,15 @@ from functools import partial
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from server.errors import ErrorResponse
+from server.errors import AnthropicErrorResponse, ErrorResponse, speaks_anthropic
 from server.middleware import AuthMiddleware
 
 COMPONENT_REF = "#/components/schemas/{model}"
 SECURITY_SCHEME = "bearerKey"
+HEADER_SECURITY_SCHEME = "apiKeyHeader"  # Anthropic's clients send the key as x-api-key
 ERROR_DESCRIPTIONS = {
     400: "the body is not a JSON object, or a parameter is invalid or unsupported: `param` names it",
-    401: "no valid API key: send 'Authorization: Bearer <key>'",
+    401: "no valid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
     404: "the body names a model this server does not serve",
     413: "the body is larger than the server's --max-body-bytes",
     429: "the waiting queue is full: retry after Retry-After seconds",
@@ -33,6 +34,14 @@ SERVER_SENT_EVENT = {"type": "object", "required": ["data"], "properties": {
     "data": {"type": "string", "description": "a JSON chunk; `[DONE]` ends the stream"}}}
 EVENT_STREAM = {200: {"description": "the completion as JSON, or with `stream: true` as server-sent events",
                       "content": {"text/event-stream": {"schema": SERVER_SENT_EVENT}}}}
+# Anthropic's and the Responses API's streams: each event named by its payload's type, no terminator.
+NAMED_SERVER_SENT_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
+    "event": {"type": "string", "description": "the payload's type"},
+    "data": {"type": "string", "description": "a JSON event"}}}
+NAMED_EVENT_STREAM = {200: {"description": "the response as JSON, or with `stream: true` as server-sent events",
+                            "content": {"text/event-stream": {"schema": NAMED_SERVER_SENT_EVENT}}}}
+ANTHROPIC_EVENT_STREAM = {200: {**NAMED_EVENT_STREAM[200], "description": "the message as JSON, or with "
+                                                                          "`stream: true` as server-sent events"}}
 
 
 def json_body(model: type[BaseModel]) -> dict:
@@ -42,9 +51,11 @@ def json_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def error_responses(*statuses: int) -> dict:
-    """A route's `responses` for the error statuses it answers, each with OpenAI's error body."""
-    return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status],
+def error_responses(*statuses: int, anthropic_shape: bool = False) -> dict:
+    """A route's `responses` for the error statuses it answers, each with OpenAI's error body, or
+    Anthropic's with `anthropic_shape`."""
+    model = AnthropicErrorResponse if anthropic_shape else ErrorResponse
+    return {status: {"model": model, "description": ERROR_DESCRIPTIONS[status],
                      **({"headers": RETRY_AFTER} if status in (429, 503) else {})} for status in statuses}
 
 
@@ -63,9 +74,11 @@ def openapi_document(app: FastAPI, requires_key: bool) -> dict:
             for operation in path_item.values():
                 _hoist_body_schemas(operation, schemas)
                 if requires_key and path not in AuthMiddleware.OPEN_PATHS:
-                    _require_key(operation)
+                    _require_key(operation, AnthropicErrorResponse if speaks_anthropic(path) else ErrorResponse)
         if requires_key:
-            document["components"]["securitySchemes"] = {SECURITY_SCHEME: {"type": "http", "scheme": "bearer"}}
+            document["components"]["securitySchemes"] = {
+                SECURITY_SCHEME: {"type": "http", "scheme": "bearer"},
+                HEADER_SECURITY_SCHEME: {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     return app.openapi_schema
 
 
@@ -83,7 +96,7 @@ def _hoist_body_schemas(operation: dict, schemas: dict) -> None:
         media["schema"] = {"$ref": COMPONENT_REF.format(model=name)}
 
 
-def _require_key(operation: dict) -> None:
-    operation["security"] = [{SECURITY_SCHEME: []}]
+def _require_key(operation: dict, error_model: type[BaseModel]) -> None:
+    operation["security"] = [{SECURITY_SCHEME: []}, {HEADER_SECURITY_SCHEME: []}]  # either one
     operation["responses"]["401"] = {"description": ERROR_DESCRIPTIONS[401], "content": {
-        "application/json": {"schema": {"$ref": COMPONENT_REF.format(model=ErrorResponse.__name__)}}}}
+        "application/json": {"schema": {"$ref": COMPONENT_REF.format(model=error_model.__name__)}}}}

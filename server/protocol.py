@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.structured_output import StructuredOutput
@@ -30,30 +30,44 @@ MAX_N = 128
 TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
+    """A request body, or a part of one, as every protocol's are read."""
     # strict: a wrong JSON type is an error, not coerced (true is not n=1, "0.5" is not a temperature)
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
-class StreamOptions(_Strict):
+def tagged_union(*members: type[BaseModel], default: str | None = None) -> Any:
+    """A union of `members` told apart by their `type` literal (`default` for an object without one).
+    Each member's tag is bracketed, "[text]", so that an error's location drops it as it drops other
+    type tags: a bad field of a text block is 'messages.0.content.1.text', not '...1.text.text'."""
+    def tag_of(value: Any) -> str | None:
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
+        return f"[{kind}]" if isinstance(kind, str) else None
+
+    tagged = tuple(Annotated[member, Tag(f"[{get_args(member.model_fields['type'].annotation)[0]}]")]
+                   for member in members)
+    return Annotated[Union[tagged], Discriminator(tag_of)]
+
+
+class StreamOptions(StrictBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(StrictBody):
     name: str = "response"
     description: str | None = None
     json_schema: dict[str, Any] = Field(alias="schema")  # `schema` would shadow a BaseModel method
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictBody):
     """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictBody):
     """vLLM's structured_outputs: exactly one of a JSON schema, any JSON object, a regular
     expression, a list of choices or an EBNF grammar (xgrammar's dialect of GBNF)."""
     json_schema: dict[str, Any] | None = Field(default=None, alias="json")
@@ -75,7 +89,7 @@ class StructuredOutputs(_Strict):
         return StructuredOutput(kind, spec, param="structured_outputs")
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StrictBody):
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -170,24 +184,24 @@ class CompletionRequest(_SamplingFields):
         return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
-class TextPart(_Strict):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class ToolCallFunction(_Strict):
+class ToolCallFunction(StrictBody):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class MessageToolCall(_Strict):
+class MessageToolCall(StrictBody):
     """A call an assistant message made, sent back in the history."""
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
@@ -202,23 +216,23 @@ class ChatMessage(_Strict):
         return "\n".join(part.text for part in self.content)
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictBody):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictBody):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictBody):
     """tool_choice naming the one function the model must call."""
     type: Literal["function"]
     function: FunctionName
@@ -252,7 +266,7 @@ class ChatCompletionRequest(_SamplingFields):
         return renames
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictBody):
     model: str | None = None
     prompt: str | None = None
     # the chat template raises on an empty conversation: refused here, it is a 400 naming the field
@@ -261,31 +275,58 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictBody):
     model: str | None = None
     tokens: list[int]
 
 
-def parse(model_cls: type[BaseModel], body: object) -> BaseModel:
-    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+def parse(model_cls: type[BaseModel], body: object, unsupported: dict[str, str] = UNSUPPORTED_PARAMS) -> BaseModel:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its field. `unsupported`:
+    the protocol's parameters tandem refuses, each with what it is."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     for key in body:
-        if key in UNSUPPORTED_PARAMS:
-            raise bad_request(f"'{key}' ({UNSUPPORTED_PARAMS[key]}) is not supported by this server", param=key,
+        if key in unsupported:
+            raise bad_request(f"'{key}' ({unsupported[key]}) is not supported by this server", param=key,
                               code="unsupported_parameter")
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        # union members add their type names to the location; keep the user's field path
-        path = [str(p) for p in error["loc"] if not _is_type_tag(p)]
+        error = _most_telling(exc.errors())
+        path = _field_path(error)
         param = ".".join(path) or None
         if error["type"] == "extra_forbidden":
             raise bad_request(f"unknown parameter '{param}'", param=param, code="unknown_parameter") from None
         if error["type"] == "missing":
             raise bad_request(f"'{param}' is required", param=param) from None
+        if error["type"] == "union_tag_invalid":  # a block, item or tool of a type tandem does not serve
+            tag, expected = (error["ctx"][key].replace("[", "").replace("]", "") for key in ("tag", "expected_tags"))
+            raise bad_request(f"'{param}' of type '{tag}' is not supported by this server; it takes {expected}",
+                              param=param, code="unsupported_parameter") from None
+        if error["type"] == "union_tag_not_found":
+            raise bad_request(f"'{param}' needs a 'type'", param=param) from None
         raise bad_request(f"invalid '{param}': {error['msg']}", param=param) from None
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """The error to answer with. A value that fails a union fails each member: a list of blocks sent
+    as content also fails `str`. A block of a type tandem does not serve, or a fault inside the value
+    (a missing or unknown field), says more than the wrong-type error of a member it was never meant for."""
+    tag = next((e for e in errors if e["type"] == "union_tag_invalid"), None)
+    if tag is not None:
+        return tag
+    first = errors[0]
+    if first["type"].endswith("_type"):
+        prefix = _field_path(first)
+        inside = (e for e in errors if not e["type"].endswith("_type") and len(_field_path(e)) > len(prefix)
+                  and _field_path(e)[:len(prefix)] == prefix)
+        return next(inside, first)
+    return first
+
+
+def _field_path(error: dict) -> list[str]:
+    """The error's location as the user's field path: union members add their type names to it."""
+    return [str(p) for p in error["loc"] if not _is_type_tag(p)]
 
 
 def _is_type_tag(part: object) -> bool:

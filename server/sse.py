@@ -1,6 +1,7 @@
 """Server-sent events as OpenAI streams them: `data: <json>` events, a `data: [DONE]` terminator,
 an error event when the engine fails the request, and the outputs of several engine streams
-merged into one."""
+merged into one. Anthropic's and the Responses API's streams name each event by its payload's
+type and end without a terminator; their routes pass their own ending."""
 from __future__ import annotations
 
 import asyncio
@@ -17,9 +18,19 @@ _END = object()  # a merged stream's last queue entry
 T = TypeVar("T")
 
 
-def sse_event(payload: dict) -> str:
-    """One event carrying `payload` as JSON (non-ASCII text as is, as OpenAI sends it)."""
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse_event(payload: dict, name: str | None = None) -> str:
+    """One event carrying `payload` as JSON (non-ASCII text as is, as OpenAI sends it), named `name`."""
+    head = f"event: {name}\n" if name else ""
+    return f"{head}data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def sse_events(payloads: AsyncGenerator[dict, None], *, named: bool = False) -> AsyncGenerator[str, None]:
+    """`payloads` as events; `named`: each named by its payload's "type"."""
+    try:
+        async for payload in payloads:
+            yield sse_event(payload, payload["type"] if named else None)
+    finally:
+        await payloads.aclose()
 
 
 def error_event(exc: Exception) -> str:
@@ -60,17 +71,20 @@ async def _pump(index: int, stream: AsyncIterator, queue: asyncio.Queue) -> None
     await queue.put((index, _END))
 
 
-def event_stream_response(events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> StreamingResponse:
-    """An SSE response of `events` then `[DONE]`, or an error event if the engine fails the
+def event_stream_response(events: AsyncGenerator[str, None], on_close: Callable[[], None], *,
+                          done: str = DONE_EVENT,
+                          failure_event: Callable[[Exception], str] = error_event) -> StreamingResponse:
+    """An SSE response of `events` then `done`, or `failure_event` if the engine fails the
     request. `on_close` runs however the stream ends, the client going away included: it aborts
     whatever is still unfinished."""
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield event
-            yield DONE_EVENT
+            if done:
+                yield done
         except (RequestFailedError, EngineDeadError) as exc:
-            yield error_event(exc)
+            yield failure_event(exc)
         finally:
             await events.aclose()
             on_close()

@@ -8,14 +8,14 @@ from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.outputs import CompletionOutput, TokenLogprob
 from engine.text import Tokenizer
-from server.context import Context
+from server.context import Context, ServerContext
 from server.disconnect import collect_final_outputs
 from server.openapi import EVENT_STREAM, error_responses, json_body
 from server.protocol import ChatCompletionRequest
 from server.routes.shared import has_news, read_request, render_chat, require_tokenizer, usage
-from server.sse import event_stream_response, merge_streams, sse_event
+from server.sse import event_stream_response, merge_streams, sse_events
 from server.submission import Submission, submit
 from server.tool_calls import ToolCallStream
 from server.tool_calls.tool_use import ToolUse, plan_tool_use
@@ -28,22 +28,33 @@ router = APIRouter()
 async def chat_completions(request: Request, ctx: Context):
     req = await read_request(request, ChatCompletionRequest, ctx)
     request.state.param_renames = req.param_renames()  # read by the app's ParamError handler
-    tokenizer = require_tokenizer(ctx)
-    tool_use = plan_tool_use(req, tokenizer.chat_template, ctx.settings.tool_call_parser)
-    prompt_ids = render_chat(tokenizer, req.messages, req.add_generation_prompt, tool_use)
+    shaper = await start_chat(req, ctx)
+    if not req.stream:
+        return await shaper.response(request)
+    return event_stream_response(sse_events(shaper.chunks()), shaper.submission.abort_unfinished)
+
+
+async def start_chat(req: ChatCompletionRequest, ctx: ServerContext) -> ChatShaper:
+    """Submit a chat request to the engine: the pipeline every chat-shaped protocol runs (the
+    Messages and Responses routes translate into it). Its shaper gives the chat.completion body or
+    chunks, which those routes translate back."""
+    tokenizer, tool_use, prompt_ids = chat_prompt(req, ctx)
     params = tool_use.sampling_params(req.sampling_params(tool_use.structured))
     submission = await submit(ctx.async_engine, [prompt_ids], params)
-    shaper = _ChatShaper(req, submission, tokenizer, ctx.model_name, int(time.time()), tool_use)
-    if not req.stream:
-        (final,) = await collect_final_outputs(request, submission)
-        return shaper.response(final)
-    return event_stream_response(shaper.events(), submission.abort_unfinished)
+    return ChatShaper(req, submission, tokenizer, ctx.model_name, int(time.time()), tool_use)
+
+
+def chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> tuple[Tokenizer, ToolUse, list[int]]:
+    """The tokenizer, how the request's tools are served, and the prompt's token ids."""
+    tokenizer = require_tokenizer(ctx)
+    tool_use = plan_tool_use(req, tokenizer.chat_template, ctx.settings.tool_call_parser)
+    return tokenizer, tool_use, render_chat(tokenizer, req.messages, req.add_generation_prompt, tool_use)
 
 
 @dataclass(frozen=True)
-class _ChatShaper:
-    """Shapes one request's engine outputs into a chat.completion body or its stream of chunks;
-    with tools, the output's tool calls become the message's `tool_calls`."""
+class ChatShaper:
+    """Shapes one request's engine outputs into a chat.completion body or its stream of chunks
+    (as dicts); with tools, the output's tool calls become the message's `tool_calls`."""
     request: ChatCompletionRequest
     submission: Submission
     tokenizer: Tokenizer
@@ -51,12 +62,14 @@ class _ChatShaper:
     created: int
     tool_use: ToolUse
 
-    def response(self, final: RequestOutput) -> dict:
+    async def response(self, request: Request) -> dict:
+        """The chat.completion body once the request finishes (aborted if the client goes away)."""
+        (final,) = await collect_final_outputs(request, self.submission)
         choices = [{"index": c.index, **self._message(c), "logprobs": self._logprobs(c.logprobs),
                     "stop_reason": c.stop_reason} for c in final.outputs]
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         return {"id": self._id(), "object": "chat.completion", "created": self.created, "model": self.model_name,
-                "choices": choices, "usage": usage(self.submission, num_generated)}
+                "choices": choices, "usage": usage(self.submission, num_generated, final.num_cached_tokens)}
 
     def _message(self, completion: CompletionOutput) -> dict:
         """The choice's message and finish_reason: "tool_calls" when it ended by calling tools."""
@@ -70,8 +83,10 @@ class _ChatShaper:
             message["tool_calls"] = calls
         return {"message": message, "finish_reason": _finish_reason(completion.finish_reason, bool(calls))}
 
-    async def events(self) -> AsyncIterator[str]:
-        num_generated = 0
+    async def chunks(self) -> AsyncIterator[dict]:
+        """The chat.completion.chunk bodies: the role, content and tool-call deltas, the finish, and
+        with stream_options.include_usage a last chunk of usage."""
+        num_generated = num_cached = 0
         for index in range(self.request.n):  # the assistant role opens every choice
             yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
@@ -79,6 +94,7 @@ class _ChatShaper:
         tool_streams = {index: ToolCallStream(self.tool_use.parser) for index in range(self.request.n)
                         if self.tool_use.parser is not None}
         async for _, output in merge_streams(self.submission.streams):
+            num_cached = output.num_cached_tokens
             for completion in output.outputs:
                 if not has_news(completion, completion.index, finished):
                     continue
@@ -87,7 +103,7 @@ class _ChatShaper:
                 if choice is not None:
                     yield self._chunk([choice])
         if self._include_usage():
-            yield self._chunk([], usage=usage(self.submission, num_generated))
+            yield self._chunk([], usage=usage(self.submission, num_generated, num_cached))
 
     def _delta_choice(self, completion: CompletionOutput, tool_stream: ToolCallStream | None) -> dict | None:
         """The choice's chunk; None when a tool-call stream holds all of its news back."""
@@ -115,12 +131,12 @@ class _ChatShaper:
             delta["tool_calls"] = calls
         return delta
 
-    def _chunk(self, choices: list[dict], **extra) -> str:
+    def _chunk(self, choices: list[dict], **extra) -> dict:
         body = {"id": self._id(), "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model_name, "choices": choices, **extra}
         if self._include_usage() and "usage" not in body:
             body["usage"] = None
-        return sse_event(body)
+        return body
 
     def _id(self) -> str:
         return f"chatcmpl-{self.submission.id}"

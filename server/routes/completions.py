@@ -53,14 +53,17 @@ class _CompletionShaper:
                 logprobs = self._logprobs(final, completion.logprobs or [], self.request.echo, len(prefix))
                 choices.append(self._choice(prompt_index, completion, prefix + completion.text, logprobs))
                 num_generated += len(completion.token_ids)
-        return {**self._header(), "choices": choices, "usage": usage(self.submission, num_generated)}
+        num_cached = sum(final.num_cached_tokens for final in finals)
+        return {**self._header(), "choices": choices, "usage": usage(self.submission, num_generated, num_cached)}
 
     async def events(self) -> AsyncIterator[str]:
         include_usage = bool(self.request.stream_options and self.request.stream_options.include_usage)
         num_generated = 0
         text_offsets: dict[int, int] = {}  # choice index -> characters sent so far
+        num_cached: dict[int, int] = {}  # prompt index -> its prompt tokens found in the prefix cache
         finished: set[int] = set()
         async for prompt_index, output in merge_streams(self.submission.streams):
+            num_cached[prompt_index] = output.num_cached_tokens
             for completion in output.outputs:
                 choice_index = prompt_index * self.request.n + completion.index
                 if not has_news(completion, choice_index, finished):
@@ -79,7 +82,8 @@ class _CompletionShaper:
                     chunk["usage"] = None
                 yield sse_event(chunk)
         if include_usage:
-            yield sse_event({**self._header(), "choices": [], "usage": usage(self.submission, num_generated)})
+            yield sse_event({**self._header(), "choices": [],
+                             "usage": usage(self.submission, num_generated, sum(num_cached.values()))})
 
     def _header(self) -> dict:
         return {"id": f"cmpl-{self.submission.id}", "object": "text_completion", "created": self.created,

@@ -20,9 +20,11 @@ from server.tool_calls.tool_use import ToolUse, template_messages
 RequestBody = TypeVar("RequestBody", bound=BaseModel)
 
 
-async def read_request(request: Request, body_cls: type[RequestBody], ctx: ServerContext) -> RequestBody:
-    """The body, size-limited and validated as `body_cls`; a 404 unless it names the served model."""
-    body = protocol.parse(body_cls, await read_json_body(request, ctx.settings.max_body_bytes))
+async def read_request(request: Request, body_cls: type[RequestBody], ctx: ServerContext,
+                       unsupported: dict[str, str] = protocol.UNSUPPORTED_PARAMS) -> RequestBody:
+    """The body, size-limited and validated as `body_cls` (`unsupported`: the parameters its protocol
+    has that tandem refuses); a 404 unless it names the served model."""
+    body = protocol.parse(body_cls, await read_json_body(request, ctx.settings.max_body_bytes), unsupported)
     if body.model is not None and body.model != ctx.model_name:
         raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{ctx.model_name}'",
                        param="model", code="model_not_found")
@@ -51,10 +53,12 @@ def render_chat(tokenizer: Tokenizer, messages: list[protocol.ChatMessage], add_
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def usage(submission: Submission, num_generated: int) -> dict:
-    """OpenAI's usage object: the prompt tokens of every prompt, and the tokens generated."""
+def usage(submission: Submission, num_generated: int, num_cached: int) -> dict:
+    """OpenAI's usage object: the prompt tokens of every prompt (`num_cached` of them found in the
+    prefix cache), and the tokens generated."""
     return {"prompt_tokens": submission.num_prompt_tokens, "completion_tokens": num_generated,
-            "total_tokens": submission.num_prompt_tokens + num_generated}
+            "total_tokens": submission.num_prompt_tokens + num_generated,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}
 
 
 def has_news(completion: CompletionOutput, choice_index: int, finished: set[int]) -> bool:

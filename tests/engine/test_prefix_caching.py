@@ -76,9 +76,12 @@ def cached_llm():
 
 
 def test_shared_prefix_prompts_hit_and_give_the_same_tokens(cached_llm, prompts, reference):
-    first = token_ids(cached_llm.generate(prompts[:1], GREEDY))
-    rest = token_ids(cached_llm.generate(prompts[1:], GREEDY))  # the system prompt is cached now
-    assert first + rest == reference
+    first_outputs = cached_llm.generate(prompts[:1], GREEDY)
+    rest_outputs = cached_llm.generate(prompts[1:], GREEDY)  # the system prompt is cached now
+    assert token_ids(first_outputs) + token_ids(rest_outputs) == reference
+    # each request reports the prompt tokens it found cached: none for the first, whole blocks after
+    assert first_outputs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= 3 * 16 and o.num_cached_tokens % 16 == 0 for o in rest_outputs)
     counters = cached_llm.engine.scheduler.prefix_cache.counters
     assert counters.hits["gpu"] >= len(QUESTIONS[1:]) * 3 * 16  # the system prompt's blocks, at least
     assert counters.queries["gpu"] >= sum(len(cached_llm.tokenizer.encode(p)) for p in prompts)

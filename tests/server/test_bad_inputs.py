@@ -100,7 +100,7 @@ CASES = {
     "role_unknown": Case(CH, chat(messages=[{"role": "robot", "content": "Hi"}]), 400, "messages.0.role"),
     "content_part_not_text": Case(CH, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]), 400,
-        "messages.0.content"),
+        "messages.0.content.0.type"),  # the part's fault, not the string content it was never meant to be
     "tokenize_neither": Case("/tokenize", {"model": MODEL}, 400, "prompt"),
     # the chat template raised on an empty conversation: was a 500 (found by schemathesis)
     "tokenize_messages_empty": Case("/tokenize", {"model": MODEL, "messages": []}, 400, "messages"),

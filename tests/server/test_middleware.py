@@ -1,4 +1,5 @@
-"""The bearer-key middleware and the size-limited JSON body reader, each in a tiny Starlette app."""
+"""The API-key middleware, the request counter and the size-limited JSON body reader, each in a tiny
+Starlette app."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from server.errors import APIError
-from server.middleware import AuthMiddleware, read_json_body
+from server.middleware import AuthMiddleware, RequestCounter, read_json_body
 
 KEYS = ("first-key", "second-key")
 BODY_LIMIT = 64
@@ -30,7 +31,7 @@ async def api_error(_request: Request, exc: APIError) -> JSONResponse:
 
 @pytest.fixture(scope="module")
 def guarded() -> TestClient:
-    routes = [Route(path, ok) for path in ("/v1/models", "/health", "/metrics", "/version")]
+    routes = [Route(path, ok) for path in ("/v1/models", "/v1/messages", "/health", "/metrics", "/version")]
     return TestClient(Starlette(routes=routes, middleware=[Middleware(AuthMiddleware, api_keys=KEYS)]))
 
 
@@ -51,8 +52,28 @@ def error_of(response, status: int) -> dict:
 def test_without_a_valid_bearer_key_is_401(guarded, authorization):
     headers = {} if authorization is None else {"Authorization": authorization}
     error = error_of(guarded.get("/v1/models", headers=headers), 401)
-    assert error == {"message": "missing or invalid API key; send 'Authorization: Bearer <key>'",
+    assert error == {"message": "missing or invalid API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                      "type": "authentication_error", "param": None, "code": "invalid_api_key"}
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key_and_read_anthropics_401(guarded):
+    assert guarded.get("/v1/messages", headers={"x-api-key": "second-key"}).status_code == 200
+    response = guarded.get("/v1/messages", headers={"x-api-key": "wrong-key"})
+    assert response.status_code == 401
+    assert response.json()["type"] == "error" and response.json()["error"]["type"] == "authentication_error"
+
+
+def test_the_request_counter_counts_its_endpoints_by_status():
+    counted = []
+    app = Starlette(routes=[Route("/v1/messages", ok), Route("/v1/models", ok)],
+                    middleware=[Middleware(RequestCounter, endpoints=("/v1/messages",),
+                                           record=lambda *entry: counted.append(entry)),
+                                Middleware(AuthMiddleware, api_keys=KEYS)])
+    client = TestClient(app)
+    client.get("/v1/messages", headers={"x-api-key": "first-key"})
+    client.get("/v1/messages")
+    client.get("/v1/models", headers={"x-api-key": "first-key"})
+    assert counted == [("/v1/messages", 200), ("/v1/messages", 401)]
 
 
 @pytest.mark.parametrize("authorization", ["Bearer first-key", "Bearer second-key", "bearer second-key"])

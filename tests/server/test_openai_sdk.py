@@ -153,7 +153,13 @@ def test_chat_streaming(client):
     finishes = [c.choices[0].finish_reason for c in choice_chunks]
     assert finishes[-1] == full.choices[0].finish_reason and not any(finishes[:-1])
     assert all(c.usage is None for c in chunks[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+    assert chunks[-1].choices == []
+    streamed_usage, full_usage = chunks[-1].usage.model_dump(), full.usage.model_dump()
+    # the second request finds the first's prompt in the prefix cache: whole blocks of it
+    num_cached = streamed_usage.pop("prompt_tokens_details")["cached_tokens"]
+    assert num_cached >= full_usage.pop("prompt_tokens_details")["cached_tokens"] and num_cached % 16 == 0
+    assert 0 < num_cached < streamed_usage["prompt_tokens"]
+    assert streamed_usage == full_usage
 
 
 def test_chat_streaming_n(client):

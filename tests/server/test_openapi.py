@@ -6,13 +6,17 @@ from __future__ import annotations
 import pytest
 
 from server import protocol
-from server.errors import APIError, ErrorResponse
+from server.errors import AnthropicErrorResponse, APIError, ErrorResponse, speaks_anthropic
+from server.protocols import anthropic, responses
 from server.middleware import AuthMiddleware
 from tandem_server import openapi_document
 
 BODY_MODELS = {"/v1/completions": protocol.CompletionRequest, "/v1/chat/completions": protocol.ChatCompletionRequest,
-               "/tokenize": protocol.TokenizeRequest, "/detokenize": protocol.DetokenizeRequest}
+               "/tokenize": protocol.TokenizeRequest, "/detokenize": protocol.DetokenizeRequest,
+               "/v1/messages": anthropic.MessagesRequest, "/v1/messages/count_tokens": anthropic.CountTokensRequest,
+               "/v1/responses": responses.ResponsesRequest}
 ERROR_REF = "#/components/schemas/ErrorResponse"
+ANTHROPIC_ERROR_REF = "#/components/schemas/AnthropicErrorResponse"
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 
 
@@ -54,7 +58,8 @@ def test_every_post_route_documents_its_body_model(document):
         ref = body["content"]["application/json"]["schema"]["$ref"]
         assert ref == f"#/components/schemas/{BODY_MODELS[path].__name__}"
         schema = resolve(document, ref)
-        assert set(schema["properties"]) == set(BODY_MODELS[path].model_fields), path
+        fields = {field.alias or name for name, field in BODY_MODELS[path].model_fields.items()}
+        assert set(schema["properties"]) == fields, path
         assert schema["additionalProperties"] is False  # unknown parameters are refused, as the schema says
 
 
@@ -73,21 +78,27 @@ def test_every_ref_resolves(document):
         assert isinstance(resolve(document, ref), dict), ref
 
 
-def test_errors_are_documented_in_openai_shape(document):
+def test_errors_are_documented_in_each_protocols_shape(document):
     error = resolve(document, ERROR_REF)
     detail = resolve(document, error["properties"]["error"]["$ref"])
     assert set(detail["required"]) == {"message", "type", "param", "code"}
     ErrorResponse.model_validate(APIError(400, "bad", param="n", code="x").body())
+    anthropic_error = AnthropicErrorResponse.model_validate(APIError(400, "bad", param="n").anthropic_body())
+    assert (anthropic_error.error.type, anthropic_error.error.message) == ("invalid_request_error", "n: bad")
     for path, method, operation in operations(document):
         errors = {status: response for status, response in operation["responses"].items() if int(status) >= 400}
         assert "500" in errors, (path, method)
+        ref = ANTHROPIC_ERROR_REF if speaks_anthropic(path) else ERROR_REF
         for response in errors.values():
-            assert response["content"]["application/json"]["schema"] == {"$ref": ERROR_REF}
+            assert response["content"]["application/json"]["schema"] == {"$ref": ref}
 
 
 @pytest.mark.parametrize("path, statuses", [
     ("/v1/completions", {"200", "400", "404", "413", "429", "500", "503"}),
     ("/v1/chat/completions", {"200", "400", "404", "413", "429", "500", "503"}),
+    ("/v1/messages", {"200", "400", "404", "413", "429", "500", "503"}),
+    ("/v1/messages/count_tokens", {"200", "400", "404", "413", "500"}),
+    ("/v1/responses", {"200", "400", "404", "413", "429", "500", "503"}),
     ("/tokenize", {"200", "400", "404", "413", "500"}),
     ("/detokenize", {"200", "400", "404", "413", "500"}),
     ("/health", {"200", "500", "503"}),
@@ -98,10 +109,10 @@ def test_statuses_each_route_answers(document, path, statuses):
 
 
 def test_content_types(document):
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"):
         content = document["paths"][path]["post"]["responses"]["200"]["content"]
         assert set(content) == {"application/json", "text/event-stream"}
-        assert content["text/event-stream"]["schema"]["required"] == ["data"]  # one event's schema
+        assert "data" in content["text/event-stream"]["schema"]["required"]  # one event's schema
     assert "content" not in document["paths"]["/health"]["get"]["responses"]["200"]
     assert set(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert {"/v1/models", "/version"} <= set(document["paths"])
@@ -110,8 +121,8 @@ def test_content_types(document):
 def test_key_is_documented_only_where_required(document):
     assert "securitySchemes" not in document["components"]
     keyed = openapi_document("secret")
-    (scheme,) = keyed["components"]["securitySchemes"].values()
-    assert scheme == {"type": "http", "scheme": "bearer"}
+    assert list(keyed["components"]["securitySchemes"].values()) == [
+        {"type": "http", "scheme": "bearer"}, {"type": "apiKey", "in": "header", "name": "x-api-key"}]
     for path, method, operation in operations(keyed):
         open_path = path in AuthMiddleware.OPEN_PATHS
         assert ("security" in operation) != open_path, (path, method)

@@ -1,6 +1,7 @@
 """schemathesis against a live server, from its /openapi.json: every operation gets bodies valid
 and not (schemathesis's coverage and fuzzing phases), and no answer may be a 5xx, every 4xx is
-OpenAI's error shape, and every answer has a documented status, content type and body.
+its protocol's error shape (Anthropic's under /v1/messages, OpenAI's elsewhere), and every answer
+has a documented status, content type and body.
 
 The schema is loaded when the module is collected, before any server runs (schemathesis 4.32's
 fixture-loaded schemas break on pytest 9.2), from the same app code without a model; the live
@@ -10,6 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from server.errors import speaks_anthropic
 from tandem_server import MODEL, REQUEST_TIMEOUT_S, ServerProcess, openapi_document
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -36,11 +38,17 @@ def api_server(start_server) -> ServerProcess:
     return server
 
 
-def openai_shaped_error(ctx, response, case) -> None:
-    """A 4xx carries {"error": {"message": str, "type": str, "param": str|null, "code": str|null}}."""
+def protocol_shaped_error(ctx, response, case) -> None:
+    """A 4xx carries {"error": {"message": str, "type": str, "param": str|null, "code": str|null}},
+    or under /v1/messages {"type": "error", "error": {"type": str, "message": str}}."""
     if not 400 <= response.status_code < 500:
         return
     body = response.json()
+    if speaks_anthropic(case.path):
+        assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", body
+        assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+        assert all(isinstance(value, str) for value in body["error"].values()), body
+        return
     assert isinstance(body, dict) and set(body) == {"error"}, body
     error = body["error"]
     assert isinstance(error, dict) and set(error) == ERROR_KEYS, error
@@ -55,4 +63,4 @@ def openai_shaped_error(ctx, response, case) -> None:
 def test_api(case, api_server):
     if not case.meta.generation.mode.is_negative and isinstance(case.body, dict) and "model" in case.body:
         case.body["model"] = MODEL  # a valid body names the served model; any other is a 404 (test_bad_inputs)
-    case.call_and_validate(base_url=api_server.url, additional_checks=[openai_shaped_error])
+    case.call_and_validate(base_url=api_server.url, additional_checks=[protocol_shaped_error])

@@ -199,12 +199,26 @@ def test_llama3_stream_sends_plain_content_at_once():
 
 
 # ---- grammar-forced formats ------------------------------------------------------------------
-def test_parse_required_reads_an_array_of_calls_or_nothing():
+def names(calls) -> list[tuple[str, str]]:
+    return [(call.name, call.arguments) for call in calls]
+
+
+def test_parse_required_reads_the_calls_completed_before_a_cut():
     calls = parse_required('[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]')
-    assert [(call.name, call.arguments) for call in calls] == [("a", '{"x": 1}'), ("b", "{}")]
-    assert parse_required('[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "argu') == []
-    assert parse_required('[{"name": "a", "arguments": {}}, {"arguments": {}}]') == []
+    assert names(calls) == [("a", '{"x": 1}'), ("b", "{}")]
+    # cut off by max_tokens: the calls before the cut, never the raw array
+    assert names(parse_required('[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "argu')) == [("a", '{"x": 1}')]
+    assert names(parse_required('[{"name": "a", "arguments": {"x": 1}}')) == [("a", '{"x": 1}')]
+    assert parse_required('[{"name": "a", "arguments": {"x": 1') == []
+    assert names(parse_required('[{"name": "a", "arguments": {}}, {"arguments": {}}]')) == [("a", "{}")]
     assert parse_required('{"name": "a", "arguments": {}}') == []
+
+
+def test_parse_required_before_the_end_holds_a_call_nothing_follows_yet():
+    text = '[{"name": "a", "arguments": {}}'
+    assert parse_required(text, final=False) == []
+    assert names(parse_required(text + " ,", final=False)) == [("a", "{}")]
+    assert names(RequiredCallsParser().parse(text + ", {", final=False).tool_calls) == [("a", "{}")]
 
 
 def test_parse_named_reads_the_arguments_object():
@@ -218,12 +232,13 @@ def test_parse_named_reads_the_arguments_object():
 @pytest.mark.parametrize("parser, text, num_calls", [
     (RequiredCallsParser(), '[{"name": "a", "arguments": {"x": [1, 2]}}, {"name": "b", "arguments": {}}]', 2),
     (RequiredCallsParser(), '[{"name": "a", "arguments": {"x": [1, 2', 0),
+    (RequiredCallsParser(), '[{"name": "a", "arguments": {"x": [1, 2]}}, {"name": "a", "arguments": {"x"', 1),
     (NamedCallParser("get_weather"), '{"city": "Paris"}', 1),
     (NamedCallParser("get_weather"), '{"city": "Pa', 0),
 ])
 def test_forced_formats_stream_like_the_others(parser, text, num_calls):
     assert len(parser.parse(text).tool_calls) == num_calls
-    assert (parser.parse(text).content is None) == (num_calls > 0)
+    assert parser.parse(text).content is None  # the grammar's JSON is never content
     assert_stream_matches_parse(parser, text)
 
 
