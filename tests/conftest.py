@@ -123,6 +123,12 @@ def interpreted_w4a16():
 
 
 @pytest.fixture
+def compiled_w4a16():
+    """Compiled as on a GPU: its kernels can still be compiled ahead of time for a named card here."""
+    return import_compiled("kernels.triton.w4a16")
+
+
+@pytest.fixture
 def interpreted_paged_decode():
     return import_interpreted("kernels.triton.paged_decode")
 

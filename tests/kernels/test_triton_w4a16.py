@@ -132,11 +132,9 @@ def compile_candidates(w4a16, tiles, block_m: int, group_size: int, param_dtype:
         assert "evict_first" in compiled.asm["ptx"]  # the weights' loads carry the hint
 
 
-def test_the_packed_kernel_compiles_for_an_h100():
+def test_the_packed_kernel_compiles_for_an_h100(compiled_w4a16):
     """One tile of each path, bf16 x, fp16 scales; the sum of the splits too."""
-    from conftest import import_compiled
-
-    w4a16 = import_compiled("kernels.triton.w4a16")
+    w4a16 = compiled_w4a16
     compile_candidates(w4a16, w4a16._ROW_TILES[:1], 1, 32, "fp16")
     compile_candidates(w4a16, w4a16._DOT_TILES[:1], w4a16.DOT_ROWS, 128, "fp16")
     compile_for_h100(w4a16._sum_splits_kernel, {"partial_ptr": "*fp32", "y_ptr": "*bf16", "NUM_OUTPUTS": "i32"},
@@ -146,10 +144,8 @@ def test_the_packed_kernel_compiles_for_an_h100():
 @pytest.mark.slow
 @pytest.mark.parametrize("group_size", int4.GROUP_SIZES)
 @pytest.mark.parametrize("param_dtype", ["fp16", "fp32"])
-def test_every_candidate_schedule_compiles_for_an_h100(group_size, param_dtype):
-    from conftest import import_compiled
-
-    w4a16 = import_compiled("kernels.triton.w4a16")
+def test_every_candidate_schedule_compiles_for_an_h100(group_size, param_dtype, compiled_w4a16):
+    w4a16 = compiled_w4a16
     compile_candidates(w4a16, w4a16._ROW_TILES, 1, group_size, param_dtype)
     compile_candidates(w4a16, w4a16._DOT_TILES, w4a16.DOT_ROWS, group_size, param_dtype)
 
