@@ -49,8 +49,9 @@ def run_sliced(model: dict, tmp_path, device: str, cpu_attention: str, slicing=S
     return outputs, seen, layer_tiers
 
 
-@pytest.mark.parametrize("device, cpu_attention", [
-    ("cpu", "off"), ("cpu", "on"), on_testbed("testbed", "off"), on_testbed("testbed", "on"),
+@pytest.mark.parametrize("device, cpu_attention", [  # make test: one serial run, one under Neo's two batches
+    ("cpu", "off"), pytest.param("cpu", "on", marks=pytest.mark.slow), on_testbed("testbed", "off", slow=True),
+    on_testbed("testbed", "on"),
 ])
 def test_embedded_model_sliced_equals_resident(references, tmp_path, device, cpu_attention):
     outputs, seen, _ = run_sliced(EMBEDDED, tmp_path, device, cpu_attention)

@@ -25,8 +25,10 @@ MAX_TOKENS = 12
 TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
 
 
-def on_testbed(*values):
-    return pytest.param(*values, marks=pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores"))
+def on_testbed(*values, slow: bool = False):
+    """A parameter set for the testbed, skipped on fewer than 2 cores; `slow`: run by make test-slow."""
+    marks = [pytest.mark.skipif(not TWO_CORES, reason="the testbed needs 2 cores")]
+    return pytest.param(*values, marks=[*marks, pytest.mark.slow] if slow else marks)
 
 
 
@@ -131,7 +133,7 @@ def offload_dir(tmp_path_factory):
 # Each factor (tier, device, Neo, format, model) is covered; not every combination, to keep the suite short.
 @pytest.mark.parametrize("device, cpu_attention, tier", [
     ("cpu", "off", "host"), pytest.param("cpu", "on", "disk", marks=pytest.mark.slow),
-    on_testbed("testbed", "on", "mixed"), on_testbed("testbed", "off", "disk"),
+    on_testbed("testbed", "on", "mixed"), on_testbed("testbed", "off", "disk", slow=True),  # mixed reads disk too
 ])
 def test_embedded_model_streamed_equals_resident(references, offload_dir, tmp_path, device, cpu_attention, tier):
     outputs, seen = run(EMBEDDED, tmp_path, device, cpu_attention, tier, offload_dir)
