@@ -28,13 +28,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.report import RESULTS_DIR, write_results
+from engine.profiling.profiler import median_seconds
 from kernels.cpu import int4
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (out, in): QKV-ish/O, gate|up, down
@@ -56,13 +56,7 @@ def time_s(run, device: str) -> float:
         from triton.testing import do_bench
 
         return do_bench(run, warmup=WARMUP_MS, rep=REP_MS, return_mode="median") / 1e3
-    run()  # the interpreter's first call builds its kernel objects
-    samples = []
-    for _ in range(CPU_REPEATS):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return median_seconds(run, warmup=1, repetitions=CPU_REPEATS)  # the warm-up builds the interpreter's kernels
 
 
 def copy_bandwidth(src: torch.Tensor, dst: torch.Tensor) -> float:
