@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import sys
 from typing import Sequence
 
@@ -26,14 +27,16 @@ def host_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
     The CPU attention kernel reads each (block, kv head) slice, 4 KiB in the common shapes, from
     anywhere in the pool: on 4 KiB pages that is a TLB miss and a page walk per slice, and the
-    kernel ran ~1.1-1.2x slower (benchmarks/kernels/cpu_attention.py). The buffer is over-allocated by one
-    huge page so the tensor can start on a 2 MiB boundary, advised before its first touch, then
-    zeroed, which faults it in."""
+    kernel ran ~1.1-1.2x slower (benchmarks/kernels/cpu_attention.py). The buffer is an anonymous
+    mapping, over-allocated by one huge page so the tensor can start on a 2 MiB boundary and advised
+    before its first touch. The kernel hands out its pages zeroed as they are first written, so a
+    pool costs no time at start and only the memory its sequences reach (zeroing a default pool
+    took over a second per engine)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(tuple(shape), dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES), dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     advise_huge_pages(raw.data_ptr() + offset, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
-    # A view: it keeps `raw`'s storage alive.
-    return raw[offset:offset + nbytes].view(dtype).view(tuple(shape)).zero_()
+    # A view: it keeps `raw`'s storage, and through it the mapping, alive.
+    return raw[offset:offset + nbytes].view(dtype).view(tuple(shape))

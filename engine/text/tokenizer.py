@@ -4,6 +4,7 @@ ids that end a generation and the bytes of single tokens (engine/text/detokenize
 sampled ids back into text)."""
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import re
@@ -64,7 +65,8 @@ class Tokenizer:
                                      f"{len(ggufs)} .gguf files (need exactly one)")
             source = ggufs[0]
         if source.is_file() and source.suffix == ".gguf":
-            return cls._from_gguf(source)
+            stat = source.stat()
+            return _gguf_tokenizer(source.resolve(), stat.st_mtime_ns, stat.st_size)
         raise TokenizerError(f"{source}: expected a .gguf file or a directory with tokenizer.json")
 
     @classmethod
@@ -161,6 +163,13 @@ class Tokenizer:
         if fallback:
             return bytes([int(fallback.group(1), 16)])
         return raw.replace(_SENTENCEPIECE_SPACE, " ").encode("utf-8")
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_tokenizer(path: Path, mtime_ns: int, size_bytes: int) -> Tokenizer:
+    """One tokenizer per unchanged GGUF file and process, shared by its engines: building it
+    re-parses the file's vocabulary (half a second for SmolLM2), and a Tokenizer is only read."""
+    return Tokenizer._from_gguf(path)
 
 
 def _is_byte_level(decoder: Any) -> bool:

@@ -15,6 +15,7 @@ shapes and byte ranges are all checked when the loader is built.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections import Counter
 from enum import Enum
@@ -170,8 +171,8 @@ class GGUFLoader(WeightLoader):
             raise WeightLoadError(f"{model}: GGUF file not found")
         self.source = str(self.path)
         self.tokenizer_source = str(self.path)
-        self._reader = _open_reader(self.path)
-        self.metadata = _decode_metadata(self._reader, self.path)
+        self._reader, metadata = _parsed(self.path)
+        self.metadata = dict(metadata)
         self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
         try:
             config = ModelConfig.from_gguf_metadata(self.metadata)
@@ -329,6 +330,20 @@ def _quant_type(raw: int) -> GGMLQuantizationType | None:
         return GGMLQuantizationType(raw)
     except ValueError:
         return None
+
+
+def _parsed(path: Path) -> tuple[GGUFReader, dict[str, Any]]:
+    """The file's reader and decoded metadata, parsed once per process while the file is unchanged:
+    a process that builds several engines on one model (tests, a restart after a bad flag) pays the
+    parse once."""
+    stat = path.stat()
+    return _parsed_file(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_file(path: Path, mtime_ns: int, size_bytes: int) -> tuple[GGUFReader, dict[str, Any]]:
+    reader = _open_reader(path)
+    return reader, _decode_metadata(reader, path)
 
 
 def _open_reader(path: Path) -> GGUFReader:
