@@ -154,6 +154,10 @@ struct KernelTable {
   void (*int4_tiles)(const Int4Problem& problem, int tile_begin, int tile_end);
   // Rows [row_begin, row_end) of the activations quantized to int16 for int4_tiles.
   void (*int4_quantize_rows)(const Int4Activations& activations, int row_begin, int row_end);
+  // The INT4 matmul over int8 activations, one thread's output tiles and x rows (int4_q8_impl.h).
+  void (*int4_q8_tiles)(const Int4Q8Problem& problem, const Int4Q8Range& range);
+  // Rows [row_begin, row_end) of the activations quantized to int8 for int4_q8_tiles.
+  void (*int4_q8_quantize_rows)(const Int4Q8Activations& activations, int row_begin, int row_end);
   // Rows [row_begin, row_end) of the INT4 weight, dense in `dtype`, into out (from its first row).
   void (*int4_dequantize)(const Int4Problem& problem, void* out, DType dtype, int row_begin, int row_end);
   // RMSNorm of rows x [rows, hidden] into out, in `dtype` (rms_norm_impl.h).
@@ -191,6 +195,7 @@ struct ExpConstants {
 const KernelTable* avx512_vnni_kernels();
 const KernelTable* avx512_kernels();
 const KernelTable* avx2_kernels();
+const KernelTable* neon_dotprod_kernels();
 const KernelTable* neon_kernels();
 const KernelTable* scalar_kernels();
 

@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "attention.h"
+#include "dispatch.h"
+#include "int4_matmul.h"
 #include "kv_quant.h"
 #include "thread_pool.h"
 
@@ -24,46 +26,8 @@ namespace py = pybind11;
 namespace tandem {
 namespace {
 
-constexpr int kMaxThreads = 1024;
 // Per-thread scratch is padded to whole cache lines so threads never share one.
 constexpr size_t kCacheLineFloats = 16;
-
-bool cpu_supports(const std::string& isa) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  if (isa == "avx512_vnni") return cpu_supports("avx512") && __builtin_cpu_supports("avx512vnni");
-  if (isa == "avx512") {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }
-  if (isa == "avx2") {
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  }
-#endif
-  return isa == "neon" || isa == "scalar";  // neon is compiled only where it is baseline
-}
-
-// Compiled and runnable here, best first.
-std::vector<const KernelTable*> usable_kernels() {
-  std::vector<const KernelTable*> usable;
-  for (const KernelTable* table : {avx512_vnni_kernels(), avx512_kernels(), avx2_kernels(), neon_kernels(), scalar_kernels()}) {
-    if (table != nullptr && cpu_supports(table->name)) usable.push_back(table);
-  }
-  return usable;
-}
-
-const KernelTable& select_kernels(const std::string& isa) {
-  static const std::vector<const KernelTable*> usable = usable_kernels();
-  if (isa.empty()) return *usable.front();
-  std::string names;
-  for (const KernelTable* table : usable) {
-    if (isa == table->name) return *table;
-    names += names.empty() ? table->name : std::string(", ") + table->name;
-  }
-  throw std::invalid_argument("isa '" + isa + "' is not usable on this CPU/build; usable: " + names);
-}
 
 std::string block_error(const Problem& p, int seq, int block) {
   return "block_tables[" + std::to_string(seq) + "][" + std::to_string(block) + "] = " +
@@ -413,74 +377,6 @@ void paged_decode_attention(uintptr_t query, uintptr_t out, int query_dtype, uin
   run_attention(p, kernels, num_threads, whole_sequences);
 }
 
-void check_int4_shape(int batch, int n, int k, int group_size, int num_threads) {
-  if (num_threads < 1 || num_threads > kMaxThreads) {
-    throw std::invalid_argument("num_threads must be in [1, " + std::to_string(kMaxThreads) +
-                                "], got " + std::to_string(num_threads));
-  }
-  if (group_size <= 0 || group_size % kInt4Block != 0 || k <= 0 || k % group_size != 0) {
-    throw std::invalid_argument("k (" + std::to_string(k) + ") must be a positive multiple of group_size (" +
-                                std::to_string(group_size) + "), itself a multiple of " +
-                                std::to_string(kInt4Block));
-  }
-  if (batch < 0 || n < 1) throw std::invalid_argument("batch must be >= 0 and n >= 1");
-}
-
-// [0, count) split into `parts` contiguous ranges; the range of `part`.
-std::pair<int, int> split_range(int count, int parts, int part) {
-  return {static_cast<int>(static_cast<int64_t>(count) * part / parts),
-          static_cast<int>(static_cast<int64_t>(count) * (part + 1) / parts)};
-}
-
-void int4_linear(uintptr_t x, uintptr_t codes, uintptr_t scales, uintptr_t mins, uintptr_t y, int dtype, int batch,
-                 int n, int k, int group_size, int num_threads, const std::string& isa) {
-  check_int4_shape(batch, n, k, group_size, num_threads);
-  if (batch == 0) return;
-  const KernelTable& kernels = select_kernels(isa);
-  // The activations' int16 blocks and sums are computed here rather than by torch ops before the
-  // call, whose OpenMP threads would go on spinning on the cores the kernel's threads are about
-  // to use (a batch of 8 on 256x4096 took 4 ms that way instead of about 0.2).
-  std::vector<int16_t> x_quant(static_cast<size_t>(batch) * k);
-  std::vector<float> x_scales(static_cast<size_t>(batch) * (k / kInt4Block));
-  std::vector<float> group_sums(static_cast<size_t>(batch) * (k / group_size));
-  std::vector<float> code_offsets(group_sums.size());
-  const Int4Activations activations{reinterpret_cast<const void*>(x), static_cast<DType>(dtype), x_quant.data(),
-                                    x_scales.data(),
-                                    group_sums.data(), code_offsets.data(), k, group_size};
-  const int quantize_threads = std::min(num_threads, batch);
-  ThreadPool::instance().run(quantize_threads, [&](int thread) {
-    const auto [begin, end] = split_range(batch, quantize_threads, thread);
-    kernels.int4_quantize_rows(activations, begin, end);
-  });
-  const Int4Problem p{x_quant.data(), x_scales.data(), group_sums.data(), code_offsets.data(),
-                      reinterpret_cast<const uint8_t*>(codes),
-                      reinterpret_cast<const float*>(scales), reinterpret_cast<const float*>(mins),
-                      reinterpret_cast<void*>(y), static_cast<DType>(dtype), batch, n, k, group_size};
-  // Contiguous runs of tiles: each thread streams its own part of the packed weight once.
-  const int num_tiles = (n + kInt4TileRows - 1) / kInt4TileRows;
-  const int threads = std::min(num_threads, num_tiles);
-  ThreadPool::instance().run(threads, [&](int thread) {
-    const auto [begin, end] = split_range(num_tiles, threads, thread);
-    kernels.int4_tiles(p, begin, end);
-  });
-}
-
-void int4_dequantize(uintptr_t codes, uintptr_t scales, uintptr_t mins, uintptr_t out, int out_dtype, int n,
-                     int k, int group_size, int num_threads, const std::string& isa) {
-  check_int4_shape(0, n, k, group_size, num_threads);
-  const KernelTable& kernels = select_kernels(isa);
-  const Int4Problem p{nullptr, nullptr, nullptr, nullptr, reinterpret_cast<const uint8_t*>(codes),
-                      reinterpret_cast<const float*>(scales), reinterpret_cast<const float*>(mins), nullptr,
-                      DType::kFloat32, 0, n, k, group_size};
-  const int threads = std::min(num_threads, n);
-  const size_t row_bytes = static_cast<size_t>(k) * dtype_size(static_cast<DType>(out_dtype));
-  ThreadPool::instance().run(threads, [&](int thread) {
-    const auto [begin, end] = split_range(n, threads, thread);
-    kernels.int4_dequantize(p, reinterpret_cast<char*>(out) + begin * row_bytes, static_cast<DType>(out_dtype),
-                            begin, end);
-  });
-}
-
 void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t out, int dtype, int rows, int hidden, double eps,
               const std::string& isa) {
   if (rows < 0 || hidden < 1 || hidden % kHeadDimMultiple != 0) {
@@ -550,6 +446,9 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.def("stolen_ranges", [] { return tandem::stolen_ranges.load(); },
         "Ranges of work one thread has taken from another since the module loaded.");
   m.def("int4_linear", &tandem::int4_linear, "Raw-pointer entry; use kernels.cpu.int4_linear instead.",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int4_linear_int16", &tandem::int4_linear_int16,
+        "Raw-pointer entry; use kernels.cpu.int4_linear(..., activation_bits=16) instead.",
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_dequantize", &tandem::int4_dequantize, "Raw-pointer entry; use kernels.cpu.int4.dequantize_into.",
         py::call_guard<py::gil_scoped_release>());

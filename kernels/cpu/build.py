@@ -29,7 +29,12 @@ X86_ISA_FLAGS = {
     "isa_avx512_vnni.cpp": _AVX512_FLAGS + ["-mavx512vnni"],
     "isa_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
 }
-SOURCES = ["bindings.cpp", "thread_pool.cpp", "isa_avx512_vnni.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_neon.cpp", "isa_scalar.cpp"]
+# AArch64: NEON is baseline; the dot product extension (sdot) is dispatched at run time.
+ARM_ISA_FLAGS = {"isa_neon_dotprod.cpp": ["-march=armv8.2-a+dotprod"]}
+# Plain C++: everything but the Python binding (tests/kernels/int4_isa_check.cpp links these too).
+KERNEL_SOURCES = ["dispatch.cpp", "int4_matmul.cpp", "thread_pool.cpp", "isa_avx512_vnni.cpp", "isa_avx512.cpp",
+                  "isa_avx2.cpp", "isa_neon_dotprod.cpp", "isa_neon.cpp", "isa_scalar.cpp"]
+SOURCES = ["bindings.cpp", *KERNEL_SOURCES]
 
 
 class BuildError(RuntimeError):
@@ -61,17 +66,25 @@ def run_command(command: list[str]) -> None:
         print(result.stderr, file=sys.stderr)
 
 
+def isa_flags(source: str, machine: str) -> list[str]:
+    """The -m flags of one source for a target machine (platform.machine()'s names)."""
+    machine = machine.lower()
+    if machine in ("x86_64", "amd64", "i686", "i386"):
+        return X86_ISA_FLAGS.get(source, [])
+    if machine in ("aarch64", "arm64"):
+        return ARM_ISA_FLAGS.get(source, [])
+    return []
+
+
 def build(compiler: str | None = None) -> Path:
     compiler = compiler or default_compiler()
     includes = _include_flags()
-    is_x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
     target = output_path()
     with tempfile.TemporaryDirectory(prefix="tandem-cpu-build-") as build_dir:
         objects = []
         for source in SOURCES:
             obj = os.path.join(build_dir, source.replace(".cpp", ".o"))
-            isa_flags = X86_ISA_FLAGS.get(source, []) if is_x86 else []
-            run_command([compiler, *COMMON_FLAGS, *isa_flags, *includes, "-c", str(HERE / source), "-o", obj])
+            run_command([compiler, *COMMON_FLAGS, *isa_flags(source, platform.machine()), *includes, "-c", str(HERE / source), "-o", obj])
             objects.append(obj)
         # Link to a temporary name first so a failed build never leaves a half-written module.
         partial = target.with_suffix(".tmp")

@@ -5,7 +5,7 @@
 // attention, the elementwise glue), in the same order and with the same roundings, so its
 // results are the op-by-op path's.
 //
-// Included by bindings.cpp after its raw entry points (int4_linear, dense_linear,
+// Included by bindings.cpp after its raw entry points (int4_linear_int16, dense_linear,
 // paged_decode_attention), in the same translation unit.
 #pragma once
 
@@ -201,8 +201,9 @@ class Decoder {
   void apply(const LinearPart& part, const char* x, char* y, int tokens) {
     const int64_t start = now_ns();
     if (part.is_int4) {
-      int4_linear(addr(x), part.codes, part.scales, part.mins, addr(y), s_.dtype, tokens, part.n, part.k,
-                  part.group_size, s_.linear_threads, s_.isa);
+      // decode-sized batches: int16 x, as the op-by-op path (engine/quant/int4.py MAX_INT16_ROWS)
+      int4_linear_int16(addr(x), part.codes, part.scales, part.mins, addr(y), s_.dtype, tokens, part.n, part.k,
+                        part.group_size, s_.linear_threads, s_.isa);
     } else {
       float* x32 = reinterpret_cast<float*>(buffer(x32_buf_, static_cast<size_t>(tokens) * part.k));
       float* y32 = reinterpret_cast<float*>(buffer(y32_buf_, static_cast<size_t>(tokens) * part.n));

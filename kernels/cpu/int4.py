@@ -4,7 +4,8 @@ Layout (kernels/cpu/int4.h): `qweight` uint8 [n, k / 2], each run of 32 weights 
 as 16 bytes whose low nibbles are weights 0..15 and high nibbles weights 16..31 (GGUF Q4's own
 order); `scales` and `mins` fp32 [n, k / group_size], weight = scale * q + min, q in 0..15. The
 matmul reads a tiled copy (`TiledInt4`: the same bytes, 16 output rows interleaved) and quantizes
-x to int16 per block of 32, so that integer dot products cover 4 weights of many rows at once.
+x per block of 32, to int8 by default (llama.cpp's Q8_0) or int16, so that integer dot products
+cover 4 weights of many rows at once; `reference_linear` is the same arithmetic in plain torch.
 """
 from __future__ import annotations
 
@@ -21,9 +22,13 @@ GROUP_SIZES = (32, 64, 128)
 MAX_LEVEL = 15  # q in [0, MAX_LEVEL]
 TILE_ROWS = 16  # output rows interleaved in one tile of the CPU layout
 CHUNKS = 4  # 64-byte chunks per tile and block
-# The kernel's relative error against the fp32 product on the dequantized weight, from its int16
-# activations (per-block absmax scaling: each x off by at most half a step of max|x| / 32767).
-ACTIVATION_RELATIVE_ERROR = 1e-3
+ACTIVATION_BITS = (8, 16)
+# Largest int of x quantized to each width, per block of 32 with its own scale max |x| / this.
+MAX_QUANT = {8: 127, 16: 32767}
+CODE_CENTER = 8  # codes act as q - 8 (int4.h)
+# The kernel's relative error against the fp32 product on the dequantized weight, from its
+# activations (per-block absmax scaling: each x off by at most half a step of max|x| / MAX_QUANT).
+ACTIVATION_RELATIVE_ERROR = {8: 2e-2, 16: 1e-3}
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -137,24 +142,55 @@ def dequantize_into(weight: TiledInt4, out: torch.Tensor, num_threads: int = 1,
     return out
 
 
-def int4_linear(x: torch.Tensor, weight: TiledInt4, num_threads: int = 1, isa: str | None = None) -> torch.Tensor:
+def int4_linear(x: torch.Tensor, weight: TiledInt4, num_threads: int = 1, isa: str | None = None,
+                activation_bits: int = 8) -> torch.Tensor:
     """y = x @ W^T: x [batch, k] fp32/bf16/fp16 -> y [batch, n] in x's dtype (read and written in
-    C++: no conversion ops around the call). x is quantized to int16 per block of 32 inside
-    (int4.h), so y differs from the fp32 product on the dequantized weight by about 1e-4 relative
-    (bound: ACTIVATION_RELATIVE_ERROR). The GIL is released while the kernel runs. Raises
-    ValueError on malformed input. This is the decode step's hot path (one call per matmul): the
-    checks are the few a call can get wrong, the weight's own were made when it was tiled."""
+    C++: no conversion ops around the call), for any batch (prefill's included: the weight is never
+    widened). x is quantized per block of 32 inside (int4.h), to int8 (the default: prefill's, 4
+    products per instruction) or to int16 (`activation_bits=16`: about 1e-4 relative, decode's);
+    `reference_linear` is the same arithmetic. The GIL
+    is released while the kernel runs. Raises ValueError on malformed input. This is the hot path
+    (one call per matmul): the checks are the few a call can get wrong, the weight's own were made
+    when it was tiled."""
     if not isinstance(x, torch.Tensor) or x.dtype not in _ACTIVATION_DTYPES or not x.is_cpu or x.dim() != 2:
         _check_tensor("x", x, 2, _ACTIVATION_DTYPES)  # names what is wrong
     batch, k = x.shape
     if k != weight.k:
         raise ValueError(f"x has {k} columns but the weight's input dimension is {weight.k}")
+    if activation_bits not in ACTIVATION_BITS:
+        raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS}, got {activation_bits}")
     x = x.contiguous()
     y = torch.empty(batch, weight.n, dtype=x.dtype)
-    _extension().int4_linear(x.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(),
-                             weight.mins.data_ptr(), y.data_ptr(), _DTYPE_CODES[x.dtype], batch, weight.n, k,
-                             weight.group_size, int(num_threads), isa or "")
+    entry = _extension().int4_linear if activation_bits == 8 else _extension().int4_linear_int16
+    entry(x.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(), weight.mins.data_ptr(), y.data_ptr(),
+          _DTYPE_CODES[x.dtype], batch, weight.n, k, weight.group_size, int(num_threads), isa or "")
     return y
+
+
+def quantize_activations(x: torch.Tensor, activation_bits: int = 8) -> torch.Tensor:
+    """x [batch, k] as the kernel sees it: rounded per block of 32 to ints of `activation_bits`
+    (scale max |x| / MAX_QUANT, round to nearest even), times the scale, in fp64."""
+    batch, k = x.shape
+    max_quant = MAX_QUANT[activation_bits]
+    blocks = x.float().reshape(batch, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # a true division, as in C++ (`c / amax` is torch's reciprocal times c: an ulp off at times)
+    inverse = torch.where(amax > 0, torch.full_like(amax, max_quant).div(amax), torch.zeros_like(amax))
+    codes = torch.round(blocks * inverse)
+    return (codes.double() * (amax / max_quant).double()).reshape(batch, k)
+
+
+def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                     group_size: int, activation_bits: int = 8) -> torch.Tensor:
+    """int4_linear's arithmetic in plain fp64 torch over the canonical layout: with x' =
+    quantize_activations(x), y = sum over groups of scale * <q - 8, x'> + (min + 8 scale) * sum(x)."""
+    batch, k = x.shape
+    n = qweight.shape[0]
+    centered = unpack(qweight).double().reshape(n, -1, group_size) - CODE_CENTER
+    scaled = (centered * scales.double()[..., None]).reshape(n, k)
+    sums = x.double().reshape(batch, -1, group_size).sum(-1)
+    centered_mins = mins.double() + CODE_CENTER * scales.double()
+    return quantize_activations(x, activation_bits) @ scaled.T + sums @ centered_mins.T
 
 
 # Calibration weight for default_num_threads: Llama-3.1-8B's gate|up shape, 38 MB packed, larger

@@ -21,27 +21,44 @@ namespace {
 constexpr int kInt4Vectors = kInt4TileRows / Dot::kLanes;  // vectors per tile row range
 constexpr int kPrefetchBytes = 8 * kInt4TileBlockBytes;  // how far ahead of the block in use
 
-template <typename T>
+template <typename T, int kLanes>
 inline void store_converted(T* y, const float* lanes, int count) {
-  alignas(64) T converted[Dot::kLanes];
-  for (int i = 0; i < Dot::kLanes; i += Isa::kWidth) Isa::store(converted + i, Isa::load(lanes + i));
+  alignas(64) T converted[kLanes];
+  for (int i = 0; i < kLanes; i += Isa::kWidth) Isa::store(converted + i, Isa::load(lanes + i));
   std::copy(converted, converted + count, y);
 }
 
-// Writes lanes [0, count) of v to y's element `offset` on, in y's dtype.
-inline void store_lanes(const Int4Problem& p, size_t offset, typename Dot::FVec v, int count) {
-  if (p.y_dtype == DType::kFloat32 && count == Dot::kLanes) {
-    Dot::store(static_cast<float*>(p.y) + offset, v);
+// Writes lanes [0, count) of v (a `Vectors::FVec`: Dot's or Q8Dot's) to y's element `offset` on,
+// in y's dtype.
+template <typename Vectors>
+inline void store_lanes(void* y, DType y_dtype, size_t offset, typename Vectors::FVec v, int count) {
+  constexpr int kLanes = Vectors::kLanes;
+  if (y_dtype == DType::kFloat32 && count == kLanes) {
+    Vectors::store(static_cast<float*>(y) + offset, v);
     return;
   }
-  alignas(64) float lanes[Dot::kLanes];
-  Dot::store(lanes, v);
-  switch (p.y_dtype) {
-    case DType::kFloat32: std::copy(lanes, lanes + count, static_cast<float*>(p.y) + offset); break;
-    case DType::kBFloat16: store_converted(static_cast<BFloat16*>(p.y) + offset, lanes, count); break;
-    case DType::kFloat16: store_converted(static_cast<Float16*>(p.y) + offset, lanes, count); break;
+  alignas(64) float lanes[kLanes];
+  Vectors::store(lanes, v);
+  switch (y_dtype) {
+    case DType::kFloat32: std::copy(lanes, lanes + count, static_cast<float*>(y) + offset); break;
+    case DType::kBFloat16: store_converted<BFloat16, kLanes>(static_cast<BFloat16*>(y) + offset, lanes, count); break;
+    case DType::kFloat16: store_converted<Float16, kLanes>(static_cast<Float16*>(y) + offset, lanes, count); break;
     case DType::kInt8:
     case DType::kInt4: break;  // KV cache formats, never a compute dtype
+  }
+}
+
+// Row `row` of x [.., k] in x_dtype, widened to fp32 into out [k].
+inline void widen_row(const void* x, DType x_dtype, int row, int k, float* out) {
+  const size_t first = static_cast<size_t>(row) * k;
+  for (int i = 0; i < k; i += Isa::kWidth) {
+    switch (x_dtype) {
+      case DType::kFloat32: Isa::store(out + i, Isa::load(static_cast<const float*>(x) + first + i)); break;
+      case DType::kBFloat16: Isa::store(out + i, Isa::load(static_cast<const BFloat16*>(x) + first + i)); break;
+      case DType::kFloat16: Isa::store(out + i, Isa::load(static_cast<const Float16*>(x) + first + i)); break;
+      case DType::kInt8:
+      case DType::kInt4: break;  // KV cache formats, never a compute dtype
+    }
   }
 }
 
@@ -82,7 +99,7 @@ void int4_tile_vector(const Int4Problem& p, int tile, int v, int b0) {
   const int col = tile * kInt4TileRows + v * Dot::kLanes;
   const int count = std::min(Dot::kLanes, p.n - col);
   if (count <= 0) return;
-  for (int b = 0; b < kRows; ++b) store_lanes(p, static_cast<size_t>(b0 + b) * p.n + col, acc[b], count);
+  for (int b = 0; b < kRows; ++b) store_lanes<Dot>(p.y, p.y_dtype, static_cast<size_t>(b0 + b) * p.n + col, acc[b], count);
 }
 
 template <int kRows>
@@ -119,16 +136,7 @@ void int4_quantize_rows(const Int4Activations& a, int row_begin, int row_end) {
   const int blocks_per_group = a.group_size / kInt4Block;
   std::vector<float> widened(a.k);  // the row in fp32
   for (int row = row_begin; row < row_end; ++row) {
-    const size_t first = static_cast<size_t>(row) * a.k;
-    for (int i = 0; i < a.k; i += Isa::kWidth) {
-      switch (a.x_dtype) {
-        case DType::kFloat32: Isa::store(widened.data() + i, Isa::load(static_cast<const float*>(a.x) + first + i)); break;
-        case DType::kBFloat16: Isa::store(widened.data() + i, Isa::load(static_cast<const BFloat16*>(a.x) + first + i)); break;
-        case DType::kFloat16: Isa::store(widened.data() + i, Isa::load(static_cast<const Float16*>(a.x) + first + i)); break;
-        case DType::kInt8:
-        case DType::kInt4: break;  // KV cache formats, never a compute dtype
-      }
-    }
+    widen_row(a.x, a.x_dtype, row, a.k, widened.data());
     const float* x = widened.data();
     int16_t* q = a.x_quant + static_cast<size_t>(row) * a.k;
     float* group_sums = a.x_group_sums + static_cast<size_t>(row) * (num_blocks / blocks_per_group);

@@ -165,11 +165,42 @@ struct Dot {
   static FVec fma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
 };
 
+// The int8-activation matmul's dot products (int4_q8_impl.h): half a chunk's 64 bytes masked to
+// their low (or shifted to their high) nibbles are 8 rows x 4 codes, each 32-bit lane one row;
+// vpmaddubsw multiplies them with 4 int8 activations broadcast to every lane, its int16 pair sums
+// add up over the block's 8 chunk halves (at most 16 x 15 x 127 < 2^15, no saturation), and one
+// vpmaddwd widens them.
+struct Q8Dot : Dot {
+  static constexpr int kRowTile = 4;
+
+  static IVec set1_int(int32_t value) { return _mm256_set1_epi32(value); }
+  template <int kRows>
+  static void block_dots(const uint8_t* chunks, const int8_t* x, size_t row_stride, IVec* sums) {
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    __m256i pair_sums[kRows];
+    for (int r = 0; r < kRows; ++r) pair_sums[r] = _mm256_setzero_si256();
+    for (int i = 0; i < kInt4Chunks; ++i) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + i * kInt4ChunkBytes));
+      const __m256i low = _mm256_and_si256(packed, mask);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+      for (int r = 0; r < kRows; ++r) {
+        const int8_t* row = x + r * row_stride;
+        const __m256i x_low = _mm256_set1_epi32(load_i32(row + 4 * i));
+        const __m256i x_high = _mm256_set1_epi32(load_i32(row + kInt4Block / 2 + 4 * i));
+        pair_sums[r] = _mm256_add_epi16(pair_sums[r], _mm256_add_epi16(_mm256_maddubs_epi16(low, x_low),
+                                                                        _mm256_maddubs_epi16(high, x_high)));
+      }
+    }
+    for (int r = 0; r < kRows; ++r) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pair_sums[r], _mm256_set1_epi16(1)));
+  }
+};
+
 }  // namespace
 }  // namespace tandem
 
 #include "attention_impl.h"
 #include "int4_impl.h"
+#include "int4_q8_impl.h"
 #include "rms_norm_impl.h"
 #include "rope_impl.h"
 #include "gemv_impl.h"
@@ -178,7 +209,7 @@ struct Dot {
 namespace tandem {
 const KernelTable* avx2_kernels() {
   static const KernelTable table{"avx2", attend_units, finish_segment, merge_partials, int4_tiles, int4_quantize_rows,
-                                 int4_dequantize, rms_norm_rows, rope_rows,
+                                 int4_q8_tiles, int4_q8_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
                                  gemv_cols, add_rows, silu_mul_rows, convert};
   return &table;
 }

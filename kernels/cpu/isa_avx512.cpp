@@ -160,11 +160,50 @@ struct Dot {
   static FVec fma(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
 };
 
+// The int8-activation matmul's dot products (int4_q8_impl.h): a chunk's 64 bytes masked to their
+// low (or shifted to their high) nibbles are 16 rows x 4 codes, each 32-bit lane one row; 4 int8
+// activations broadcast to every lane meet them in vpdpbusd (u8 x s8, 4 products per lane). Without
+// VNNI, vpmaddubsw's int16 pair sums add up over the block's 8 chunk halves (at most
+// 16 x 15 x 127 < 2^15, no saturation) before one vpmaddwd widens them.
+struct Q8Dot : Dot {
+  static constexpr int kRowTile = 8;
+
+  static IVec set1_int(int32_t value) { return _mm512_set1_epi32(value); }
+  template <int kRows>
+  static void block_dots(const uint8_t* chunks, const int8_t* x, size_t row_stride, IVec* sums) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+#ifndef __AVX512VNNI__
+    __m512i pair_sums[kRows];
+    for (int r = 0; r < kRows; ++r) pair_sums[r] = _mm512_setzero_si512();
+#endif
+    for (int i = 0; i < kInt4Chunks; ++i) {
+      const __m512i packed = _mm512_loadu_si512(chunks + i * kInt4ChunkBytes);
+      const __m512i low = _mm512_and_si512(packed, mask);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+      for (int r = 0; r < kRows; ++r) {
+        const int8_t* row = x + r * row_stride;
+        const __m512i x_low = _mm512_set1_epi32(load_i32(row + 4 * i));
+        const __m512i x_high = _mm512_set1_epi32(load_i32(row + kInt4Block / 2 + 4 * i));
+#ifdef __AVX512VNNI__
+        sums[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums[r], low, x_low), high, x_high);
+#else
+        pair_sums[r] = _mm512_add_epi16(pair_sums[r], _mm512_add_epi16(_mm512_maddubs_epi16(low, x_low),
+                                                                        _mm512_maddubs_epi16(high, x_high)));
+#endif
+      }
+    }
+#ifndef __AVX512VNNI__
+    for (int r = 0; r < kRows; ++r) sums[r] = _mm512_add_epi32(sums[r], _mm512_madd_epi16(pair_sums[r], _mm512_set1_epi16(1)));
+#endif
+  }
+};
+
 }  // namespace
 }  // namespace tandem
 
 #include "attention_impl.h"
 #include "int4_impl.h"
+#include "int4_q8_impl.h"
 #include "rms_norm_impl.h"
 #include "rope_impl.h"
 #include "gemv_impl.h"
@@ -173,7 +212,7 @@ struct Dot {
 namespace tandem {
 const KernelTable* TANDEM_AVX512_TABLE() {
   static const KernelTable table{TANDEM_AVX512_NAME, attend_units, finish_segment, merge_partials, int4_tiles,
-                                 int4_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
+                                 int4_quantize_rows, int4_q8_tiles, int4_q8_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
                                  gemv_cols, add_rows, silu_mul_rows, convert};
   return &table;
 }

@@ -2,6 +2,12 @@
 // AArch64 baseline, so no runtime check is needed where this compiles.
 #include "attention.h"
 
+// isa_neon_dotprod.cpp compiles this file again with the dot product extension, under its own name.
+#ifndef TANDEM_NEON_TABLE
+#define TANDEM_NEON_NAME "neon"
+#define TANDEM_NEON_TABLE neon_kernels
+#endif
+
 #if defined(__aarch64__) && defined(__ARM_NEON)
 #include <arm_neon.h>
 
@@ -85,21 +91,72 @@ struct Isa : ExpConstants {
   static float exp_scalar(float x) { return vgetq_lane_f32(exp(vdupq_n_f32(x)), 0); }
 };
 
+// The int8-activation matmul's dot products (int4_q8_impl.h): a quarter of a chunk's 64 bytes
+// masked to their low (or shifted to their high) nibbles is 4 rows x 4 codes, each 32-bit lane one
+// row, and 4 int8 activations broadcast to every lane meet them in sdot (armv8.2-a dotprod).
+// Without it, widening multiplies add up 8 products per int16 lane (at most 8 x 15 x 127 < 2^15)
+// before two pairwise adds leave one row per lane.
+struct Q8Dot {
+  static constexpr int kLanes = 4;
+  static constexpr int kRowTile = 8;
+  using IVec = int32x4_t;
+  using FVec = float32x4_t;
+
+  static IVec set1_int(int32_t value) { return vdupq_n_s32(value); }
+  template <int kRows>
+  static void block_dots(const uint8_t* chunks, const int8_t* x, size_t row_stride, IVec* sums) {
+#ifndef __ARM_FEATURE_DOTPROD
+    int16x8_t rows_01[kRows];  // lanes 4r' + j: row r' (0, 1) times activation j
+    int16x8_t rows_23[kRows];
+    for (int r = 0; r < kRows; ++r) rows_01[r] = rows_23[r] = vdupq_n_s16(0);
+#endif
+    for (int i = 0; i < kInt4Chunks; ++i) {
+      const uint8x16_t packed = vld1q_u8(chunks + i * kInt4ChunkBytes);
+      const int8x16_t low = vreinterpretq_s8_u8(vandq_u8(packed, vdupq_n_u8(0x0f)));
+      const int8x16_t high = vreinterpretq_s8_u8(vshrq_n_u8(packed, 4));
+      for (int r = 0; r < kRows; ++r) {
+        const int8_t* row = x + r * row_stride;
+        const int8x16_t x_low = vreinterpretq_s8_s32(vdupq_n_s32(load_i32(row + 4 * i)));
+        const int8x16_t x_high = vreinterpretq_s8_s32(vdupq_n_s32(load_i32(row + kInt4Block / 2 + 4 * i)));
+#ifdef __ARM_FEATURE_DOTPROD
+        sums[r] = vdotq_s32(vdotq_s32(sums[r], low, x_low), high, x_high);
+#else
+        rows_01[r] = vmlal_s8(vmlal_s8(rows_01[r], vget_low_s8(low), vget_low_s8(x_low)), vget_low_s8(high),
+                              vget_low_s8(x_high));
+        rows_23[r] = vmlal_high_s8(vmlal_high_s8(rows_23[r], low, x_low), high, x_high);
+#endif
+      }
+    }
+#ifndef __ARM_FEATURE_DOTPROD
+    for (int r = 0; r < kRows; ++r) {
+      sums[r] = vaddq_s32(sums[r], vpaddq_s32(vpaddlq_s16(rows_01[r]), vpaddlq_s16(rows_23[r])));
+    }
+#endif
+  }
+  static FVec to_float(IVec v) { return vcvtq_f32_s32(v); }
+  static FVec zero() { return vdupq_n_f32(0.0f); }
+  static FVec set1(float value) { return vdupq_n_f32(value); }
+  static FVec load(const float* p) { return vld1q_f32(p); }
+  static void store(float* p, FVec v) { vst1q_f32(p, v); }
+  static FVec fma(FVec a, FVec b, FVec c) { return vfmaq_f32(c, a, b); }
+};
+
 }  // namespace
 }  // namespace tandem
 
 #include "attention_impl.h"
 #include "int4_portable.h"
 #include "int4_impl.h"
+#include "int4_q8_impl.h"
 #include "rms_norm_impl.h"
 #include "rope_impl.h"
 #include "gemv_impl.h"
 #include "elementwise_impl.h"
 
 namespace tandem {
-const KernelTable* neon_kernels() {
-  static const KernelTable table{"neon", attend_units, finish_segment, merge_partials, int4_tiles,
-                                 int4_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
+const KernelTable* TANDEM_NEON_TABLE() {
+  static const KernelTable table{TANDEM_NEON_NAME, attend_units, finish_segment, merge_partials, int4_tiles,
+                                 int4_quantize_rows, int4_q8_tiles, int4_q8_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
                                  gemv_cols, add_rows, silu_mul_rows, convert};
   return &table;
 }
@@ -108,7 +165,7 @@ const KernelTable* neon_kernels() {
 #else
 
 namespace tandem {
-const KernelTable* neon_kernels() { return nullptr; }
+const KernelTable* TANDEM_NEON_TABLE() { return nullptr; }
 }  // namespace tandem
 
 #endif

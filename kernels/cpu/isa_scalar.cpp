@@ -50,7 +50,9 @@ struct Isa {
 
 #include "attention_impl.h"
 #include "int4_portable.h"
+#include "int4_q8_portable.h"
 #include "int4_impl.h"
+#include "int4_q8_impl.h"
 #include "rms_norm_impl.h"
 #include "rope_impl.h"
 #include "gemv_impl.h"
@@ -59,7 +61,7 @@ struct Isa {
 namespace tandem {
 const KernelTable* scalar_kernels() {
   static const KernelTable table{"scalar", attend_units, finish_segment, merge_partials, int4_tiles,
-                                 int4_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
+                                 int4_quantize_rows, int4_q8_tiles, int4_q8_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
                                  gemv_cols, add_rows, silu_mul_rows, convert};
   return &table;
 }

@@ -1,10 +1,11 @@
 """The INT4 matmul against plain torch references on fresh random inputs, on every instruction
 set this machine runs; the tiled layout, packing and round-to-nearest quantization.
 
-The kernel quantizes x to int16 per block of 32 (kernels/cpu/int4.h), so it is checked twice: to
-1e-5 against the same arithmetic in fp64 (`reference_quantized`: the kernel itself), and to
-int4.ACTIVATION_RELATIVE_ERROR (1e-3) against the fp32 product on the dequantized weight (what
-quantizing the activations costs)."""
+The kernel quantizes x per block of 32 to int8 (the default) or int16 (kernels/cpu/int4.h), so it
+is checked twice: to 1e-5 against the same arithmetic in fp64 (`int4.reference_linear`: the kernel
+itself), and to int4.ACTIVATION_RELATIVE_ERROR against the fp32 product on the dequantized weight
+(what quantizing the activations costs). The NEON paths run under qemu-user in
+test_int4_isa_check.py."""
 import os
 import subprocess
 import sys
@@ -20,28 +21,14 @@ ISAS = cpu.usable_isas() if cpu.is_available() else []
 # SmolLM2-135M's matmuls, odd ones (n odd, k not a multiple of 256), and Llama-3.1-8B's
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (33, 96), (577, 320)]
 LLAMA_8B_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
+# decode batches, and prefill's: ragged against every register block (4, 8 rows) and panel
+BATCHES = (1, 2, 3, 4, 5, 9, 16, 17, 64, 65, 300)
 KERNEL_TOLERANCE = 1e-5
-MAX_QUANT = 32767.0  # int16 activations
 
 
 def reference(x, qweight, scales, mins, group_size):
     """fp64 x @ W^T over the dequantized weight."""
     return x.double() @ int4.dequantize(qweight, scales, mins, group_size).double().T
-
-
-def reference_quantized(x, qweight, scales, mins, group_size):
-    """int4.h's arithmetic in fp64: scale * <q - 8, x'> + (min + 8 scale) * sum(x) over each group,
-    x' = x rounded to int16 per block of 32."""
-    batch, k = x.shape
-    blocks = x.float().reshape(batch, k // int4.BLOCK, int4.BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    # a true division, as in C++ (`c / amax` is torch's reciprocal times c: an ulp off at times)
-    inverse = torch.where(amax > 0, torch.full_like(amax, MAX_QUANT).div(amax), torch.zeros_like(amax))
-    x_quantized = torch.round(blocks * inverse).double() * (amax / MAX_QUANT).double()
-    centered = int4.unpack(qweight).double().reshape(qweight.shape[0], -1, group_size) - 8
-    scaled = (centered * scales.double()[..., None]).reshape(qweight.shape[0], k)
-    sums = x.double().reshape(batch, -1, group_size).sum(-1)
-    return x_quantized.reshape(batch, k) @ scaled.T + sums @ (mins.double() + 8 * scales.double()).T
 
 
 def relative_error(actual, expected):
@@ -57,17 +44,33 @@ def random_problem(n, k, group_size, batch):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("group_size", int4.GROUP_SIZES)
-def test_matches_the_reference(isa, n, k, group_size):
+@pytest.mark.parametrize("activation_bits", int4.ACTIVATION_BITS)
+def test_matches_the_reference(isa, n, k, group_size, activation_bits):
     if k % group_size:
         pytest.skip(f"k={k} is not a multiple of {group_size}")
-    for batch in (1, 2, 3, 4, 5, 9, 16, 17, 64):
+    batches = BATCHES if activation_bits == 8 else BATCHES[:-2]  # int16: decode's kernel
+    for batch in batches:
         x, qweight, scales, mins = random_problem(n, k, group_size, batch)
         weight = int4.TiledInt4.from_packed(qweight, scales, mins, group_size)
+        expected = int4.reference_linear(x, qweight, scales, mins, group_size, activation_bits)
         for threads in (1, 3):
-            y = int4.int4_linear(x, weight, num_threads=threads, isa=isa)
+            y = int4.int4_linear(x, weight, num_threads=threads, isa=isa, activation_bits=activation_bits)
             assert y.shape == (batch, n) and y.dtype == torch.float32
-            assert relative_error(y, reference_quantized(x, qweight, scales, mins, group_size)) <= KERNEL_TOLERANCE
-            assert relative_error(y, reference(x, qweight, scales, mins, group_size)) <= int4.ACTIVATION_RELATIVE_ERROR
+            assert relative_error(y, expected) <= KERNEL_TOLERANCE
+            assert (relative_error(y, reference(x, qweight, scales, mins, group_size))
+                    <= int4.ACTIVATION_RELATIVE_ERROR[activation_bits])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_rows_result_does_not_depend_on_its_neighbours(isa):
+    # per-row quantization and integer sums: the same bits alone, in any batch, on any threads
+    x, qweight, scales, mins = random_problem(577, 320, 64, 70)
+    weight = int4.TiledInt4.from_packed(qweight, scales, mins, 64)
+    together = int4.int4_linear(x, weight, num_threads=3, isa=isa)
+    for row in (0, 8, 69):
+        alone = int4.int4_linear(x[row:row + 1], weight, num_threads=1, isa=isa)
+        assert torch.equal(alone[0], together[row])
+    assert torch.equal(int4.int4_linear(x[5:22], weight, num_threads=2, isa=isa), together[5:22])
 
 
 @pytest.mark.parametrize("n, k", LLAMA_8B_SHAPES)
@@ -75,29 +78,33 @@ def test_llama_8b_shapes(n, k):
     for batch in (1, 33):
         x, qweight, scales, mins = random_problem(n, k, 32, batch)
         weight = int4.TiledInt4.from_packed(qweight, scales, mins, 32)
-        expected = reference_quantized(x, qweight, scales, mins, 32)
+        expected = int4.reference_linear(x, qweight, scales, mins, 32)
         for isa in ISAS:
             y = int4.int4_linear(x, weight, num_threads=2, isa=isa)
             assert relative_error(y, expected) <= KERNEL_TOLERANCE
 
 
-def test_zero_rows_and_zero_blocks_of_x():
+@pytest.mark.parametrize("activation_bits", int4.ACTIVATION_BITS)
+def test_zero_rows_and_zero_blocks_of_x(activation_bits):
     x, qweight, scales, mins = random_problem(40, 128, 64, 3)
     x[0] = 0  # an all-zero row: scale 0, no division by zero
     x[1, 32:64] = 0
     weight = int4.TiledInt4.from_packed(qweight, scales, mins, 64)
+    expected = int4.reference_linear(x, qweight, scales, mins, 64, activation_bits)
     for isa in ISAS:
-        y = int4.int4_linear(x, weight, num_threads=2, isa=isa)
+        y = int4.int4_linear(x, weight, num_threads=2, isa=isa, activation_bits=activation_bits)
         assert torch.equal(y[0], torch.zeros(40))
-        assert relative_error(y, reference_quantized(x, qweight, scales, mins, 64)) <= KERNEL_TOLERANCE
+        assert relative_error(y, expected) <= KERNEL_TOLERANCE
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_input_returns_its_dtype(dtype):
-    x, qweight, scales, mins = random_problem(64, 128, 32, 3)
-    y = int4.int4_linear(x.to(dtype), int4.TiledInt4.from_packed(qweight, scales, mins, 32))
+@pytest.mark.parametrize("activation_bits", int4.ACTIVATION_BITS)
+def test_half_precision_input_returns_its_dtype(dtype, activation_bits):
+    x, qweight, scales, mins = random_problem(72, 128, 32, 19)
+    y = int4.int4_linear(x.to(dtype), int4.TiledInt4.from_packed(qweight, scales, mins, 32),
+                         activation_bits=activation_bits)
     assert y.dtype == dtype
-    expected = reference_quantized(x.to(dtype).float(), qweight, scales, mins, 32)
+    expected = int4.reference_linear(x.to(dtype).float(), qweight, scales, mins, 32, activation_bits)
     assert relative_error(y.float(), expected) <= 1e-2  # the output's own rounding
 
 
@@ -150,12 +157,14 @@ def test_malformed_weights_are_refused(bad, message):
 
 
 @pytest.mark.parametrize("bad, message", [(dict(k=96), "columns"), (dict(num_threads=0), "num_threads"),
-                                          (dict(dtype=torch.int32), "x dtype")])
+                                          (dict(dtype=torch.int32), "x dtype"),
+                                          (dict(activation_bits=4), "activation_bits")])
 def test_malformed_calls_are_refused(bad, message):
     _, qweight, scales, mins = random_problem(8, 64, 32, 1)
     x = torch.ones(2, bad.get("k", 64), dtype=bad.get("dtype", torch.float32))
     with pytest.raises(ValueError, match=message):
-        int4.int4_linear(x, int4.TiledInt4.from_packed(qweight, scales, mins, 32), num_threads=bad.get("num_threads", 1))
+        int4.int4_linear(x, int4.TiledInt4.from_packed(qweight, scales, mins, 32), num_threads=bad.get("num_threads", 1),
+                         activation_bits=bad.get("activation_bits", 8))
 
 
 @pytest.mark.parametrize("isa", ISAS)
