@@ -1,11 +1,12 @@
 """Group-wise INT4 weights (kernels/cpu/int4.py's layout) applied without widening them.
 
 The kernels are the device's (`INT4_KERNELS`, by device type; each keeps the packed weight in
-the layout it reads): on the host CPU the C++ kernels over a tiled copy (int16 activations and
-integer dot products, kernels/cpu/int4.h), on CUDA kernels/triton's W4A16 over the canonical
-layout, imported only there. Batches up to the kernels' row limit go through the packed kernel;
-larger ones dequantize the weight in the compute dtype into one scratch buffer that all of a
-model's INT4 weights share (the size of the largest) and run torch's dense GEMM on it. GGUF
+the layout it reads): on the host CPU the C++ kernels over a tiled copy (integer dot products,
+kernels/cpu/int4.h) for every batch, prefill's included, with x quantized to int16 for decode-sized
+batches and to int8 for prefill's (MAX_INT16_ROWS); on CUDA
+kernels/triton's W4A16 over the canonical layout, imported only there, which above its row limit
+dequantizes the weight in the compute dtype into one scratch buffer that all of a model's INT4
+weights share (the size of the largest) and runs cuBLAS on it. GGUF
 Q4_0/Q4_1/Q4_K weights arrive as `PackedInt4` and are used as they are; other GGUF quantized
 weights arrive as `KeepDense` and stay dense; any other weight is quantized at load by
 round-to-nearest with each group's min and scale (`--quantization int4`). A fused QKV or gate/up
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from engine.quant.base import ConcatWeight, LinearMethod, LinearWeight, register_linear_method
 from engine.quant.dense import DenseWeight
@@ -29,11 +29,12 @@ from engine.registry import Registry
 from kernels.cpu import int4
 
 DEFAULT_GROUP_SIZE = 32
-# Rows of x up to which the CPU's packed kernel runs; above, the dequantized weight and a dense GEMM.
-# On the 2-core AVX-512 VM (bf16 x) the kernel took 0.4-0.8x the time of dequantize + bf16 GEMM at
-# 16 rows and about the same at 64 (SmolLM2's 1728x576, 3072x576, 576x1536 and 4096x4096); from
-# 128 rows the dequantized path was faster (0.7-0.9x).
-MAX_KERNEL_ROWS = 64
+# Rows of x up to which the CPU kernel quantizes x to int16; above, to int8. Decode batches are
+# memory-bound, so int16 costs them nothing, while int8 everywhere moved the embedded model's top-1
+# agreement with int16 to 95.8% (perplexity -0.04%; benchmarks/results/accuracy.md). Prefill chunks
+# are compute-bound: there int8 does 4 products per instruction to int16's 2 and beats
+# dequantizing into a dense bf16 GEMM (benchmarks/results/int4_matmul.md).
+MAX_INT16_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,12 @@ def create_int4_kernels(device: torch.device | str) -> Int4Kernels:
 @INT4_KERNELS.register("cpu")
 class CpuInt4Kernels:
     """kernels/cpu's C++ kernels over the tiled copy, on the thread count calibrated for them
-    (kernels.cpu.int4.default_num_threads, measured once per process)."""
+    (kernels.cpu.int4.default_num_threads, measured once per process), for any number of rows: the
+    int8 kernel is register-blocked over rows, so a prefill chunk reads the weight from cache and
+    never widens it."""
+
+    # benchmarks/kernels/accuracy.py raises it to measure int8 prefill against int16
+    max_int16_rows = MAX_INT16_ROWS
 
     def __init__(self) -> None:
         self.num_threads = int4.default_num_threads()
@@ -187,11 +193,8 @@ class CpuInt4Kernels:
         return int4.TiledInt4.from_packed(packed.qweight, packed.scales, packed.mins, packed.group_size)
 
     def linear(self, x: torch.Tensor, weight: int4.TiledInt4, scratch: DequantScratch) -> torch.Tensor:
-        if x.shape[0] <= MAX_KERNEL_ROWS:
-            return int4.int4_linear(x, weight, num_threads=self.num_threads)
-        dense = scratch.get(weight.n, weight.k, x.dtype, x.device)
-        int4.dequantize_into(weight, dense, num_threads=self.num_threads)
-        return F.linear(x, dense)
+        bits = 16 if x.shape[0] <= self.max_int16_rows else 8
+        return int4.int4_linear(x, weight, num_threads=self.num_threads, activation_bits=bits)
 
     def to_packed(self, weight: int4.TiledInt4) -> PackedInt4:
         return PackedInt4(*weight.to_packed(), weight.group_size)
