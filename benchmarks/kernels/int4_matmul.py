@@ -1,16 +1,18 @@
-"""INT4 weight matmul on the CPU: time and effective weight bandwidth against the machine's read
-bandwidth, beside the dense paths and torch's own int4 kernel, side by side in the same rounds.
+"""INT4 weight matmul on the CPU from decode to prefill: the int8-activation kernel beside the
+int16 one, dequantize + dense GEMM, and the dense bf16 GEMM, side by side in the same rounds.
 
-For Llama-3.1-8B's matmul shapes (4096x4096, 14336x4096, 4096x14336) and batches 1, 4, 16, 64,
-each round samples the read bandwidth (torch.sum over 2 GiB, benchmarks/kernels/cpu_attention.py's
-ReadBandwidth) and then times, interleaved, tandem's INT4 linear (`Int4Weight.apply`: the packed
-kernel up to 64 rows (int16 activations), the dequantized weight and a dense GEMM above; with fp32 activations, and
-with bf16 ones, whose large batches then run a bf16 GEMM), the dense fp32 and bf16 `F.linear`, and torch's
-`_weight_int4pack_mm_for_cpu` (bf16 activations, group 32). Calls rotate over enough copies of
-each weight that the bytes between two visits to one copy exceed the last-level cache, so the
-weights come from DRAM as in a decode step. Effective bandwidth = packed bytes (int4 codes,
-scales and mins) / time; the table gives it as a share of the read bandwidth of its round.
-Rows are medians over the rounds.
+For SmolLM2-135M's matmul shapes (the embedded model: QKV, gate|up, down) and Llama-3.1-8B's, and
+1 to 2,048 rows of bf16 x (the compute dtype here), each round samples the machine's read bandwidth
+(torch.sum over 2 GiB, benchmarks/kernels/cpu_attention.py's ReadBandwidth) and then times,
+interleaved, all on torch's thread count: `int4_linear` with int8 activations (the engine's path
+above 64 rows), with int16 activations (up to 64), the weight dequantized to bf16 into a scratch
+buffer followed by `F.linear` (the engine's path above 64 rows before the int8 kernel), and the
+dense bf16 `F.linear`. Calls rotate
+over enough copies of each weight that the bytes between two visits to one copy exceed the
+last-level cache, so decode-sized calls read the weight from DRAM. The bandwidth bound is the
+packed weight's bytes over the round's read bandwidth: the time a call cannot beat. Rows are
+medians over the rounds; the ratios are each path's time over the int8 kernel's (above 1: int8 is
+faster).
 
     .venv/bin/python -m benchmarks.kernels.int4_matmul [--quick]
 Writes benchmarks/results/int4_matmul.json and .md.
@@ -21,6 +23,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import kernels  # noqa: F401  (before torch: the engine's OpenMP spin cap)
 import torch
@@ -29,96 +32,101 @@ import torch.nn.functional as F
 from benchmarks.kernels.cpu_attention import ReadBandwidth, median_time
 from benchmarks.report import RESULTS_DIR, write_results
 from engine.profiling.cache import host_cpu_model
-from engine.quant import create_linear_method
+from kernels.cpu import int4
 
-SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (out, in): QKV-ish/O, gate|up, down
-BATCHES = [1, 4, 16, 64]
+# (out, in): SmolLM2-135M's QKV, gate|up, down; Llama-3.1-8B's QKV-ish/O, gate|up, down
+SHAPES = [(960, 576), (3072, 576), (576, 1536), (4096, 4096), (14336, 4096), (4096, 14336)]
+ROWS = [1, 4, 16, 64, 128, 256, 512, 1024, 2048]
 GROUP_SIZE = 32
 ROTATION_BYTES = 256 << 20  # packed bytes touched between two calls on one weight copy
 ROUNDS = 3
-REPS = 5
+MAX_REPS = 5
+SECONDS_PER_SAMPLE = 0.3  # fewer repetitions for slow calls, at least one
+PATHS = ("int8", "int16", "dequant_bf16", "bf16")
 
 
 class Candidates:
-    """One shape's weights in every format, several copies each for the rotation."""
+    """One shape's weight as the packed tiles and as dense bf16, several copies each for the rotation."""
 
-    def __init__(self, n: int, k: int, num_copies: int):
+    def __init__(self, n: int, k: int, num_copies: int, num_threads: int):
         gen = torch.Generator().manual_seed(n + k)
         dense = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(num_copies)]
-        method = create_linear_method("int4")
-        self.int4 = [method.create_weight(w, None, dtype=torch.float32, device=torch.device("cpu")) for w in dense]
-        self.fp32 = dense
+        self.int4 = [int4.TiledInt4.from_packed(*int4.quantize_rtn(w, GROUP_SIZE), GROUP_SIZE) for w in dense]
         self.bf16 = [w.bfloat16() for w in dense]
-        levels = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
-        self.torch_int4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 2) for _ in dense]
-        self.torch_scales = torch.randn(k // GROUP_SIZE, n, 2, generator=gen).bfloat16()
+        self.scratch = torch.empty(n, k, dtype=torch.bfloat16)  # shared, as the engine's DequantScratch
         self.packed_bytes = self.int4[0].nbytes
+        self.num_threads = num_threads
         self.turn = 0
 
     def next(self) -> int:
-        self.turn = (self.turn + 1) % len(self.fp32)
+        self.turn = (self.turn + 1) % len(self.bf16)
         return self.turn
 
     def runners(self, x: torch.Tensor) -> dict:
-        x_bf16 = x.bfloat16()
+        threads = self.num_threads
         return {
-            "int4": lambda: self.int4[self.next()].apply(x),
-            "int4_bf16": lambda: self.int4[self.next()].apply(x_bf16),
-            "fp32": lambda: F.linear(x, self.fp32[self.next()]),
-            "bf16": lambda: F.linear(x_bf16, self.bf16[self.next()]),
-            "torch_int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x_bf16, self.torch_int4[self.next()], GROUP_SIZE, self.torch_scales),
+            "int8": lambda: int4.int4_linear(x, self.int4[self.next()], num_threads=threads),
+            "int16": lambda: int4.int4_linear(x, self.int4[self.next()], num_threads=threads, activation_bits=16),
+            "dequant_bf16": lambda: F.linear(x, int4.dequantize_into(self.int4[self.next()], self.scratch,
+                                                                     num_threads=threads)),
+            "bf16": lambda: F.linear(x, self.bf16[self.next()]),
         }
 
 
-def measure(n: int, k: int, batches: list[int], bandwidth: ReadBandwidth) -> list[dict]:
-    int4_bytes = n * k // 2 + 2 * n * (k // GROUP_SIZE) * 4
-    candidates = Candidates(n, k, num_copies=max(2, -(-ROTATION_BYTES // int4_bytes)))
-    rows = []
-    for batch in batches:
-        x = torch.randn(batch, k)
-        runners = candidates.runners(x)
+def timed(run) -> float:
+    """Median seconds of a call, with as many repetitions as SECONDS_PER_SAMPLE allows."""
+    start = time.perf_counter()
+    run()  # warm-up, and the estimate
+    reps = max(1, min(MAX_REPS, int(SECONDS_PER_SAMPLE / max(time.perf_counter() - start, 1e-6))))
+    return median_time(run, reps=reps, warmup=0)
+
+
+def measure(n: int, k: int, rows: list[int], bandwidth: ReadBandwidth, num_threads: int) -> list[dict]:
+    packed_bytes = n * k // 2 + 2 * n * (k // GROUP_SIZE) * 4
+    candidates = Candidates(n, k, max(2, -(-ROTATION_BYTES // packed_bytes)), num_threads)
+    results = []
+    for num_rows in rows:
+        runners = candidates.runners(torch.randn(num_rows, k).bfloat16())
         samples: dict[str, list[float]] = {name: [] for name in ("read_bw", *runners)}
         for _ in range(ROUNDS):
             samples["read_bw"].append(bandwidth.sample())
             for name, run in runners.items():  # interleaved: drift hits every path alike
-                samples[name].append(median_time(run, reps=REPS))
+                samples[name].append(timed(run))
         medians = {name: statistics.median(values) for name, values in samples.items()}
-        effective = candidates.packed_bytes / medians["int4"]
-        rows.append({"n": n, "k": k, "batch": batch, "read_bw_gbs": medians["read_bw"] / 1e9,
-                     "int4_ms": medians["int4"] * 1e3, "int4_gbs": effective / 1e9,
-                     "int4_share_of_read_bw": effective / medians["read_bw"],
-                     "int4_bf16_ms": medians["int4_bf16"] * 1e3,
-                     "fp32_ms": medians["fp32"] * 1e3, "bf16_ms": medians["bf16"] * 1e3,
-                     "torch_int4_ms": medians["torch_int4"] * 1e3})
-        print(rows[-1], file=sys.stderr, flush=True)
-    return rows
+        bound = candidates.packed_bytes / medians["read_bw"]
+        results.append({"n": n, "k": k, "rows": num_rows, "read_bw_gbs": medians["read_bw"] / 1e9,
+                        "bandwidth_bound_ms": bound * 1e3,
+                        **{f"{name}_ms": medians[name] * 1e3 for name in PATHS}})
+        print(results[-1], file=sys.stderr, flush=True)
+    return results
 
 
 def to_markdown(result: dict) -> str:
-    lines = [f"{result['cpu']}, {result['threads']} threads, group size {GROUP_SIZE}, medians of {ROUNDS} "
-             f"rounds of {REPS} calls; read BW: torch.sum over 2 GiB in the same rounds",
-             "", "| out x in | batch | int4 ms | int4 GB/s | % of read BW | int4 (bf16 x) ms | fp32 ms | bf16 ms | "
-                 "torch int4 ms | best int4 vs best dense |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"{result['cpu']}, {result['threads']} threads, group size {GROUP_SIZE}, bf16 x, medians of {ROUNDS} "
+             f"interleaved rounds; bound: the packed weight read once at the round's read bandwidth "
+             f"(torch.sum over 2 GiB); ratios: a path's time over the int8 kernel's",
+             "", "| out x in | rows | int8 ms | int8 / bound | int16 / int8 | dequant + bf16 GEMM / int8 | "
+                 "dense bf16 / int8 |",
+             "|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
-        best_dense = min(row["fp32_ms"], row["bf16_ms"])
-        best_int4 = min(row["int4_ms"], row["int4_bf16_ms"])
-        lines.append(f"| {row['n']}x{row['k']} | {row['batch']} | {row['int4_ms']:.2f} | {row['int4_gbs']:.1f} | "
-                     f"{100 * row['int4_share_of_read_bw']:.0f}% | {row['int4_bf16_ms']:.2f} | {row['fp32_ms']:.2f} | "
-                     f"{row['bf16_ms']:.2f} | {row['torch_int4_ms']:.2f} | {best_dense / best_int4:.2f}x |")
+        int8 = row["int8_ms"]
+        lines.append(f"| {row['n']}x{row['k']} | {row['rows']} | {int8:.2f} | {int8 / row['bandwidth_bound_ms']:.2f} | "
+                     f"{row['int16_ms'] / int8:.2f}x | {row['dequant_bf16_ms'] / int8:.2f}x | "
+                     f"{row['bf16_ms'] / int8:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one shape, batches 1 and 16")
+    parser.add_argument("--quick", action="store_true", help="SmolLM2's gate|up, rows 1, 128 and 2048")
+    parser.add_argument("--shapes", nargs="+", help="out x in, e.g. 3072x576 (default: all)")
     args = parser.parse_args()
-    shapes, batches = (SHAPES[:1], [1, 16]) if args.quick else (SHAPES, BATCHES)
-    threads = torch.get_num_threads()
+    shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    shapes, rows = ([(3072, 576)], [1, 128, 2048]) if args.quick else (shapes, ROWS)
+    threads = torch.get_num_threads()  # every path on the same cores
     bandwidth = ReadBandwidth(threads)
-    rows = [row for n, k in shapes for row in measure(n, k, batches, bandwidth)]
-    result = {"cpu": host_cpu_model(), "threads": threads, "cores": len(os.sched_getaffinity(0)), "rows": rows}
+    results = [row for n, k in shapes for row in measure(n, k, rows, bandwidth, threads)]
+    result = {"cpu": host_cpu_model(), "threads": threads, "cores": len(os.sched_getaffinity(0)), "rows": results}
     write_results(RESULTS_DIR / "int4_matmul.json", result, to_markdown(result))
     print(to_markdown(result))
     return 0

@@ -193,8 +193,10 @@ class CpuInt4Kernels:
         return int4.TiledInt4.from_packed(packed.qweight, packed.scales, packed.mins, packed.group_size)
 
     def linear(self, x: torch.Tensor, weight: int4.TiledInt4, scratch: DequantScratch) -> torch.Tensor:
-        bits = 16 if x.shape[0] <= self.max_int16_rows else 8
-        return int4.int4_linear(x, weight, num_threads=self.num_threads, activation_bits=bits)
+        if x.shape[0] <= self.max_int16_rows:
+            return int4.int4_linear(x, weight, num_threads=self.num_threads, activation_bits=16)
+        # compute-bound: every core torch's own GEMM would use, not decode's memory-bound count
+        return int4.int4_linear(x, weight, num_threads=torch.get_num_threads(), activation_bits=8)
 
     def to_packed(self, weight: int4.TiledInt4) -> PackedInt4:
         return PackedInt4(*weight.to_packed(), weight.group_size)

@@ -23,7 +23,7 @@ namespace tandem {
 namespace {
 
 constexpr int kQ8Vectors = kInt4TileRows / Q8Dot::kLanes;  // vectors per tile
-constexpr size_t kQ8PanelBytes = 256 << 10;  // int8 activations of one panel: a share of a 1-2 MiB L2
+constexpr size_t kQ8PanelBytes = 512 << 10;  // int8 activations of one panel: half a 1 MiB L2
 
 // Rows [row0, row0 + kRows) of x against vector v of `tile` (its kLanes output columns).
 template <int kRows>
@@ -82,8 +82,10 @@ void q8_tile_vector_dispatch(const Int4Q8Problem& p, int tile, int v, int row0, 
   q8_tile_vector<kRows>(p, tile, v, row0);
 }
 
+// Whole register blocks: a ragged one reads the weight for fewer rows.
 int q8_panel_rows(int k) {
-  return std::max(Q8Dot::kRowTile, static_cast<int>(kQ8PanelBytes / static_cast<size_t>(k)));
+  const int rows = static_cast<int>(kQ8PanelBytes / static_cast<size_t>(k));
+  return std::max(Q8Dot::kRowTile, rows / Q8Dot::kRowTile * Q8Dot::kRowTile);
 }
 
 void int4_q8_tiles(const Int4Q8Problem& p, const Int4Q8Range& range) {
