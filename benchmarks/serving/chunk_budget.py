@@ -99,9 +99,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def int4_vs_dense(rows: list[dict]) -> str:
+    """INT4's prefill rate over dense weights' (--quantization none: the compute dtype's) per budget,
+    from the same interleaved repetitions."""
+    rates = {(r["quantization"], r["budget"]): r["prefill_tokens_per_s"] for r in rows}
+    budgets = sorted({budget for quantization, budget in rates if quantization == "int4" and ("none", budget) in rates})
+    if not budgets:
+        return ""
+    lines = ["| budget (tokens) | int4 prefill tok/s | dense prefill tok/s | int4 / dense |", "|---|---|---|---|"]
+    for budget in budgets:
+        int4_rate, dense_rate = rates["int4", budget], rates["none", budget]
+        lines.append(f"| {budget} | {int4_rate:.0f} | {dense_rate:.0f} | {int4_rate / dense_rate:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024, 2048])
     parser.add_argument("--quantization", nargs="+", default=["none", "int4"])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "chunk_budget.json")
@@ -111,6 +125,8 @@ def main() -> int:
     text = (table(rows) + "\n\nSmallest budget within "
             f"{MIN_PREFILL_RATE_VS_BEST:.0%} of the best prefill rate: " + ", ".join(f"{q}: {b}" for q, b in choice.items())
             + "\n")
+    comparison = int4_vs_dense(rows)
+    text += f"\nPrefill rate, INT4 against dense weights:\n\n{comparison}" if comparison else ""
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"rows": rows, "chosen": choice, "reps": args.reps,
                                        "num_streams": NUM_STREAMS, "long_prompt_tokens": LONG_PROMPT_TOKENS},
