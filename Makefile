@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-gpu gpu-check clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-gpu gpu-check clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -63,6 +63,19 @@ test-api: install
 # one rank's, an SDK server at -tp 2, a rank killed under load.
 test-tp: install
 	$(PY) -m pytest tests -m tp --tp
+
+# The CPU kernels on other instruction sets (tests marked isa): compiled with Debian's aarch64 cross
+# compiler and run under qemu-user as a CPU with and without the dot product extension, and the same
+# check natively. The tools come from Debian's packages when missing (CI runs as root).
+ISA_TOOLS := aarch64-linux-gnu-g++ qemu-aarch64
+ISA_PACKAGES := g++-aarch64-linux-gnu qemu-user
+test-isa: install
+	@missing=$$(for tool in $(ISA_TOOLS); do command -v $$tool > /dev/null || echo $$tool; done); \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			$(ISA_PACKAGES) > /dev/null; \
+	fi
+	$(PY) -m pytest tests -m isa --isa
 
 # On a CUDA GPU, the tests marked cuda: the Triton kernels natively, the copy streams, CUDA graphs and
 # the greedy-parity runs on the device. `install` puts torch's CPU build in .venv, which never sees a

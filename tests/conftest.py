@@ -15,10 +15,12 @@ INTEGRATION_OPTION = "--integration"
 SLOW_OPTION = "--slow"
 API_OPTION = "--api"
 TP_OPTION = "--tp"
+ISA_OPTION = "--isa"
 # Markers whose tests skip unless their option is given, so that `make test` stays within its time:
 # marker -> (option, the make target that runs them)
 OPT_IN_MARKERS = {"integration": (INTEGRATION_OPTION, "make test-integration"), "slow": (SLOW_OPTION, "make test-slow"),
-                  "api": (API_OPTION, "make test-api"), "tp": (TP_OPTION, "make test-tp")}
+                  "api": (API_OPTION, "make test-api"), "tp": (TP_OPTION, "make test-tp"),
+                  "isa": (ISA_OPTION, "make test-isa")}
 
 
 _CACHE_DIR_KEY = pytest.StashKey[str]()
@@ -61,6 +63,10 @@ def pytest_addoption(parser):
     parser.addoption(TP_OPTION, action="store_true",
                      help="also run the tests marked tp: tensor parallelism over Ray actors, two ranks on this "
                           "host, a few minutes; `make test-tp` runs them")
+    parser.addoption(ISA_OPTION, action="store_true",
+                     help="also run the tests marked isa: the CPU kernels compiled for other instruction sets "
+                          "(aarch64 NEON, with and without dotprod) and run under qemu-user, a minute or two; "
+                          "`make test-isa` installs the tools and runs them")
 
 
 def pytest_collection_modifyitems(config, items):

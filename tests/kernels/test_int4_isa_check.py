@@ -1,8 +1,9 @@
 """The INT4 matmul's NEON paths (plain and dotprod) on an x86 host: tests/kernels/int4_isa_check.cpp
 compiled with Debian's aarch64 cross compiler from the kernels' own sources and flags, run under
 qemu-user as a CPU with the dot product extension and as one without (which must dispatch to
-plain NEON). Skips where the tools are missing (apt-get install g++-aarch64-linux-gnu qemu-user);
-the same check runs natively too, for the host's own paths."""
+plain NEON); the same check runs natively too, for the host's own paths. Marked isa: `make
+test-isa` installs the tools from Debian's packages where missing (g++-aarch64-linux-gnu qemu-user)
+and runs it, since compiling every kernel twice takes minutes on two cores."""
 import platform
 import shutil
 import subprocess
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from kernels.cpu import build
+
+pytestmark = pytest.mark.isa
 
 CHECK_SOURCE = Path(__file__).with_name("int4_isa_check.cpp")
 CROSS_COMPILER = "aarch64-linux-gnu-g++"
@@ -51,7 +54,8 @@ def run_check(command: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def aarch64_check(tmp_path_factory) -> Path:
     if not (shutil.which(CROSS_COMPILER) and shutil.which(QEMU)):
-        pytest.skip(f"{CROSS_COMPILER} or {QEMU} is not installed (Debian: g++-aarch64-linux-gnu qemu-user)")
+        pytest.fail(f"{CROSS_COMPILER} or {QEMU} is not installed (Debian: g++-aarch64-linux-gnu qemu-user; "
+                    "`make test-isa` installs them)")
     return compile_check(CROSS_COMPILER, "aarch64", tmp_path_factory.mktemp("aarch64"), static=True)
 
 
@@ -68,8 +72,6 @@ def test_neon_without_dotprod_dispatches_to_plain_neon(aarch64_check):
 
 
 def test_host_paths_match_the_reference_without_python(tmp_path):
-    if not shutil.which(build.default_compiler()):
-        pytest.skip("no host C++ compiler")
     program = compile_check(build.default_compiler(), platform.machine(), tmp_path, static=False)
     lines = run_check([str(program)])
     assert "scalar" in lines[0].split()
