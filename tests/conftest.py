@@ -21,7 +21,9 @@ ISA_OPTION = "--isa"
 OPT_IN_MARKERS = {"integration": (INTEGRATION_OPTION, "make test-integration"), "slow": (SLOW_OPTION, "make test-slow"),
                   "api": (API_OPTION, "make test-api"), "tp": (TP_OPTION, "make test-tp"),
                   "isa": (ISA_OPTION, "make test-isa")}
-
+# Modules whose every test is marked api: without --api they are not even collected (schemathesis
+# builds its cases from the schema while collecting, and the SDKs take seconds to import).
+API_ONLY_MODULES = frozenset({"test_schemathesis.py", "test_agent_protocols.py", "test_structured_and_tools.py"})
 
 _CACHE_DIR_KEY = pytest.StashKey[str]()
 _USER_CACHE_DIR_KEY = pytest.StashKey["str | None"]()  # put back when the session ends
@@ -69,6 +71,21 @@ def pytest_addoption(parser):
                           "`make test-isa` installs the tools and runs them")
 
 
+def pytest_ignore_collect(collection_path, config):
+    if collection_path.name in API_ONLY_MODULES and not config.getoption(API_OPTION):
+        return True
+    return None
+
+
+def _check_api_only_modules(items) -> None:
+    """A test without the api marker in an api-only module would run nowhere: make test does not
+    collect the module and make test-api deselects the test."""
+    strays = [item.nodeid for item in items
+              if item.path.name in API_ONLY_MODULES and item.get_closest_marker("api") is None]
+    if strays:
+        raise pytest.UsageError(f"not marked api but in an api-only module (tests/conftest.py): {strays}")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests of an opt-in marker skip unless their option is given; tests marked cuda skip without a
     CUDA device (`make test-gpu` runs exactly those where one is)."""
@@ -77,6 +94,7 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("cuda") is not None:
                 item.add_marker(skip_cuda)
+    _check_api_only_modules(items)
     for marker, (option, target) in OPT_IN_MARKERS.items():
         if config.getoption(option):
             continue

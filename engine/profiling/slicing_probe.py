@@ -22,6 +22,7 @@ launch, measured the way slicing runs them, a few seconds in all.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import statistics
@@ -79,8 +80,8 @@ def _weights(shape: tuple[int, int], method: str, dtype: torch.dtype, device: to
     linear_method = create_linear_method(method)
     first = linear_method.create_weight(dense, None, dtype=dtype, device=device)
     num_copies = max(1, min(MAX_COPIES, math.ceil(COLD_WEIGHT_BYTES / first.nbytes)))
-    return [first] + [linear_method.create_weight(dense, None, dtype=dtype, device=device)
-                      for _ in range(num_copies - 1)]
+    # copied, not made again: quantizing each copy (INT4's round-to-nearest) took seconds
+    return [first] + [copy.deepcopy(first) for _ in range(num_copies - 1)]
 
 
 def _gemm_points(shapes: list[tuple[int, int]], method: str, dtype: torch.dtype, device: torch.device,

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tandem_server import REQUEST_TIMEOUT_S, ServerProcess
+from tandem_server import REQUEST_TIMEOUT_S, ServerProcess, stop_all
 
 
 @pytest.fixture(scope="session")
@@ -24,8 +24,7 @@ def start_server(tmp_path_factory):
         return server.start()
 
     yield start
-    for server in started:
-        server.stop()
+    stop_all(started)
 
 
 @pytest.fixture(scope="session")

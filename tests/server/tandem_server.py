@@ -89,6 +89,10 @@ class ServerProcess:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)
+        self.wait_stopped()
+
+    def wait_stopped(self) -> None:
+        """After SIGTERM: its exit, killed if it takes longer than STOP_TIMEOUT_S."""
         try:
             self.proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -160,3 +164,12 @@ def openapi_document(*api_keys: str) -> dict:
     stand_in = SimpleNamespace(engine=SimpleNamespace(tokenizer=None))
     app = create_app(stand_in, ServerSettings(MODEL, api_keys=api_keys), metrics=None)
     return app.openapi()
+
+
+def stop_all(servers: list[ServerProcess]) -> None:
+    """SIGTERM to every running server at once, then each one's exit: they drain side by side."""
+    running = [server for server in servers if server.proc is not None and server.proc.poll() is None]
+    for server in running:
+        server.proc.send_signal(signal.SIGTERM)
+    for server in running:
+        server.wait_stopped()
