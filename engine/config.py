@@ -49,6 +49,14 @@ class CpuOps(Mode):
     TORCH = "torch"  # every op a torch op
 
 
+class Int4Prefill(Mode):
+    """--int4-prefill: how the CPU's INT4 weights multiply a forward of more than 64 rows
+    (engine/quant/int4.py; decode-sized batches quantize x to int16 either way)."""
+
+    DEQUANTIZE = "dequantize"  # each weight widened into a scratch buffer for torch's GEMM: exact
+    INT8 = "int8"  # x quantized to int8 per block of 32, integer dot products: as fast as dense, not exact
+
+
 class LoadFormat(Mode):
     """--load-format: how --model is read (engine/weights)."""
 
@@ -386,6 +394,11 @@ class EngineConfig:
         "--quantization", Quantization.AUTO, "decoder-layer weights: auto (a GGUF's 4-bit blocks stay packed; "
         "16-bit weights become int4 only where memory binds and the fit predicts a gain), none (dense in --dtype), "
         "int4 (packed; round-to-nearest in groups of 32 where not stored so; devices cpu and cuda)", Group.MODEL)
+    int4_prefill: Int4Prefill = knob(
+        "--int4-prefill", Int4Prefill.DEQUANTIZE, "how INT4 weights on device cpu multiply prefill chunks of more "
+        "than 64 tokens: dequantize (into a scratch buffer for torch's GEMM; the tokens of any batching) or int8 "
+        "(activations to int8 blocks and integer dot products, llama.cpp's scheme: about as fast as dense bf16, "
+        "perplexity +0.3%, and a prompt's tokens then depend on how it was chunked)", Group.MODEL)
     cpu_ops: CpuOps = knob(
         "--cpu-ops", CpuOps.LAYERS, "how the decoder layers run on a CPU device: layers (a decode batch's layers in "
         "one C++ call), fused (op by op, RMSNorm, RoPE and SiLU*up as C++ kernels), torch (torch ops)", Group.MODEL)
@@ -447,6 +460,9 @@ class EngineConfig:
             raise ConfigError("quantization int4 runs on device cpu or cuda, not on the testbed: its GPU "
                               "thread would share the CPU kernels' thread pool with the CPU attention; use "
                               "--quantization none there")
+        if self.int4_prefill == Int4Prefill.INT8 and self.device != "cpu":
+            raise ConfigError(f"int4_prefill int8 runs on device cpu (the CPU's INT4 kernels), not on "
+                              f"{self.device}; leave --int4-prefill at dequantize there")
         for section, config_type in _SECTIONS.items():  # a flat value here would fail much later
             value = getattr(self, section)
             if not isinstance(value, config_type):

@@ -12,20 +12,17 @@ with the reference at that position). Both engines compute in fp32.
     python -m benchmarks.kernels.accuracy --model qwen2-0.5b  # a dummy preset: RTN int4 vs its dense weights
 
 Prints a table and writes benchmarks/results/accuracy.json and .md; `update_benchmarks_doc.py` puts the
-table in docs/benchmarks.md. Every int4 matmul goes through the CPU's packed kernel, which quantizes x
-per block of 32 to int16 up to engine.quant.int4.MAX_INT16_ROWS rows (64: the default windows) and
-to int8 above; the prefill row runs windows of PREFILL_WINDOW_TOKENS through both (the reference
-with int16 for every row count).
+table in docs/benchmarks.md. Windows of 64 tokens (engine.quant.int4.MAX_INT16_ROWS) send every int4
+matmul through the CPU's packed kernel with x quantized to int16; the prefill row runs windows of
+PREFILL_WINDOW_TOKENS, above it, with `--int4-prefill int8` against the default (the dequantized
+weight and the dense GEMM).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from unittest import mock
 
 from benchmarks.report import REPO, RESULTS_DIR, write_results
 
@@ -91,34 +88,21 @@ def teacher_forced(llm, windows: list[list[int]]) -> Scores:
     return Scores(logprobs, top1)
 
 
-def int16_activations():
-    """A context in which the CPU's int4 weights quantize x to int16 whatever the row count."""
-    from engine.quant.int4 import CpuInt4Kernels
-
-    return mock.patch.object(CpuInt4Kernels, "max_int16_rows", sys.maxsize)
-
-
 def compare(model: str, variant: dict, reference: dict, window_tokens: int = DEFAULT_WINDOW_TOKENS,
-            max_windows: int | None = None, reference_context=contextlib.nullcontext, reference_note: str = "",
-            **engine_kwargs) -> Comparison:
-    """`variant` and `reference` are LLM keyword arguments (e.g. quantization="int4" / "none");
-    the reference's engine is built and run inside `reference_context()`, which `reference_note`
-    names in the table."""
+            max_windows: int | None = None, **engine_kwargs) -> Comparison:
+    """`variant` and `reference` are LLM keyword arguments (e.g. quantization="int4" / "none")."""
     from engine.llm import LLM
 
     scores, names = {}, {}
     windows = None
     for role, kwargs in (("variant", variant), ("reference", reference)):
-        context = reference_context() if role == "reference" else contextlib.nullcontext()
         # one window per forward (one sequence at a time, its whole window in one chunk)
-        with context, LLM(model=model, dtype="float32", max_model_len=window_tokens + 1,
-                          max_num_batched_tokens=window_tokens, max_num_seqs=1,
-                          **engine_kwargs, **kwargs) as llm:
+        with LLM(model=model, dtype="float32", max_model_len=window_tokens + 1,
+                 max_num_batched_tokens=window_tokens, max_num_seqs=1, **engine_kwargs, **kwargs) as llm:
             if windows is None:
                 windows = held_windows(llm.tokenizer, llm.engine.model_config.vocab_size, window_tokens, max_windows)
             scores[role] = teacher_forced(llm, windows)
         names[role] = ",".join(f"{key}={value}" for key, value in kwargs.items())
-    names["reference"] += f" ({reference_note})" if reference_note else ""
     agree = sum(a == b for a, b in zip(scores["variant"].top1, scores["reference"].top1))
     return Comparison(model, names["variant"], names["reference"], len(scores["variant"].top1),
                       scores["variant"].perplexity, scores["reference"].perplexity, agree / len(scores["variant"].top1))
@@ -146,9 +130,9 @@ def main(argv: list[str] | None = None) -> None:
         comparisons.append(compare(model, {"quantization": "int4"}, {"quantization": "none"},
                                    args.window_tokens, args.max_windows if dummy else None, **dummy))
         print(table(comparisons[-1:]), flush=True)
-    int4_prefill = {"quantization": "int4"}  # windows above MAX_INT16_ROWS: int8 x, against int16 x
-    comparisons.append(compare("smollm2-135m", int4_prefill, int4_prefill, PREFILL_WINDOW_TOKENS,
-                               reference_context=int16_activations, reference_note="int16 x"))
+    # windows above MAX_INT16_ROWS: int8 x against the dequantized weight
+    comparisons.append(compare("smollm2-135m", {"quantization": "int4", "int4_prefill": "int8"},
+                               {"quantization": "int4"}, PREFILL_WINDOW_TOKENS))
     print(table(comparisons[-1:]), flush=True)
     for kv in KV_FORMATS:  # the KV cache's formats against a 16-bit cache, on the embedded model
         comparisons.append(compare("smollm2-135m", {"kv_cache_dtype": kv}, {"kv_cache_dtype": KV_REFERENCE},
@@ -156,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table(comparisons[-1:]), flush=True)
     rows = [asdict(c) | {"perplexity_change": c.perplexity_change} for c in comparisons]
     title = (f"Held text: {HELD_TEXT.name}, windows of {args.window_tokens} tokens ({PREFILL_WINDOW_TOKENS} for "
-             f"the int16-x reference: int8 x above 64 rows), fp32, teacher-forced (`benchmarks/kernels/accuracy.py`)")
+             f"int4_prefill), fp32, teacher-forced (`benchmarks/kernels/accuracy.py`)")
     write_results(args.output, rows, f"{title}\n\n{table(comparisons)}\n")
     print(table(comparisons))
 

@@ -27,6 +27,10 @@ MIN_PREFILL_RATE_VS_BEST = 0.95
 NUM_STREAMS = 8
 LONG_PROMPT_TOKENS = 2048
 NUM_DECODE_STEPS = 12
+# --weights: the LLM keyword arguments of each (dense in the compute dtype, INT4 with its default
+# prefill through the dequantized weight, and with --int4-prefill int8)
+WEIGHTS = {"none": {"quantization": "none"}, "int4": {"quantization": "int4"},
+           "int4-int8": {"quantization": "int4", "int4_prefill": "int8"}}
 
 
 def measure(budget: int, quantization: str, seed: int) -> dict:
@@ -36,7 +40,7 @@ def measure(budget: int, quantization: str, seed: int) -> dict:
 
     from engine import LLM, SamplingParams
 
-    with LLM(quantization=quantization, max_num_batched_tokens=budget, enable_prefix_caching=False, max_prefill_slowdown=0,
+    with LLM(**WEIGHTS[quantization], max_num_batched_tokens=budget, enable_prefix_caching=False, max_prefill_slowdown=0,
              max_model_len=LONG_PROMPT_TOKENS + 64, max_num_seqs=NUM_STREAMS + 1) as llm:
         engine = llm.engine
         gen = torch.Generator().manual_seed(seed)
@@ -100,23 +104,26 @@ def table(rows: list[dict]) -> str:
 
 
 def int4_vs_dense(rows: list[dict]) -> str:
-    """INT4's prefill rate over dense weights' (--quantization none: the compute dtype's) per budget,
-    from the same interleaved repetitions."""
+    """Each INT4 variant's prefill rate over dense weights' (the compute dtype's) per budget, from
+    the same interleaved repetitions."""
     rates = {(r["quantization"], r["budget"]): r["prefill_tokens_per_s"] for r in rows}
-    budgets = sorted({budget for quantization, budget in rates if quantization == "int4" and ("none", budget) in rates})
+    variants = [name for name in WEIGHTS if name != "none" and any(q == name for q, _ in rates)]
+    budgets = sorted({budget for q, budget in rates if ("none", budget) in rates and q in variants})
     if not budgets:
         return ""
-    lines = ["| budget (tokens) | int4 prefill tok/s | dense prefill tok/s | int4 / dense |", "|---|---|---|---|"]
+    lines = ["| budget (tokens) | dense prefill tok/s | " + " | ".join(f"{v} tok/s | {v} / dense" for v in variants)
+             + " |", "|---" * (2 + 2 * len(variants)) + "|"]
     for budget in budgets:
-        int4_rate, dense_rate = rates["int4", budget], rates["none", budget]
-        lines.append(f"| {budget} | {int4_rate:.0f} | {dense_rate:.0f} | {int4_rate / dense_rate:.2f}x |")
+        dense_rate = rates["none", budget]
+        cells = [f"{rates[v, budget]:.0f} | {rates[v, budget] / dense_rate:.2f}x" for v in variants]
+        lines.append(f"| {budget} | {dense_rate:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024, 2048])
-    parser.add_argument("--quantization", nargs="+", default=["none", "int4"])
+    parser.add_argument("--weights", dest="quantization", nargs="+", choices=list(WEIGHTS), default=list(WEIGHTS))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "chunk_budget.json")
     args = parser.parse_args()

@@ -144,5 +144,6 @@ register_linear_method = LINEAR_METHODS.register
 linear_method_names = LINEAR_METHODS.names
 
 
-def create_linear_method(name: str) -> LinearMethod:
-    return LINEAR_METHODS.create(name)
+def create_linear_method(name: str, **options) -> LinearMethod:
+    """`options`: the method's own keyword arguments (int4's `prefill`)."""
+    return LINEAR_METHODS.create(name, **options)

@@ -2,11 +2,11 @@
 
 The kernels are the device's (`INT4_KERNELS`, by device type; each keeps the packed weight in
 the layout it reads): on the host CPU the C++ kernels over a tiled copy (integer dot products,
-kernels/cpu/int4.h) for every batch, prefill's included, with x quantized to int16 for decode-sized
-batches and to int8 for prefill's (MAX_INT16_ROWS); on CUDA
-kernels/triton's W4A16 over the canonical layout, imported only there, which above its row limit
-dequantizes the weight in the compute dtype into one scratch buffer that all of a model's INT4
-weights share (the size of the largest) and runs cuBLAS on it. GGUF
+kernels/cpu/int4.h), with x quantized to int16 for decode-sized batches (MAX_INT16_ROWS); on CUDA
+kernels/triton's W4A16 over the canonical layout, imported only there. Larger batches (prefill
+chunks) dequantize the weight in the compute dtype into one scratch buffer that all of a model's
+INT4 weights share (the size of the largest) and run the dense GEMM on it, or on the CPU with
+`--int4-prefill int8` quantize x to int8 and stay on the packed kernel (INT4_PREFILLS). GGUF
 Q4_0/Q4_1/Q4_K weights arrive as `PackedInt4` and are used as they are; other GGUF quantized
 weights arrive as `KeepDense` and stay dense; any other weight is quantized at load by
 round-to-nearest with each group's min and scale (`--quantization int4`). A fused QKV or gate/up
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from engine.quant.base import ConcatWeight, LinearMethod, LinearWeight, register_linear_method
 from engine.quant.dense import DenseWeight
@@ -29,12 +30,13 @@ from engine.registry import Registry
 from kernels.cpu import int4
 
 DEFAULT_GROUP_SIZE = 32
-# Rows of x up to which the CPU kernel quantizes x to int16; above, to int8. Decode batches are
-# memory-bound, so int16 costs them nothing, while int8 everywhere moved the embedded model's top-1
-# agreement with int16 to 95.8% (perplexity -0.04%; benchmarks/results/accuracy.md). Prefill chunks
-# are compute-bound: there int8 does 4 products per instruction to int16's 2 and beats
-# dequantizing into a dense bf16 GEMM (benchmarks/results/int4_matmul.md).
+# Rows of x up to which the CPU kernel quantizes x to int16 (decode: memory-bound, so int16 costs
+# nothing, and int8 there moved the embedded model's top-1 agreement to 95.8%). Above, an INT4_PREFILLS
+# path: "dequantize" (exact, every batching gives the same tokens) or "int8" (4 products per
+# instruction to int16's 2: about dense bf16's speed, perplexity +0.34% against int16 on the held
+# text; benchmarks/results/int4_matmul.md and accuracy.md).
 MAX_INT16_ROWS = 64
+INT4_PREFILLS = ("dequantize", "int8")
 
 
 @dataclass(frozen=True)
@@ -167,36 +169,42 @@ class Int4Kernels(Protocol):
 INT4_KERNELS: Registry[Int4Kernels] = Registry("int4 kernels")  # by torch device type
 
 
-def create_int4_kernels(device: torch.device | str) -> Int4Kernels:
-    """The kernels for `device`'s type; ValueError naming those there are for a device without."""
+def create_int4_kernels(device: torch.device | str, prefill: str = "dequantize") -> Int4Kernels:
+    """The kernels for `device`'s type, multiplying batches above their packed rows by `prefill`
+    (INT4_PREFILLS); ValueError naming those there are for a device without, or for a `prefill`
+    they do not run."""
     device_type = torch.device(device).type
     if device_type not in INT4_KERNELS:
         raise ValueError(f"int4 weights have no kernels for device {device}; they run on "
                          f"{', '.join(INT4_KERNELS.names())}")
-    return INT4_KERNELS.create(device_type)
+    if prefill not in INT4_PREFILLS:
+        raise ValueError(f"int4 prefill must be one of {', '.join(INT4_PREFILLS)}, got {prefill!r}")
+    return INT4_KERNELS.create(device_type, prefill)
 
 
 @INT4_KERNELS.register("cpu")
 class CpuInt4Kernels:
     """kernels/cpu's C++ kernels over the tiled copy, on the thread count calibrated for them
-    (kernels.cpu.int4.default_num_threads, measured once per process), for any number of rows: the
-    int8 kernel is register-blocked over rows, so a prefill chunk reads the weight from cache and
-    never widens it."""
+    (kernels.cpu.int4.default_num_threads, measured once per process); above MAX_INT16_ROWS the
+    dequantized weight and torch's GEMM, or with prefill "int8" the int8 kernel, register-blocked
+    over rows, so a prefill chunk reads the weight from cache and never widens it."""
 
-    # benchmarks/kernels/accuracy.py raises it to measure int8 prefill against int16
-    max_int16_rows = MAX_INT16_ROWS
-
-    def __init__(self) -> None:
+    def __init__(self, prefill: str = "dequantize") -> None:
         self.num_threads = int4.default_num_threads()
+        self.prefill = prefill
 
     def prepare(self, packed: PackedInt4, device: torch.device) -> int4.TiledInt4:
         return int4.TiledInt4.from_packed(packed.qweight, packed.scales, packed.mins, packed.group_size)
 
     def linear(self, x: torch.Tensor, weight: int4.TiledInt4, scratch: DequantScratch) -> torch.Tensor:
-        if x.shape[0] <= self.max_int16_rows:
+        if x.shape[0] <= MAX_INT16_ROWS:
             return int4.int4_linear(x, weight, num_threads=self.num_threads, activation_bits=16)
-        # compute-bound: every core torch's own GEMM would use, not decode's memory-bound count
-        return int4.int4_linear(x, weight, num_threads=torch.get_num_threads(), activation_bits=8)
+        if self.prefill == "int8":
+            # compute-bound: every core torch's own GEMM would use, not decode's memory-bound count
+            return int4.int4_linear(x, weight, num_threads=torch.get_num_threads(), activation_bits=8)
+        dense = scratch.get(weight.n, weight.k, x.dtype, x.device)
+        int4.dequantize_into(weight, dense, num_threads=self.num_threads)
+        return F.linear(x, dense)
 
     def to_packed(self, weight: int4.TiledInt4) -> PackedInt4:
         return PackedInt4(*weight.to_packed(), weight.group_size)
@@ -208,7 +216,9 @@ class TritonInt4Kernels:
     without triton): the packed kernel up to its MAX_PACKED_ROWS, above that W dequantized into the
     method's scratch buffer and cuBLAS."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefill: str = "dequantize") -> None:
+        if prefill != "dequantize":
+            raise ValueError(f"int4 prefill {prefill} runs on the CPU's kernels; CUDA's dequantize")
         from kernels.triton import w4a16
 
         self.w4a16 = w4a16
@@ -285,13 +295,14 @@ class Int4LinearMethod(LinearMethod):
     name = "int4"
     takes_packed_int4 = True
 
-    def __init__(self, group_size: int = DEFAULT_GROUP_SIZE) -> None:
+    def __init__(self, group_size: int = DEFAULT_GROUP_SIZE, prefill: str = "dequantize") -> None:
         self.group_size = group_size
+        self.prefill = prefill  # INT4_PREFILLS
         self.scratch = DequantScratch()
 
     def create_weight(self, weight, bias, *, dtype, device, layout_device=None):
         # before any work: a device without kernels fails here
-        kernels = create_int4_kernels(layout_device or device)
+        kernels = create_int4_kernels(layout_device or device, self.prefill)
         if isinstance(weight, list):  # fused parts of several kinds (fuse): one weight each
             sizes = [part.shape[0] for part in weight]
             biases = [None] * len(weight) if bias is None else list(bias.split(sizes))

@@ -27,7 +27,7 @@ from engine.model_config import ModelConfig
 from engine.model.layer_store import LayerStore
 from engine.model.registry import create_model
 from engine.outputs import TokenLogprob
-from engine.quant import create_linear_method
+from engine.quant import LinearMethod, create_linear_method
 from engine.sampling import Sampler, SamplerOutput, prompt_logprobs
 from engine.weights import WeightLoader
 from scheduler.iteration_plan import IterationPlan, PlanMode
@@ -67,11 +67,13 @@ class ModelRunner:
                  decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False,
                  linear_method: str = "dense", cpu_ops: CpuOps = CpuOps.LAYERS, kv_cache_dtype: str = "auto",
                  layer_store: Callable[[torch.device, CoreAssignment], LayerStore] | None = None,
-                 cuda_graph_max_batch: int = 0) -> None:
+                 cuda_graph_max_batch: int = 0, int4_prefill: str = "dequantize") -> None:
         """`layer_store`: makes the store of where decoder layers live (weight streaming), given
         the GPU's device and the cores; None: every layer resident. `kv_cache_dtype`: how both KV
         pools store K/V (engine/kv/layouts.py; auto: in `dtype`). `cuda_graph_max_batch`: GPU-only
-        decode steps of up to this many sequences replay CUDA graphs, where the model allows (0: none)."""
+        decode steps of up to this many sequences replay CUDA graphs, where the model allows (0: none).
+        `int4_prefill`: how INT4 weights multiply chunks above the packed kernel's int16 rows
+        (engine/quant/int4.py INT4_PREFILLS)."""
         self.config = config
         self.cores = cores or CoreAssignment.for_device(device)
         self.gpu = self._make_gpu(device)
@@ -84,7 +86,7 @@ class ModelRunner:
         try:
             self.model = create_model(config, loader, dtype, self.device, max_model_len,
                                       create_decode_backend(decode_backend, str(self.device), kv_layout),
-                                      show_progress=show_progress, linear_method=create_linear_method(linear_method),
+                                      show_progress=show_progress, linear_method=_linear_method(linear_method, int4_prefill),
                                       cpu_ops=cpu_ops, layer_store=store)
         except BaseException:
             if store is not None:
@@ -240,3 +242,7 @@ class ModelRunner:
                 kv.copy_blocks([copy], to_cpu=copy.to_cpu)
 
         self.gpu.submit_copy(copy_all).result()
+
+
+def _linear_method(name: str, int4_prefill: str) -> LinearMethod:
+    return create_linear_method(name, **({"prefill": int4_prefill} if name == "int4" else {}))

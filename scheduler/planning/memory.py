@@ -27,8 +27,8 @@ IMAGE_ALIGN_BYTES = 4096
 INT4_GROUP_SIZE = 32
 INT4_TILE_ROWS = 16
 INT4_PARAM_BYTES = 4
-# Rows above which a GPU's INT4 forward counts a dense scratch copy of the largest weight (CUDA's
-# kernels dequantize above kernels/triton/w4a16.py's MAX_PACKED_ROWS; the CPU's never do).
+# Rows up to which the INT4 kernels multiply packed weights; above, a dense scratch copy of the
+# largest weight is counted (engine/quant/int4.py: the default prefill path dequantizes).
 INT4_KERNEL_MAX_ROWS = 64
 LOGITS_BYTES = 4  # the LM head's output is fp32
 

@@ -11,8 +11,8 @@ from engine.config import EngineConfig
 from engine.model_config import ConfigError
 from engine.quant import LinearWeight, create_linear_method, linear_method_names
 from engine.quant.base import ConcatWeight
-from engine.quant.int4 import (MAX_INT16_ROWS, CpuInt4Kernels, Int4Weight, KeepDense, PackedInt4, TritonInt4Kernels,
-                               fuse)
+from engine.quant.int4 import (INT4_PREFILLS, MAX_INT16_ROWS, CpuInt4Kernels, Int4Weight, KeepDense, PackedInt4,
+                               TritonInt4Kernels, fuse)
 from kernels.cpu import int4
 
 MODEL_DIR = Path(__file__).resolve().parents[3] / "engine" / "model"
@@ -49,19 +49,23 @@ def test_model_code_multiplies_only_through_weight_objects():
             assert not bare.search(line), f"{path.name}:{number}: {line.strip()}"
 
 
+@pytest.mark.parametrize("prefill", INT4_PREFILLS)
 @pytest.mark.parametrize("rows", [1, 3, 40, MAX_INT16_ROWS, MAX_INT16_ROWS + 1, 300])
-def test_int4_weight_applies_like_its_dequantized_matrix(rows, monkeypatch):
-    """The packed kernel, decode-sized batches and prefill's alike, agrees with a plain matmul over
-    the weight the packed form stands for, bias included, and never widens the weight."""
-    monkeypatch.setattr(int4, "dequantize_into", None)
+def test_int4_weight_applies_like_its_dequantized_matrix(rows, prefill, monkeypatch):
+    """The packed kernel (int16 x up to MAX_INT16_ROWS; above, int8 x with prefill int8) and the
+    dequantized weight (above, by default) agree with a plain matmul over the weight the packed
+    form stands for, bias included; with prefill int8 the weight is never widened."""
+    if prefill == "int8":
+        monkeypatch.setattr(int4, "dequantize_into", None)
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(300, 256, generator=gen), torch.randn(300, generator=gen)
-    linear = create_linear_method("int4").create_weight(weight, bias, dtype=torch.float32,
+    linear = create_linear_method("int4", prefill=prefill).create_weight(weight, bias, dtype=torch.float32,
                                                        device=torch.device("cpu"))
     dense = linear.dequantize()
     x = torch.randn(rows, 256, generator=gen)
     expected = x @ dense.T + bias
-    tolerance = int4.ACTIVATION_RELATIVE_ERROR[16 if rows <= MAX_INT16_ROWS else 8]  # x quantized in the kernel
+    tolerance = (int4.ACTIVATION_RELATIVE_ERROR[16] if rows <= MAX_INT16_ROWS else  # x quantized in the kernel
+                 int4.ACTIVATION_RELATIVE_ERROR[8] if prefill == "int8" else 1e-5)
     assert float((linear.apply(x) - expected).abs().max() / expected.abs().max()) <= tolerance
     tiles = -(-300 // 16)
     assert linear.format == "int4" and linear.nbytes == tiles * 16 * (128 + 2 * 8 * 4) + 300 * 4
@@ -89,7 +93,7 @@ def test_int4_fused_parts_of_several_kinds_apply_like_their_concatenation(rows):
     dense = torch.cat([runs[0].dequantize(), runs[1].weight, rounded.dequantize()])
     x = torch.randn(rows, 64, generator=gen)
     expected = x @ dense.T + bias  # x quantized in the kernel (int4.ACTIVATION_RELATIVE_ERROR)
-    tolerance = int4.ACTIVATION_RELATIVE_ERROR[16 if rows <= MAX_INT16_ROWS else 8]
+    tolerance = int4.ACTIVATION_RELATIVE_ERROR[16] if rows <= MAX_INT16_ROWS else 1e-5
     assert float((linear.apply(x) - expected).abs().max() / expected.abs().max()) <= tolerance
     assert linear.nbytes == sum(part.nbytes for part in linear.parts)
     assert fuse(parts[:2]).shape == (48, 64) and isinstance(fuse(parts[:2]), PackedInt4)
@@ -141,3 +145,13 @@ def test_the_triton_kernels_keep_scales_in_fp16_only_where_that_is_exact(interpr
         assert prepared.scales.dtype == prepared.mins.dtype == dtype
         back = kernels.to_packed(prepared)
         assert back.scales.dtype == torch.float32 and torch.equal(back.dequantize(), packed.dequantize())
+
+
+def test_int8_prefill_is_refused_off_the_cpu():
+    with pytest.raises(ConfigError, match="int4_prefill int8 runs on device cpu"):
+        EngineConfig(device="cuda", int4_prefill="int8")
+    with pytest.raises(ValueError, match="CUDA's dequantize"):
+        TritonInt4Kernels("int8")
+    with pytest.raises(ValueError, match="int4 prefill must be one of"):
+        create_linear_method("int4", prefill="int2").create_weight(torch.randn(16, 64), None, dtype=torch.float32,
+                                                                  device="cpu")
