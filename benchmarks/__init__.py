@@ -3,3 +3,4 @@
 benchmarks/results/ (report.py) and its table put in docs/benchmarks.md (update_benchmarks_doc.py).
 load/ is the HTTP load generator; serving/, kernels/, offload/, gpu/ and simulation/ group the rest
 by what they measure."""
+import kernels  # noqa: F401  before any benchmark imports torch: it caps torch's OpenMP spinning

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import kernels
 from engine.config import GIB_BYTES, QUANTIZATION_METHODS, EngineConfig
 from engine.distributed import ModelSource, TensorParallelRunner
 from engine.model_config import ModelConfig
@@ -116,6 +117,10 @@ class LLMEngine:
         self.config = config = plan.config
         self.dtype = plan.dtype
         logger.info("compute dtype: %s (%s)", str(self.dtype).removeprefix("torch."), plan.dtype_reason)
+        if kernels.SPIN_UNCAPPED:
+            logger.warning("torch was imported before tandem, so its OpenMP threads spin after each op on the "
+                           "cores tandem's CPU kernels need next (INT4 runs up to 2x slower): import engine "
+                           "first or set GOMP_SPINCOUNT=%s", kernels.TORCH_SPIN_COUNT)
         logger.info("%s", describe_fit(plan.fit, config))
         layers = plan.layers
         if layers.placement is not None or layers.slicing is not None:

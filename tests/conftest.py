@@ -7,6 +7,7 @@ import shutil
 import tempfile
 import zlib
 
+import kernels  # noqa: F401  before any test imports torch: it caps torch's OpenMP spinning
 import pytest
 
 from session_cache import CACHE_DIR_ENV  # tests/ is on sys.path (pyproject.toml's pythonpath)

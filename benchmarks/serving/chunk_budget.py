@@ -40,7 +40,7 @@ def measure(budget: int, quantization: str, seed: int) -> dict:
 
     from engine import LLM, SamplingParams
 
-    with LLM(**WEIGHTS[quantization], max_num_batched_tokens=budget, enable_prefix_caching=False, max_prefill_slowdown=0,
+    with LLM(**WEIGHTS[quantization], max_num_batched_tokens=budget, prefix_caching=False, max_prefill_slowdown=0,
              max_model_len=LONG_PROMPT_TOKENS + 64, max_num_seqs=NUM_STREAMS + 1) as llm:
         engine = llm.engine
         gen = torch.Generator().manual_seed(seed)
