@@ -56,6 +56,7 @@ import torch
 
 from benchmarks.report import RESULTS_DIR
 from engine.kv import host_zeros
+from engine.profiling.profiler import median_seconds
 from kernels import cpu, kv_quant
 from kernels.cpu import reference
 from kernels.cpu.build import BuildError, default_compiler, run_command
@@ -96,17 +97,6 @@ def settle(fn, seconds: float) -> None:
 def wait_for_idle_pool() -> None:
     """Lets the kernel's pool workers, which poll for up to 1 ms after a call, go to sleep."""
     time.sleep(SETTLE_SECONDS)
-
-
-def median_time(fn, reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 class PatternReader:
@@ -167,7 +157,7 @@ class ReadBandwidth:
         previous = torch.get_num_threads()
         torch.set_num_threads(self.num_threads)
         try:
-            return self.data.numel() * 4 / median_time(self.data.sum, reps=3)
+            return self.data.numel() * 4 / median_seconds(self.data.sum, warmup=1, repetitions=3)
         finally:
             torch.set_num_threads(previous)
 
@@ -285,8 +275,9 @@ class InCacheRate:
                                kv_format=kv_format)
 
     def sample(self) -> float:
-        return self.problem.kv_bytes / median_time(lambda: self.problem.run_kernel(0, self.num_threads), self.REPS,
-                                                   warmup=2)
+        def run() -> None:
+            self.problem.run_kernel(0, self.num_threads)
+        return self.problem.kv_bytes / median_seconds(run, warmup=2, repetitions=self.REPS)
 
 
 def bench_config(shape: Shape, batch: int, context: int, num_threads: int, reference_reps: int,
@@ -308,7 +299,7 @@ def bench_config(shape: Shape, batch: int, context: int, num_threads: int, refer
     for _ in range(ROUNDS):
         bandwidths.append(bandwidth.sample())
         settle(run_kernel, SETTLE_SECONDS)
-        kernel_times.append(median_time(run_kernel, KERNEL_REPS, warmup=0))
+        kernel_times.append(median_seconds(run_kernel, warmup=0, repetitions=KERNEL_REPS))
         in_cache_rates.append(in_cache.sample())
         if reader is not None:
             wait_for_idle_pool()
@@ -327,7 +318,7 @@ def bench_config(shape: Shape, batch: int, context: int, num_threads: int, refer
     if reference_reps and kv_format == DENSE_FORMAT:
         torch.set_num_threads(num_threads)
         wait_for_idle_pool()
-        reference_s = median_time(problem.run_reference, reference_reps, warmup=0)
+        reference_s = median_seconds(problem.run_reference, warmup=0, repetitions=reference_reps)
     kv_bytes_read = problem.kv_bytes
     return {
         "kv_format": kv_format,

@@ -29,9 +29,10 @@ import kernels  # noqa: F401  (before torch: the engine's OpenMP spin cap)
 import torch
 import torch.nn.functional as F
 
-from benchmarks.kernels.cpu_attention import ReadBandwidth, median_time
+from benchmarks.kernels.cpu_attention import ReadBandwidth
 from benchmarks.report import RESULTS_DIR, write_results
 from engine.profiling.cache import host_cpu_model
+from engine.profiling.profiler import median_seconds
 from kernels.cpu import int4
 
 # (out, in): SmolLM2-135M's QKV, gate|up, down; Llama-3.1-8B's QKV-ish/O, gate|up, down
@@ -78,7 +79,7 @@ def timed(run) -> float:
     start = time.perf_counter()
     run()  # warm-up, and the estimate
     reps = max(1, min(MAX_REPS, int(SECONDS_PER_SAMPLE / max(time.perf_counter() - start, 1e-6))))
-    return median_time(run, reps=reps, warmup=0)
+    return median_seconds(run, warmup=0, repetitions=reps)
 
 
 def measure(n: int, k: int, rows: list[int], bandwidth: ReadBandwidth, num_threads: int) -> list[dict]:
