@@ -131,7 +131,7 @@ class LLMEngine:
             dtype=self.dtype, num_blocks=plan.gpu_pool.size(config), num_cpu_blocks=plan.num_cpu_blocks,
             block_size=cache.block_size, max_model_len=plan.max_model_len, decode_backend=config.decode_attention,
             seed=config.seed, linear_method=QUANTIZATION_METHODS[config.quantization],
-            int4_prefill=config.int4_prefill.value,
+            int4_prefill=config.int4_prefill,
             cpu_ops=config.cpu_ops, show_progress=config.show_progress, kv_cache_dtype=plan.kv_format.name,
             cuda_graph_max_batch=plan.cuda_graph_max_batch))
         num_blocks = self.runner.num_gpu_blocks

@@ -6,7 +6,7 @@ kernels/cpu/int4.h), with x quantized to int16 for decode-sized batches (MAX_INT
 kernels/triton's W4A16 over the canonical layout, imported only there. Larger batches (prefill
 chunks) dequantize the weight in the compute dtype into one scratch buffer that all of a model's
 INT4 weights share (the size of the largest) and run the dense GEMM on it, or on the CPU with
-`--int4-prefill int8` quantize x to int8 and stay on the packed kernel (INT4_PREFILLS). GGUF
+`--int4-prefill int8` quantize x to int8 and stay on the packed kernel (engine.config.Int4Prefill). GGUF
 Q4_0/Q4_1/Q4_K weights arrive as `PackedInt4` and are used as they are; other GGUF quantized
 weights arrive as `KeepDense` and stay dense; any other weight is quantized at load by
 round-to-nearest with each group's min and scale (`--quantization int4`). A fused QKV or gate/up
@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.config import Int4Prefill
 from engine.quant.base import ConcatWeight, LinearMethod, LinearWeight, register_linear_method
 from engine.quant.dense import DenseWeight
 from engine.registry import Registry
@@ -31,12 +32,11 @@ from kernels.cpu import int4
 
 DEFAULT_GROUP_SIZE = 32
 # Rows of x up to which the CPU kernel quantizes x to int16 (decode: memory-bound, so int16 costs
-# nothing, and int8 there moved the embedded model's top-1 agreement to 95.8%). Above, an INT4_PREFILLS
-# path: "dequantize" (exact, every batching gives the same tokens) or "int8" (4 products per
+# nothing, and int8 there moved the embedded model's top-1 agreement to 95.8%). Above, an Int4Prefill
+# path: dequantize (exact, every batching gives the same tokens) or int8 (4 products per
 # instruction to int16's 2: about dense bf16's speed, perplexity +0.34% against int16 on the held
 # text; benchmarks/results/int4_matmul.md and accuracy.md).
 MAX_INT16_ROWS = 64
-INT4_PREFILLS = ("dequantize", "int8")
 
 
 @dataclass(frozen=True)
@@ -169,27 +169,27 @@ class Int4Kernels(Protocol):
 INT4_KERNELS: Registry[Int4Kernels] = Registry("int4 kernels")  # by torch device type
 
 
-def create_int4_kernels(device: torch.device | str, prefill: str = "dequantize") -> Int4Kernels:
+def create_int4_kernels(device: torch.device | str, prefill: str = Int4Prefill.DEQUANTIZE) -> Int4Kernels:
     """The kernels for `device`'s type, multiplying batches above their packed rows by `prefill`
-    (INT4_PREFILLS); ValueError naming those there are for a device without, or for a `prefill`
+    (Int4Prefill); ValueError naming those there are for a device without, or for a `prefill`
     they do not run."""
     device_type = torch.device(device).type
     if device_type not in INT4_KERNELS:
         raise ValueError(f"int4 weights have no kernels for device {device}; they run on "
                          f"{', '.join(INT4_KERNELS.names())}")
-    if prefill not in INT4_PREFILLS:
-        raise ValueError(f"int4 prefill must be one of {', '.join(INT4_PREFILLS)}, got {prefill!r}")
-    return INT4_KERNELS.create(device_type, prefill)
+    if prefill not in list(Int4Prefill):
+        raise ValueError(f"int4 prefill must be one of {', '.join(Int4Prefill)}, got {prefill!r}")
+    return INT4_KERNELS.create(device_type, Int4Prefill(prefill))
 
 
 @INT4_KERNELS.register("cpu")
 class CpuInt4Kernels:
     """kernels/cpu's C++ kernels over the tiled copy, on the thread count calibrated for them
     (kernels.cpu.int4.default_num_threads, measured once per process); above MAX_INT16_ROWS the
-    dequantized weight and torch's GEMM, or with prefill "int8" the int8 kernel, register-blocked
+    dequantized weight and torch's GEMM, or with prefill int8 the int8 kernel, register-blocked
     over rows, so a prefill chunk reads the weight from cache and never widens it."""
 
-    def __init__(self, prefill: str = "dequantize") -> None:
+    def __init__(self, prefill: Int4Prefill = Int4Prefill.DEQUANTIZE) -> None:
         self.num_threads = int4.default_num_threads()
         self.prefill = prefill
 
@@ -199,7 +199,7 @@ class CpuInt4Kernels:
     def linear(self, x: torch.Tensor, weight: int4.TiledInt4, scratch: DequantScratch) -> torch.Tensor:
         if x.shape[0] <= MAX_INT16_ROWS:
             return int4.int4_linear(x, weight, num_threads=self.num_threads, activation_bits=16)
-        if self.prefill == "int8":
+        if self.prefill == Int4Prefill.INT8:
             # compute-bound: every core torch's own GEMM would use, not decode's memory-bound count
             return int4.int4_linear(x, weight, num_threads=torch.get_num_threads(), activation_bits=8)
         dense = scratch.get(weight.n, weight.k, x.dtype, x.device)
@@ -216,8 +216,8 @@ class TritonInt4Kernels:
     without triton): the packed kernel up to its MAX_PACKED_ROWS, above that W dequantized into the
     method's scratch buffer and cuBLAS."""
 
-    def __init__(self, prefill: str = "dequantize") -> None:
-        if prefill != "dequantize":
+    def __init__(self, prefill: Int4Prefill = Int4Prefill.DEQUANTIZE) -> None:
+        if prefill != Int4Prefill.DEQUANTIZE:
             raise ValueError(f"int4 prefill {prefill} runs on the CPU's kernels; CUDA's dequantize")
         from kernels.triton import w4a16
 
@@ -295,9 +295,9 @@ class Int4LinearMethod(LinearMethod):
     name = "int4"
     takes_packed_int4 = True
 
-    def __init__(self, group_size: int = DEFAULT_GROUP_SIZE, prefill: str = "dequantize") -> None:
+    def __init__(self, group_size: int = DEFAULT_GROUP_SIZE, prefill: Int4Prefill = Int4Prefill.DEQUANTIZE) -> None:
         self.group_size = group_size
-        self.prefill = prefill  # INT4_PREFILLS
+        self.prefill = prefill
         self.scratch = DequantScratch()
 
     def create_weight(self, weight, bias, *, dtype, device, layout_device=None):

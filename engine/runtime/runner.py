@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from engine.attention import create_decode_backend
-from engine.config import CpuOps
+from engine.config import CpuOps, Int4Prefill
 from engine.kv.layouts import create_layout
 from engine.runtime.batch import build_batch, prompt_logprob_positions
 from engine.device.cores import CoreAssignment
@@ -67,13 +67,13 @@ class ModelRunner:
                  decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False,
                  linear_method: str = "dense", cpu_ops: CpuOps = CpuOps.LAYERS, kv_cache_dtype: str = "auto",
                  layer_store: Callable[[torch.device, CoreAssignment], LayerStore] | None = None,
-                 cuda_graph_max_batch: int = 0, int4_prefill: str = "dequantize") -> None:
+                 cuda_graph_max_batch: int = 0, int4_prefill: Int4Prefill = Int4Prefill.DEQUANTIZE) -> None:
         """`layer_store`: makes the store of where decoder layers live (weight streaming), given
         the GPU's device and the cores; None: every layer resident. `kv_cache_dtype`: how both KV
         pools store K/V (engine/kv/layouts.py; auto: in `dtype`). `cuda_graph_max_batch`: GPU-only
         decode steps of up to this many sequences replay CUDA graphs, where the model allows (0: none).
         `int4_prefill`: how INT4 weights multiply chunks above the packed kernel's int16 rows
-        (engine/quant/int4.py INT4_PREFILLS)."""
+        (engine/quant/int4.py)."""
         self.config = config
         self.cores = cores or CoreAssignment.for_device(device)
         self.gpu = self._make_gpu(device)
@@ -244,5 +244,5 @@ class ModelRunner:
         self.gpu.submit_copy(copy_all).result()
 
 
-def _linear_method(name: str, int4_prefill: str) -> LinearMethod:
+def _linear_method(name: str, int4_prefill: Int4Prefill) -> LinearMethod:
     return create_linear_method(name, **({"prefill": int4_prefill} if name == "int4" else {}))

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, Int4Prefill
 from engine.model_config import ConfigError
 from engine.quant import LinearWeight, create_linear_method, linear_method_names
 from engine.quant.base import ConcatWeight
-from engine.quant.int4 import (INT4_PREFILLS, MAX_INT16_ROWS, CpuInt4Kernels, Int4Weight, KeepDense, PackedInt4,
+from engine.quant.int4 import (MAX_INT16_ROWS, CpuInt4Kernels, Int4Weight, KeepDense, PackedInt4,
                                TritonInt4Kernels, fuse)
 from kernels.cpu import int4
 
@@ -49,7 +49,7 @@ def test_model_code_multiplies_only_through_weight_objects():
             assert not bare.search(line), f"{path.name}:{number}: {line.strip()}"
 
 
-@pytest.mark.parametrize("prefill", INT4_PREFILLS)
+@pytest.mark.parametrize("prefill", [prefill.value for prefill in Int4Prefill])
 @pytest.mark.parametrize("rows", [1, 3, 40, MAX_INT16_ROWS, MAX_INT16_ROWS + 1, 300])
 def test_int4_weight_applies_like_its_dequantized_matrix(rows, prefill, monkeypatch):
     """The packed kernel (int16 x up to MAX_INT16_ROWS; above, int8 x with prefill int8) and the
