@@ -66,15 +66,12 @@ inline int32_t load_i32(const int8_t* p) {
   return value;
 }
 
-struct Int4Problem {
-  const int16_t* x_quant;     // [batch, k]
-  const float* x_scales;      // [batch, k / 32]
-  const float* x_group_sums;  // [batch, k / group_size]: each group's fp32 sum of x
-  const float* x_code_offsets;  // [batch, k / group_size]: 8 x each group's sum of x'
-  const uint8_t* codes;       // tiled, [tiles, k / 32, 4, 16, 4]
-  const float* scales;        // [tiles, k / group_size, 16]
-  const float* mins;          // [tiles, k / group_size, 16]
-  void* y;                    // [batch, n] in y_dtype
+// The tiled weight, the output and the shape: what the int16 and int8 matmuls share.
+struct Int4Matmul {
+  const uint8_t* codes;  // tiled, [tiles, k / 32, 4, 16, 4]
+  const float* scales;   // [tiles, k / group_size, 16]
+  const float* mins;     // [tiles, k / group_size, 16]
+  void* y;               // [batch, n] in y_dtype
   DType y_dtype;
   int batch;
   int n;
@@ -83,9 +80,18 @@ struct Int4Problem {
 
   int num_blocks() const { return k / kInt4Block; }
   int num_groups() const { return k / group_size; }
+  int num_tiles() const { return (n + kInt4TileRows - 1) / kInt4TileRows; }
   const uint8_t* tile_codes(int tile) const {
     return codes + static_cast<size_t>(tile) * num_blocks() * kInt4TileBlockBytes;
   }
+};
+
+// The matmul over int16 activations.
+struct Int4Problem : Int4Matmul {
+  const int16_t* x_quant;       // [batch, k]
+  const float* x_scales;        // [batch, k / 32]
+  const float* x_group_sums;    // [batch, k / group_size]: each group's fp32 sum of x
+  const float* x_code_offsets;  // [batch, k / group_size]: 8 x each group's sum of x'
 };
 
 // Rows [row_begin, row_end) of x [.., k] fp32 quantized into problem-shaped buffers.
@@ -101,27 +107,11 @@ struct Int4Activations {
 };
 
 // The same matmul over int8 activations (Q8_0 blocks).
-struct Int4Q8Problem {
+struct Int4Q8Problem : Int4Matmul {
   const int8_t* x_quant;          // [batch, k]
   const float* x_scales;          // [batch, k / 32]
   const int32_t* x_code_offsets;  // [batch, k / 32]: 8 x each block's sum of x_int8
   const float* x_group_sums;      // [batch, k / group_size]: each group's fp32 sum of x
-  const uint8_t* codes;           // tiled, [tiles, k / 32, 4, 16, 4]
-  const float* scales;            // [tiles, k / group_size, 16]
-  const float* mins;              // [tiles, k / group_size, 16]
-  void* y;                        // [batch, n] in y_dtype
-  DType y_dtype;
-  int batch;
-  int n;
-  int k;
-  int group_size;
-
-  int num_blocks() const { return k / kInt4Block; }
-  int num_groups() const { return k / group_size; }
-  int num_tiles() const { return (n + kInt4TileRows - 1) / kInt4TileRows; }
-  const uint8_t* tile_codes(int tile) const {
-    return codes + static_cast<size_t>(tile) * num_blocks() * kInt4TileBlockBytes;
-  }
 };
 
 // Rows of x [.., k] quantized into Int4Q8Problem-shaped buffers.

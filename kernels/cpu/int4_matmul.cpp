@@ -50,6 +50,25 @@ Q8Split q8_split(int num_tiles, int batch, int num_threads) {
   return {column_parts, row_parts};
 }
 
+// A call's weight, output and shape, from its raw arguments.
+Int4Matmul matmul_of(uintptr_t codes, uintptr_t scales, uintptr_t mins, uintptr_t y, DType dtype, int batch, int n,
+                     int k, int group_size) {
+  return {reinterpret_cast<const uint8_t*>(codes), reinterpret_cast<const float*>(scales),
+          reinterpret_cast<const float*>(mins), reinterpret_cast<void*>(y), dtype, batch, n, k, group_size};
+}
+
+// Rows [0, batch) of x quantized on up to num_threads threads, each its own contiguous run.
+// Quantized here rather than by torch ops before the call, whose OpenMP threads would go on
+// spinning on the cores the kernel's threads are about to use.
+template <typename QuantizeRows>
+void quantize_in_parallel(int batch, int num_threads, const QuantizeRows& quantize_rows) {
+  const int threads = std::min(num_threads, batch);
+  ThreadPool::instance().run(threads, [&](int thread) {
+    const auto [begin, end] = split_range(batch, threads, thread);
+    quantize_rows(begin, end);
+  });
+}
+
 }  // namespace
 
 void int4_linear(uintptr_t x, uintptr_t codes, uintptr_t scales, uintptr_t mins, uintptr_t y, int dtype, int batch,
@@ -57,8 +76,6 @@ void int4_linear(uintptr_t x, uintptr_t codes, uintptr_t scales, uintptr_t mins,
   check_int4_shape(batch, n, k, group_size, num_threads);
   if (batch == 0) return;
   const KernelTable& kernels = select_kernels(isa);
-  // Quantized here rather than by torch ops before the call, whose OpenMP threads would go on
-  // spinning on the cores the kernel's threads are about to use.
   const size_t num_blocks = static_cast<size_t>(batch) * (k / kInt4Block);
   std::vector<int8_t> x_quant(static_cast<size_t>(batch) * k);
   std::vector<float> x_scales(num_blocks);
@@ -66,15 +83,10 @@ void int4_linear(uintptr_t x, uintptr_t codes, uintptr_t scales, uintptr_t mins,
   std::vector<float> group_sums(static_cast<size_t>(batch) * (k / group_size));
   const Int4Q8Activations activations{reinterpret_cast<const void*>(x), static_cast<DType>(dtype), x_quant.data(),
                                       x_scales.data(), code_offsets.data(), group_sums.data(), k, group_size};
-  const int quantize_threads = std::min(num_threads, batch);
-  ThreadPool::instance().run(quantize_threads, [&](int thread) {
-    const auto [begin, end] = split_range(batch, quantize_threads, thread);
-    kernels.int4_q8_quantize_rows(activations, begin, end);
-  });
-  const Int4Q8Problem p{x_quant.data(), x_scales.data(), code_offsets.data(), group_sums.data(),
-                        reinterpret_cast<const uint8_t*>(codes), reinterpret_cast<const float*>(scales),
-                        reinterpret_cast<const float*>(mins), reinterpret_cast<void*>(y), static_cast<DType>(dtype),
-                        batch, n, k, group_size};
+  quantize_in_parallel(batch, num_threads,
+                       [&](int begin, int end) { kernels.int4_q8_quantize_rows(activations, begin, end); });
+  const Int4Q8Problem p{matmul_of(codes, scales, mins, y, static_cast<DType>(dtype), batch, n, k, group_size),
+                        x_quant.data(), x_scales.data(), code_offsets.data(), group_sums.data()};
   const Q8Split split = q8_split(p.num_tiles(), batch, num_threads);
   ThreadPool::instance().run(split.threads(), [&](int thread) {
     kernels.int4_q8_tiles(p, split.range(p.num_tiles(), batch, thread));
@@ -92,17 +104,12 @@ void int4_linear_int16(uintptr_t x, uintptr_t codes, uintptr_t scales, uintptr_t
   std::vector<float> code_offsets(group_sums.size());
   const Int4Activations activations{reinterpret_cast<const void*>(x), static_cast<DType>(dtype), x_quant.data(),
                                     x_scales.data(), group_sums.data(), code_offsets.data(), k, group_size};
-  const int quantize_threads = std::min(num_threads, batch);
-  ThreadPool::instance().run(quantize_threads, [&](int thread) {
-    const auto [begin, end] = split_range(batch, quantize_threads, thread);
-    kernels.int4_quantize_rows(activations, begin, end);
-  });
-  const Int4Problem p{x_quant.data(), x_scales.data(), group_sums.data(), code_offsets.data(),
-                      reinterpret_cast<const uint8_t*>(codes),
-                      reinterpret_cast<const float*>(scales), reinterpret_cast<const float*>(mins),
-                      reinterpret_cast<void*>(y), static_cast<DType>(dtype), batch, n, k, group_size};
+  quantize_in_parallel(batch, num_threads,
+                       [&](int begin, int end) { kernels.int4_quantize_rows(activations, begin, end); });
+  const Int4Problem p{matmul_of(codes, scales, mins, y, static_cast<DType>(dtype), batch, n, k, group_size),
+                      x_quant.data(), x_scales.data(), group_sums.data(), code_offsets.data()};
   // Contiguous runs of tiles: each thread streams its own part of the packed weight once.
-  const int num_tiles = (n + kInt4TileRows - 1) / kInt4TileRows;
+  const int num_tiles = p.num_tiles();
   const int threads = std::min(num_threads, num_tiles);
   ThreadPool::instance().run(threads, [&](int thread) {
     const auto [begin, end] = split_range(num_tiles, threads, thread);
@@ -114,9 +121,7 @@ void int4_dequantize(uintptr_t codes, uintptr_t scales, uintptr_t mins, uintptr_
                      int k, int group_size, int num_threads, const std::string& isa) {
   check_int4_shape(0, n, k, group_size, num_threads);
   const KernelTable& kernels = select_kernels(isa);
-  const Int4Problem p{nullptr, nullptr, nullptr, nullptr, reinterpret_cast<const uint8_t*>(codes),
-                      reinterpret_cast<const float*>(scales), reinterpret_cast<const float*>(mins), nullptr,
-                      DType::kFloat32, 0, n, k, group_size};
+  const Int4Problem p{matmul_of(codes, scales, mins, 0, DType::kFloat32, 0, n, k, group_size)};
   const int threads = std::min(num_threads, n);
   const size_t row_bytes = static_cast<size_t>(k) * dtype_size(static_cast<DType>(out_dtype));
   ThreadPool::instance().run(threads, [&](int thread) {

@@ -2,18 +2,14 @@
 // path: one vector is a tile's 16 output columns.
 #pragma once
 
-#include <cstring>
-
 #include "int4.h"
+#include "int4_portable.h"
 
 namespace tandem {
 namespace {
 
-struct Q8Dot {
-  static constexpr int kLanes = kInt4TileRows;
+struct Q8Dot : PortableLanes {
   static constexpr int kRowTile = 4;
-  struct IVec { int32_t lanes[kLanes]; };
-  struct FVec { float lanes[kLanes]; };
 
   static IVec set1_int(int32_t value) {
     IVec out;
@@ -35,28 +31,6 @@ struct Q8Dot {
         }
       }
     }
-  }
-  static FVec to_float(const IVec& v) {
-    FVec out;
-    for (int i = 0; i < kLanes; ++i) out.lanes[i] = static_cast<float>(v.lanes[i]);
-    return out;
-  }
-  static FVec zero() { return FVec{}; }
-  static FVec set1(float value) {
-    FVec out;
-    for (float& lane : out.lanes) lane = value;
-    return out;
-  }
-  static FVec load(const float* p) {
-    FVec out;
-    std::memcpy(out.lanes, p, sizeof(out.lanes));
-    return out;
-  }
-  static void store(float* p, const FVec& v) { std::memcpy(p, v.lanes, sizeof(v.lanes)); }
-  static FVec fma(const FVec& a, const FVec& b, const FVec& c) {
-    FVec out;
-    for (int i = 0; i < kLanes; ++i) out.lanes[i] = a.lanes[i] * b.lanes[i] + c.lanes[i];
-    return out;
   }
 };
 
