@@ -10,7 +10,9 @@ kernels the fused op-by-op path calls, with the same roundings, so the two agree
 It applies where every piece has its kernel: a dense Llama-family layer (no mixture of experts,
 no per-head Q/K norms); CPU tensors; each matmul an INT4 weight on the CPU
 kernels' tiled layout or a dense fp32/bf16/fp16 one; widths multiples of 16 (head_dim of 32); and
-at most `max_tokens` rows (MAX_INT4_ROWS, or the dense GEMV's 4 where the model holds a dense matmul).
+at most `max_tokens` rows (MAX_INT16_ROWS: the batches whose x the op-by-op path quantizes to int16
+as the decoder does, larger chunks running op by op; or the dense GEMV's 4 where the model holds a
+dense matmul).
 `NativeDecoder.build` says why not otherwise, and the model keeps its op-by-op stages.
 """
 from __future__ import annotations
@@ -31,9 +33,6 @@ from kernels.cpu import int4 as int4_kernels
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # tandem::DType
 _WIDTH_MULTIPLE = 16  # the elementwise kernels' vector width
 _HEAD_DIM_MULTIPLE = 32  # RoPE's: each half a multiple of the width
-# Rows the decoder takes where every matmul is INT4: the batches whose x the op-by-op path
-# quantizes to int16 as the decoder does; larger chunks run op by op.
-MAX_INT4_ROWS = MAX_INT16_ROWS
 # Sequences each attention thread gets at least. Each sequence stays on one thread (a one-thread
 # call's bits whatever the count), and a second thread gains nothing below two sequences each
 # (docs/benchmarks.md, "Measurements behind code choices").
@@ -78,7 +77,7 @@ class NativeDecoder:
         shape.eps, shape.cos, shape.sin = cfg.rms_norm_eps, model.rope.cos.data_ptr(), model.rope.sin.data_ptr()
         shape.linear_threads, shape.isa = int4_kernels.default_num_threads(), isa or ""
         decoder = ext.Decoder(shape)
-        keep_alive, row_limits = [model.rope.cos, model.rope.sin], [MAX_INT4_ROWS]
+        keep_alive, row_limits = [model.rope.cos, model.rope.sin], [MAX_INT16_ROWS]
         for w in model.layers:
             layer = ext.DecoderLayer()
             layer.input_norm, layer.post_norm = _pointer(w.input_norm, model.dtype), _pointer(w.post_norm, model.dtype)
