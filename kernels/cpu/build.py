@@ -15,6 +15,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -76,16 +77,24 @@ def isa_flags(source: str, machine: str) -> list[str]:
     return []
 
 
+def compile_objects(compiler: str, flags: list[str], jobs: list[tuple[Path, list[str]]], out_dir: Path) -> list[str]:
+    """Each (source, its ISA flags) compiled to an object in out_dir, one compiler per core."""
+    def compile_one(job: tuple[Path, list[str]]) -> str:
+        source, source_flags = job
+        obj = str(out_dir / (source.stem + ".o"))
+        run_command([compiler, *flags, *source_flags, "-c", str(source), "-o", obj])
+        return obj
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(compile_one, jobs))
+
+
 def build(compiler: str | None = None) -> Path:
     compiler = compiler or default_compiler()
-    includes = _include_flags()
     target = output_path()
+    jobs = [(HERE / source, isa_flags(source, platform.machine())) for source in SOURCES]
     with tempfile.TemporaryDirectory(prefix="tandem-cpu-build-") as build_dir:
-        objects = []
-        for source in SOURCES:
-            obj = os.path.join(build_dir, source.replace(".cpp", ".o"))
-            run_command([compiler, *COMMON_FLAGS, *isa_flags(source, platform.machine()), *includes, "-c", str(HERE / source), "-o", obj])
-            objects.append(obj)
+        objects = compile_objects(compiler, [*COMMON_FLAGS, *_include_flags()], jobs, Path(build_dir))
         # Link to a temporary name first so a failed build never leaves a half-written module.
         partial = target.with_suffix(".tmp")
         run_command([compiler, "-shared", "-pthread", *objects, "-o", str(partial)])

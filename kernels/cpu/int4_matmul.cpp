@@ -121,7 +121,8 @@ void int4_dequantize(uintptr_t codes, uintptr_t scales, uintptr_t mins, uintptr_
                      int k, int group_size, int num_threads, const std::string& isa) {
   check_int4_shape(0, n, k, group_size, num_threads);
   const KernelTable& kernels = select_kernels(isa);
-  const Int4Problem p{matmul_of(codes, scales, mins, 0, DType::kFloat32, 0, n, k, group_size)};
+  const Int4Problem p{matmul_of(codes, scales, mins, 0, DType::kFloat32, 0, n, k, group_size), nullptr, nullptr,
+                      nullptr, nullptr};
   const int threads = std::min(num_threads, n);
   const size_t row_bytes = static_cast<size_t>(k) * dtype_size(static_cast<DType>(out_dtype));
   ThreadPool::instance().run(threads, [&](int thread) {

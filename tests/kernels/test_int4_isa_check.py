@@ -7,7 +7,6 @@ and runs it, since compiling every kernel twice takes minutes on two cores."""
 import platform
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,19 +24,9 @@ WITH_DOTPROD, WITHOUT_DOTPROD = "max", "cortex-a53"
 
 def compile_check(compiler: str, machine: str, out_dir: Path, static: bool) -> Path:
     """The check program linked with every kernel source, each with its ISA flags for `machine`."""
-    includes = ["-I" + str(build.HERE)]
-    flags = [flag for flag in build.COMMON_FLAGS if flag != "-fvisibility=hidden"]
+    flags = [flag for flag in build.COMMON_FLAGS if flag != "-fvisibility=hidden"] + ["-I" + str(build.HERE)]
     jobs = [(build.HERE / source, build.isa_flags(source, machine)) for source in build.KERNEL_SOURCES]
-    jobs.append((CHECK_SOURCE, []))
-
-    def compile_one(job):
-        source, isa_flags = job
-        obj = out_dir / (source.stem + ".o")
-        build.run_command([compiler, *flags, *isa_flags, *includes, "-c", str(source), "-o", str(obj)])
-        return str(obj)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        objects = list(pool.map(compile_one, jobs))
+    objects = build.compile_objects(compiler, flags, [*jobs, (CHECK_SOURCE, [])], out_dir)
     program = out_dir / "int4_isa_check"
     build.run_command([compiler, *(["-static"] if static else []), "-pthread", *objects, "-o", str(program)])
     return program
