@@ -6,7 +6,7 @@ import torch
 from engine.attention.decode import TorchPagedDecode
 from engine.config import CacheConfig
 from engine.kv import KVCache, TwoTierKVCache
-from engine.kv.layouts import create_layout, resolve_kv_format
+from engine.kv.layouts import RANDOM_TILE_ELEMENTS, create_layout, fill_tiled, resolve_kv_format
 from engine.model_config import ConfigError
 from engine.weights import EMBEDDED_MODEL, create_loader
 from kernels import kv_quant
@@ -128,3 +128,11 @@ def test_refusals_say_what_to_change():
         CacheConfig(kv_cache_dtype="fp8")
     assert "multiple of 64" in kv_format("int8").check_head_dim(80)
     assert kv_format("float16").check_head_dim(80) is None
+
+
+def test_a_random_fill_writes_every_element_and_no_two_blocks_alike():
+    pool = torch.zeros(2, 48, 2, 16, 64)  # more than one tile
+    fill_tiled(pool, torch.Tensor.normal_)
+    assert pool.numel() > RANDOM_TILE_ELEMENTS and bool((pool != 0).all())
+    blocks = pool.flatten(0, 1).flatten(1)
+    assert torch.unique(blocks, dim=0).shape[0] == blocks.shape[0]
