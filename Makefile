@@ -29,8 +29,11 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(PY) -m server.cli serve
 
+# Two test processes: a single one keeps about 1.4 of two cores busy (servers starting, requests
+# waiting on each other). Each takes whole files, so module-scoped engines are built once.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 # The OpenAI SDK, greedy-parity and Neo offloading server suites again with a weight budget smaller
 # than the model (0.5 GiB in float32): layers stream from host memory and from disk (PIPO).

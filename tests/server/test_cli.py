@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from server.cli import main
-from session_cache import session_cache_dir
+from session_cache import own_expert_statistics, session_cache_dir
 
 
 def test_bench_serve_help_comes_from_the_benchmark(capsys):
@@ -77,10 +77,11 @@ def test_plan_shows_the_mlp_slicing_rates_when_asked(slicing, moving, expected, 
     assert any(session_cache_dir().glob("*.slicing-dense.json"))
 
 
-def test_plan_places_a_moe_models_experts_by_whole_experts(capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    assert main(["plan", "--model", "qwen3-moe-tiny", "--load-format", "dummy", "--dtype", "float32",
-                 "--weights-gpu-gib", "0.004", "--mlp-slicing", "auto", "--log-level", "warning", "--json"]) == 0
+def test_plan_places_a_moe_models_experts_by_whole_experts(capsys, tmp_path):
+    with own_expert_statistics(tmp_path / "profiles") as profiles:
+        assert main(["plan", "--model", "qwen3-moe-tiny", "--load-format", "dummy", "--dtype", "float32",
+                     "--weights-gpu-gib", "0.004", "--mlp-slicing", "auto", "--profile-cache-dir", str(profiles),
+                     "--log-level", "warning", "--json"]) == 0
     out = capsys.readouterr().out
     report = json.loads(out[out.index("\n{") + 1:])
     slicing = report["slicing"]
