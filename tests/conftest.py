@@ -87,9 +87,18 @@ def _check_api_only_modules(items) -> None:
         raise pytest.UsageError(f"not marked api but in an api-only module (tests/conftest.py): {strays}")
 
 
+# Modules of half a minute or more on two cores: queued first, so that `make test`'s two processes
+# (pytest-xdist, whole files each) do not end with one of them running a long module alone.
+LONG_MODULES = ("test_mlp_slicing_generation.py", "test_streaming_server.py", "test_readme_examples.py",
+                "test_weight_streaming.py", "test_generation.py", "test_cli.py", "test_prefix_caching.py",
+                "test_stage.py", "test_offload_generation.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests of an opt-in marker skip unless their option is given; tests marked cuda skip without a
-    CUDA device (`make test-gpu` runs exactly those where one is)."""
+    """Long modules first (a stable sort: each module's tests stay together, in order). Tests of an
+    opt-in marker skip unless their option is given; tests marked cuda skip without a CUDA device
+    (`make test-gpu` runs exactly those where one is)."""
+    items.sort(key=lambda item: item.path.name not in LONG_MODULES)
     skip_cuda = pytest.mark.skip(reason="no CUDA device: `make test-gpu` runs it where a GPU is lent")
     if not _cuda_available():  # the marker, not a keyword: "cuda" in a parameter id is no reason to skip
         for item in items:
