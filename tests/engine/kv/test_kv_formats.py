@@ -26,6 +26,12 @@ def test_the_planners_group_size_is_the_layouts():
     assert KV_GROUP_SIZE == kv_quant.GROUP_SIZE
 
 
+def test_the_planners_quantized_formats_are_the_layouts():
+    # declared twice (the planners import no torch), so they must agree: names, key and value bits
+    planned = {f.name: (f.key_bits, f.value_bits) for f in KV_FORMATS.values() if f.quantized}
+    assert planned == kv_quant.FORMAT_BITS and set(kv_quant.FORMAT_CODES) == set(planned)
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_block_bytes_are_what_the_pools_allocate(config, name):
     cache = KVCache(config, 7, 16, torch.float32, kv_cache_dtype=name)
