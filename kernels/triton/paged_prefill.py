@@ -202,8 +202,12 @@ def _code_columns(h, low_channel, IS_INT4: tl.constexpr):
     """The code columns of each channel pair (low, high half of its group): INT4's one byte column
     holds both (as in kernels/triton/paged_decode.py)."""
     if IS_INT4:
-        return h, h
-    return low_channel, low_channel + HALF_GROUP
+        low_column = h
+        high_column = h
+    else:
+        low_column = low_channel
+        high_column = low_channel + HALF_GROUP
+    return low_column, high_column
 
 
 @triton.jit
