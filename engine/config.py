@@ -165,8 +165,9 @@ class CacheConfig:
     # How both pools store K/V (scheduler/planning/kv_format.py)
     kv_cache_dtype: str = knob(
         "--kv-cache-dtype", "auto", "how both KV pools store keys and values: auto (the compute dtype; int8 or int4 "
-        "only where memory binds and the fit predicts a gain), a float dtype, or int8 / int4 codes with a scale "
-        "per 64 channels of a token (about 1.9x / 3.6x the sequences in the same memory)", Group.KV_CACHE,
+        "only where memory binds and the fit predicts a gain), a float dtype, int8 / int4 codes with a scale "
+        "per 64 channels of a token (about 1.9x / 3.6x the sequences in the same memory), or k8v4: int8 keys and "
+        "int4 values (about 2.5x)", Group.KV_CACHE,
         choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ with the reference at that position). Both engines compute in fp32.
 
     python -m benchmarks.kernels.accuracy                     # embedded GGUF: int4 kept packed vs dequantized
                                                               # fp32, its int8-activation prefill vs int16, and
-                                                              # int8 / int4 KV caches vs a float16 one
+                                                              # int8 / k8v4 / int4 KV caches vs a float16 one
     python -m benchmarks.kernels.accuracy --model qwen2-0.5b  # a dummy preset: RTN int4 vs its dense weights
 
 Prints a table and writes benchmarks/results/accuracy.json and .md; `update_benchmarks_doc.py` puts the
@@ -33,7 +33,7 @@ PREFILL_WINDOW_TOKENS = 256  # above MAX_INT16_ROWS: the int8 kernel's rows
 DUMMY_VOCAB_TOKENS_SEED = 0
 # Quantized KV caches against a 16-bit one: a prefill attends K/V as the pool stores them
 # (engine/kv/layouts.py: as_stored), so teacher-forced prompts measure the cache's format.
-KV_FORMATS = ("int8", "int4")
+KV_FORMATS = ("int8", "k8v4", "int4")
 KV_REFERENCE = "float16"
 
 

@@ -178,9 +178,10 @@ class Shape:
         if kv_format == DENSE_FORMAT:
             return 2 * batch * context * self.num_kv_heads * self.head_dim * KV_DTYPE.itemsize
         blocks = math.ceil(context / self.block_size)
-        return 2 * batch * blocks * self.num_kv_heads * self.layout(kv_format).unit_bytes
+        layout = self.layout(kv_format)
+        return batch * blocks * self.num_kv_heads * (layout.key.unit_bytes + layout.value.unit_bytes)
 
-    def layout(self, kv_format: str) -> kv_quant.QuantLayout:
+    def layout(self, kv_format: str) -> kv_quant.FormatLayout:
         return kv_quant.layout_for(kv_format, self.head_dim, self.block_size)
 
     def describe(self) -> str:
@@ -213,8 +214,8 @@ class Problem:
             self.key_cache = allocate((*blocks, shape.head_dim, shape.block_size), KV_DTYPE).uniform_(-1, 1)
             self.value_cache = allocate((*blocks, shape.block_size, shape.head_dim), KV_DTYPE).uniform_(-1, 1)
         else:
-            self.key_cache, self.value_cache = (random_pools(shape.layout(kv_format), blocks, allocate, is_key)
-                                                for is_key in (True, False))
+            self.key_cache, self.value_cache = (random_pools(shape.layout(kv_format).side(is_key), blocks, allocate,
+                                                             is_key) for is_key in (True, False))
         self.block_tables = torch.randperm(num_blocks, dtype=torch.int32).view(batch, blocks_per_seq)
         self.context_lens = torch.full((batch,), context, dtype=torch.int32)
         self.query = torch.randn(batch, shape.num_heads, shape.head_dim).to(QUERY_DTYPE)
@@ -238,8 +239,8 @@ class Problem:
                     > MAX_DEQUANTIZED_BYTES:
                 return None
             layout = self.shape.layout(self.kv_format)
-            key_cache = kv_quant.dequantize_pool(key_cache, layout, is_key=True)
-            value_cache = kv_quant.dequantize_pool(value_cache, layout, is_key=False)
+            key_cache = kv_quant.dequantize_pool(key_cache, layout.key, is_key=True)
+            value_cache = kv_quant.dequantize_pool(value_cache, layout.value, is_key=False)
         return reference.paged_decode_attention(self.query, key_cache, value_cache, self.block_tables,
                                                 self.context_lens, self.scale)
 

@@ -4,7 +4,8 @@
 keys transposed within a block, `[layers, blocks, kv_heads, head_dim, block_size]`, so the CPU
 kernel's vector loads take one element of several tokens. `QuantizedLayout` keeps each (block, kv
 head) as one byte run of codes and scales, `[layers, blocks, kv_heads, unit_bytes]` uint8
-(kernels/kv_quant.py). Either way a block is `pool[layer, block]`, so swaps, prefix hits and
+(kernels/kv_quant.py), the key and value pools' unit_bytes each their side's (k8v4: INT8 keys,
+INT4 values). Either way a block is `pool[layer, block]`, so swaps, prefix hits and
 host-tier demotions copy blocks without knowing the format.
 """
 from __future__ import annotations
@@ -117,8 +118,8 @@ class QuantizedLayout:
         return self.units.block_size
 
     def allocate(self, num_layers, num_blocks, zeros):
-        shape = (num_layers, num_blocks, self.num_kv_heads, self.units.unit_bytes)
-        return zeros(shape, dtype=torch.uint8), zeros(shape, dtype=torch.uint8)
+        return tuple(zeros((num_layers, num_blocks, self.num_kv_heads, side.unit_bytes), dtype=torch.uint8)
+                     for side in (self.units.key, self.units.value))
 
     def reads_as(self, compute_dtype):
         return True  # quantized from any float dtype
@@ -127,7 +128,7 @@ class QuantizedLayout:
         for pool, is_key in ((key_pool, True), (value_pool, False)):
             fill_tiled(pool, lambda tile: tile.random_(0, 256))  # codes, then the scales and mins made finite below
             for layer in pool:
-                views = kv_quant.unit_views(layer, self.units, is_key)
+                views = kv_quant.unit_views(layer, self.units.side(is_key), is_key)
                 views.scales.uniform_(0.001, 0.01)
                 if views.mins is not None:
                     views.mins.uniform_(-0.1, 0.0)
@@ -140,8 +141,8 @@ class QuantizedLayout:
                                            self.format.name, self.block_size)
             return
         for pool, rows, is_key in ((key_pool, key, True), (value_pool, value, False)):
-            kv_quant.write_rows(kv_quant.unit_views(pool, self.units, is_key), self.units, rows, slot_blocks,
-                                slot_offsets)
+            side = self.units.side(is_key)
+            kv_quant.write_rows(kv_quant.unit_views(pool, side, is_key), side, rows, slot_blocks, slot_offsets)
 
     def write_blocks(self, key_pool, value_pool, key, value, block_ids, start):
         # quantized where the rows are, then the codes land in the pool's slots
@@ -150,11 +151,11 @@ class QuantizedLayout:
         self.write(key_pool, value_pool, key, value, table[positions // self.block_size], positions % self.block_size)
 
     def read_blocks(self, pool, block_ids, is_key):
-        views = kv_quant.unit_views(pool, self.units, is_key)
-        return kv_quant.read_blocks(views, self.units, block_ids).to(self.compute_dtype)
+        side = self.units.side(is_key)
+        return kv_quant.read_blocks(kv_quant.unit_views(pool, side, is_key), side, block_ids).to(self.compute_dtype)
 
     def as_stored(self, rows, is_key):
-        return kv_quant.round_trip(rows, self.units.bits, is_key).to(rows.dtype)
+        return kv_quant.round_trip(rows, self.units.side(is_key).bits, is_key).to(rows.dtype)
 
 
 # A prime count of elements: tiled over a pool, no two blocks start at the same phase of the tile.

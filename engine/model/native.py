@@ -119,7 +119,7 @@ class NativeDecoder:
                block_size: int | None = None) -> torch.Tensor:
         """Every layer of a decode batch (one new token per sequence, its K/V appended to the
         paged caches key and value [layers, blocks, ...] as the decode backend's layout has them).
-        kv_format "int8"/"int4" reads group-quantized pools [layers, blocks, kv_heads, unit_bytes]
+        kv_format "int8"/"int4"/"k8v4" reads group-quantized pools [layers, blocks, kv_heads, unit_bytes]
         uint8 (kernels/kv_quant.py) of the given block_size instead of caches in the model's dtype.
         hidden [tokens, hidden] -> the last layer's output."""
         hidden = hidden.contiguous().clone()
@@ -149,8 +149,8 @@ class NativeDecoder:
             raise ValueError(f"a {kv_format} KV cache needs block_size, a multiple of "
                              f"{cpu_kernels.QUANTIZED_BLOCK_MULTIPLE}, got {block_size}")
         layout = kv_quant.layout_for(kv_format, self.head_dim, block_size)
-        expected = (key.shape[0], key.shape[1], self.num_kv_heads, layout.unit_bytes)
-        for name, pool in (("key", key), ("value", value)):
+        for name, pool, side in (("key", key, layout.key), ("value", value, layout.value)):
+            expected = (key.shape[0], key.shape[1], self.num_kv_heads, side.unit_bytes)
             if pool.dtype != torch.uint8 or tuple(pool.shape) != expected:
                 raise ValueError(f"the {kv_format} {name} pools must be uint8 {expected}, got {pool.dtype} "
                                  f"{tuple(pool.shape)}")

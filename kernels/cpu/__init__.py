@@ -107,8 +107,8 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     thread count (each sequence attended by one thread, none taking another's work;
     the batch's sequences are the most threads used).
 
-    kv_format "int8" or "int4" (kernels/kv_quant.py) reads group-quantized pools instead: key_cache
-    and value_cache uint8 [num_blocks, num_kv_heads, unit_bytes], block_size given (a multiple of
+    kv_format "int8", "int4" or "k8v4" (kernels/kv_quant.py) reads group-quantized pools instead: key_cache
+    and value_cache uint8 [num_blocks, num_kv_heads, unit_bytes] (each its side's), block_size given (a multiple of
     16), head_dim a multiple of 64; new_key/new_value then come in the query's dtype and are
     quantized into their slots.
     """
@@ -174,11 +174,13 @@ def _check_quantized_caches(key_cache, value_cache, kv_format: str, head_dim: in
                          f"got {block_size}")
     _check_tensor("key_cache", key_cache, 3, (torch.uint8,))
     _check_tensor("value_cache", value_cache, 3, (torch.uint8,))
-    num_blocks, num_kv_heads, unit_bytes = key_cache.shape
-    if unit_bytes != layout.unit_bytes:
-        raise ValueError(f"a {kv_format} unit of head_dim {head_dim} and block_size {block_size} holds "
-                         f"{layout.unit_bytes} bytes, but the pools' last dimension is {unit_bytes}")
-    _check_shape("value_cache", value_cache, tuple(key_cache.shape))
+    num_blocks, num_kv_heads, _ = key_cache.shape
+    for name, pool, side in (("key_cache", key_cache, layout.key), ("value_cache", value_cache, layout.value)):
+        if pool.shape[2] != side.unit_bytes:
+            raise ValueError(f"a {kv_format} {name.removesuffix('_cache')} unit of head_dim {head_dim} and block_size "
+                             f"{block_size} holds {side.unit_bytes} bytes, but {name}'s last dimension is "
+                             f"{pool.shape[2]}")
+        _check_shape(name, pool, (num_blocks, num_kv_heads, side.unit_bytes))
     return num_blocks, num_kv_heads
 
 

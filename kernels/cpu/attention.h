@@ -35,7 +35,7 @@ struct Problem {
   DType query_dtype;
   const void* key_cache;      // [num_blocks, num_kv_heads, head_dim, block_size], kv_dtype
   const void* value_cache;    // [num_blocks, num_kv_heads, block_size, head_dim], kv_dtype
-  DType kv_dtype;             // or kInt8/kInt4: both caches [num_blocks, num_kv_heads, KvUnit bytes]
+  DType kv_dtype;             // or kInt8/kInt4/kK8V4: caches [num_blocks, num_kv_heads, their KvUnit's bytes]
   const int32_t* block_tables;  // [batch, max_blocks_per_seq]
   const int32_t* context_lens;  // [batch], including the token being decoded
   int64_t num_blocks;

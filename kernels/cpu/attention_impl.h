@@ -443,7 +443,8 @@ inline float* value_coefficients(const Problem& p, float* scratch) {  // value_c
 }
 
 // The query terms a quantized cache needs: each group rotated as the stored keys are, q's sum over
-// each rotated group (INT4 keys' mins), and for INT4 each group's channel pairs (j, j + 32)
+// each rotated group (INT4 keys' mins), the INT4 values' min lanes zeroed, and for INT4 keys each
+// group's channel pairs (j, j + 32)
 // rewritten for keys read as low nibble and whole byte (attention_quant_impl.h):
 // q_j low + q_{j+32} high = (q_j - q_{j+32} / 16) low + q_{j+32} / 16 byte.
 inline void start_quantized_query(const Problem& p, const HeadState& state) {
@@ -457,8 +458,8 @@ inline void start_quantized_query(const Problem& p, const HeadState& state) {
       Vec sum = Isa::zero();
       for (int d = 0; d < kQuantGroup; d += kWidth) sum = Isa::add(sum, Isa::load(q + d));
       state.q_sums[h * num_groups + g] = Isa::reduce_add(sum);
-      if (p.kv_dtype != DType::kInt4) continue;
-      Isa::store(state.min_lanes + (h * num_groups + g) * kWidth, Isa::zero());
+      Isa::store(state.min_lanes + (h * num_groups + g) * kWidth, Isa::zero());  // INT4 values' mins
+      if (key_unit_dtype(p.kv_dtype) != DType::kInt4) continue;
       for (int j = 0; j < half; j += kWidth) {
         const Vec high = Isa::mul(Isa::load(q + half + j), inverse_weight);
         Isa::store(q + j, Isa::sub(Isa::load(q + j), high));
@@ -498,7 +499,7 @@ void finish_head(const Problem& p, int seq, int kv_head, const HeadState& state,
   const int group_size = p.group_size();
   const int head_dim = p.head_dim;
   if (kValueSplit) from_split_order(state.acc, group_size, head_dim);
-  if (p.kv_dtype == DType::kInt4) add_min_lanes(p, state);
+  if (value_unit_dtype(p.kv_dtype) == DType::kInt4) add_min_lanes(p, state);
   if (partial != nullptr) {
     for (int h = 0; h < group_size; ++h) {
       partial->max[h] = state.run_max[h];
@@ -610,7 +611,8 @@ void with_layout(const Problem& p, F&& f) {
     case DType::kFloat16: f(Layout<Float16, false, false>{}); return;
     case DType::kBFloat16: break;
     case DType::kInt8:
-    case DType::kInt4: return;  // attend_quantized_units
+    case DType::kInt4:
+    case DType::kK8V4: return;  // attend_quantized_units
   }
   const bool keys = kKeysCanSplit && p.block_size % (2 * kWidth) == 0;
   const bool values = kValuesCanSplit && p.head_dim % (2 * kWidth) == 0;
@@ -627,8 +629,12 @@ void with_layout(const Problem& p, F&& f) {
 
 void attend_units(const Problem& p, const Segment& piece, int64_t segment_begin, int64_t prefetch_end,
                   float* scratch) {
-  if (p.kv_dtype == DType::kInt8) return attend_quantized_units<Int8Codes>(p, piece, segment_begin, prefetch_end, scratch);
-  if (p.kv_dtype == DType::kInt4) return attend_quantized_units<Int4Codes>(p, piece, segment_begin, prefetch_end, scratch);
+  switch (p.kv_dtype) {
+    case DType::kInt8: return attend_quantized_units<Int8Codes, Int8Codes>(p, piece, segment_begin, prefetch_end, scratch);
+    case DType::kInt4: return attend_quantized_units<Int4Codes, Int4Codes>(p, piece, segment_begin, prefetch_end, scratch);
+    case DType::kK8V4: return attend_quantized_units<Int8Codes, Int4Codes>(p, piece, segment_begin, prefetch_end, scratch);
+    default: break;
+  }
   with_layout(p, [&](auto layout) {
     using L = decltype(layout);
     attend_units_typed<typename L::KvType, L::kKeys, L::kValues>(p, piece, segment_begin, prefetch_end, scratch);

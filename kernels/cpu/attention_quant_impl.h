@@ -295,15 +295,16 @@ inline void accumulate_value_mins(const float* probs, int stride, const uint8_t*
 }
 
 // attend_units_typed for a quantized pool: the same walk over units, the same softmax and head
-// state, with the codes scored and accumulated by the functions above.
-template <class Codes>
+// state, with the codes scored and accumulated by the functions above. The key and value pools
+// may hold different codes (K8V4), so each has its own unit size.
+template <class KeyCodes, class ValueCodes>
 void attend_quantized_units(const Problem& p, const Segment& piece, int64_t segment_begin, int64_t prefetch_end,
                             float* scratch) {
   const int group_size = p.group_size();
   const int num_kv_heads = p.num_kv_heads;
   const int score_stride = static_cast<int>(score_stride_floats(p));
-  const KvUnit u{p.kv_dtype, p.head_dim, p.block_size};
-  const size_t unit_bytes = u.bytes();
+  const KvUnit key_unit{key_unit_dtype(p.kv_dtype), p.head_dim, p.block_size};
+  const KvUnit value_unit{value_unit_dtype(p.kv_dtype), p.head_dim, p.block_size};
   float* scores = scratch;  // [group_size, score_stride]
   float* coef = value_coefficients(p, scratch);
   const uint8_t* key_cache = static_cast<const uint8_t*>(p.key_cache);
@@ -311,8 +312,8 @@ void attend_quantized_units(const Problem& p, const Segment& piece, int64_t segm
   const int32_t* table = p.block_tables + static_cast<size_t>(piece.seq) * p.max_blocks_per_seq;
   const int context_len = p.context_lens[piece.seq];
 
-  const auto unit_start = [&](int64_t unit) {  // byte offset, the same in both pools
-    return (static_cast<size_t>(table[unit / num_kv_heads]) * num_kv_heads + unit % num_kv_heads) * unit_bytes;
+  const auto unit_start = [&](int64_t unit, const KvUnit& u) {  // byte offset in u's pool
+    return (static_cast<size_t>(table[unit / num_kv_heads]) * num_kv_heads + unit % num_kv_heads) * u.bytes();
   };
 
   for (int64_t unit = piece.unit_begin; unit < piece.unit_end; ++unit) {
@@ -320,21 +321,20 @@ void attend_quantized_units(const Problem& p, const Segment& piece, int64_t segm
     const int kv_head = static_cast<int>(unit % num_kv_heads);
     const HeadState state = head_state(p, scratch, kv_head);
     if (unit < segment_begin + num_kv_heads) start_head(p, piece.seq, kv_head, state);
-    const size_t start = unit_start(unit);
     const int num_tokens = min_int(p.block_size, context_len - b * p.block_size);
     const bool has_next = unit + 1 < prefetch_end;  // as attend_units_typed: the next unit's bytes ahead
-    const uint8_t* keys = key_cache + start;
-    const uint8_t* values = value_cache + start;
-    score_quantized_block<Codes>(state.q, state.q_sums, keys, u, group_size, num_tokens, scores, score_stride,
-                                 has_next ? key_cache + unit_start(unit + 1) : nullptr);
-    touch_lines(values, unit_bytes);
+    const uint8_t* keys = key_cache + unit_start(unit, key_unit);
+    const uint8_t* values = value_cache + unit_start(unit, value_unit);
+    score_quantized_block<KeyCodes>(state.q, state.q_sums, keys, key_unit, group_size, num_tokens, scores,
+                                    score_stride, has_next ? key_cache + unit_start(unit + 1, key_unit) : nullptr);
+    touch_lines(values, value_unit.bytes());
     softmax_update(scores, score_stride, group_size, p.head_dim, state.run_max, state.sum_lanes, state.acc,
-                   state.min_lanes, Codes::kHasMin ? u.num_groups() : 0);
-    fold_value_scales(scores, score_stride, values, u, group_size, num_tokens, coef);
-    accumulate_quantized_block<Codes>(coef, score_stride, values, u, group_size, num_tokens, state.acc,
-                                      has_next ? value_cache + unit_start(unit + 1) : nullptr);
-    if constexpr (Codes::kHasMin) {
-      accumulate_value_mins(scores, score_stride, values, u, group_size, num_tokens, state.min_lanes);
+                   state.min_lanes, ValueCodes::kHasMin ? value_unit.num_groups() : 0);
+    fold_value_scales(scores, score_stride, values, value_unit, group_size, num_tokens, coef);
+    accumulate_quantized_block<ValueCodes>(coef, score_stride, values, value_unit, group_size, num_tokens, state.acc,
+                                           has_next ? value_cache + unit_start(unit + 1, value_unit) : nullptr);
+    if constexpr (ValueCodes::kHasMin) {
+      accumulate_value_mins(scores, score_stride, values, value_unit, group_size, num_tokens, state.min_lanes);
     }
   }
 }

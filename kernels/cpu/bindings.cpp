@@ -86,7 +86,8 @@ void append_tokens(const Problem& p, const void* new_key, const void* new_value)
 // Quantizes each sequence's new K and V rows (in the query's dtype) into their newest slots.
 void append_quantized_tokens(const Problem& p, const KernelTable& kernels, const void* new_key,
                              const void* new_value) {
-  const KvUnit layout{p.kv_dtype, p.head_dim, p.block_size};
+  const KvUnit key_unit{key_unit_dtype(p.kv_dtype), p.head_dim, p.block_size};
+  const KvUnit value_unit{value_unit_dtype(p.kv_dtype), p.head_dim, p.block_size};
   const size_t row_elems = static_cast<size_t>(p.num_kv_heads) * p.head_dim;
   std::vector<float> keys(row_elems), values(row_elems);  // one sequence's rows in fp32
   uint8_t* key_cache = static_cast<uint8_t*>(const_cast<void*>(p.key_cache));
@@ -99,9 +100,10 @@ void append_quantized_tokens(const Problem& p, const KernelTable& kernels, const
                     DType::kFloat32, row_elems);
     for (int h = 0; h < p.num_kv_heads; ++h) {
       const TokenSlot slot = newest_token_slot(p, s, h);
-      const size_t unit_start = slot.unit * layout.bytes();
-      write_quantized_token(layout, true, keys.data() + h * p.head_dim, slot.offset, key_cache + unit_start);
-      write_quantized_token(layout, false, values.data() + h * p.head_dim, slot.offset, value_cache + unit_start);
+      write_quantized_token(key_unit, true, keys.data() + h * p.head_dim, slot.offset,
+                            key_cache + slot.unit * key_unit.bytes());
+      write_quantized_token(value_unit, false, values.data() + h * p.head_dim, slot.offset,
+                            value_cache + slot.unit * value_unit.bytes());
     }
   }
 }
@@ -232,7 +234,8 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
                                 std::to_string(total_units) + "; split the batch");
   }
   const int threads = static_cast<int>(std::min<int64_t>(num_threads, whole_sequences ? p.batch : total_units));
-  const int64_t unit_bytes = 2 * static_cast<int64_t>(KvUnit{p.kv_dtype, p.head_dim, p.block_size}.bytes());
+  const int64_t unit_bytes = static_cast<int64_t>(KvUnit{key_unit_dtype(p.kv_dtype), p.head_dim, p.block_size}.bytes() +
+                                                  KvUnit{value_unit_dtype(p.kv_dtype), p.head_dim, p.block_size}.bytes());
   const int64_t claim_units = std::max<int64_t>(1, kClaimBytes / unit_bytes);
 
   // Only a range's first and last segment can be cut (middle ones are whole
@@ -326,11 +329,11 @@ void run_attention(const Problem& p, const KernelTable& kernels, int num_threads
 
 // A quantized KV format's unit needs whole groups of channels and whole vectors of scales.
 void check_kv_format(DType kv_dtype, int head_dim, int block_size) {
-  if (kv_dtype < DType::kFloat32 || kv_dtype > DType::kInt4) {
+  if (kv_dtype < DType::kFloat32 || kv_dtype > DType::kK8V4) {
     throw std::invalid_argument("unknown kv dtype code " + std::to_string(static_cast<int>(kv_dtype)));
   }
   if (!is_quantized(kv_dtype)) return;
-  const std::string name = kv_dtype == DType::kInt8 ? "int8" : "int4";
+  const std::string name = kv_dtype == DType::kInt8 ? "int8" : kv_dtype == DType::kInt4 ? "int4" : "k8v4";
   if (head_dim % kQuantGroup != 0) {
     throw std::invalid_argument("a " + name + " KV cache needs head_dim a multiple of " + std::to_string(kQuantGroup) +
                                 ", got " + std::to_string(head_dim) + "; use a 16-bit KV cache for this model");

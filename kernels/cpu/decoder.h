@@ -62,7 +62,7 @@ struct PagedKV {
   // [layers, blocks, kv_heads, head_dim, block_size] and [..., block_size, head_dim] in the compute
   // dtype, or for a quantized format both [layers, blocks, kv_heads, unit bytes] (kv_quant.h)
   uintptr_t key = 0, value = 0;
-  int kv_dtype = 0;  // DType: the compute dtype or kInt8/kInt4
+  int kv_dtype = 0;  // DType: the compute dtype or kInt8/kInt4/kK8V4
   int64_t num_blocks = 0;
   int block_size = 0;
   uintptr_t block_tables = 0;  // [tokens, max_blocks_per_seq] int32
@@ -113,12 +113,14 @@ class Decoder {
     char* k = buffer(k_buf_, kv_size);
     char* v = buffer(v_buf_, kv_size);
     char* attn = buffer(attn_buf_, q_size);
-    const KvUnit unit{static_cast<DType>(kv.kv_dtype), s_.head_dim, kv.block_size};
-    const size_t layer_bytes = static_cast<size_t>(kv.num_blocks) * s_.num_kv_heads * unit.bytes();
+    const DType format = static_cast<DType>(kv.kv_dtype);
+    const size_t layer_units = static_cast<size_t>(kv.num_blocks) * s_.num_kv_heads;
+    const size_t key_layer_bytes = layer_units * KvUnit{key_unit_dtype(format), s_.head_dim, kv.block_size}.bytes();
+    const size_t value_layer_bytes = layer_units * KvUnit{value_unit_dtype(format), s_.head_dim, kv.block_size}.bytes();
     for (int i = 0; i < num_layers(); ++i) {
       run_pre_proj(layers_[i], ptr(hidden), reinterpret_cast<const int64_t*>(positions), tokens, q, k, v);
       const int64_t start = now_ns();
-      paged_decode_attention(addr(q), addr(attn), s_.dtype, kv.key + i * layer_bytes, kv.value + i * layer_bytes,
+      paged_decode_attention(addr(q), addr(attn), s_.dtype, kv.key + i * key_layer_bytes, kv.value + i * value_layer_bytes,
                              kv.kv_dtype, kv.num_blocks, kv.block_tables, kv.context_lens, tokens,
                              kv.max_blocks_per_seq, s_.num_heads, s_.num_kv_heads, s_.head_dim, kv.block_size,
                              kv.scale, addr(k), addr(v), kv.threads, /*whole_sequences=*/true, s_.isa);

@@ -6,11 +6,17 @@
 
 namespace tandem {
 
-// kInt8 and kInt4 are KV cache formats only (group-quantized units, kv_quant.h); the codes match
-// kernels.kv_quant.FORMAT_CODES.
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3, kInt4 = 4 };
+// kInt8, kInt4 and kK8V4 (INT8 keys, INT4 values) are KV cache formats only (group-quantized units,
+// kv_quant.h); the codes match kernels.kv_quant.FORMAT_CODES.
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3, kInt4 = 4, kK8V4 = 5 };
 
-inline bool is_quantized(DType dtype) { return dtype == DType::kInt8 || dtype == DType::kInt4; }
+inline bool is_quantized(DType dtype) {
+  return dtype == DType::kInt8 || dtype == DType::kInt4 || dtype == DType::kK8V4;
+}
+
+// The unit dtype of a KV format's key and value pools: a format names both, K8V4 two different ones.
+inline DType key_unit_dtype(DType format) { return format == DType::kK8V4 ? DType::kInt8 : format; }
+inline DType value_unit_dtype(DType format) { return format == DType::kK8V4 ? DType::kInt4 : format; }
 
 // Bytes of one element of a float dtype.
 inline size_t dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }

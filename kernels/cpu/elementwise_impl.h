@@ -38,7 +38,8 @@ void add_rows(const void* a, const void* b, void* out, DType dtype, int rows, in
                      rows, cols, b_rows);
       break;
     case DType::kInt8:
-    case DType::kInt4: break;  // KV cache formats, never a compute dtype
+    case DType::kInt4:
+    case DType::kK8V4: break;  // KV cache formats, never a compute dtype
   }
 }
 
@@ -72,7 +73,8 @@ void silu_mul_rows(const void* gate_up, void* out, DType dtype, int rows, int wi
       silu_mul_typed(static_cast<const Float16*>(gate_up), static_cast<Float16*>(out), rows, width);
       break;
     case DType::kInt8:
-    case DType::kInt4: break;  // KV cache formats, never a compute dtype
+    case DType::kInt4:
+    case DType::kK8V4: break;  // KV cache formats, never a compute dtype
   }
 }
 
@@ -88,7 +90,8 @@ void convert_from(const From* x, void* out, DType to, size_t count) {
     case DType::kBFloat16: convert_typed(x, static_cast<BFloat16*>(out), count); break;
     case DType::kFloat16: convert_typed(x, static_cast<Float16*>(out), count); break;
     case DType::kInt8:
-    case DType::kInt4: break;  // KV cache formats, never a compute dtype
+    case DType::kInt4:
+    case DType::kK8V4: break;  // KV cache formats, never a compute dtype
   }
 }
 
@@ -98,7 +101,8 @@ void convert(const void* x, DType from, void* out, DType to, size_t count) {
     case DType::kBFloat16: convert_from(static_cast<const BFloat16*>(x), out, to, count); break;
     case DType::kFloat16: convert_from(static_cast<const Float16*>(x), out, to, count); break;
     case DType::kInt8:
-    case DType::kInt4: break;  // KV cache formats, never a compute dtype
+    case DType::kInt4:
+    case DType::kK8V4: break;  // KV cache formats, never a compute dtype
   }
 }
 

@@ -46,7 +46,8 @@ void gemv_cols(const GemvProblem& p, int col_begin, int col_end) {
     case DType::kBFloat16: gemv_dispatch<BFloat16>(p, col_begin, col_end); break;
     case DType::kFloat16: gemv_dispatch<Float16>(p, col_begin, col_end); break;
     case DType::kInt8:
-    case DType::kInt4: break;  // KV cache formats, never a compute dtype
+    case DType::kInt4:
+    case DType::kK8V4: break;  // KV cache formats, never a compute dtype
   }
 }
 

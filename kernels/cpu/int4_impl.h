@@ -44,7 +44,8 @@ inline void store_lanes(void* y, DType y_dtype, size_t offset, typename Vectors:
     case DType::kBFloat16: store_converted<BFloat16, kLanes>(static_cast<BFloat16*>(y) + offset, lanes, count); break;
     case DType::kFloat16: store_converted<Float16, kLanes>(static_cast<Float16*>(y) + offset, lanes, count); break;
     case DType::kInt8:
-    case DType::kInt4: break;  // KV cache formats, never a compute dtype
+    case DType::kInt4:
+    case DType::kK8V4: break;  // KV cache formats, never a compute dtype
   }
 }
 
@@ -57,7 +58,8 @@ inline void widen_row(const void* x, DType x_dtype, int row, int k, float* out) 
       case DType::kBFloat16: Isa::store(out + i, Isa::load(static_cast<const BFloat16*>(x) + first + i)); break;
       case DType::kFloat16: Isa::store(out + i, Isa::load(static_cast<const Float16*>(x) + first + i)); break;
       case DType::kInt8:
-      case DType::kInt4: break;  // KV cache formats, never a compute dtype
+      case DType::kInt4:
+    case DType::kK8V4: break;  // KV cache formats, never a compute dtype
     }
   }
 }
@@ -202,7 +204,8 @@ void int4_dequantize(const Int4Problem& p, void* out, DType dtype, int row_begin
     case DType::kBFloat16: int4_dequantize_typed(p, static_cast<BFloat16*>(out), row_begin, row_end); break;
     case DType::kFloat16: int4_dequantize_typed(p, static_cast<Float16*>(out), row_begin, row_end); break;
     case DType::kInt8:
-    case DType::kInt4: break;  // KV cache formats, never a compute dtype
+    case DType::kInt4:
+    case DType::kK8V4: break;  // KV cache formats, never a compute dtype
   }
 }
 

@@ -45,7 +45,8 @@ void rms_norm_rows(const void* x, const void* weight, void* out, DType dtype, in
                      rows, hidden, eps);
       break;
     case DType::kInt8:
-    case DType::kInt4: break;  // KV cache formats, never a compute dtype
+    case DType::kInt4:
+    case DType::kK8V4: break;  // KV cache formats, never a compute dtype
   }
 }
 

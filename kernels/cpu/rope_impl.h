@@ -45,7 +45,8 @@ void rope_rows(const void* x, void* out, DType dtype, const int64_t* positions, 
                  head_dim);
       break;
     case DType::kInt8:
-    case DType::kInt4: break;  // KV cache formats, never a compute dtype
+    case DType::kInt4:
+    case DType::kK8V4: break;  // KV cache formats, never a compute dtype
   }
 }
 

@@ -1,7 +1,8 @@
 """Quantizing K/V rows into their slots of a group-quantized pool, in Triton.
 
 The layout is kernels/kv_quant.py's (INT8 symmetric, INT4 asymmetric, GROUP_SIZE channels a
-group, fp16 scales and mins after the codes), and the bytes written are exactly those of its
+group, fp16 scales and mins after the codes; k8v4's keys INT8 and values INT4, each pool its own
+unit size), and the bytes written are exactly those of its
 `write_rows`: the scale (and min) rounded to fp16 half to even, codes round-half-even(x / scale)
 in fp32 with the fp16-rounded scale and min, a group of zero range getting scale 0 and codes 0.
 One program quantizes one (token, KV head): its key row and its value row, every group at once.
@@ -106,26 +107,29 @@ def _write_row(row_ptr, codes_ptr, halves_ptr, unit, offset, channel_step, token
 
 @triton.jit
 def _write_kernel(key_ptr, value_ptr, key_pool_ptr, key_halves_ptr, value_pool_ptr, value_halves_ptr,
-                  blocks_ptr, offsets_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_pool_block,
-                  stride_pool_head, NUM_GROUPS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CODE_COLS: tl.constexpr,
-                  CODE_BYTES: tl.constexpr, IS_INT4: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+                  blocks_ptr, offsets_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_key_block,
+                  stride_key_head, stride_value_block, stride_value_head, NUM_GROUPS: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, K_CODE_BYTES: tl.constexpr, K_IS_INT4: tl.constexpr,
+                  V_CODE_COLS: tl.constexpr, V_CODE_BYTES: tl.constexpr, V_IS_INT4: tl.constexpr,
+                  BLOCK_GROUPS: tl.constexpr):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     block = tl.load(blocks_ptr + token).to(tl.int64)
     offset = tl.load(offsets_ptr + token).to(tl.int64)
-    unit = block * stride_pool_block + kv_head * stride_pool_head  # the same for keys and values
+    key_unit = block * stride_key_block + kv_head * stride_key_head
+    value_unit = block * stride_value_block + kv_head * stride_value_head
     # keys' codes are [code_cols, block_size], values' [block_size, code_cols]
-    _write_row(key_ptr + token * stride_kt + kv_head * stride_kh, key_pool_ptr, key_halves_ptr, unit, offset,
-               BLOCK_SIZE, 1, NUM_GROUPS, BLOCK_SIZE, CODE_BYTES, IS_INT4, BLOCK_GROUPS)
-    _write_row(value_ptr + token * stride_vt + kv_head * stride_vh, value_pool_ptr, value_halves_ptr, unit, offset,
-               1, CODE_COLS, NUM_GROUPS, BLOCK_SIZE, CODE_BYTES, IS_INT4, BLOCK_GROUPS)
+    _write_row(key_ptr + token * stride_kt + kv_head * stride_kh, key_pool_ptr, key_halves_ptr, key_unit, offset,
+               BLOCK_SIZE, 1, NUM_GROUPS, BLOCK_SIZE, K_CODE_BYTES, K_IS_INT4, BLOCK_GROUPS)
+    _write_row(value_ptr + token * stride_vt + kv_head * stride_vh, value_pool_ptr, value_halves_ptr, value_unit,
+               offset, 1, V_CODE_COLS, NUM_GROUPS, BLOCK_SIZE, V_CODE_BYTES, V_IS_INT4, BLOCK_GROUPS)
 
 
 def write_quantized(key_pool: torch.Tensor, value_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, kv_format: str, block_size: int) -> None:
     """Quantize key and value [num_tokens, kv_heads, head_dim] (fp32, bf16 or fp16) into their
     slots (slot_blocks, slot_offsets [num_tokens] int32 or int64) of one layer's pools
-    [num_blocks, kv_heads, unit_bytes] uint8 of format `kv_format` (int8, int4). Slot values are
+    [num_blocks, kv_heads, unit_bytes] uint8 of format `kv_format` (int8, int4, k8v4). Slot values are
     not checked (that would need a host sync). Raises ValueError on malformed input."""
     num_tokens, num_kv_heads, head_dim = key.shape if key.dim() == 3 else (0, 0, 0)
     layout = layout_for(kv_format, head_dim, block_size)
@@ -136,10 +140,10 @@ def write_quantized(key_pool: torch.Tensor, value_pool: torch.Tensor, key: torch
     _write_kernel[(num_tokens, num_kv_heads)](
         key, value, key_pool, key_pool.view(torch.float16), value_pool, value_pool.view(torch.float16),
         slot_blocks.contiguous(), slot_offsets.contiguous(), key.stride(0), key.stride(1), value.stride(0),
-        value.stride(1), key_pool.stride(0), key_pool.stride(1),
-        NUM_GROUPS=layout.num_groups, BLOCK_SIZE=block_size, CODE_COLS=layout.code_cols,
-        CODE_BYTES=layout.code_bytes, IS_INT4=layout.bits == 4,
-        BLOCK_GROUPS=triton.next_power_of_2(layout.num_groups))
+        value.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1),
+        NUM_GROUPS=layout.key.num_groups, BLOCK_SIZE=block_size, K_CODE_BYTES=layout.key.code_bytes,
+        K_IS_INT4=layout.key.bits == 4, V_CODE_COLS=layout.value.code_cols, V_CODE_BYTES=layout.value.code_bytes,
+        V_IS_INT4=layout.value.bits == 4, BLOCK_GROUPS=triton.next_power_of_2(layout.key.num_groups))
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:

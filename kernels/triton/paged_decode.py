@@ -9,8 +9,9 @@ ever stored. Scores and the value sum are tl.dot products when the tiles are lar
 them (block size >= 16), else broadcast products summed in registers. The new token's K/V is
 written into its slot first (indexed stores, no host sync), as the other backends do.
 
-With `kv_format` (int8, int4) the caches are group-quantized pools, kernels/kv_quant.py's layout
-(the new token quantized in by kernels/triton/kv_quant_write.py): a second kernel reads the
+With `kv_format` (int8, int4, k8v4) the caches are group-quantized pools, kernels/kv_quant.py's
+layout (the new token quantized in by kernels/triton/kv_quant_write.py), each pool with its own
+codes and unit size (k8v4: INT8 keys, INT4 values): a second kernel reads the
 codes and each token's group scales (and mins), dequantizes them in registers and runs the same
 softmax; no dequantized copy is ever stored. It splits the head dim into the low and the high
 half of every group, the channels an INT4 byte's two nibbles hold, so that a packed tile widens
@@ -35,7 +36,7 @@ except ImportError as exc:
     raise ImportError("kernels.triton.paged_decode needs the triton package (pyproject's test extra installs "
                       "it)") from exc
 
-from kernels.kv_quant import GROUP_SIZE, check_pools, layout_for, rotate
+from kernels.kv_quant import GROUP_SIZE, FormatLayout, check_pools, layout_for, rotate
 
 INTERPRETED: bool = triton.knobs.runtime.interpret
 MIN_DOT = 16  # tl.dot's smallest tile side
@@ -143,12 +144,26 @@ def _dequantized_halves(codes_ptr, halves_ptr, low_at, high_at, scale_at, mask, 
 
 
 @triton.jit
+def _code_columns(h, low_channel, IS_INT4: tl.constexpr):
+    """The code columns of each channel pair (low, high half of its group): INT4's one byte column
+    holds both."""
+    if IS_INT4:
+        low_column = h
+        high_column = h
+    else:
+        low_column = low_channel
+        high_column = low_channel + HALF_GROUP
+    return low_column, high_column
+
+
+@triton.jit
 def _paged_decode_quantized_kernel(q_ptr, key_codes_ptr, key_halves_ptr, value_codes_ptr, value_halves_ptr, out_ptr,
-                                   tables_ptr, lens_ptr, scale, stride_qb, stride_qh, stride_unit_block,
-                                   stride_unit_head, stride_tb, stride_ob, stride_oh,
-                                   GROUP: tl.constexpr, HALF_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                                   CODE_COLS: tl.constexpr, SCALES_AT: tl.constexpr, MINS_AFTER: tl.constexpr,
-                                   IS_INT4: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
+                                   tables_ptr, lens_ptr, scale, stride_qb, stride_qh, stride_key_block,
+                                   stride_key_head, stride_value_block, stride_value_head, stride_tb, stride_ob,
+                                   stride_oh, GROUP: tl.constexpr, HALF_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                                   K_SCALES_AT: tl.constexpr, K_MINS_AFTER: tl.constexpr, K_IS_INT4: tl.constexpr,
+                                   V_CODE_COLS: tl.constexpr, V_SCALES_AT: tl.constexpr, V_MINS_AFTER: tl.constexpr,
+                                   V_IS_INT4: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
                                    BLOCK_T: tl.constexpr, COMPUTE: tl.constexpr, FP32_DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -164,27 +179,27 @@ def _paged_decode_quantized_kernel(q_ptr, key_codes_ptr, key_halves_ptr, value_c
     q_mask = g_ok[:, None] & h_ok[None, :]
     q_low = (tl.load(q_at, mask=q_mask, other=0.0).to(tl.float32) * scale).to(COMPUTE)
     q_high = (tl.load(q_at + HALF_GROUP, mask=q_mask, other=0.0).to(tl.float32) * scale).to(COMPUTE)
-    if IS_INT4:  # one byte column holds both halves
-        low_column = h
-        high_column = h
-    else:
-        low_column = low_channel
-        high_column = low_channel + HALF_GROUP
-    scale_row = SCALES_AT + (h // HALF_GROUP) * BLOCK_SIZE  # fp16 offset of each channel's group scales
+    k_low_column, k_high_column = _code_columns(h, low_channel, K_IS_INT4)
+    v_low_column, v_high_column = _code_columns(h, low_channel, V_IS_INT4)
+    group_row = (h // HALF_GROUP) * BLOCK_SIZE  # fp16 offset of each channel's group scales in the scales
+    k_scale_row = K_SCALES_AT + group_row
+    v_scale_row = V_SCALES_AT + group_row
     row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     row_sum = tl.full([BLOCK_G], 0.0, tl.float32)
     acc_low = tl.full([BLOCK_G, BLOCK_H], 0.0, tl.float32)
     acc_high = tl.full([BLOCK_G, BLOCK_H], 0.0, tl.float32)
     for b in range(0, (context_len + BLOCK_SIZE - 1) // BLOCK_SIZE):
         block = tl.load(tables_ptr + seq * stride_tb + b).to(tl.int64)
-        unit = block * stride_unit_block + kv_head * stride_unit_head  # bytes; the fp16 views' offset is half
+        # bytes; the fp16 views' offsets are half
+        key_unit = block * stride_key_block + kv_head * stride_key_head
+        value_unit = block * stride_value_block + kv_head * stride_value_head
         t_ok = (t < BLOCK_SIZE) & (b * BLOCK_SIZE + t < context_len)
         # keys' codes [code_cols, block_size]: a [BLOCK_H, BLOCK_T] tile
-        k_low, k_high = _dequantized_halves(key_codes_ptr + unit, key_halves_ptr + unit // 2,
-                                            low_column[:, None] * BLOCK_SIZE + t[None, :],
-                                            high_column[:, None] * BLOCK_SIZE + t[None, :],
-                                            scale_row[:, None] + t[None, :], h_ok[:, None] & t_ok[None, :],
-                                            MINS_AFTER, IS_INT4, COMPUTE)
+        k_low, k_high = _dequantized_halves(key_codes_ptr + key_unit, key_halves_ptr + key_unit // 2,
+                                            k_low_column[:, None] * BLOCK_SIZE + t[None, :],
+                                            k_high_column[:, None] * BLOCK_SIZE + t[None, :],
+                                            k_scale_row[:, None] + t[None, :], h_ok[:, None] & t_ok[None, :],
+                                            K_MINS_AFTER, K_IS_INT4, COMPUTE)
         s = _scores(q_low, k_low, FP32_DOT) + _scores(q_high, k_high, FP32_DOT)
         s = tl.where(t_ok[None, :], s, NEG_INF)
         new_max = tl.maximum(row_max, tl.reduce(s, 1, _larger))
@@ -192,11 +207,11 @@ def _paged_decode_quantized_kernel(q_ptr, key_codes_ptr, key_halves_ptr, value_c
         correction = tl.exp(row_max - new_max)
         row_sum = row_sum * correction + tl.reduce(p, 1, _add)
         # values' codes [block_size, code_cols]: a [BLOCK_T, BLOCK_H] tile
-        v_low, v_high = _dequantized_halves(value_codes_ptr + unit, value_halves_ptr + unit // 2,
-                                            t[:, None] * CODE_COLS + low_column[None, :],
-                                            t[:, None] * CODE_COLS + high_column[None, :],
-                                            scale_row[None, :] + t[:, None], t_ok[:, None] & h_ok[None, :],
-                                            MINS_AFTER, IS_INT4, COMPUTE)
+        v_low, v_high = _dequantized_halves(value_codes_ptr + value_unit, value_halves_ptr + value_unit // 2,
+                                            t[:, None] * V_CODE_COLS + v_low_column[None, :],
+                                            t[:, None] * V_CODE_COLS + v_high_column[None, :],
+                                            v_scale_row[None, :] + t[:, None], t_ok[:, None] & h_ok[None, :],
+                                            V_MINS_AFTER, V_IS_INT4, COMPUTE)
         acc_low = acc_low * correction[:, None] + _weighted_values(p, v_low, FP32_DOT)
         acc_high = acc_high * correction[:, None] + _weighted_values(p, v_high, FP32_DOT)
         row_max = new_max
@@ -210,12 +225,21 @@ def _tile(n: int) -> int:
     return max(MIN_DOT, triton.next_power_of_2(n))
 
 
+def side_constants(layout: FormatLayout) -> dict[str, int | bool]:
+    """Where each pool's unit parts lie, as the quantized kernels' K_* and V_* constexprs (fp16
+    offsets, value code columns), for the prefill kernel too."""
+    return dict(K_SCALES_AT=layout.key.code_bytes // 2, K_MINS_AFTER=layout.key.scale_bytes // 2,
+                K_IS_INT4=layout.key.bits == 4, V_CODE_COLS=layout.value.code_cols,
+                V_SCALES_AT=layout.value.code_bytes // 2, V_MINS_AFTER=layout.value.scale_bytes // 2,
+                V_IS_INT4=layout.value.bits == 4)
+
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            kv_format: str | None = None, block_size: int | None = None) -> torch.Tensor:
     """query [batch, heads, head_dim]; caches as above; block_tables [batch, max_blocks] int32;
     context_lens [batch] int32 -> out [batch, heads, head_dim] in the query's dtype. The new
-    token's K/V must already be in the caches. With `kv_format` (int8, int4) the caches are
+    token's K/V must already be in the caches. With `kv_format` (int8, int4, k8v4) the caches are
     group-quantized pools [num_blocks, kv_heads, unit_bytes] uint8 of kernels/kv_quant.py's
     layout, `block_size` tokens a block (not in their shape). Raises ValueError on malformed input."""
     if kv_format is not None:
@@ -286,12 +310,11 @@ def _quantized_decode(query, key_pool, value_pool, block_tables, context_lens, s
         return out
     group = num_heads // num_kv_heads
     _paged_decode_quantized_kernel[(batch, num_kv_heads)](
-        query, key_pool.view(layout.code_dtype), key_pool.view(torch.float16), value_pool.view(layout.code_dtype),
-        value_pool.view(torch.float16), out, block_tables, context_lens, float(scale),
-        query.stride(0), query.stride(1), key_pool.stride(0), key_pool.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, HALF_DIM=head_dim // 2, BLOCK_SIZE=block_size, CODE_COLS=layout.code_cols,
-        SCALES_AT=layout.code_bytes // 2, MINS_AFTER=layout.scale_bytes // 2, IS_INT4=layout.bits == 4,
+        query, key_pool.view(layout.key.code_dtype), key_pool.view(torch.float16),
+        value_pool.view(layout.value.code_dtype), value_pool.view(torch.float16), out, block_tables, context_lens,
+        float(scale), query.stride(0), query.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
+        value_pool.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, HALF_DIM=head_dim // 2, BLOCK_SIZE=block_size, **side_constants(layout),
         BLOCK_G=_tile(group), BLOCK_H=_tile(head_dim // 2), BLOCK_T=_tile(block_size),
         COMPUTE=tl.float32 if INTERPRETED else _TL_DTYPES[query.dtype],
         FP32_DOT=INTERPRETED or query.dtype == torch.float32)

@@ -20,8 +20,9 @@ it has num_tokens // BLOCK_Q + num_seqs query tiles, an upper bound on the chunk
 each program finds its chunk by a binary search of query_start; programs past their chunk's end
 return at once.
 
-With `kv_format` (int8, int4) the caches are group-quantized pools, kernels/kv_quant.py's layout:
-a second kernel reads the prefix's codes and each token's group scales (and mins), dequantizes
+With `kv_format` (int8, int4, k8v4) the caches are group-quantized pools, kernels/kv_quant.py's
+layout (each pool its own codes: k8v4's keys INT8, values INT4): a second kernel reads the
+prefix's codes and each token's group scales (and mins), dequantizes
 them in registers and runs the same softmax (no dequantized copy is stored). As in
 kernels/triton/paged_decode.py's quantized kernel, the head dim is split into the low and the
 high half of every group, the channels an INT4 byte's two nibbles hold, for queries, keys,
@@ -45,6 +46,7 @@ except ImportError as exc:
                       "it)") from exc
 
 from kernels.kv_quant import GROUP_SIZE, check_pools, layout_for, rotate
+from kernels.triton.paged_decode import side_constants
 
 INTERPRETED: bool = triton.knobs.runtime.interpret
 MIN_DOT = 16  # tl.dot's smallest tile side
@@ -196,6 +198,19 @@ def _dequantized_halves(codes_ptr, halves_ptr, low_at, high_at, scale_at, mask, 
 
 
 @triton.jit
+def _code_columns(h, low_channel, IS_INT4: tl.constexpr):
+    """The code columns of each channel pair (low, high half of its group): INT4's one byte column
+    holds both (as in kernels/triton/paged_decode.py)."""
+    if IS_INT4:
+        low_column = h
+        high_column = h
+    else:
+        low_column = low_channel
+        high_column = low_channel + HALF_GROUP
+    return low_column, high_column
+
+
+@triton.jit
 def _softmax_step_halves(q_low, q_high, k_low, k_high, v_low, v_high, allowed, scale, row_max, row_sum, acc_low,
                          acc_high, FP32_DOT: tl.constexpr):
     """_softmax_step over a head dim split in halves: scores sum the halves' dots, each half of
@@ -216,10 +231,12 @@ def _softmax_step_halves(q_low, q_high, k_low, k_high, v_low, v_high, allowed, s
 def _paged_prefill_quantized_kernel(q_ptr, k_ptr, v_ptr, out_ptr, key_codes_ptr, key_halves_ptr, value_codes_ptr,
                                     value_halves_ptr, tables_ptr, num_cached_ptr, query_start_ptr, scale, num_seqs,
                                     num_search_steps, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                                    stride_vh, stride_ot, stride_oh, stride_unit_block, stride_unit_head, stride_tb,
+                                    stride_vh, stride_ot, stride_oh, stride_key_block, stride_key_head,
+                                    stride_value_block, stride_value_head, stride_tb,
                                     GROUP: tl.constexpr, HALF_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                                    CODE_COLS: tl.constexpr, SCALES_AT: tl.constexpr, MINS_AFTER: tl.constexpr,
-                                    IS_INT4: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                    K_SCALES_AT: tl.constexpr, K_MINS_AFTER: tl.constexpr, K_IS_INT4: tl.constexpr,
+                                    V_CODE_COLS: tl.constexpr, V_SCALES_AT: tl.constexpr, V_MINS_AFTER: tl.constexpr,
+                                    V_IS_INT4: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
                                     FP32_DOT: tl.constexpr):
     tile_id = tl.program_id(0)
@@ -246,13 +263,11 @@ def _paged_prefill_quantized_kernel(q_ptr, k_ptr, v_ptr, out_ptr, key_codes_ptr,
     q_mask = row_ok[:, None] & h_ok[None, :]
     q_low = tl.load(q_at, mask=q_mask, other=0.0).to(COMPUTE)
     q_high = tl.load(q_at + HALF_GROUP, mask=q_mask, other=0.0).to(COMPUTE)
-    if IS_INT4:  # one byte column holds both halves
-        low_column = h
-        high_column = h
-    else:
-        low_column = low_channel
-        high_column = low_channel + HALF_GROUP
-    scale_row = SCALES_AT + (h // HALF_GROUP) * BLOCK_SIZE  # fp16 offset of each channel's group scales
+    k_low_column, k_high_column = _code_columns(h, low_channel, K_IS_INT4)
+    v_low_column, v_high_column = _code_columns(h, low_channel, V_IS_INT4)
+    group_row = (h // HALF_GROUP) * BLOCK_SIZE  # fp16 offset of each channel's group scales in the scales
+    k_scale_row = K_SCALES_AT + group_row
+    v_scale_row = V_SCALES_AT + group_row
     row_max = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
     row_sum = tl.full([BLOCK_Q * BLOCK_G], 0.0, tl.float32)
     acc_low = tl.full([BLOCK_Q * BLOCK_G, BLOCK_H], 0.0, tl.float32)
@@ -265,19 +280,22 @@ def _paged_prefill_quantized_kernel(q_ptr, k_ptr, v_ptr, out_ptr, key_codes_ptr,
         key_ok = position < num_cached
         block = tl.load(table_row + position // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         offset = position % BLOCK_SIZE
-        unit = block * stride_unit_block + kv_head * stride_unit_head  # bytes; the fp16 views' offset is half
+        # bytes; the fp16 views' offsets are half
+        key_unit = block * stride_key_block + kv_head * stride_key_head
+        value_unit = block * stride_value_block + kv_head * stride_value_head
         # keys' codes [code_cols, block_size]: a [BLOCK_H, BLOCK_N] tile
         k_low, k_high = _dequantized_halves(key_codes_ptr, key_halves_ptr,
-                                            unit[None, :] + low_column[:, None] * BLOCK_SIZE + offset[None, :],
-                                            unit[None, :] + high_column[:, None] * BLOCK_SIZE + offset[None, :],
-                                            (unit // 2)[None, :] + scale_row[:, None] + offset[None, :],
-                                            h_ok[:, None] & key_ok[None, :], MINS_AFTER, IS_INT4, COMPUTE)
+                                            key_unit[None, :] + k_low_column[:, None] * BLOCK_SIZE + offset[None, :],
+                                            key_unit[None, :] + k_high_column[:, None] * BLOCK_SIZE + offset[None, :],
+                                            (key_unit // 2)[None, :] + k_scale_row[:, None] + offset[None, :],
+                                            h_ok[:, None] & key_ok[None, :], K_MINS_AFTER, K_IS_INT4, COMPUTE)
         # values' codes [block_size, code_cols]: a [BLOCK_N, BLOCK_H] tile
+        value_row = value_unit + offset * V_CODE_COLS
         v_low, v_high = _dequantized_halves(value_codes_ptr, value_halves_ptr,
-                                            (unit + offset * CODE_COLS)[:, None] + low_column[None, :],
-                                            (unit + offset * CODE_COLS)[:, None] + high_column[None, :],
-                                            (unit // 2 + offset)[:, None] + scale_row[None, :],
-                                            key_ok[:, None] & h_ok[None, :], MINS_AFTER, IS_INT4, COMPUTE)
+                                            value_row[:, None] + v_low_column[None, :],
+                                            value_row[:, None] + v_high_column[None, :],
+                                            (value_unit // 2 + offset)[:, None] + v_scale_row[None, :],
+                                            key_ok[:, None] & h_ok[None, :], V_MINS_AFTER, V_IS_INT4, COMPUTE)
         row_max, row_sum, acc_low, acc_high = _softmax_step_halves(
             q_low, q_high, k_low, k_high, v_low, v_high, key_ok[None, :], scale, row_max, row_sum, acc_low, acc_high,
             FP32_DOT)
@@ -326,7 +344,7 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     int32 (chunk i is rows query_start[i]:query_start[i + 1], query_start[-1] == num_tokens)
     -> out [num_tokens, num_heads, head_dim] in q's dtype. Row j of chunk i attends to positions
     0..num_cached[i] + j. The tables must hold the prefix's blocks; values are not checked (that
-    would need a host sync). With `kv_format` (int8, int4) the caches are group-quantized pools
+    would need a host sync). With `kv_format` (int8, int4, k8v4) the caches are group-quantized pools
     [num_blocks, kv_heads, unit_bytes] uint8 of kernels/kv_quant.py's layout, `block_size` tokens a
     block (not in their shape). Raises ValueError on malformed shapes or dtypes."""
     if kv_format is not None:
@@ -383,13 +401,12 @@ def _quantized_prefill(q, k, v, key_pool, value_pool, block_tables, num_cached, 
     block_q = max(1, ROWS_PER_TILE // block_g)
     num_q_tiles = num_tokens // block_q + num_seqs  # >= the chunks' tiles, however ragged
     _paged_prefill_quantized_kernel[(num_q_tiles, num_kv_heads)](
-        q, k, v, out, key_pool.view(layout.code_dtype), key_pool.view(torch.float16),
-        value_pool.view(layout.code_dtype), value_pool.view(torch.float16), block_tables, num_cached, query_start,
-        float(scale), num_seqs, num_seqs.bit_length(),
+        q, k, v, out, key_pool.view(layout.key.code_dtype), key_pool.view(torch.float16),
+        value_pool.view(layout.value.code_dtype), value_pool.view(torch.float16), block_tables, num_cached,
+        query_start, float(scale), num_seqs, num_seqs.bit_length(),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        key_pool.stride(0), key_pool.stride(1), block_tables.stride(0),
-        GROUP=group, HALF_DIM=head_dim // 2, BLOCK_SIZE=block_size, CODE_COLS=layout.code_cols,
-        SCALES_AT=layout.code_bytes // 2, MINS_AFTER=layout.scale_bytes // 2, IS_INT4=layout.bits == 4,
+        key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1), block_tables.stride(0),
+        GROUP=group, HALF_DIM=head_dim // 2, BLOCK_SIZE=block_size, **side_constants(layout),
         BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_H=_tile(head_dim // 2), BLOCK_N=KEYS_PER_TILE,
         COMPUTE=tl.float32 if INTERPRETED else _TL_DTYPES[q.dtype], FP32_DOT=INTERPRETED or q.dtype == torch.float32)
     return out

@@ -1,5 +1,5 @@
-"""Quantized KV caches end to end on the embedded SmolLM2: INT8's greedy tokens against a 16-bit
-cache's, and quantized blocks through prefix hits, chunks, swaps, demotions and promotions against
+"""Quantized KV caches end to end on the embedded SmolLM2: INT8's and K8V4's greedy tokens against a
+16-bit cache's, and quantized blocks through prefix hits, chunks, swaps, demotions and promotions against
 a plain engine with the same format. Quantized codes turn a last-bit difference (another batch,
 another summation order) into a step of a code, so greedy tokens may part at a near tie: the
 checks allow exactly that and no more."""
@@ -14,7 +14,12 @@ from test_prefix_caching import CHUNKED, OTHER, QUESTIONS, SYSTEM, WHOLE, assert
 # Where tokens part, the reference's two best tokens were this close (nats). INT8 against a 16-bit
 # cache on the parity prompts parted at gaps of 0.014, 0.018 and 0.042 (docs/benchmarks.md). An INT4
 # code is a coarse step: the same prompts batched otherwise moved first-token logprobs by up to 0.4.
-NEAR_TIE_NATS = {"int8": 0.1, "int4": 0.6}
+# K8V4's values are INT4 codes, so INT4's bound (against a 16-bit cache it parted on 6 of the 8
+# parity prompts, at gaps up to 0.29; chunked and swapped against whole, at 0.42).
+NEAR_TIE_NATS = {"int8": 0.1, "int4": 0.6, "k8v4": 0.6}
+# Of the 8 parity prompts, how many must give a 16-bit cache's 32 greedy tokens exactly (INT8: half;
+# K8V4: the 2 of 8 measured, its 4-bit values moving near ties)
+MIN_EQUAL_PROMPTS = {"int8": 4, "k8v4": 2}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 
 
@@ -32,18 +37,19 @@ def num_equal_else_near_ties(reference, got, near_tie: float) -> int:
     return num_equal
 
 
-def test_int8_greedy_tokens_equal_a_16_bit_cache_until_a_near_tie():
+@pytest.mark.parametrize("kv", ["int8", "k8v4"])
+def test_greedy_tokens_equal_a_16_bit_cache_until_a_near_tie(kv):
     params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=2)
     runs = {}
-    for kv in ("float16", "int8"):
-        with LLM(dtype="float32", cpu_attention="off", kv_cache_dtype=kv) as llm:
-            runs[kv] = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
-    got = [o.token_ids for o in runs["int8"]]
-    assert num_equal_else_near_ties(runs["float16"], got, NEAR_TIE_NATS["int8"]) >= len(PROMPTS) // 2
+    for name in ("float16", kv):
+        with LLM(dtype="float32", cpu_attention="off", kv_cache_dtype=name) as llm:
+            runs[name] = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    got = [o.token_ids for o in runs[kv]]
+    assert num_equal_else_near_ties(runs["float16"], got, NEAR_TIE_NATS[kv]) >= MIN_EQUAL_PROMPTS[kv]
 
 
 @pytest.mark.slow  # make test-slow: two engines per format, which make test has no minutes for
-@pytest.mark.parametrize("kv", ["int8", "int4"])
+@pytest.mark.parametrize("kv", ["int8", "int4", "k8v4"])
 def test_quantized_blocks_hit_swap_demote_and_promote(kv, tmp_path):
     prompts = [SYSTEM + q for q in QUESTIONS]
     with LLM(dtype="float32", cpu_attention="off", kv_cache_dtype=kv, **WHOLE) as plain:
@@ -69,4 +75,4 @@ def test_quantized_blocks_hit_swap_demote_and_promote(kv, tmp_path):
     near_tie = NEAR_TIE_NATS[kv]
     num_equal_else_near_ties(reference[:1], first, near_tie)
     num_equal = num_equal_else_near_ties(reference, together, near_tie)
-    assert num_equal >= len(reference) // 2 or kv == "int4"  # INT4: most part somewhere, at near ties
+    assert num_equal >= len(reference) // 2 or kv != "int8"  # 4-bit values: most part somewhere, at near ties

@@ -1,4 +1,4 @@
-"""The CPU paged decode attention over group-quantized KV pools (INT8, INT4) against the plain
+"""The CPU paged decode attention over group-quantized KV pools (INT8, INT4, K8V4) against the plain
 reference: kernels.kv_quant.dequantize_pool's fp32 caches fed to kernels.cpu.reference. Both see
 the same dequantized values, so only fp32 summation order separates them.
 
@@ -29,7 +29,7 @@ HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 def fill_pool(fmt: str, num_blocks: int, num_kv_heads: int, head_dim: int, block_size: int, is_key: bool,
               gen: torch.Generator) -> torch.Tensor:
     """A layer's pool [num_blocks, num_kv_heads, unit_bytes] with every slot quantized from random rows."""
-    layout = kv_quant.layout_for(fmt, head_dim, block_size)
+    layout = kv_quant.layout_for(fmt, head_dim, block_size).side(is_key)
     pool = torch.zeros(num_blocks, num_kv_heads, layout.unit_bytes, dtype=torch.uint8)
     rows = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=gen)
     rows += torch.randn(num_blocks * block_size, num_kv_heads, head_dim // kv_quant.GROUP_SIZE, 1,
@@ -59,8 +59,9 @@ def make_problem(context_lens, fmt, gen, *, num_kv_heads=2, group_size=4, head_d
 
 def reference_attention(problem, key_cache, value_cache) -> torch.Tensor:
     layout = kv_quant.layout_for(problem["kv_format"], problem["query"].shape[-1], problem["block_size"])
-    return reference.paged_decode_attention(problem["query"].float(), kv_quant.dequantize_pool(key_cache, layout, True),
-                                            kv_quant.dequantize_pool(value_cache, layout, False),
+    return reference.paged_decode_attention(problem["query"].float(),
+                                            kv_quant.dequantize_pool(key_cache, layout.key, True),
+                                            kv_quant.dequantize_pool(value_cache, layout.value, False),
                                             problem["block_tables"], problem["context_lens"], problem["scale"])
 
 
@@ -71,7 +72,8 @@ def append_reference(problem, key_cache, value_cache, new_key, new_value) -> Non
     blocks = problem["block_tables"][torch.arange(len(positions)), positions // layout.block_size].long()
     offsets = positions % layout.block_size
     for pool, rows, is_key in ((key_cache, new_key, True), (value_cache, new_value, False)):
-        kv_quant.write_rows(kv_quant.unit_views(pool, layout, is_key), layout, rows, blocks, offsets)
+        side = layout.side(is_key)
+        kv_quant.write_rows(kv_quant.unit_views(pool, side, is_key), side, rows, blocks, offsets)
 
 
 def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
@@ -155,7 +157,7 @@ def test_stale_slots_past_the_context_are_ignored(isa, fmt, gen):
     layout = kv_quant.layout_for(fmt, 128, 16)
     caches = (problem["key_cache"].clone(), problem["value_cache"].clone())
     for pool, is_key in zip(caches, (True, False)):
-        views = kv_quant.unit_views(pool, layout, is_key)
+        views = kv_quant.unit_views(pool, layout.side(is_key), is_key)
         for i, length in enumerate(lengths):
             last = problem["block_tables"][i, (length - 1) // 16]
             views.scales[last, :, :, length % 16:] = float("nan")
@@ -183,7 +185,7 @@ def test_fused_append_rounds_edge_rows_as_write_rows(fmt, gen):
     # so small that the fp16 scale is subnormal or zero, and a constant offset.
     head_dim = 4 * kv_quant.GROUP_SIZE
     ramp = torch.arange(kv_quant.GROUP_SIZE, dtype=torch.float32)
-    ties = torch.cat([ramp[:-2] % 15 + 0.5, torch.tensor([0.0, 127.0 if fmt == "int8" else 15.0])])
+    ties = torch.cat([ramp[:-2] % 15 + 0.5, torch.tensor([0.0, 127.0 if fmt != "int4" else 15.0])])
     groups = [ties, torch.zeros(kv_quant.GROUP_SIZE), 1e-6 * torch.randn(kv_quant.GROUP_SIZE, generator=gen),
               torch.full((kv_quant.GROUP_SIZE,), 3.0)]
     row = torch.cat(groups)
@@ -213,6 +215,13 @@ def test_rejects_bad_input(change, message, gen):
     problem = make_problem([10, 40], "int8", gen)
     with pytest.raises(ValueError, match=message):
         cpu.paged_decode_attention(**change(problem))
+
+
+def test_k8v4_refuses_int8_value_units(gen):
+    # int8 pools look like k8v4's keys; the values must be INT4 units (1152 bytes at head_dim 128)
+    problem = make_problem([10, 40], "int8", gen)
+    with pytest.raises(ValueError, match="value unit .* holds 1152 bytes"):
+        cpu.paged_decode_attention(**{**problem, "kv_format": "k8v4"})
 
 
 def test_the_extension_refuses_a_block_size_off_the_scale_vectors(gen):

@@ -9,7 +9,7 @@ import torch
 
 from kernels import kv_quant
 
-FORMATS = ["int8", "int4"]
+FORMATS = ["int8", "int4", "k8v4"]
 
 
 def on(device, *tensors):
@@ -32,20 +32,20 @@ def tolerance(dtype, device, want, interpreted_eps):
 
 
 def random_pool(gen, layout, num_blocks, num_kv_heads):
-    """Random bytes everywhere: the slots not written must keep theirs."""
+    """Random bytes everywhere, in units of one side's `layout`: the slots not written must keep theirs."""
     return torch.randint(0, 256, (num_blocks, num_kv_heads, layout.unit_bytes), generator=gen, dtype=torch.uint8)
 
 
-def with_ties(rows, kv_format):
-    """Rows whose first groups quantize with scale exactly 1, so that x / scale lands on .5 ties
-    (round half to even tells them apart), and one group of zero range."""
+def with_ties(rows, bits):
+    """Rows whose first groups quantize with scale exactly 1 in `bits`-bit codes, so that x / scale
+    lands on .5 ties (round half to even tells them apart), and one group of zero range."""
     ties = torch.arange(-7, 8).float() + 0.5  # -6.5 .. 7.5
-    if kv_format == "int8":
+    if bits == 8:
         group = torch.cat([torch.tensor([127.0]), ties.repeat(5)[:63]])
     else:
         group = torch.cat([torch.tensor([0.0, 15.0]), (ties + 7).repeat(5)[:62]])
     rows[0, 0, :kv_quant.GROUP_SIZE] = group
-    rows[-1, -1, -kv_quant.GROUP_SIZE:] = 0.0 if kv_format == "int8" else 0.25  # zero range: scale 0, codes 0
+    rows[-1, -1, -kv_quant.GROUP_SIZE:] = 0.0 if bits == 8 else 0.25  # zero range: scale 0, codes 0
     return rows
 
 
@@ -56,15 +56,14 @@ def test_write_gives_the_bytes_of_write_rows(triton_kv_quant_write, gen, kv_form
     writer, device = triton_kv_quant_write
     block_size, num_blocks, num_kv_heads, num_tokens = 16, 5, 2, 9
     layout = kv_quant.layout_for(kv_format, head_dim, block_size)
-    key_pool, value_pool = random_pool(gen, layout, num_blocks, num_kv_heads), random_pool(gen, layout, num_blocks,
-                                                                                            num_kv_heads)
-    key = with_ties(3 * torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen), kv_format).to(dtype)
-    value = with_ties(torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen), kv_format).to(dtype)
+    key_pool, value_pool = (random_pool(gen, side, num_blocks, num_kv_heads) for side in (layout.key, layout.value))
+    key = with_ties(3 * torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen), layout.key.bits).to(dtype)
+    value = with_ties(torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen), layout.value.bits).to(dtype)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     blocks, offsets = slots // block_size, (slots % block_size).int()
     want_key, want_value = key_pool.clone(), value_pool.clone()
-    kv_quant.write_rows(kv_quant.unit_views(want_key, layout, True), layout, key, blocks, offsets.long())
-    kv_quant.write_rows(kv_quant.unit_views(want_value, layout, False), layout, value, blocks, offsets.long())
+    write_rows(want_key, layout, True, key, blocks, offsets.long())
+    write_rows(want_value, layout, False, value, blocks, offsets.long())
     key_pool, value_pool = on(device, key_pool, value_pool)
     writer.write_quantized(key_pool, value_pool, *on(device, key, value, blocks, offsets), kv_format, block_size)
     assert torch.equal(key_pool.cpu(), want_key) and torch.equal(value_pool.cpu(), want_value)
@@ -75,15 +74,15 @@ def test_append_writes_each_sequence_at_its_last_position(triton_kv_quant_write,
     writer, device = triton_kv_quant_write
     block_size, head_dim, num_kv_heads = 16, 64, 2
     layout = kv_quant.layout_for(kv_format, head_dim, block_size)
-    key_pool, value_pool = random_pool(gen, layout, 6, num_kv_heads), random_pool(gen, layout, 6, num_kv_heads)
+    key_pool, value_pool = (random_pool(gen, side, 6, num_kv_heads) for side in (layout.key, layout.value))
     tables = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
     lens = torch.tensor([17, 48], dtype=torch.int32)  # slots (1, 0) and (3, 15)
     new_key, new_value = torch.randn(2, num_kv_heads, head_dim, generator=gen), torch.randn(2, num_kv_heads, head_dim,
                                                                                              generator=gen)
     want_key, want_value = key_pool.clone(), value_pool.clone()
     blocks, offsets = torch.tensor([1, 3]), torch.tensor([0, 15])
-    kv_quant.write_rows(kv_quant.unit_views(want_key, layout, True), layout, new_key, blocks, offsets)
-    kv_quant.write_rows(kv_quant.unit_views(want_value, layout, False), layout, new_value, blocks, offsets)
+    write_rows(want_key, layout, True, new_key, blocks, offsets)
+    write_rows(want_value, layout, False, new_value, blocks, offsets)
     from engine.attention.decode import new_token_slots
 
     slot_blocks, slot_offsets = new_token_slots(*on(device, tables, lens), block_size)  # the decode append's slots
@@ -95,7 +94,7 @@ def test_append_writes_each_sequence_at_its_last_position(triton_kv_quant_write,
 def test_write_refuses_malformed_input(interpreted_kv_quant_write, gen):
     writer = interpreted_kv_quant_write
     layout = kv_quant.layout_for("int8", 64, 16)
-    pool = random_pool(gen, layout, 2, 1)
+    pool = random_pool(gen, layout.key, 2, 1)
     rows, slots = torch.randn(1, 1, 64, generator=gen), torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="uint8"):
         writer.write_quantized(pool, pool, rows, rows, slots, slots, "int8", 8)  # unit of another block size
@@ -127,19 +126,25 @@ def quantized_pools(gen, layout, num_blocks, num_kv_heads):
     slots = torch.arange(num_blocks * layout.block_size)
     pools = []
     for is_key in (True, False):
-        pool = torch.zeros(num_blocks, num_kv_heads, layout.unit_bytes, dtype=torch.uint8)
-        rows = torch.randn(len(slots), num_kv_heads, layout.head_dim, generator=gen)
+        side = layout.side(is_key)
+        pool = torch.zeros(num_blocks, num_kv_heads, side.unit_bytes, dtype=torch.uint8)
+        rows = torch.randn(len(slots), num_kv_heads, side.head_dim, generator=gen)
         rows += torch.randn(len(slots), num_kv_heads, 1, generator=gen)  # off-centre groups for INT4's min
-        kv_quant.write_rows(kv_quant.unit_views(pool, layout, is_key), layout, rows, slots // layout.block_size,
-                            slots % layout.block_size)
+        write_rows(pool, layout, is_key, rows, slots // layout.block_size, slots % layout.block_size)
         pools.append(pool)
     return pools
 
 
+def write_rows(pool, layout, is_key, rows, blocks, offsets):
+    """The reference writer into one pool of `layout`'s format: its key or value side."""
+    side = layout.side(is_key)
+    kv_quant.write_rows(kv_quant.unit_views(pool, side, is_key), side, rows, blocks, offsets)
+
+
 def dequantized(pools, layout):
     """The pools as the 16-bit kernels' fp32 caches: what the reference attends."""
-    return (kv_quant.dequantize_pool(pools[0], layout, is_key=True),
-            kv_quant.dequantize_pool(pools[1], layout, is_key=False))
+    return (kv_quant.dequantize_pool(pools[0], layout.key, is_key=True),
+            kv_quant.dequantize_pool(pools[1], layout.value, is_key=False))
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
@@ -219,7 +224,7 @@ def test_backend_quantizes_the_new_token_in_then_attends(triton_paged_decode, tr
     last = lens.long() - 1
     blocks = tables.long().gather(1, (last // block_size)[:, None]).squeeze(1)
     for pool, rows, is_key in ((want_pools[0], new_key, True), (want_pools[1], new_value, False)):
-        kv_quant.write_rows(kv_quant.unit_views(pool, layout, is_key), layout, rows, blocks, last % block_size)
+        write_rows(pool, layout, is_key, rows, blocks, last % block_size)
     backend = DECODE_BACKENDS.create("triton", kv_layout=create_layout(kv_format, torch.float32, num_kv_heads,
                                                                         head_dim, block_size))
     want = reference.paged_decode_attention(query, *dequantized(want_pools, layout), tables, lens, 0.125)
@@ -250,7 +255,7 @@ def prefill_problem(gen, layout, chunks, num_kv_heads, group, dtype=torch.float3
     other arguments)."""
     tables, num_blocks = scattered_tables(gen, [cached + length for cached, length in chunks], layout.block_size)
     pools = quantized_pools(gen, layout, num_blocks, num_kv_heads)
-    num_tokens, head_dim = sum(length for _, length in chunks), layout.head_dim
+    num_tokens, head_dim = sum(length for _, length in chunks), layout.key.head_dim
     q = 3 * torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen)
     k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) for _ in range(2))
     return pools, dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), block_tables=tables,

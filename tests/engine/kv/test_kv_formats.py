@@ -14,7 +14,7 @@ from kernels.cpu import reference
 from scheduler.planning.kv_format import KV_FORMATS, KV_GROUP_SIZE, kv_format
 
 FORMATS = list(KV_FORMATS)
-QUANTIZED = ["int8", "int4"]
+QUANTIZED = ["int8", "int4", "k8v4"]
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +26,12 @@ def test_the_planners_group_size_is_the_layouts():
     assert KV_GROUP_SIZE == kv_quant.GROUP_SIZE
 
 
+def test_the_planners_quantized_formats_are_the_layouts():
+    # declared twice (the planners import no torch), so they must agree: names, key and value bits
+    planned = {f.name: (f.key_bits, f.value_bits) for f in KV_FORMATS.values() if f.quantized}
+    assert planned == kv_quant.FORMAT_BITS and set(kv_quant.FORMAT_CODES) == set(planned)
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_block_bytes_are_what_the_pools_allocate(config, name):
     cache = KVCache(config, 7, 16, torch.float32, kv_cache_dtype=name)
@@ -35,6 +41,15 @@ def test_block_bytes_are_what_the_pools_allocate(config, name):
 
 def test_quantized_formats_hold_the_sequences_the_issue_asks():
     assert 2 / kv_format("int8").element_bytes >= 1.9 and 2 / kv_format("int4").element_bytes >= 3.5
+    assert 2 / kv_format("k8v4").element_bytes >= 2.4
+
+
+def test_k8v4_keys_are_int8_units_and_values_int4_units():
+    layout = kv_quant.layout_for("k8v4", 128, 16)
+    assert layout.key == kv_quant.layout_for("int8", 128, 16).key
+    assert layout.value == kv_quant.layout_for("int4", 128, 16).value
+    # a token's K and V bytes per head: 128 + 2 * 2 (int8) and 64 + 2 * 2 * 2 (int4)
+    assert kv_format("k8v4").element_bytes * 2 * 128 == 132 + 72
 
 
 def test_auto_is_the_compute_dtype():
@@ -73,11 +88,12 @@ def test_writes_land_in_their_slots_and_gather_back(config, gen, name):
     key, value = (torch.randn(20, config.num_kv_heads, config.head_dim, generator=gen) for _ in range(2))
     cache.write_blocks(3, key, value, [4, 1], start=0)
     got_key, got_value = cache.gather(3, [4, 1], 20)
-    bits = cache.layout.units.bits
-    torch.testing.assert_close(got_key, kv_quant.round_trip(key, bits, True), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_value, kv_quant.round_trip(value, bits, False), atol=1e-5, rtol=1e-5)
-    rms = 0.012 if name == "int8" else 0.2  # randn rows: steps of absmax/127, range/15
-    assert (got_key - key).pow(2).mean().sqrt() < rms and (got_value - value).pow(2).mean().sqrt() < rms
+    units = cache.layout.units
+    torch.testing.assert_close(got_key, kv_quant.round_trip(key, units.key.bits, True), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_value, kv_quant.round_trip(value, units.value.bits, False), atol=1e-5, rtol=1e-5)
+    for got, rows, side in ((got_key, key, units.key), (got_value, value, units.value)):
+        rms = 0.012 if side.bits == 8 else 0.2  # randn rows: steps of absmax/127, range/15
+        assert (got - rows).pow(2).mean().sqrt() < rms
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
@@ -115,8 +131,8 @@ def test_torch_decode_reads_quantized_pools_as_the_dense_reference(config, gen, 
     query = torch.randn(2, 6, 128, generator=gen)
     new_key, new_value = (torch.randn(2, 2, 128, generator=gen) for _ in range(2))
     got = TorchPagedDecode(layout).forward(query, key_pool, value_pool, tables, lens, 0.1, new_key, new_value)
-    dense = [kv_quant.dequantize_pool(pool, layout.units, is_key) for pool, is_key in ((key_pool, True),
-                                                                                         (value_pool, False))]
+    dense = [kv_quant.dequantize_pool(pool, layout.units.side(is_key), is_key)
+             for pool, is_key in ((key_pool, True), (value_pool, False))]
     want = reference.paged_decode_attention(query, *dense, tables, lens, 0.1)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

@@ -157,14 +157,15 @@ def tiny_head_64_path(tmp_path_factory):
 def quantized_pools(fmt: str, cfg, num_blocks: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer's key and value pools [layers, blocks, kv_heads, unit_bytes], each slot quantized from random rows."""
     layout = kv_quant.layout_for(fmt, cfg.head_dim, QUANT_BLOCK_SIZE)
-    shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, layout.unit_bytes)
-    pools = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
+    pools = tuple(torch.zeros(cfg.num_layers, num_blocks, cfg.num_kv_heads, side.unit_bytes, dtype=torch.uint8)
+                  for side in (layout.key, layout.value))
     blocks = torch.arange(num_blocks).repeat_interleave(QUANT_BLOCK_SIZE)
     offsets = torch.arange(QUANT_BLOCK_SIZE).repeat(num_blocks)
     for pool, is_key in zip(pools, (True, False)):
+        side = layout.side(is_key)
         for layer in range(cfg.num_layers):
             rows = torch.randn(len(blocks), cfg.num_kv_heads, cfg.head_dim, generator=gen)
-            kv_quant.write_rows(kv_quant.unit_views(pool[layer], layout, is_key), layout, rows, blocks, offsets)
+            kv_quant.write_rows(kv_quant.unit_views(pool[layer], side, is_key), side, rows, blocks, offsets)
     return pools
 
 
@@ -194,10 +195,11 @@ def test_decode_over_quantized_pools_matches_the_op_by_op_stages(tiny_head_64_pa
     for layer in range(cfg.num_layers):
         q, k, v = model.pre_proj(layer, want, positions)
         for pool, rows, is_key in ((ref_key[layer], k, True), (ref_value[layer], v, False)):
-            kv_quant.write_rows(kv_quant.unit_views(pool, layout, is_key), layout, rows, slot_blocks,
+            side = layout.side(is_key)
+            kv_quant.write_rows(kv_quant.unit_views(pool, side, is_key), side, rows, slot_blocks,
                                 positions % QUANT_BLOCK_SIZE)
-        attn = reference.paged_decode_attention(q.float(), kv_quant.dequantize_pool(ref_key[layer], layout, True),
-                                                kv_quant.dequantize_pool(ref_value[layer], layout, False),
+        attn = reference.paged_decode_attention(q.float(), kv_quant.dequantize_pool(ref_key[layer], layout.key, True),
+                                                kv_quant.dequantize_pool(ref_value[layer], layout.value, False),
                                                 block_tables, context_lens, model.scale)
         want = model.post_proj(layer, want, attn.to(dtype).view(3, -1))
     assert torch.equal(key, ref_key) and torch.equal(value, ref_value)
