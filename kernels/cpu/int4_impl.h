@@ -59,7 +59,7 @@ inline void widen_row(const void* x, DType x_dtype, int row, int k, float* out) 
       case DType::kFloat16: Isa::store(out + i, Isa::load(static_cast<const Float16*>(x) + first + i)); break;
       case DType::kInt8:
       case DType::kInt4:
-    case DType::kK8V4: break;  // KV cache formats, never a compute dtype
+      case DType::kK8V4: break;  // KV cache formats, never a compute dtype
     }
   }
 }
