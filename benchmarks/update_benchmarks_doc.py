@@ -140,6 +140,12 @@ SECTIONS = (
             "last byte; the two translated protocols run chat's pipeline, so their ratios read the translation's\n"
             "cost against the run's own spread (target: within 5%).",
             "## CPU decode attention"),
+    Section("batch_invariance", "### What batch invariance costs (`benchmarks/serving/batch_invariance.py`)",
+            "Run by `tandem bench batch_invariance`: the embedded model on device cpu at its defaults and with\n"
+            "`--batch-invariant`, both engines built once and interleaved per repetition; each prefills fresh random\n"
+            "prompts of 128, 512 and 2,000 tokens (one output token) and decodes 64 tokens for 1 and for 8 sequences.\n"
+            "The flag sends a prompt's rows through decode's kernels, so it should cost prefill and not decode.",
+            "## CPU decode attention"),
     Section("revisions", "## A redesign against the code before it (`benchmarks/serving/revisions.py`)",
             "Run by `make bench-revisions BASE=<commit>` on a quiet machine: two revisions checked out side by side,\n"
             "each running the same offline decode on the embedded model (device cpu) in its own process, resident\n"

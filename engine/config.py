@@ -55,6 +55,7 @@ class Int4Prefill(Mode):
 
     DEQUANTIZE = "dequantize"  # each weight widened into a scratch buffer for torch's GEMM: exact
     INT8 = "int8"  # x quantized to int8 per block of 32, integer dot products: as fast as dense, not exact
+    INT16 = "int16"  # decode's own kernel at every row count: a row's bits whatever its chunk (--batch-invariant)
 
 
 class LoadFormat(Mode):
@@ -400,6 +401,11 @@ class EngineConfig:
         "than 64 tokens: dequantize (into a scratch buffer for torch's GEMM; the tokens of any batching) or int8 "
         "(activations to int8 blocks and integer dot products, llama.cpp's scheme: about as fast as dense bf16, "
         "perplexity +0.3%, and a prompt's tokens then depend on how it was chunked)", Group.MODEL)
+    batch_invariant: bool = knob(
+        "--batch-invariant", False, "on device cpu, a token's numbers do not depend on what it is computed with: "
+        "a prompt's rows go through decode's kernels (INT4 x as int16, the dense GEMV, attention row by row over "
+        "the KV blocks from position 0), so greedy text is the same with prefix caching on or off, chunked or "
+        "not, alone or beside other requests; prefill is slower (docs/benchmarks.md)", Group.MODEL)
     cpu_ops: CpuOps = knob(
         "--cpu-ops", CpuOps.LAYERS, "how the decoder layers run on a CPU device: layers (a decode batch's layers in "
         "one C++ call), fused (op by op, RMSNorm, RoPE and SiLU*up as C++ kernels), torch (torch ops)", Group.MODEL)
@@ -461,8 +467,9 @@ class EngineConfig:
             raise ConfigError("quantization int4 runs on device cpu or cuda, not on the testbed: its GPU "
                               "thread would share the CPU kernels' thread pool with the CPU attention; use "
                               "--quantization none there")
-        if self.int4_prefill == Int4Prefill.INT8 and self.device != "cpu":
-            raise ConfigError(f"int4_prefill int8 runs on device cpu (the CPU's INT4 kernels), not on "
+        self._check_batch_invariant()
+        if self.int4_prefill != Int4Prefill.DEQUANTIZE and self.device != "cpu":
+            raise ConfigError(f"int4_prefill {self.int4_prefill} runs on device cpu (the CPU's INT4 kernels), not on "
                               f"{self.device}; leave --int4-prefill at dequantize there")
         for section, config_type in _SECTIONS.items():  # a flat value here would fail much later
             value = getattr(self, section)
@@ -470,6 +477,20 @@ class EngineConfig:
                 raise ConfigError(f"{section} must be of type {config_type.__name__}, got {value!r}; "
                                   f"flat keywords go through EngineConfig.from_flat")
         self._check_parallel()
+
+    def _check_batch_invariant(self) -> None:
+        """Batch invariance holds where every kernel of a forward is the CPU's own, one order per row."""
+        if not self.batch_invariant:
+            return
+        if self.device != "cpu":
+            raise ConfigError(f"batch_invariant runs on device cpu (its kernels keep one order per row), not on "
+                              f"{self.device}; drop --batch-invariant there")
+        if self.int4_prefill == Int4Prefill.INT8:
+            raise ConfigError("batch_invariant multiplies every chunk with decode's int16 kernel; drop "
+                              "--int4-prefill int8")
+        if self.cpu_attention_enabled:  # Neo's host pool splits a sequence's attention over threads
+            raise ConfigError("batch_invariant keeps every sequence's attention on one thread; drop "
+                              "--cpu-attention on")
 
     def _check_parallel(self) -> None:
         """What tensor parallelism does not combine with yet, refused with the flag to change: the

@@ -131,7 +131,7 @@ class LLMEngine:
             dtype=self.dtype, num_blocks=plan.gpu_pool.size(config), num_cpu_blocks=plan.num_cpu_blocks,
             block_size=cache.block_size, max_model_len=plan.max_model_len, decode_backend=config.decode_attention,
             seed=config.seed, linear_method=QUANTIZATION_METHODS[config.quantization],
-            int4_prefill=config.int4_prefill,
+            int4_prefill=config.int4_prefill, batch_invariant=config.batch_invariant,
             cpu_ops=config.cpu_ops, show_progress=config.show_progress, kv_cache_dtype=plan.kv_format.name,
             cuda_graph_max_batch=plan.cuda_graph_max_batch))
         num_blocks = self.runner.num_gpu_blocks
@@ -197,7 +197,8 @@ class LLMEngine:
         the pools store it."""
         config = self.config
         return (f"{config.model}|{config.load_format}|{self.dtype}|{config.quantization}|seed={config.seed}"
-                f"|{config.weights.mlp_slicing}|kv={self.kv_format.name}|int4_prefill={config.int4_prefill}")
+                f"|{config.weights.mlp_slicing}|kv={self.kv_format.name}|int4_prefill={config.int4_prefill}"
+                f"|batch_invariant={config.batch_invariant}")
 
     def _layer_store_factory(self, loader):
         """How the runner builds its layer store for the plan (None: every layer resident)."""

@@ -189,6 +189,7 @@ BENCH_MODULES = (
     "benchmarks.serving.multi_turn", "benchmarks.serving.long_prompt", "benchmarks.serving.offline",
     "benchmarks.serving.step_breakdown", "benchmarks.serving.chunk_budget", "benchmarks.serving.structured_decode",
     "benchmarks.serving.tensor_parallel", "benchmarks.serving.revisions", "benchmarks.serving.protocols",
+    "benchmarks.serving.batch_invariance",
     "benchmarks.kernels.cpu_attention", "benchmarks.kernels.int4_matmul", "benchmarks.kernels.triton_w4a16",
     "benchmarks.kernels.accuracy",
     "benchmarks.offload.weight_streaming", "benchmarks.offload.weight_plan", "benchmarks.offload.mlp_slicing",

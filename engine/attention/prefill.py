@@ -66,3 +66,31 @@ def paged_prefill(kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     return kernels.paged_prefill_attention(q, k, v, key_cache, value_cache, block_tables,
                                            torch.tensor(num_cached, dtype=torch.int32, device=device),
                                            query_start, scale, kv_format=kv_format, block_size=block_size)
+
+
+def rowwise_prefill(decode_kernel, q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                    seq_lens: list[int], prefixes: dict[int, tuple[int, tuple[int, ...]]], slot_blocks: torch.Tensor,
+                    block_size: int, scale: float, kv_format: str | None = None) -> torch.Tensor:
+    """Each prefill row attended as a decode at its position would be: kernels/cpu's paged decode
+    over the pool's blocks from position 0, each row on one thread (whole_sequences), so a token's
+    attention has the same bits in any chunk, after a cached prefix or not. The chunk's K/V must be
+    in the pool already. `prefixes`: by prefill index, (cached tokens, their block ids); `slot_blocks`
+    [num_prefill_tokens]: the block each row's K/V went to; `kv_format`: the pool's where it is
+    group-quantized (kernels/kv_quant.py). -> [num_tokens, num_heads, head_dim]"""
+    row_blocks = slot_blocks.tolist()
+    tables, context_lens, start = [], [], 0
+    for index, length in enumerate(seq_lens):
+        num_cached, cached_blocks = prefixes.get(index, (0, ()))
+        table = list(cached_blocks[:-(-num_cached // block_size)])
+        for row in range(length):
+            if (num_cached + row) // block_size == len(table):  # the row opens a block
+                table.append(row_blocks[start + row])
+        tables += [table] * length
+        context_lens += range(num_cached + 1, num_cached + length + 1)
+        start += length
+    width = max(len(table) for table in tables)
+    block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32)
+    return decode_kernel(q.contiguous(), key_pool, value_pool, block_tables,
+                         torch.tensor(context_lens, dtype=torch.int32), scale, whole_sequences=True,
+                         num_threads=torch.get_num_threads(),
+                         **({"kv_format": kv_format, "block_size": block_size} if kv_format else {}))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.attention import AttentionMetadata, DecodeAttentionBackend, prefill_attention
-from engine.attention.prefill import paged_prefill
+from engine.attention.prefill import paged_prefill, rowwise_prefill
 from engine.attention.decode import CpuPagedDecode, quantized_format_args
 from engine.config import CpuOps
 from engine.kv import TwoTierKVCache
@@ -27,6 +27,7 @@ from engine.model.native import NativeDecoder, NotNative
 from engine.model.registry import register_model
 from engine.quant import LinearMethod, create_linear_method
 from engine.weights import WeightLoader
+from kernels import cpu as cpu_kernels
 from scheduler.planning.tiers import Tier
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,9 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, loader: WeightLoader, dtype: torch.dtype,
                  device: torch.device | str, max_model_len: int, decode_backend: DecodeAttentionBackend,
                  show_progress: bool = False, linear_method: LinearMethod | None = None,
-                 cpu_ops: CpuOps = CpuOps.LAYERS, layer_store: LayerStore | None = None) -> None:
+                 cpu_ops: CpuOps = CpuOps.LAYERS, layer_store: LayerStore | None = None,
+                 batch_invariant: bool = False) -> None:
+        """`batch_invariant`: prompt rows through decode's kernels (engine/config.py's --batch-invariant)."""
         self.config = config
         # the RMSNorms, RoPE and SwiGLU's silu(gate) * up in one C++ call each where the kernels apply, or as torch ops
         fused = cpu_ops != CpuOps.TORCH
@@ -61,6 +64,8 @@ class LlamaModel:
         self.decode_backend = decode_backend
         # kernels/triton/paged_prefill.py on CUDA (chunks read their cached prefix in place); None: gather + SDPA
         self.paged_prefill_kernels = _paged_prefill_kernels(self.device)
+        # each prompt row attended as its decode would be (kernels/cpu's decode kernel); None: chunk-wise
+        self.rowwise_prefill_kernel = cpu_kernels.paged_decode_attention if batch_invariant else None
         self.scale = config.head_dim ** -0.5
         self.linear_method = linear_method or create_linear_method("dense")
 
@@ -70,8 +75,8 @@ class LlamaModel:
         head = self.embed_tokens if config.tie_word_embeddings else globals_["lm_head"]
         self.layer_store = layer_store or LayerStore(self.device)
         # the LM head stays dense like the embeddings: quantization is for the decoder layers
-        self.lm_head = self.layer_store.head(
-            create_linear_method("dense").create_weight(head, None, dtype=dtype, device=self.device))
+        self.lm_head = self.layer_store.head(create_linear_method("dense", row_invariant=batch_invariant).create_weight(
+            head, None, dtype=dtype, device=self.device))
         load_layer = loader.load_layer_packed if self.linear_method.takes_packed_int4 else loader.load_layer
         self.layers = [
             self._build_layer(i, load_layer(i, dtype))
@@ -174,6 +179,12 @@ class LlamaModel:
         """The prefills' attention: chunks after a cached prefix read it from the GPU pool in the
         Triton kernel where there is one, else gathered (from either pool) for SDPA."""
         prefixes = meta.prefill_prefixes
+        if self.rowwise_prefill_kernel is not None:
+            gpu = kv_cache.gpu
+            return rowwise_prefill(self.rowwise_prefill_kernel, q, gpu.key[layer], gpu.value[layer],
+                                   meta.prefill_seq_lens, {p.index: (p.num_cached_tokens, p.block_ids) for p in prefixes},
+                                   meta.slot_blocks, gpu.block_size, self.scale,
+                                   quantized_format_args(gpu.layout).get("kv_format"))
         if prefixes and self.paged_prefill_kernels is not None and not any(p.on_cpu for p in prefixes):
             gpu = kv_cache.gpu
             return paged_prefill(self.paged_prefill_kernels, q, k, v, gpu.key[layer], gpu.value[layer],

@@ -197,7 +197,7 @@ class CpuInt4Kernels:
         return int4.TiledInt4.from_packed(packed.qweight, packed.scales, packed.mins, packed.group_size)
 
     def linear(self, x: torch.Tensor, weight: int4.TiledInt4, scratch: DequantScratch) -> torch.Tensor:
-        if x.shape[0] <= MAX_INT16_ROWS:
+        if x.shape[0] <= MAX_INT16_ROWS or self.prefill == Int4Prefill.INT16:
             return int4.int4_linear(x, weight, num_threads=self.num_threads, activation_bits=16)
         if self.prefill == Int4Prefill.INT8:
             # compute-bound: every core torch's own GEMM would use, not decode's memory-bound count
@@ -310,8 +310,9 @@ class Int4LinearMethod(LinearMethod):
                                                     layout_device=layout_device)
                                  for part, part_bias in zip(weight, biases)], self.name)
         bias = None if bias is None else bias.to(device=device, dtype=dtype)
-        if isinstance(weight, KeepDense):
-            return DenseWeight(weight.weight.to(device=device, dtype=dtype), bias)
+        if isinstance(weight, KeepDense):  # int16 prefill: a dense part keeps decode's GEMV as well
+            return DenseWeight(weight.weight.to(device=device, dtype=dtype), bias,
+                               row_invariant=self.prefill == Int4Prefill.INT16)
         if not isinstance(weight, PackedInt4):  # GGUF Q4 blocks are exact as they are
             int4.check_group_size(self.group_size, weight.shape[1])
             weight = PackedInt4(*int4.quantize_rtn(weight, self.group_size), self.group_size)

@@ -67,13 +67,14 @@ class ModelRunner:
                  decode_backend: str = "auto", seed: int | None = None, show_progress: bool = False,
                  linear_method: str = "dense", cpu_ops: CpuOps = CpuOps.LAYERS, kv_cache_dtype: str = "auto",
                  layer_store: Callable[[torch.device, CoreAssignment], LayerStore] | None = None,
-                 cuda_graph_max_batch: int = 0, int4_prefill: Int4Prefill = Int4Prefill.DEQUANTIZE) -> None:
+                 cuda_graph_max_batch: int = 0, int4_prefill: Int4Prefill = Int4Prefill.DEQUANTIZE,
+                 batch_invariant: bool = False) -> None:
         """`layer_store`: makes the store of where decoder layers live (weight streaming), given
         the GPU's device and the cores; None: every layer resident. `kv_cache_dtype`: how both KV
         pools store K/V (engine/kv/layouts.py; auto: in `dtype`). `cuda_graph_max_batch`: GPU-only
         decode steps of up to this many sequences replay CUDA graphs, where the model allows (0: none).
         `int4_prefill`: how INT4 weights multiply chunks above the packed kernel's int16 rows
-        (engine/quant/int4.py)."""
+        (engine/quant/int4.py). `batch_invariant`: a prompt's rows through decode's kernels (engine/config.py)."""
         self.config = config
         self.cores = cores or CoreAssignment.for_device(device)
         self.gpu = self._make_gpu(device)
@@ -86,8 +87,9 @@ class ModelRunner:
         try:
             self.model = create_model(config, loader, dtype, self.device, max_model_len,
                                       create_decode_backend(decode_backend, str(self.device), kv_layout),
-                                      show_progress=show_progress, linear_method=_linear_method(linear_method, int4_prefill),
-                                      cpu_ops=cpu_ops, layer_store=store)
+                                      show_progress=show_progress,
+                                      linear_method=_linear_method(linear_method, int4_prefill, batch_invariant),
+                                      cpu_ops=cpu_ops, layer_store=store, batch_invariant=batch_invariant)
         except BaseException:
             if store is not None:
                 store.close()
@@ -244,5 +246,8 @@ class ModelRunner:
         self.gpu.submit_copy(copy_all).result()
 
 
-def _linear_method(name: str, int4_prefill: Int4Prefill) -> LinearMethod:
-    return create_linear_method(name, **({"prefill": int4_prefill} if name == "int4" else {}))
+def _linear_method(name: str, int4_prefill: Int4Prefill, batch_invariant: bool) -> LinearMethod:
+    """Batch invariance: INT4 x as int16 and dense weights through the GEMV at every row count."""
+    if name == "int4":
+        return create_linear_method(name, prefill=Int4Prefill.INT16 if batch_invariant else int4_prefill)
+    return create_linear_method(name, **({"row_invariant": True} if batch_invariant and name == "dense" else {}))

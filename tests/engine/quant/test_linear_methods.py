@@ -52,10 +52,10 @@ def test_model_code_multiplies_only_through_weight_objects():
 @pytest.mark.parametrize("prefill", [prefill.value for prefill in Int4Prefill])
 @pytest.mark.parametrize("rows", [1, 3, 40, MAX_INT16_ROWS, MAX_INT16_ROWS + 1, 300])
 def test_int4_weight_applies_like_its_dequantized_matrix(rows, prefill, monkeypatch):
-    """The packed kernel (int16 x up to MAX_INT16_ROWS; above, int8 x with prefill int8) and the
-    dequantized weight (above, by default) agree with a plain matmul over the weight the packed
-    form stands for, bias included; with prefill int8 the weight is never widened."""
-    if prefill == "int8":
+    """The packed kernel (int16 x up to MAX_INT16_ROWS; above, int8 x with prefill int8, int16 with
+    prefill int16) and the dequantized weight (above, by default) agree with a plain matmul over the
+    weight the packed form stands for, bias included; with prefill int8 or int16 the weight is never widened."""
+    if prefill != "dequantize":
         monkeypatch.setattr(int4, "dequantize_into", None)
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(300, 256, generator=gen), torch.randn(300, generator=gen)
@@ -64,7 +64,7 @@ def test_int4_weight_applies_like_its_dequantized_matrix(rows, prefill, monkeypa
     dense = linear.dequantize()
     x = torch.randn(rows, 256, generator=gen)
     expected = x @ dense.T + bias
-    tolerance = (int4.ACTIVATION_RELATIVE_ERROR[16] if rows <= MAX_INT16_ROWS else  # x quantized in the kernel
+    tolerance = (int4.ACTIVATION_RELATIVE_ERROR[16] if rows <= MAX_INT16_ROWS or prefill == "int16" else
                  int4.ACTIVATION_RELATIVE_ERROR[8] if prefill == "int8" else 1e-5)
     assert float((linear.apply(x) - expected).abs().max() / expected.abs().max()) <= tolerance
     tiles = -(-300 // 16)
