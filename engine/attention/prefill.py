@@ -77,20 +77,19 @@ def rowwise_prefill(decode_kernel, q: torch.Tensor, key_pool: torch.Tensor, valu
     in the pool already. `prefixes`: by prefill index, (cached tokens, their block ids); `slot_blocks`
     [num_prefill_tokens]: the block each row's K/V went to; `kv_format`: the pool's where it is
     group-quantized (kernels/kv_quant.py). -> [num_tokens, num_heads, head_dim]"""
-    row_blocks = slot_blocks.tolist()
     tables, context_lens, start = [], [], 0
     for index, length in enumerate(seq_lens):
         num_cached, cached_blocks = prefixes.get(index, (0, ()))
-        table = list(cached_blocks[:-(-num_cached // block_size)])
-        for row in range(length):
-            if (num_cached + row) // block_size == len(table):  # the row opens a block
-                table.append(row_blocks[start + row])
-        tables += [table] * length
-        context_lens += range(num_cached + 1, num_cached + length + 1)
+        kept = torch.tensor(cached_blocks[:-(-num_cached // block_size)], dtype=torch.int64)
+        positions = torch.arange(num_cached, num_cached + length)
+        opens = (positions % block_size == 0) & (positions // block_size >= kept.numel())  # rows opening a block
+        tables.append((torch.cat([kept, slot_blocks[start:start + length].cpu()[opens]]), length))
+        context_lens.append(positions + 1)
         start += length
-    width = max(len(table) for table in tables)
-    block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32)
+    width = max(table.numel() for table, _ in tables)
+    block_tables = torch.cat([F.pad(table, (0, width - table.numel())).expand(length, width)
+                              for table, length in tables]).to(torch.int32)
     return decode_kernel(q.contiguous(), key_pool, value_pool, block_tables,
-                         torch.tensor(context_lens, dtype=torch.int32), scale, whole_sequences=True,
+                         torch.cat(context_lens).to(torch.int32), scale, whole_sequences=True,
                          num_threads=torch.get_num_threads(),
                          **({"kv_format": kv_format, "block_size": block_size} if kv_format else {}))
