@@ -20,7 +20,7 @@ EVERY_FLAG = {
     "tool-call-parser": "mistral",
     "max-waiting-requests": 7, "max-waiting-tokens": 999,
     "model": "llama-3.1-8b", "load-format": "dummy", "dtype": "bfloat16", "quantization": "int4",
-    "int4-prefill": "int8", "cpu-ops": "torch", "enforce-eager": True, "seed": 3, "gpu-memory-gib": 7.5, "host-memory-gib": 12.0,
+    "int4-prefill": "int8", "batch-invariant": True, "cpu-ops": "torch", "enforce-eager": True, "seed": 3, "gpu-memory-gib": 7.5, "host-memory-gib": 12.0,
     "max-model-len": 512, "max-num-seqs": 5, "max-num-batched-tokens": 1024, "max-prefill-slowdown": 2.5,
     "prefix-caching": False, "block-size": 32, "num-gpu-blocks": 40, "kv-cache-gib": 0.5, "memory-gib": 6.0, "num-cpu-blocks": 300,
     "cpu-kv-cache-gib": 2.0, "kv-cache-dtype": "int8",
@@ -36,9 +36,9 @@ EVERY_FLAG = {
 DEPRECATED_FLAGS = {"offload": ("cpu-attention", "off"), "accelerator-threads": ("gpu-threads", 2),
                     "num-blocks": ("num-gpu-blocks", 40)}
 # EngineConfig takes one of kv_cache_memory_gib and memory_gib, no weight streaming with tensor parallelism,
-# and int8 INT4 prefill on device cpu only
+# and int8 INT4 prefill and batch invariance on device cpu only
 ENGINE_FLAGS = {name: value for name, value in EVERY_FLAG.items()
-                if name not in ("kv-cache-gib", "tensor-parallel-size", "int4-prefill")}
+                if name not in ("kv-cache-gib", "tensor-parallel-size", "int4-prefill", "batch-invariant")}
 
 
 def as_flags(values: dict) -> list[str]:
