@@ -4,7 +4,7 @@ Batch invariance sends a prompt's rows through decode's kernels (INT4 x as int16
 dequantized weight and torch's GEMM, attention row by row over the KV blocks instead of SDPA), so
 it costs prefill most and decode nothing. Per repetition, each engine (both built once, then
 interleaved) prefills a fresh prompt of each length (one output token) and decodes 64 tokens for
-1 and for 8 short prompts; the medians over repetitions and the ratio of rates (invariant /
+1 and for 8 short prompts, after one unmeasured round each; the medians over repetitions and the ratio of rates (invariant /
 default) are reported.
 
     python -m benchmarks.serving.batch_invariance [--reps 5] [--dtype bfloat16]
@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
                for name, flags in MODES.items()}
     try:
         seeds = iter(range(10**6))
+        for llm in engines.values():  # warm-up: first calls pay lazy initialisation
+            measure(llm, next(seeds))
         samples = run_interleaved(engines, args.reps, lambda llm: measure(llm, next(seeds)))
     finally:
         for llm in engines.values():
