@@ -88,24 +88,34 @@ def teacher_forced(llm, windows: list[list[int]]) -> Scores:
     return Scores(logprobs, top1)
 
 
+def teacher_forced_engine(model: str, window_tokens: int, **kwargs):
+    """An LLM that prefills one window per forward (one sequence at a time, its whole window in one
+    chunk), computing in fp32."""
+    from engine.llm import LLM
+
+    return LLM(model=model, dtype="float32", max_model_len=window_tokens + 1, max_num_batched_tokens=window_tokens,
+               max_num_seqs=1, **kwargs)
+
+
+def comparison(model: str, variant: str, reference: str, scores: Scores, reference_scores: Scores) -> Comparison:
+    """`scores` against `reference_scores`, position by position."""
+    agree = sum(a == b for a, b in zip(scores.top1, reference_scores.top1))
+    return Comparison(model, variant, reference, len(scores.top1), scores.perplexity, reference_scores.perplexity,
+                      agree / len(scores.top1))
+
+
 def compare(model: str, variant: dict, reference: dict, window_tokens: int = DEFAULT_WINDOW_TOKENS,
             max_windows: int | None = None, **engine_kwargs) -> Comparison:
     """`variant` and `reference` are LLM keyword arguments (e.g. quantization="int4" / "none")."""
-    from engine.llm import LLM
-
     scores, names = {}, {}
     windows = None
     for role, kwargs in (("variant", variant), ("reference", reference)):
-        # one window per forward (one sequence at a time, its whole window in one chunk)
-        with LLM(model=model, dtype="float32", max_model_len=window_tokens + 1,
-                 max_num_batched_tokens=window_tokens, max_num_seqs=1, **engine_kwargs, **kwargs) as llm:
+        with teacher_forced_engine(model, window_tokens, **engine_kwargs, **kwargs) as llm:
             if windows is None:
                 windows = held_windows(llm.tokenizer, llm.engine.model_config.vocab_size, window_tokens, max_windows)
             scores[role] = teacher_forced(llm, windows)
         names[role] = ",".join(f"{key}={value}" for key, value in kwargs.items())
-    agree = sum(a == b for a, b in zip(scores["variant"].top1, scores["reference"].top1))
-    return Comparison(model, names["variant"], names["reference"], len(scores["variant"].top1),
-                      scores["variant"].perplexity, scores["reference"].perplexity, agree / len(scores["variant"].top1))
+    return comparison(model, names["variant"], names["reference"], scores["variant"], scores["reference"])
 
 
 def table(comparisons: list[Comparison]) -> str:
