@@ -191,7 +191,7 @@ BENCH_MODULES = (
     "benchmarks.serving.tensor_parallel", "benchmarks.serving.revisions", "benchmarks.serving.protocols",
     "benchmarks.serving.batch_invariance",
     "benchmarks.kernels.cpu_attention", "benchmarks.kernels.int4_matmul", "benchmarks.kernels.triton_w4a16",
-    "benchmarks.kernels.accuracy",
+    "benchmarks.kernels.accuracy", "benchmarks.kernels.kv_variants",
     "benchmarks.offload.weight_streaming", "benchmarks.offload.weight_plan", "benchmarks.offload.mlp_slicing",
     "benchmarks.offload.moe_offload", "benchmarks.offload.thread_split", "benchmarks.offload.fit_grid",
     "benchmarks.gpu.decode_step_gpu", "benchmarks.gpu.neo_gpu", "benchmarks.gpu.gpu_check",
