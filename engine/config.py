@@ -51,7 +51,7 @@ class CpuOps(Mode):
 
 class Int4Prefill(Mode):
     """--int4-prefill: how the CPU's INT4 weights multiply a forward of more than 64 rows
-    (engine/quant/int4.py; decode-sized batches quantize x to int16 either way)."""
+    (engine/quant/int4.py; decode-sized batches quantize x to int16 whatever the choice)."""
 
     DEQUANTIZE = "dequantize"  # each weight widened into a scratch buffer for torch's GEMM: exact
     INT8 = "int8"  # x quantized to int8 per block of 32, integer dot products: as fast as dense, not exact
@@ -400,7 +400,9 @@ class EngineConfig:
         "--int4-prefill", Int4Prefill.DEQUANTIZE, "how INT4 weights on device cpu multiply prefill chunks of more "
         "than 64 tokens: dequantize (into a scratch buffer for torch's GEMM; the tokens of any batching) or int8 "
         "(activations to int8 blocks and integer dot products, llama.cpp's scheme: about as fast as dense bf16, "
-        "perplexity +0.3%, and a prompt's tokens then depend on how it was chunked)", Group.MODEL)
+        "perplexity +0.3%, and a prompt's tokens then depend on how it was chunked) or int16 (decode's own kernel "
+        "at every row count, as --batch-invariant uses it: a row's numbers whatever its chunk, slower on long "
+        "prompts)", Group.MODEL)
     batch_invariant: bool = knob(
         "--batch-invariant", False, "on device cpu, a token's numbers do not depend on what it is computed with: "
         "a prompt's rows go through decode's kernels (INT4 x as int16, the dense GEMV, attention row by row over "
