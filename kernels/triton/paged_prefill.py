@@ -46,7 +46,7 @@ except ImportError as exc:
                       "it)") from exc
 
 from kernels.kv_quant import GROUP_SIZE, check_pools, layout_for, rotate
-from kernels.triton.paged_decode import side_constants
+from kernels.triton.paged_decode import _code_columns, _dequantized_halves, side_constants
 
 INTERPRETED: bool = triton.knobs.runtime.interpret
 MIN_DOT = 16  # tl.dot's smallest tile side
@@ -177,40 +177,6 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, key_cache_ptr, value_cac
 # The same as paged_decode.py's: each kernel module holds its own jit helpers, since the interpreter
 # runs only those of the module the tests imported under it (tests/conftest.py).
 @triton.jit
-def _dequantized_halves(codes_ptr, halves_ptr, low_at, high_at, scale_at, mask, MINS_AFTER: tl.constexpr,
-                        IS_INT4: tl.constexpr, COMPUTE: tl.constexpr):
-    """One tile of a pool as (low halves, high halves) of its groups' channels, code * scale (+ min)
-    in fp32, then COMPUTE. low_at, high_at: byte offsets of the codes (INT4: one packed byte holds
-    both, high_at unused); scale_at: fp16 offsets of the scales, the mins MINS_AFTER further."""
-    if IS_INT4:
-        packed = tl.load(codes_ptr + low_at, mask=mask, other=0)
-        low = (packed & LOW_NIBBLE).to(tl.float32)
-        high = (packed >> NIBBLE_BITS).to(tl.float32)
-    else:
-        low = tl.load(codes_ptr + low_at, mask=mask, other=0).to(tl.float32)
-        high = tl.load(codes_ptr + high_at, mask=mask, other=0).to(tl.float32)
-    scale = tl.load(halves_ptr + scale_at, mask=mask, other=0.0).to(tl.float32)
-    low, high = low * scale, high * scale
-    if IS_INT4:
-        minimum = tl.load(halves_ptr + scale_at + MINS_AFTER, mask=mask, other=0.0).to(tl.float32)
-        low, high = low + minimum, high + minimum
-    return low.to(COMPUTE), high.to(COMPUTE)
-
-
-@triton.jit
-def _code_columns(h, low_channel, IS_INT4: tl.constexpr):
-    """The code columns of each channel pair (low, high half of its group): INT4's one byte column
-    holds both (as in kernels/triton/paged_decode.py)."""
-    if IS_INT4:
-        low_column = h
-        high_column = h
-    else:
-        low_column = low_channel
-        high_column = low_channel + HALF_GROUP
-    return low_column, high_column
-
-
-@triton.jit
 def _softmax_step_halves(q_low, q_high, k_low, k_high, v_low, v_high, allowed, scale, row_max, row_sum, acc_low,
                          acc_high, FP32_DOT: tl.constexpr):
     """_softmax_step over a head dim split in halves: scores sum the halves' dots, each half of
@@ -225,6 +191,52 @@ def _softmax_step_halves(q_low, q_high, k_low, k_high, v_low, v_high, allowed, s
     acc_low = acc_low * correction[:, None] + _dot(p, v_low, FP32_DOT)
     acc_high = acc_high * correction[:, None] + _dot(p, v_high, FP32_DOT)
     return new_max, row_sum, acc_low, acc_high
+
+
+@triton.jit
+def _cached_halves(key_codes_ptr, key_halves_ptr, value_codes_ptr, value_halves_ptr, table_row, position, key_ok,
+                   kv_head, stride_key_block, stride_key_head, stride_value_block, stride_value_head, h_ok,
+                   k_low_column, k_high_column, v_low_column, v_high_column, k_scale_row, v_scale_row,
+                   BLOCK_SIZE: tl.constexpr, K_MINS_AFTER: tl.constexpr, K_IS_INT4: tl.constexpr,
+                   V_CODE_COLS: tl.constexpr, V_MINS_AFTER: tl.constexpr, V_IS_INT4: tl.constexpr,
+                   COMPUTE: tl.constexpr):
+    """The cached prefix's keys [BLOCK_H, BLOCK_N] and values [BLOCK_N, BLOCK_H] at `position`, read
+    from the pools' units through the table and dequantized, as (low, high) halves each."""
+    block = tl.load(table_row + position // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    offset = position % BLOCK_SIZE
+    # bytes; the fp16 views' offsets are half
+    key_unit = block * stride_key_block + kv_head * stride_key_head
+    value_unit = block * stride_value_block + kv_head * stride_value_head
+    # keys' codes [code_cols, block_size]: a [BLOCK_H, BLOCK_N] tile
+    k_low, k_high = _dequantized_halves(key_codes_ptr, key_halves_ptr,
+                                        key_unit[None, :] + k_low_column[:, None] * BLOCK_SIZE + offset[None, :],
+                                        key_unit[None, :] + k_high_column[:, None] * BLOCK_SIZE + offset[None, :],
+                                        (key_unit // 2)[None, :] + k_scale_row[:, None] + offset[None, :],
+                                        h_ok[:, None] & key_ok[None, :], K_MINS_AFTER, K_IS_INT4, COMPUTE)
+    # values' codes [block_size, code_cols]: a [BLOCK_N, BLOCK_H] tile
+    value_row = value_unit + offset * V_CODE_COLS
+    v_low, v_high = _dequantized_halves(value_codes_ptr, value_halves_ptr,
+                                        value_row[:, None] + v_low_column[None, :],
+                                        value_row[:, None] + v_high_column[None, :],
+                                        (value_unit // 2 + offset)[:, None] + v_scale_row[None, :],
+                                        key_ok[:, None] & h_ok[None, :], V_MINS_AFTER, V_IS_INT4, COMPUTE)
+    return k_low, k_high, v_low, v_high
+
+
+@triton.jit
+def _chunk_halves(k_ptr, v_ptr, key_offsets, key_ok, kv_head, stride_kt, stride_kh, stride_vt, stride_vh, low_channel,
+                  h_ok, COMPUTE: tl.constexpr):
+    """The chunk's own keys [BLOCK_H, BLOCK_N] and values [BLOCK_N, BLOCK_H] at rows `key_offsets`,
+    dense, as (low, high) halves each."""
+    k_at = k_ptr + key_offsets[None, :] * stride_kt + kv_head * stride_kh + low_channel[:, None]
+    k_mask = h_ok[:, None] & key_ok[None, :]
+    k_low = tl.load(k_at, mask=k_mask, other=0.0).to(COMPUTE)
+    k_high = tl.load(k_at + HALF_GROUP, mask=k_mask, other=0.0).to(COMPUTE)
+    v_at = v_ptr + key_offsets[:, None] * stride_vt + kv_head * stride_vh + low_channel[None, :]
+    v_mask = key_ok[:, None] & h_ok[None, :]
+    v_low = tl.load(v_at, mask=v_mask, other=0.0).to(COMPUTE)
+    v_high = tl.load(v_at + HALF_GROUP, mask=v_mask, other=0.0).to(COMPUTE)
+    return k_low, k_high, v_low, v_high
 
 
 @triton.jit
@@ -278,24 +290,11 @@ def _paged_prefill_quantized_kernel(q_ptr, k_ptr, v_ptr, out_ptr, key_codes_ptr,
     for key_start in range(0, num_cached, BLOCK_N):
         position = key_start + n
         key_ok = position < num_cached
-        block = tl.load(table_row + position // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        offset = position % BLOCK_SIZE
-        # bytes; the fp16 views' offsets are half
-        key_unit = block * stride_key_block + kv_head * stride_key_head
-        value_unit = block * stride_value_block + kv_head * stride_value_head
-        # keys' codes [code_cols, block_size]: a [BLOCK_H, BLOCK_N] tile
-        k_low, k_high = _dequantized_halves(key_codes_ptr, key_halves_ptr,
-                                            key_unit[None, :] + k_low_column[:, None] * BLOCK_SIZE + offset[None, :],
-                                            key_unit[None, :] + k_high_column[:, None] * BLOCK_SIZE + offset[None, :],
-                                            (key_unit // 2)[None, :] + k_scale_row[:, None] + offset[None, :],
-                                            h_ok[:, None] & key_ok[None, :], K_MINS_AFTER, K_IS_INT4, COMPUTE)
-        # values' codes [block_size, code_cols]: a [BLOCK_N, BLOCK_H] tile
-        value_row = value_unit + offset * V_CODE_COLS
-        v_low, v_high = _dequantized_halves(value_codes_ptr, value_halves_ptr,
-                                            value_row[:, None] + v_low_column[None, :],
-                                            value_row[:, None] + v_high_column[None, :],
-                                            (value_unit // 2 + offset)[:, None] + v_scale_row[None, :],
-                                            key_ok[:, None] & h_ok[None, :], V_MINS_AFTER, V_IS_INT4, COMPUTE)
+        k_low, k_high, v_low, v_high = _cached_halves(
+            key_codes_ptr, key_halves_ptr, value_codes_ptr, value_halves_ptr, table_row, position, key_ok, kv_head,
+            stride_key_block, stride_key_head, stride_value_block, stride_value_head, h_ok, k_low_column,
+            k_high_column, v_low_column, v_high_column, k_scale_row, v_scale_row, BLOCK_SIZE, K_MINS_AFTER,
+            K_IS_INT4, V_CODE_COLS, V_MINS_AFTER, V_IS_INT4, COMPUTE)
         row_max, row_sum, acc_low, acc_high = _softmax_step_halves(
             q_low, q_high, k_low, k_high, v_low, v_high, key_ok[None, :], scale, row_max, row_sum, acc_low, acc_high,
             FP32_DOT)
@@ -306,14 +305,8 @@ def _paged_prefill_quantized_kernel(q_ptr, k_ptr, v_ptr, out_ptr, key_codes_ptr,
         key_token = key_start + n
         key_ok = key_token < query_len
         key_offsets = (query_start + key_token).to(tl.int64)
-        k_at = k_ptr + key_offsets[None, :] * stride_kt + kv_head * stride_kh + low_channel[:, None]
-        k_mask = h_ok[:, None] & key_ok[None, :]
-        k_low = tl.load(k_at, mask=k_mask, other=0.0).to(COMPUTE)
-        k_high = tl.load(k_at + HALF_GROUP, mask=k_mask, other=0.0).to(COMPUTE)
-        v_at = v_ptr + key_offsets[:, None] * stride_vt + kv_head * stride_vh + low_channel[None, :]
-        v_mask = key_ok[:, None] & h_ok[None, :]
-        v_low = tl.load(v_at, mask=v_mask, other=0.0).to(COMPUTE)
-        v_high = tl.load(v_at + HALF_GROUP, mask=v_mask, other=0.0).to(COMPUTE)
+        k_low, k_high, v_low, v_high = _chunk_halves(k_ptr, v_ptr, key_offsets, key_ok, kv_head, stride_kt, stride_kh,
+                                                     stride_vt, stride_vh, low_channel, h_ok, COMPUTE)
         allowed = key_ok[None, :] & (key_token[None, :] <= row_token[:, None])
         row_max, row_sum, acc_low, acc_high = _softmax_step_halves(
             q_low, q_high, k_low, k_high, v_low, v_high, allowed, scale, row_max, row_sum, acc_low, acc_high, FP32_DOT)
