@@ -11,8 +11,8 @@
   server and the server suites run (test_offload_server.py, test_moe_server.py, make test-streamed).
 
 ```sh blocks hold what needs make, Docker, systemd or minutes: tests/deploy and `make test-integration`
-check the images and compose files, and `make test-slow` runs the recipes' `tandem plan` lines on the
-testbed against the output the README shows; a ```bash block may hold only curl and tandem commands.
+check the images and compose files, and `make test-slow` runs the recipes' `tandem plan` lines (docs/recipes.md)
+on the testbed against the output shown there; a ```bash block may hold only curl and tandem commands.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from server.cli import engine_config, main, parse_command_line
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 DEPLOY_PAGE = README.parent / "docs" / "deploy.md"
+RECIPES_PAGE = README.parent / "docs" / "recipes.md"
 DEFAULT_URL = "http://127.0.0.1:8000"
 SCRATCH_PATH = re.compile(r"/tmp/tandem-[\w.-]+")  # the examples' scratch directories
 ASSIGNMENT = re.compile(r"^[A-Z][A-Z0-9_]*=")
@@ -127,7 +128,7 @@ DECISION_PREFIXES = ("fit: weights", "as flags:", "model plan:", "hot experts:",
 def recipe_plans() -> list[tuple[list[str], str]]:
     """(argv after `tandem`, the ```text block right after it) of each ```sh recipe's `tandem plan` line."""
     blocks = [(m["lang"], m["body"]) for m in re.finditer(r"^```(?P<lang>\w*)\n(?P<body>.*?)^```$",
-                                                           README.read_text(), re.M | re.S)]
+                                                           RECIPES_PAGE.read_text(), re.M | re.S)]
     recipes = []
     for (lang, body), (next_lang, shown) in zip(blocks, blocks[1:]):
         if lang == "sh" and next_lang == "text":
@@ -147,7 +148,7 @@ def test_readme_recipes_plan_what_the_readme_shows(argv, shown, tmp_path, monkey
     assert decision_lines(capsys.readouterr().out) == decision_lines(shown)
 
 
-def test_the_readme_has_its_recipes():
+def test_the_recipes_page_has_its_recipes():
     assert len(recipe_plans()) == 2
 
 
