@@ -30,8 +30,9 @@ class DenseWeight(LinearWeight):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         num_rows, max_rows = x.shape[0], cpu_kernels.DENSE_LINEAR_MAX_ROWS
         if num_rows and (num_rows <= max_rows or self.row_invariant) and _gemv_fits(x, self.weight):
-            parts = [self._gemv(rows) for rows in x.split(max_rows)]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+            if num_rows <= max_rows:  # a decode step's rows: one call, no concatenation
+                return self._gemv(x)
+            return torch.cat([self._gemv(rows) for rows in x.split(max_rows)])
         return F.linear(x, self.weight, self.bias)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
