@@ -33,9 +33,10 @@ from kernels.cpu import int4
 DEFAULT_GROUP_SIZE = 32
 # Rows of x up to which the CPU kernel quantizes x to int16 (decode: memory-bound, so int16 costs
 # nothing, and int8 there moved the embedded model's top-1 agreement to 95.8%). Above, an Int4Prefill
-# path: dequantize (exact, every batching gives the same tokens) or int8 (4 products per
-# instruction to int16's 2: about dense bf16's speed, perplexity +0.34% against int16 on the held
-# text; benchmarks/results/int4_matmul.md and accuracy.md).
+# path: dequantize (exact weights for torch's GEMM, whose rounding order follows the row count),
+# int8 (4 products per instruction to int16's 2: about dense bf16's speed, perplexity +0.34% against
+# int16 on the held text; benchmarks/results/int4_matmul.md and accuracy.md) or int16 (decode's own
+# kernel at every row count: a row's bits whatever its chunk, for --batch-invariant).
 MAX_INT16_ROWS = 64
 
 
