@@ -160,6 +160,16 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([groups & 0xF, groups >> 4], dim=-2).flatten(-3)
 
 
+def query_round_trip(query: torch.Tensor) -> torch.Tensor:
+    """The query [..., head_dim] (fp32, pre-scaled) as a kernel that scores keys by integer dot
+    products reads it: each rotated group as int8 codes round-half-even(q * (1 / step)) with an
+    fp32 step max|q| / 127 (codes 0 for a zero group), rotated back, in fp32."""
+    groups = rotate(query.float()).unflatten(-1, (-1, GROUP_SIZE))
+    steps = groups.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(steps > 0, 1 / torch.where(steps > 0, steps, torch.ones_like(steps)), torch.zeros_like(steps))
+    return rotate(((groups * inverse).round() * steps).flatten(-2))
+
+
 def round_trip(rows: torch.Tensor, bits: int, is_key: bool) -> torch.Tensor:
     """Rows [..., head_dim] as a write and a read would give them back (fp32)."""
     if not is_key:

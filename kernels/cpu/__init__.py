@@ -10,6 +10,7 @@ holds the torch ground truth.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -62,6 +63,30 @@ def _extension():
 def usable_isas() -> list[str]:
     """Kernel instruction sets compiled in and supported by this CPU, best first."""
     return list(_extension().usable_isas())
+
+
+_default_isa = ""  # "": the best usable; using_isa() names another for calls that name none
+
+
+@contextlib.contextmanager
+def using_isa(isa: str):
+    """Within the block, kernel calls that name no `isa` run the one named here (a usable_isas()
+    entry): a whole engine on another instruction set's kernels, as the accuracy benchmark runs
+    the decode attention with and without integer dot products."""
+    global _default_isa
+    if isa not in usable_isas():
+        raise ValueError(f"isa {isa!r} is not usable here; usable: {usable_isas()}")
+    previous, _default_isa = _default_isa, isa
+    try:
+        yield
+    finally:
+        _default_isa = previous
+
+
+def integer_dot_isas() -> list[str]:
+    """The usable instruction sets whose decode attention scores quantized keys by integer dot
+    products, the query quantized to int8 per group (kernels/kv_quant.py: query_round_trip)."""
+    return list(_extension().integer_dot_isas())
 
 
 def stolen_ranges() -> int:
@@ -145,7 +170,7 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
         block_tables.data_ptr(), context_lens.data_ptr(), batch, block_tables.shape[1],
         num_heads, num_kv_heads, head_dim, block_size, float(scale),
         0 if new_key is None else new_key.data_ptr(), 0 if new_value is None else new_value.data_ptr(),
-        int(num_threads), bool(whole_sequences), isa or "",
+        int(num_threads), bool(whole_sequences), isa or _default_isa,
     )
     return out
 
@@ -194,7 +219,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, isa: str | None 
     x = x.contiguous()
     out = torch.empty_like(x)
     _extension().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype], x.shape[0],
-                          x.shape[1], float(eps), isa or "")
+                          x.shape[1], float(eps), isa or _default_isa)
     return out
 
 
@@ -212,7 +237,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     x, positions = x.contiguous(), positions.contiguous()
     out = torch.empty_like(x)
     _extension().rope(x.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype], positions.data_ptr(), cos.data_ptr(),
-                      sin.data_ptr(), x.shape[0], x.shape[1], x.shape[2], isa or "")
+                      sin.data_ptr(), x.shape[0], x.shape[1], x.shape[2], isa or _default_isa)
     return out
 
 
@@ -227,7 +252,7 @@ def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
     _extension().silu_mul(gate_up.data_ptr(), out.data_ptr(), _DTYPE_CODES[gate_up.dtype], gate_up.shape[0],
-                          out.shape[1], isa or "")
+                          out.shape[1], isa or _default_isa)
     return out
 
 
@@ -246,7 +271,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, num_threads: int = 1, is
     x32 = x.float().contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     _extension().dense_linear(x32.data_ptr(), weight.data_ptr(), _DTYPE_CODES[weight.dtype], y.data_ptr(),
-                              x.shape[0], weight.shape[0], x.shape[1], int(num_threads), isa or "")
+                              x.shape[0], weight.shape[0], x.shape[1], int(num_threads), isa or _default_isa)
     return y
 
 

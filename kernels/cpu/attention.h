@@ -107,11 +107,14 @@ inline size_t score_stride_floats(const Problem& p) {
 inline size_t quant_groups(const Problem& p) { return static_cast<size_t>(p.head_dim) / kQuantGroup; }
 
 // Floats of one kv head's running state: query copy + accumulator, running max, running sum lanes,
-// the query's sums over each quantization group (the INT4 keys' min term), and the INT4 values'
-// running sums of probability times min, as lanes per group.
+// the query's sums over each quantization group (the INT4 keys' min term), the INT4 values'
+// running sums of probability times min, as lanes per group, and the query as int8 codes with a
+// step and a code sum per group (where keys are scored by integer dot products).
 inline size_t head_state_floats(const Problem& p) {
   const size_t g = static_cast<size_t>(p.group_size());
-  return 2 * g * p.head_dim + g + g * kHeadDimMultiple + g * quant_groups(p) * (1 + kHeadDimMultiple);
+  const size_t query_code_floats = g * p.head_dim / sizeof(float) + 2 * g * quant_groups(p);
+  return 2 * g * p.head_dim + g + g * kHeadDimMultiple + g * quant_groups(p) * (1 + kHeadDimMultiple) +
+         query_code_floats;
 }
 
 // Floats of a quantized unit's value coefficients, probability times scale: [num_groups,
@@ -174,6 +177,9 @@ struct KernelTable {
   void (*silu_mul_rows)(const void* gate_up, void* out, DType dtype, int rows, int width);
   // count elements from one dtype to another (rounded to nearest even).
   void (*convert)(const void* x, DType from, void* out, DType to, size_t count);
+  // Whether quantized keys are scored by integer dot products, the query quantized to int8 per
+  // group (kernels/kv_quant.py: query_round_trip); else in fp32 with the codes widened.
+  bool integer_dots;
 };
 
 // Constants of the vector e^x every SIMD path uses: x = n ln 2 + r, e^x = 2^n e^r, with e^r from

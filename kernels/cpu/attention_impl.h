@@ -64,6 +64,13 @@ struct HasSplitLoads<
     I, std::void_t<decltype(static_cast<void>(I::load_even(static_cast<const BFloat16*>(nullptr))))>>
     : std::true_type {};
 
+// Whether Isa scores quantized keys by integer dot products and accumulates values (Isa::Dots, attention_quant_impl.h).
+template <class I, class = void>
+struct HasIntegerDots : std::false_type {};
+template <class I>
+struct HasIntegerDots<I, std::void_t<typename I::Dots>> : std::true_type {};
+constexpr bool kIntegerDots = HasIntegerDots<Isa>::value;
+
 // Whether Isa can store an even and an odd vector interleaved (the inverse of the split loads).
 template <class I, class = void>
 struct HasInterleavedStore : std::false_type {};
@@ -420,6 +427,9 @@ struct HeadState {
   float* sum_lanes;  // [group_size, kWidth]
   float* q_sums;     // [group_size, quant_groups]: q's sum over each quantization group
   float* min_lanes;  // [group_size, quant_groups, kWidth]: INT4 values' sum of p * min, as lanes
+  int8_t* q_codes;   // [group_size, head_dim]: q as int8 codes, one step per quantization group
+  float* q_steps;    // [group_size, quant_groups]
+  int32_t* q_code_sums;  // [group_size, quant_groups]: the codes' sum (INT8 keys' offset)
 };
 
 // A thread's segment scratch (segment_scratch_floats) is the block scores
@@ -431,7 +441,11 @@ inline HeadState head_state(const Problem& p, float* scratch, int kv_head) {
   float* run_max = acc + g * p.head_dim;
   float* sum_lanes = run_max + g;
   float* q_sums = sum_lanes + g * kWidth;
-  return HeadState{base, acc, run_max, sum_lanes, q_sums, q_sums + g * quant_groups(p)};
+  float* min_lanes = q_sums + g * quant_groups(p);
+  float* q_codes = min_lanes + g * quant_groups(p) * kHeadDimMultiple;
+  float* q_steps = q_codes + g * p.head_dim / sizeof(float);
+  return HeadState{base, acc, run_max, sum_lanes, q_sums, min_lanes, reinterpret_cast<int8_t*>(q_codes), q_steps,
+                   reinterpret_cast<int32_t*>(q_steps + g * quant_groups(p))};
 }
 
 inline float* tail_tile(const Problem& p, float* scratch) {  // [head_dim, kTailRowFloats]
@@ -442,10 +456,29 @@ inline float* value_coefficients(const Problem& p, float* scratch) {  // value_c
   return tail_tile(p, scratch) + static_cast<size_t>(p.head_dim) * kTailRowFloats;
 }
 
+// One rotated query group as int8 codes, rounded to nearest even, with step max|q| / 127 (0 and
+// codes 0 for a zero group): keys scored by integer dot products (attention_quant_impl.h) take
+// q = step * code.
+inline void quantize_query_group(const float* q, int8_t* codes, float* step, int32_t* code_sum) {
+  Vec absmax = Isa::zero();
+  for (int d = 0; d < kQuantGroup; d += kWidth) {
+    const Vec x = Isa::load(q + d);
+    absmax = Isa::max(absmax, Isa::max(x, Isa::sub(Isa::zero(), x)));
+  }
+  *step = Isa::reduce_max(absmax) / kInt8MaxCode;
+  const float inverse = *step > 0.0f ? 1.0f / *step : 0.0f;
+  int32_t sum = 0;
+  for (int d = 0; d < kQuantGroup; ++d) {
+    codes[d] = static_cast<int8_t>(std::nearbyint(q[d] * inverse));
+    sum += codes[d];
+  }
+  *code_sum = sum;
+}
+
 // The query terms a quantized cache needs: each group rotated as the stored keys are, q's sum over
-// each rotated group (INT4 keys' mins), the INT4 values' min lanes zeroed, and for INT4 keys each
-// group's channel pairs (j, j + 32)
-// rewritten for keys read as low nibble and whole byte (attention_quant_impl.h):
+// each rotated group (INT4 keys' mins), the INT4 values' min lanes zeroed; then where keys are
+// scored by integer dot products each group's int8 codes, else for INT4 keys each group's channel
+// pairs (j, j + 32) rewritten for keys read as low nibble and whole byte (attention_quant_impl.h):
 // q_j low + q_{j+32} high = (q_j - q_{j+32} / 16) low + q_{j+32} / 16 byte.
 inline void start_quantized_query(const Problem& p, const HeadState& state) {
   const int num_groups = static_cast<int>(quant_groups(p));
@@ -459,6 +492,13 @@ inline void start_quantized_query(const Problem& p, const HeadState& state) {
       for (int d = 0; d < kQuantGroup; d += kWidth) sum = Isa::add(sum, Isa::load(q + d));
       state.q_sums[h * num_groups + g] = Isa::reduce_add(sum);
       Isa::store(state.min_lanes + (h * num_groups + g) * kWidth, Isa::zero());  // INT4 values' mins
+      if constexpr (kIntegerDots) {
+        const int index = h * num_groups + g;
+        quantize_query_group(q, state.q_codes + h * p.head_dim + g * kQuantGroup, state.q_steps + index,
+                             state.q_code_sums + index);
+        state.q_sums[index] = state.q_steps[index] * state.q_code_sums[index];  // the codes' query throughout
+        continue;
+      }
       if (key_unit_dtype(p.kv_dtype) != DType::kInt4) continue;
       for (int j = 0; j < half; j += kWidth) {
         const Vec high = Isa::mul(Isa::load(q + half + j), inverse_weight);
@@ -493,12 +533,22 @@ inline void add_min_lanes(const Problem& p, const HeadState& state) {
   }
 }
 
+// A quantized pool's value accumulator [count] floats, in Isa::Dots' quad order where values are
+// accumulated by integer dot products, put back in channel order one group at a time.
+template <class I = Isa>
+inline void from_quad_order(float* acc, int count) {
+  if constexpr (kIntegerDots) {
+    for (int start = 0; start < count; start += kQuantGroup) I::Dots::to_channel_order(acc + start);
+  }
+}
+
 // Writes a finished head to problem.out, or its partial state to `partial`.
 template <bool kValueSplit>
 void finish_head(const Problem& p, int seq, int kv_head, const HeadState& state, const PartialState* partial) {
   const int group_size = p.group_size();
   const int head_dim = p.head_dim;
   if (kValueSplit) from_split_order(state.acc, group_size, head_dim);
+  if (is_quantized(p.kv_dtype)) from_quad_order(state.acc, group_size * head_dim);
   if (value_unit_dtype(p.kv_dtype) == DType::kInt4) add_min_lanes(p, state);
   if (partial != nullptr) {
     for (int h = 0; h < group_size; ++h) {

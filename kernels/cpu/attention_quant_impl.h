@@ -109,15 +109,87 @@ TANDEM_ALWAYS_INLINE void score_quantized_span(const float* q, const float* q_su
   }
 }
 
+// score_quantized_span by integer dot products (Isa::Dots): the query's int8 codes (q_codes
+// [heads, head_dim], q_steps and q_code_sums [heads, num_groups]) against the key codes, 4 code
+// rows at a time turned into one token's 4 codes per 32-bit lane, multiplied as u8 x s8 with 4
+// query codes broadcast. INT8 codes become u8 by adding 128 (their sign bit flipped), taken off
+// again as 128 times the query codes' sum; INT4's low nibbles of rows j..j+3 are channels j..j+3
+// and the high ones channels j + 32..j + 35. A group's integer sums times the query step and the
+// keys' scales are its score terms, plus the mins' term for INT4 (q_sums: the int8 query's sums).
+template <class Codes, int kHeads, class I = Isa>
+TANDEM_ALWAYS_INLINE void score_dotted_span(const int8_t* q_codes, const float* q_steps, const int32_t* q_code_sums,
+                                            const float* q_sums, const uint8_t* unit, const KvUnit& u, int t0,
+                                            float* scores, int score_stride, const Prefetch& prefetch, int first_part) {
+  using Dots = typename I::Dots;  // dependent: Isa may have none, and then this is never instantiated
+  using IVec = typename Dots::IVec;
+  constexpr int kPhases = 2;  // independent accumulator sets: dot products' latency
+  static_assert(kPhases * kHeads <= kTile, "tile exceeds the register budget");
+  constexpr int kRows = Codes::kGroupBytes;  // code rows of one group
+  constexpr int kSteps = kRows / 4 / kPhases;
+  constexpr int kInt8Offset = 128;
+  const int head_dim = u.head_dim;
+  const int block_size = u.block_size;
+  const int num_groups = u.num_groups();
+  for (int g = 0; g < num_groups; ++g) {
+    IVec acc[kPhases * kHeads];
+#pragma GCC unroll 8
+    for (int h = 0; h < kHeads; ++h) {
+      acc[h] = Dots::set1(Codes::kHasMin ? 0 : -kInt8Offset * q_code_sums[h * num_groups + g]);
+      acc[kHeads + h] = Dots::zero();
+    }
+    const uint8_t* rows = unit + static_cast<size_t>(g) * kRows * block_size + t0;
+    const int8_t* q_group = q_codes + g * kQuantGroup;
+    for (int piece = 0; piece < kPrefetchPieces; ++piece) {
+      prefetch.part(first_part + g * kPrefetchPieces + piece);
+      const int end = kSteps * (piece + 1) / kPrefetchPieces;
+      for (int step = kSteps * piece / kPrefetchPieces; step < end; ++step) {
+#pragma GCC unroll 2
+        for (int phase = 0; phase < kPhases; ++phase) {
+          const int row = (step * kPhases + phase) * 4;
+          const IVec k = Dots::load_key_quad(rows + static_cast<size_t>(row) * block_size, block_size);
+          if constexpr (Codes::kHasMin) {
+            const IVec low = Dots::low_nibbles(k);
+            const IVec high = Dots::high_nibbles(k);
+#pragma GCC unroll 8
+            for (int h = 0; h < kHeads; ++h) {
+              const int8_t* q = q_group + h * head_dim + row;
+              IVec& a = acc[phase * kHeads + h];
+              a = Dots::dot(Dots::dot(a, low, q), high, q + kQuantGroup / 2);
+            }
+          } else {
+            const IVec biased = Dots::flip_sign(k);
+#pragma GCC unroll 8
+            for (int h = 0; h < kHeads; ++h) {
+              acc[phase * kHeads + h] = Dots::dot(acc[phase * kHeads + h], biased, q_group + h * head_dim + row);
+            }
+          }
+        }
+      }
+    }
+    const Vec scale = Isa::load(unit_scales(unit, u) + g * block_size + t0);
+#pragma GCC unroll 8
+    for (int h = 0; h < kHeads; ++h) {
+      float* s = scores + h * score_stride;
+      const Vec sums = Dots::to_float(Dots::add(acc[h], acc[kHeads + h]));
+      const Vec step_scale = Isa::mul(scale, Isa::set1(q_steps[h * num_groups + g]));
+      Vec total = Isa::fma(step_scale, sums, g == 0 ? Isa::zero() : Isa::load(s));
+      if constexpr (Codes::kHasMin) {
+        const Vec min = Isa::load(unit_mins(unit, u) + g * block_size + t0);
+        total = Isa::fma(min, Isa::set1(q_sums[h * num_groups + g]), total);
+      }
+      Isa::store(s, total);
+    }
+  }
+}
+
 // Scores of every query row of the group against the tokens [0, num_tokens) of a key unit;
 // columns [num_tokens, score_stride) come out as -inf (stale slots' scales may be anything).
 // block_size is a multiple of every kWidth, so spans never pass the unit's end. The next unit
 // is prefetched over the first pass when next_unit is set.
 template <class Codes>
-inline void score_quantized_block(const float* q, const float* q_sums, const uint8_t* unit, const KvUnit& u,
-                                  int group_size, int num_tokens, float* scores, int score_stride,
-                                  const uint8_t* next_unit) {
-  constexpr int kPassHeads = min_int(kTile, kMaxTileHeads);
+inline void score_quantized_block(const HeadState& state, const uint8_t* unit, const KvUnit& u, int group_size,
+                                  int num_tokens, float* scores, int score_stride, const uint8_t* next_unit) {
+  constexpr int kPassHeads = min_int(kIntegerDots ? kTile / 2 : kTile, kMaxTileHeads);  // dots: 2 phases
   const int num_groups = u.num_groups();
   const int num_spans = (num_tokens + kWidth - 1) / kWidth;
   const Prefetch prefetch = Prefetch::of(next_unit, u.bytes(), num_spans * num_groups * kPrefetchPieces);
@@ -127,10 +199,17 @@ inline void score_quantized_block(const float* q, const float* q_sums, const uin
     for (int h = 0; h < group_size; h += kPassHeads) {
       with_tile_heads(min_int(group_size - h, kPassHeads), [&](auto heads) {
         constexpr int kHeads = decltype(heads)::value;
-        if constexpr (kHeads <= kPassHeads) {
-          score_quantized_span<Codes, kHeads>(q + h * u.head_dim, q_sums + h * num_groups, unit, u, t0,
-                                              scores + h * score_stride + t0, score_stride, h == 0 ? prefetch : none,
-                                              span * num_groups * kPrefetchPieces);
+        const Prefetch& issue = h == 0 ? prefetch : none;
+        const int first_part = span * num_groups * kPrefetchPieces;
+        float* span_scores = scores + h * score_stride + t0;
+        const float* q_sums = state.q_sums + h * num_groups;
+        if constexpr (kIntegerDots && kHeads <= kPassHeads) {
+          score_dotted_span<Codes, kHeads>(state.q_codes + h * u.head_dim, state.q_steps + h * num_groups,
+                                           state.q_code_sums + h * num_groups, q_sums, unit, u, t0, span_scores,
+                                           score_stride, issue, first_part);
+        } else if constexpr (kHeads <= kPassHeads) {
+          score_quantized_span<Codes, kHeads>(state.q + h * u.head_dim, q_sums, unit, u, t0, span_scores,
+                                              score_stride, issue, first_part);
         }
       });
     }
@@ -269,6 +348,102 @@ inline void accumulate_quantized_block(const float* coef, int stride, const uint
   }
 }
 
+// Values by integer dot products (Isa::Dots): per group and head, the block's coefficients
+// p * scale (p <= 1 after the running max, scales >= 0) are rounded to u8 codes with one step,
+// their largest / 255, each token's weight within 1/510 of the block's largest. Four tokens' value
+// codes then meet their 4 coefficient codes in one dot product per lane, summed exactly in int32,
+// and each block's sums times its step join the fp32 accumulator, which stays in the Dots' quad
+// order until the head finishes (to_channel_order).
+//
+// The coefficient codes of (g, h) take the first bytes of its row of `coef` (value_coefficients:
+// [num_groups, group_size, stride] floats), the step its last float; codes past num_tokens are 0.
+template <class I = Isa>
+inline void quantize_value_coefficients(const float* probs, int stride, const uint8_t* unit, const KvUnit& u,
+                                        int group_size, int num_tokens, float* coef) {
+  using Dots = typename I::Dots;
+  const int whole = num_tokens / kWidth * kWidth;
+  for (int g = 0; g < u.num_groups(); ++g) {
+    const Float16* scales = unit_scales(unit, u) + g * u.block_size;
+    for (int h = 0; h < group_size; ++h) {
+      const float* p = probs + h * stride;
+      float* row = coef + static_cast<size_t>(g * group_size + h) * stride;
+      uint8_t* codes = reinterpret_cast<uint8_t*>(row);
+      Vec largest = Isa::zero();
+      for (int t = 0; t < whole; t += kWidth) largest = Isa::max(largest, Isa::mul(Isa::load(p + t), Isa::load(scales + t)));
+      float max_coefficient = Isa::reduce_max(largest);
+      for (int t = whole; t < num_tokens; ++t) max_coefficient = max_float(max_coefficient, p[t] * half_to_float(scales[t].bits));
+      const Vec inverse = Isa::set1(max_coefficient > 0.0f ? 255.0f / max_coefficient : 0.0f);
+      for (int t = 0; t < num_tokens; t += kWidth) {
+        Dots::store_coefficients(codes + t, Isa::mul(Isa::load(p + t), Isa::load(scales + t)), inverse);
+      }
+      for (int t = num_tokens; t < stride; ++t) codes[t] = 0;  // stale slots' scales may be anything
+      row[stride - 1] = max_coefficient / 255.0f;
+    }
+  }
+}
+
+// acc[h, the group's 64 channels in quad order] += the group's value codes of the block weighted by
+// the coefficient codes (rows: head 0's row of this group in `coef`), kHeads x 4 accumulators in
+// registers. Part first_part + t / 4 of `prefetch` is issued at token t.
+template <class Codes, int kHeads, class I = Isa>
+TANDEM_ALWAYS_INLINE void value_dotted_group(const float* rows, int stride, const uint8_t* codes, size_t code_cols,
+                                             int num_tokens, float* acc, int head_dim, const Prefetch& prefetch,
+                                             int first_part) {
+  using Dots = typename I::Dots;
+  using IVec = typename Dots::IVec;
+  constexpr int kVecs = kQuantGroup / kWidth;
+  IVec a[kHeads * kVecs];
+#pragma GCC unroll 16
+  for (int i = 0; i < kHeads * kVecs; ++i) a[i] = Dots::zero();
+  for (int t = 0; t < num_tokens; t += 4) {
+    prefetch.part(first_part + t / 4);
+    IVec v[kVecs];
+    if constexpr (Codes::kHasMin) {
+      Dots::load_int4_values(codes + t * code_cols, code_cols, v);
+    } else {
+      Dots::load_int8_values(codes + t * code_cols, code_cols, v);
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < kHeads; ++h) {
+      const uint8_t* c = reinterpret_cast<const uint8_t*>(rows + h * stride) + t;
+#pragma GCC unroll 4
+      for (int k = 0; k < kVecs; ++k) a[h * kVecs + k] = Dots::dot_values(a[h * kVecs + k], v[k], c);
+    }
+  }
+#pragma GCC unroll 8
+  for (int h = 0; h < kHeads; ++h) {
+    const Vec step = Isa::set1(rows[h * stride + stride - 1]);
+    float* out = acc + h * head_dim;
+#pragma GCC unroll 4
+    for (int k = 0; k < kVecs; ++k) {
+      Isa::store(out + k * kWidth, Isa::fma(step, Dots::to_float(a[h * kVecs + k]), Isa::load(out + k * kWidth)));
+    }
+  }
+}
+
+// accumulate_quantized_block by integer dot products, from quantize_value_coefficients' codes.
+template <class Codes, class I = Isa>
+inline void accumulate_dotted_block(const float* coef, int stride, const uint8_t* unit, const KvUnit& u,
+                                    int group_size, int num_tokens, float* acc, const uint8_t* next_unit) {
+  constexpr int kPassHeads = 4;  // x 4 accumulators, plus 4 value vectors, in 32 registers
+  const int num_quads = (num_tokens + 3) / 4;
+  const Prefetch prefetch = Prefetch::of(next_unit, u.bytes(), u.num_groups() * num_quads);
+  const Prefetch none;
+  for (int g = 0; g < u.num_groups(); ++g) {
+    for (int h = 0; h < group_size; h += kPassHeads) {
+      with_tile_heads(min_int(group_size - h, kPassHeads), [&](auto heads) {
+        constexpr int kHeads = decltype(heads)::value;
+        if constexpr (kHeads <= kPassHeads) {
+          value_dotted_group<Codes, kHeads, I>(coef + static_cast<size_t>(g * group_size + h) * stride, stride,
+                                               unit + g * Codes::kGroupBytes, u.code_cols(), num_tokens,
+                                               acc + h * u.head_dim + g * kQuantGroup, u.head_dim,
+                                               h == 0 ? prefetch : none, g * num_quads);
+        }
+      });
+    }
+  }
+}
+
 // INT4: min_lanes[h, g] += probs[h, t] * min[g, t] over the block's tokens, lane by lane: every
 // channel of group g takes sum_t p[t] min[g, t], summed once when the head finishes (add_min_lanes)
 // rather than reduced per block. Stale slots' mins (which may be anything) are read as 0.
@@ -325,14 +500,21 @@ void attend_quantized_units(const Problem& p, const Segment& piece, int64_t segm
     const bool has_next = unit + 1 < prefetch_end;  // as attend_units_typed: the next unit's bytes ahead
     const uint8_t* keys = key_cache + unit_start(unit, key_unit);
     const uint8_t* values = value_cache + unit_start(unit, value_unit);
-    score_quantized_block<KeyCodes>(state.q, state.q_sums, keys, key_unit, group_size, num_tokens, scores,
-                                    score_stride, has_next ? key_cache + unit_start(unit + 1, key_unit) : nullptr);
+    score_quantized_block<KeyCodes>(state, keys, key_unit, group_size, num_tokens, scores, score_stride,
+                                    has_next ? key_cache + unit_start(unit + 1, key_unit) : nullptr);
     touch_lines(values, value_unit.bytes());
     softmax_update(scores, score_stride, group_size, p.head_dim, state.run_max, state.sum_lanes, state.acc,
                    state.min_lanes, ValueCodes::kHasMin ? value_unit.num_groups() : 0);
-    fold_value_scales(scores, score_stride, values, value_unit, group_size, num_tokens, coef);
-    accumulate_quantized_block<ValueCodes>(coef, score_stride, values, value_unit, group_size, num_tokens, state.acc,
-                                           has_next ? value_cache + unit_start(unit + 1, value_unit) : nullptr);
+    const uint8_t* next_values = has_next ? value_cache + unit_start(unit + 1, value_unit) : nullptr;
+    if constexpr (kIntegerDots) {
+      quantize_value_coefficients(scores, score_stride, values, value_unit, group_size, num_tokens, coef);
+      accumulate_dotted_block<ValueCodes>(coef, score_stride, values, value_unit, group_size, num_tokens, state.acc,
+                                          next_values);
+    } else {
+      fold_value_scales(scores, score_stride, values, value_unit, group_size, num_tokens, coef);
+      accumulate_quantized_block<ValueCodes>(coef, score_stride, values, value_unit, group_size, num_tokens,
+                                             state.acc, next_values);
+    }
     if constexpr (ValueCodes::kHasMin) {
       accumulate_value_mins(scores, score_stride, values, value_unit, group_size, num_tokens, state.min_lanes);
     }

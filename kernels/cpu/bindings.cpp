@@ -436,6 +436,14 @@ std::vector<std::string> usable_isas() {
   return names;
 }
 
+std::vector<std::string> integer_dot_isas() {
+  std::vector<std::string> names;
+  for (const KernelTable* table : usable_kernels()) {
+    if (table->integer_dots) names.emplace_back(table->name);
+  }
+  return names;
+}
+
 }  // namespace
 }  // namespace tandem
 
@@ -462,4 +470,6 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::call_guard<py::gil_scoped_release>());
   tandem::bind_decoder(m);
   m.def("usable_isas", &tandem::usable_isas, "Instruction sets compiled in and supported here, best first.");
+  m.def("integer_dot_isas", &tandem::integer_dot_isas,
+        "The usable instruction sets that score quantized keys by integer dot products.");
 }

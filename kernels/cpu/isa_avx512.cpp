@@ -17,9 +17,101 @@
 namespace tandem {
 namespace {
 
+#ifdef __AVX512VNNI__
+// Attention on quantized KV by vpdpbusd (attention_quant_impl.h: score_dotted_span,
+// value_dotted_group), each 32-bit lane the dot product of 4 unsigned with 4 signed bytes.
+struct VnniDots {
+  using IVec = __m512i;
+  static IVec zero() { return _mm512_setzero_si512(); }
+  static IVec set1(int32_t x) { return _mm512_set1_epi32(x); }
+  static IVec add(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+  static __m512 to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
+
+  // Keys: 4 code rows of 16 tokens (row r at rows + r * row_bytes) as 16 lanes of one token's 4
+  // codes. vpermd puts each token quarter's 4 bytes of every row in one 128-bit lane, vpshufb
+  // transposes the 4 x 4 bytes there.
+  static IVec load_key_quad(const uint8_t* rows, size_t row_bytes) {
+    __m512i quad;
+    if (row_bytes == 16) {  // a block of 16 tokens: the 4 rows are adjacent
+      quad = _mm512_loadu_si512(rows);
+    } else {
+      quad = _mm512_castsi128_si512(load_16(rows));
+      quad = _mm512_inserti32x4(quad, load_16(rows + row_bytes), 1);
+      quad = _mm512_inserti32x4(quad, load_16(rows + 2 * row_bytes), 2);
+      quad = _mm512_inserti32x4(quad, load_16(rows + 3 * row_bytes), 3);
+    }
+    const __m512i quarters = _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), quad);
+    const __m128i transpose = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_shuffle_epi8(quarters, _mm512_broadcast_i32x4(transpose));
+  }
+  static IVec flip_sign(IVec v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
+  static IVec low_nibbles(IVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
+  static IVec high_nibbles(IVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
+  // acc + per lane the dot product of its 4 u8 codes with the 4 int8 codes at q.
+  static IVec dot(IVec acc, IVec codes, const int8_t* q) {
+    return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(load_i32(q)));
+  }
+
+  // Values: 4 tokens' rows of one group's 64 channels (INT8 codes, or INT4 bytes split into their
+  // low nibbles, channels 0-31, and high ones, 32-63) interleaved so that vector k's lane (L, i)
+  // holds channel 16 L + 4 k + i of the 4 tokens ("quad order").
+  static void load_int8_values(const uint8_t* row, size_t row_bytes, IVec* v) {
+    interleave(_mm512_loadu_si512(row), _mm512_loadu_si512(row + row_bytes), _mm512_loadu_si512(row + 2 * row_bytes),
+               _mm512_loadu_si512(row + 3 * row_bytes), v);
+  }
+  static void load_int4_values(const uint8_t* row, size_t row_bytes, IVec* v) {
+    interleave(split_nibbles(row), split_nibbles(row + row_bytes), split_nibbles(row + 2 * row_bytes),
+               split_nibbles(row + 3 * row_bytes), v);
+  }
+  // acc + per lane its 4 tokens' codes times their 4 u8 coefficients at c.
+  static IVec dot_values(IVec acc, IVec values, const uint8_t* c) {
+    return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(load_i32(reinterpret_cast<const int8_t*>(c))), values);
+  }
+  // Probabilities times scales (fp32, 16 tokens) rounded to u8 codes with `inverse` = 255 / max.
+  static void store_coefficients(uint8_t* codes, __m512 coefficients, __m512 inverse) {
+    const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(coefficients, inverse));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtusepi32_epi8(rounded));
+  }
+  // A group's 64 floats from quad order to channel order: a 4 x 4 transpose of 128-bit lanes.
+  static void to_channel_order(float* group) {
+    const __m512 w0 = _mm512_loadu_ps(group), w1 = _mm512_loadu_ps(group + 16);
+    const __m512 w2 = _mm512_loadu_ps(group + 32), w3 = _mm512_loadu_ps(group + 48);
+    const __m512 t0 = _mm512_shuffle_f32x4(w0, w1, 0x44), t1 = _mm512_shuffle_f32x4(w0, w1, 0xee);
+    const __m512 t2 = _mm512_shuffle_f32x4(w2, w3, 0x44), t3 = _mm512_shuffle_f32x4(w2, w3, 0xee);
+    _mm512_storeu_ps(group, _mm512_shuffle_f32x4(t0, t2, 0x88));
+    _mm512_storeu_ps(group + 16, _mm512_shuffle_f32x4(t0, t2, 0xdd));
+    _mm512_storeu_ps(group + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
+    _mm512_storeu_ps(group + 48, _mm512_shuffle_f32x4(t1, t3, 0xdd));
+  }
+
+ private:
+  static __m128i load_16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  // One token's 32 INT4 bytes of a group as its 64 codes in channel order.
+  static __m512i split_nibbles(const uint8_t* p) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, mask)), high, 1);
+  }
+  // Rows r0..r3 (64 channels each) to quad order: bytes, then byte pairs, interleaved per 128-bit lane.
+  static void interleave(__m512i r0, __m512i r1, __m512i r2, __m512i r3, IVec* v) {
+    const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
+    const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
+    v[0] = _mm512_unpacklo_epi16(a, c);
+    v[1] = _mm512_unpackhi_epi16(a, c);
+    v[2] = _mm512_unpacklo_epi16(b, d);
+    v[3] = _mm512_unpackhi_epi16(b, d);
+  }
+};
+#endif
+
 struct Isa : ExpConstants {
   using Vec = __m512;
   static constexpr int kWidth = 16;
+#ifdef __AVX512VNNI__
+  using Dots = VnniDots;
+#endif
 
   static Vec zero() { return _mm512_setzero_ps(); }
   static Vec set1(float x) { return _mm512_set1_ps(x); }
@@ -213,7 +305,7 @@ namespace tandem {
 const KernelTable* TANDEM_AVX512_TABLE() {
   static const KernelTable table{TANDEM_AVX512_NAME, attend_units, finish_segment, merge_partials, int4_tiles,
                                  int4_quantize_rows, int4_q8_tiles, int4_q8_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
-                                 gemv_cols, add_rows, silu_mul_rows, convert};
+                                 gemv_cols, add_rows, silu_mul_rows, convert, kIntegerDots};
   return &table;
 }
 }  // namespace tandem

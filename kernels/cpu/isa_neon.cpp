@@ -157,7 +157,7 @@ namespace tandem {
 const KernelTable* TANDEM_NEON_TABLE() {
   static const KernelTable table{TANDEM_NEON_NAME, attend_units, finish_segment, merge_partials, int4_tiles,
                                  int4_quantize_rows, int4_q8_tiles, int4_q8_quantize_rows, int4_dequantize, rms_norm_rows, rope_rows,
-                                 gemv_cols, add_rows, silu_mul_rows, convert};
+                                 gemv_cols, add_rows, silu_mul_rows, convert, kIntegerDots};
   return &table;
 }
 }  // namespace tandem

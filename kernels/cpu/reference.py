@@ -70,3 +70,63 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
         out[rows] = _attend_chunk(query[rows], key_cache, value_cache, block_tables[rows], context_lens[rows],
                                   scale).to(out.dtype)
     return out
+
+
+def dotted_decode_attention(query, key_pool, value_pool, block_tables, context_lens, scale, layout) -> torch.Tensor:
+    """The decode attention of a kernel that attends quantized KV by integer dot products
+    (kernels.cpu.integer_dot_isas(); attention_quant_impl.h), as one thread walking each whole
+    sequence block by block: the query as kv_quant.query_round_trip reads it; the online softmax;
+    each block's value weights p * scale rounded to u8 codes per value group and head with step
+    max / 255, INT4's mins weighted by p exactly. `layout`: the pools' kv_quant.FormatLayout.
+    -> fp32 [batch, num_heads, head_dim]"""
+    from kernels import kv_quant
+
+    keys = kv_quant.dequantize_pool(key_pool, layout.key, True)  # [blocks, kv_heads, head_dim, block_size]
+    values = kv_quant.unit_views(value_pool, layout.value, False)
+    if layout.value.has_min:
+        codes = kv_quant.unpack_nibbles(values.codes).float()  # [blocks, kv_heads, block_size, head_dim]
+    else:
+        codes = values.codes.view(torch.int8).float()
+    batch, num_heads, head_dim = query.shape
+    group_size = num_heads // key_pool.shape[1]
+    groups = head_dim // kv_quant.GROUP_SIZE
+    out = torch.empty(batch, num_heads, head_dim)
+    for seq in range(batch):
+        q = kv_quant.query_round_trip(query[seq].float() * scale)
+        context = int(context_lens[seq])
+        for head in range(num_heads):
+            kv_head = head // group_size
+            run_max, total, acc = float("-inf"), 0.0, torch.zeros(groups, kv_quant.GROUP_SIZE)
+            for index in range(-(-context // layout.block_size)):
+                block = int(block_tables[seq, index])
+                count = min(layout.block_size, context - index * layout.block_size)
+                scores = q[head] @ keys[block, kv_head, :, :count]
+                new_max = max(run_max, scores.max().item())
+                correction = torch.exp(torch.tensor(run_max - new_max)).item() if run_max > float("-inf") else 0.0
+                total, acc, run_max = total * correction, acc * correction, new_max
+                p = torch.exp(scores - run_max)
+                total += p.sum().item()
+                weights = p * values.scales[block, kv_head, :, :count].float()  # [groups, count]
+                largest = weights.amax(-1, keepdim=True)
+                step = largest / 255
+                rounded = torch.where(largest > 0, (weights * (255 / torch.where(largest > 0, largest, 1))).round(), 0)
+                block_codes = codes[block, kv_head, :count].view(count, groups, kv_quant.GROUP_SIZE)
+                acc += step * torch.einsum("gt,tgc->gc", rounded, block_codes)
+                if layout.value.has_min:
+                    acc += (p * values.mins[block, kv_head, :, :count].float()).sum(-1, keepdim=True)
+            out[seq, head] = (acc / total).flatten()
+    return out
+
+
+def quantized_pool_attention(query, key_pool, value_pool, block_tables, context_lens, scale, layout,
+                             integer_dots: bool) -> torch.Tensor:
+    """What kernels.cpu's decode attention gives over quantized pools (`layout`: their
+    kv_quant.FormatLayout) with each sequence on one thread: dotted_decode_attention's where the
+    instruction set attends by integer dot products, else attention over the dequantized pools."""
+    from kernels import kv_quant
+
+    if integer_dots:
+        return dotted_decode_attention(query, key_pool, value_pool, block_tables, context_lens, scale, layout)
+    return paged_decode_attention(query.float(), kv_quant.dequantize_pool(key_pool, layout.key, True),
+                                  kv_quant.dequantize_pool(value_pool, layout.value, False), block_tables,
+                                  context_lens, scale)

@@ -22,6 +22,12 @@ ISAS = cpu.usable_isas() if cpu.is_available() else []
 FORMATS = sorted(kv_quant.FORMAT_CODES)
 # max |kernel - reference| / max |reference| of an fp32 result
 TOLERANCE = 1e-4
+# The same where integer dot products round the query to int8 and each block's value weights to u8
+# (reference.dotted_decode_attention is their spec, held to TOLERANCE below). These tests' peaked
+# queries over off-centre value groups, whose output is a small difference of large values, move by
+# up to 3.5% of the largest; on the embedded model's own KV the whole path costs +0.1% perplexity
+# (docs/benchmarks.md).
+DOTS_TOLERANCE = 5e-2
 # A bf16/fp16 output is the fp32 result rounded once more: half a unit in its last place.
 HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
@@ -57,6 +63,11 @@ def make_problem(context_lens, fmt, gen, *, num_kv_heads=2, group_size=4, head_d
                 kv_format=fmt, block_size=block_size)
 
 
+def integer_dots(isa: str | None) -> bool:
+    """Whether the kernel `isa` names (None: the best usable) scores keys with an int8 query."""
+    return (isa or ISAS[0]) in cpu.integer_dot_isas()
+
+
 def reference_attention(problem, key_cache, value_cache) -> torch.Tensor:
     layout = kv_quant.layout_for(problem["kv_format"], problem["query"].shape[-1], problem["block_size"])
     return reference.paged_decode_attention(problem["query"].float(),
@@ -76,13 +87,13 @@ def append_reference(problem, key_cache, value_cache, new_key, new_value) -> Non
         kv_quant.write_rows(kv_quant.unit_views(pool, side, is_key), side, rows, blocks, offsets)
 
 
-def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+def assert_close(out: torch.Tensor, expected: torch.Tensor, tolerance: float = TOLERANCE) -> None:
     assert torch.isfinite(out).all(), "kernel left unwritten (NaN) or non-finite output elements"
     if out.dtype == torch.float32:
         error = ((out - expected).abs().max() / expected.abs().max()).item()
-        assert error <= TOLERANCE, f"relative error {error:.3g} > {TOLERANCE:.0e}"
+        assert error <= tolerance, f"relative error {error:.3g} > {tolerance:.0e}"
     else:
-        bound = HALF_ULP[out.dtype] * expected.abs() + TOLERANCE * expected.abs().max()
+        bound = HALF_ULP[out.dtype] * expected.abs() + tolerance * expected.abs().max()
         excess = ((out.float() - expected).abs() - bound).max().item()
         assert excess <= 0, f"{out.dtype} output off by more than rounding (by {excess:.3g})"
 
@@ -98,7 +109,8 @@ def check(problem, *, num_threads=2, isa=None, new_kv=None, kernel_caches=None):
     out = torch.full_like(problem["query"], float("nan"))
     cpu.paged_decode_attention(**{**problem, "key_cache": kernel_caches[0], "value_cache": kernel_caches[1]}, out=out,
                                num_threads=num_threads, isa=isa, **appended)
-    assert_close(out, reference_attention(problem, *reference_caches))
+    assert_close(out, reference_attention(problem, *reference_caches),
+                 DOTS_TOLERANCE if integer_dots(isa) else TOLERANCE)
     return kernel_caches, reference_caches
 
 
@@ -122,6 +134,23 @@ def test_long_contexts_over_threads(isa, fmt, num_threads, query_dtype, gen):
     # With two threads the long sequence is cut into segments whose partial states are merged.
     problem = make_problem([1030, 1, 333], fmt, gen, num_kv_heads=3, group_size=4, query_dtype=query_dtype)
     check(problem, num_threads=num_threads, isa=isa)
+
+
+
+
+@pytest.mark.parametrize("isa", [isa for isa in ISAS if integer_dots(isa)])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_integer_dots_follow_their_spec(isa, fmt, block_size, gen):
+    """One thread over whole sequences gives reference.dotted_decode_attention: the int8 query, the
+    online softmax block by block, and each block's value weights rounded to u8."""
+    problem = make_problem([1, 15, 16, 47, 130], fmt, gen, block_size=block_size)
+    out = cpu.paged_decode_attention(**problem, num_threads=1, isa=isa)
+    layout = kv_quant.layout_for(fmt, problem["query"].shape[-1], block_size)
+    expected = reference.dotted_decode_attention(problem["query"], problem["key_cache"], problem["value_cache"],
+                                                 problem["block_tables"], problem["context_lens"], problem["scale"],
+                                                 layout)
+    assert_close(out, expected)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
