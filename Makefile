@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-gpu gpu-check clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-gpu gpu-check clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -106,6 +106,7 @@ bench: install
 	$(MAKE) bench-chunked
 	$(MAKE) bench-multi-turn
 	$(MAKE) bench-long-prompt
+	$(MAKE) bench-kv-decode
 	$(MAKE) bench-stream
 	$(MAKE) bench-slicing
 	$(MAKE) bench-fit
@@ -221,6 +222,13 @@ bench-neo: install
 
 # The KV format axis: tandem (Neo on) with one capped GPU pool size in 16-bit, INT8 and INT4 KV.
 NEO_KV_GIB := 0.135
+# Issue 49's 8 streams decoding at ~3,000 tokens of context, per KV format side by side (the decode
+# step split into matmuls, attention and the rest, as `tandem serve` runs it: C++ layers, bf16 here).
+bench-kv-decode: install
+	$(PY) -m benchmarks.serving.step_breakdown --quantization int4 --variants 'C++ layers' --batches 8 \
+		--prompt-tokens 3000 --kv-cache-dtype auto int8 int4 k8v4 --reps 2 --output benchmarks/results/kv_decode.json
+	$(PY) -m benchmarks.update_benchmarks_doc
+
 bench-neo-kv: install
 	for kv in float16 int8 int4; do $(PY) -m server.cli profile --device testbed --kv-cache-dtype $$kv \
 		--log-level warning > /dev/null || exit 1; done

@@ -11,6 +11,10 @@ with the reference at that position). Both engines compute in fp32.
                                                               # int8 / k8v4 / int4 KV caches vs a float16 one
     python -m benchmarks.kernels.accuracy --model qwen2-0.5b  # a dummy preset: RTN int4 vs its dense weights
 
+On a CPU whose decode attention has integer dot products (kernels.cpu.integer_dot_isas()), rows
+per quantized KV format also hold that kernel against the same kernel in fp32, every prompt row
+attended by it (`batch_invariant`), and the int8 query alone (emulated) against fp32.
+
 Prints a table and writes benchmarks/results/accuracy.json and .md; `update_benchmarks_doc.py` puts the
 table in docs/benchmarks.md. Windows of 64 tokens (engine.quant.int4.MAX_INT16_ROWS) send every int4
 matmul through the CPU's packed kernel with x quantized to int16; the prefill row runs windows of
@@ -118,6 +122,50 @@ def compare(model: str, variant: dict, reference: dict, window_tokens: int = DEF
     return comparison(model, names["variant"], names["reference"], scores["variant"], scores["reference"])
 
 
+def decode_kernel_scores(kv_cache_dtype: str, window_tokens: int, isa: str, query_round_trip: bool = False,
+                         max_windows: int | None = None) -> Scores:
+    """Teacher-forced scores with every prompt row attended by the CPU decode kernel
+    (`batch_invariant`: rowwise prefill) of instruction set `isa`; `query_round_trip` hands that
+    kernel the query as integer dot products read it (kv_quant.query_round_trip), the int8 query's
+    effect alone on a kernel that attends in fp32."""
+    from kernels import cpu, kv_quant
+
+    kernel = cpu.paged_decode_attention
+
+    def rounded_query(query, key_cache, value_cache, block_tables, context_lens, scale, **kwargs):
+        query = (kv_quant.query_round_trip(query.float() * scale) / scale).to(query.dtype)
+        return kernel(query, key_cache, value_cache, block_tables, context_lens, scale, **kwargs)
+
+    cpu.paged_decode_attention = rounded_query if query_round_trip else kernel
+    try:
+        with cpu.using_isa(isa), teacher_forced_engine("smollm2-135m", window_tokens, batch_invariant=True,
+                                                       kv_cache_dtype=kv_cache_dtype) as llm:
+            windows = held_windows(llm.tokenizer, llm.engine.model_config.vocab_size, window_tokens, max_windows)
+            return teacher_forced(llm, windows)
+    finally:
+        cpu.paged_decode_attention = kernel
+
+
+def integer_dot_comparisons(window_tokens: int) -> list[Comparison]:
+    """Per quantized format, the decode kernel with integer dot products (the int8 query, u8 value
+    weights) against the same kernel in fp32 on this CPU, and the int8 query alone (emulated)
+    against fp32; none where no usable instruction set has the integer path or none lacks it."""
+    from kernels import cpu
+
+    dots = cpu.integer_dot_isas()
+    floats = [isa for isa in cpu.usable_isas() if isa not in dots]
+    if not dots or not floats:
+        return []
+    comparisons = []
+    for kv in KV_FORMATS:
+        fp32 = decode_kernel_scores(kv, window_tokens, floats[0])
+        for name, scores in ((f"{dots[0]} integer dots", decode_kernel_scores(kv, window_tokens, dots[0])),
+                             ("int8 query alone", decode_kernel_scores(kv, window_tokens, floats[0], True))):
+            comparisons.append(comparison("smollm2-135m", f"kv_cache_dtype={kv}, decode kernel: {name}",
+                                          f"kv_cache_dtype={kv}, decode kernel: {floats[0]} fp32", scores, fp32))
+    return comparisons
+
+
 def table(comparisons: list[Comparison]) -> str:
     lines = ["| model | variant | reference | positions | perplexity | reference ppl | change | top-1 agreement |",
              "|---|---|---|---|---|---|---|---|"]
@@ -148,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         comparisons.append(compare("smollm2-135m", {"kv_cache_dtype": kv}, {"kv_cache_dtype": KV_REFERENCE},
                                    args.window_tokens))
         print(table(comparisons[-1:]), flush=True)
+    comparisons += integer_dot_comparisons(args.window_tokens)  # the decode kernel's own arithmetic
     rows = [asdict(c) | {"perplexity_change": c.perplexity_change} for c in comparisons]
     title = (f"Held text: {HELD_TEXT.name}, windows of {args.window_tokens} tokens ({PREFILL_WINDOW_TOKENS} for "
              f"int4_prefill), fp32, teacher-forced (`benchmarks/kernels/accuracy.py`)")

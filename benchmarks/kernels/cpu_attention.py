@@ -64,7 +64,7 @@ from kernels.cpu.build import BuildError, default_compiler, run_command
 KV_DTYPE = torch.bfloat16
 QUERY_DTYPE = torch.bfloat16
 # Each row's KV formats: the 16-bit caches first, the quantized pools' rows beside them.
-KV_FORMATS = ("bf16", "int8", "int4")
+KV_FORMATS = ("bf16", "int8", "int4", "k8v4")
 DENSE_FORMAT = "bf16"
 # Largest fp32 copy of a quantized layer the error check dequantizes (the reference attends it).
 MAX_DEQUANTIZED_BYTES = 512 << 20
@@ -225,9 +225,9 @@ class Problem:
         quantized = kv_format != DENSE_FORMAT
         self.format_args = dict(kv_format=kv_format, block_size=shape.block_size) if quantized else {}
 
-    def run_kernel(self, layer: int, num_threads: int) -> None:
+    def run_kernel(self, layer: int, num_threads: int, isa: str | None = None) -> None:
         cpu.paged_decode_attention(self.query, self.key_cache[layer], self.value_cache[layer], self.block_tables,
-                                   self.context_lens, self.scale, out=self.out, num_threads=num_threads,
+                                   self.context_lens, self.scale, out=self.out, num_threads=num_threads, isa=isa,
                                    **self.format_args)
 
     def run_reference(self) -> torch.Tensor | None:
@@ -269,21 +269,21 @@ class InCacheRate:
     KV_BYTES = 8 << 20  # one sequence
     REPS = 15
 
-    def __init__(self, shape: Shape, num_threads: int, kv_format: str = DENSE_FORMAT):
-        self.num_threads = num_threads
+    def __init__(self, shape: Shape, num_threads: int, kv_format: str = DENSE_FORMAT, isa: str | None = None):
+        self.num_threads, self.isa = num_threads, isa
         context = self.KV_BYTES // shape.kv_bytes(1, shape.block_size, kv_format) * shape.block_size
         self.problem = Problem(shape, 1, context, 1, allocate=lambda size, dtype: torch.empty(size, dtype=dtype),
                                kv_format=kv_format)
 
     def sample(self) -> float:
         def run() -> None:
-            self.problem.run_kernel(0, self.num_threads)
+            self.problem.run_kernel(0, self.num_threads, self.isa)
         return self.problem.kv_bytes / median_seconds(run, warmup=2, repetitions=self.REPS)
 
 
 def bench_config(shape: Shape, batch: int, context: int, num_threads: int, reference_reps: int,
                  bandwidth: ReadBandwidth, reader: PatternReader | None, in_cache: InCacheRate,
-                 kv_format: str = DENSE_FORMAT) -> dict:
+                 kv_format: str = DENSE_FORMAT, isa: str | None = None) -> dict:
     whole_blocks = math.ceil(context / shape.block_size) * shape.block_size
     num_layers = max(1, math.ceil(ROTATION_BYTES / shape.kv_bytes(batch, whole_blocks, kv_format)))
     problem = Problem(shape, batch, context, num_layers, kv_format=kv_format)
@@ -291,7 +291,7 @@ def bench_config(shape: Shape, batch: int, context: int, num_threads: int, refer
 
     def run_kernel():
         nonlocal layer
-        problem.run_kernel(layer, num_threads)
+        problem.run_kernel(layer, num_threads, isa)
         layer = (layer + 1) % num_layers
 
     for _ in range(num_layers):  # warm-up: one call per layer
@@ -313,7 +313,7 @@ def bench_config(shape: Shape, batch: int, context: int, num_threads: int, refer
     read_bps = statistics.median(bandwidths)
     reader_s = statistics.median(reader_times) if reader_times else None
     expected = problem.run_reference()
-    problem.run_kernel(0, num_threads)
+    problem.run_kernel(0, num_threads, isa)
     max_error = None if expected is None else (problem.out.float() - expected.float()).abs().max().item()
     reference_s = None
     if reference_reps and kv_format == DENSE_FORMAT:
@@ -322,7 +322,7 @@ def bench_config(shape: Shape, batch: int, context: int, num_threads: int, refer
         reference_s = median_seconds(problem.run_reference, warmup=0, repetitions=reference_reps)
     kv_bytes_read = problem.kv_bytes
     return {
-        "kv_format": kv_format,
+        "kv_format": kv_format if isa is None else f"{kv_format} ({isa})",
         "batch": batch,
         "context": context,
         "kv_mib": kv_bytes_read / 2**20,
@@ -353,11 +353,23 @@ def table_line(row: dict) -> str:
             f"{reader_cells} | {reference_cells} |")
 
 
+def kernel_rows() -> list[tuple[str, str | None]]:
+    """(KV format, isa) of each row of a (batch, context): every format on the best instruction set
+    and, where that one attends quantized KV by integer dot products, each quantized format again
+    on the best one that widens codes to fp32, so the two paths are timed side by side."""
+    rows = [(kv_format, None) for kv_format in KV_FORMATS]
+    dots = cpu.integer_dot_isas()
+    fp32_isas = [isa for isa in cpu.usable_isas() if isa not in dots]
+    if dots and dots[0] == cpu.usable_isas()[0] and fp32_isas:
+        rows += [(kv_format, fp32_isas[0]) for kv_format in KV_FORMATS if kv_format != DENSE_FORMAT]
+    return rows
+
+
 def bench_shape(shape: Shape, batches: list[int], contexts: list[int], num_threads: int,
-                bandwidth: ReadBandwidth, reader: PatternReader | None) -> None:
-    """Runs the table of one shape and writes its results files."""
-    in_cache = {kv_format: InCacheRate(shape, num_threads, kv_format) for kv_format in KV_FORMATS}
-    title = (f"{shape.describe()}, and the same tokens in INT8 and INT4 pools; isa {cpu.usable_isas()[0]}, {num_threads} kernel threads (cores available: "
+                bandwidth: ReadBandwidth, reader: PatternReader | None, results_name: str | None = None) -> None:
+    """Runs the table of one shape and writes its results files (results_name: theirs, else the shape's)."""
+    in_cache = {(kv_format, isa): InCacheRate(shape, num_threads, kv_format, isa) for kv_format, isa in kernel_rows()}
+    title = (f"{shape.describe()}, and the same tokens in INT8, INT4 and K8V4 pools; isa {cpu.usable_isas()[0]}, {num_threads} kernel threads (cores available: "
              f"{len(os.sched_getaffinity(0))}); read BW: torch.sum over 2 GiB on {num_threads} threads, "
              f"median of {ROUNDS} samples interleaved with each row's kernel rounds; in-cache: the kernel on "
              f"8 MiB of KV held in the last-level cache, same rounds; pattern reader: the kernel's access "
@@ -376,17 +388,17 @@ def bench_shape(shape: Shape, batches: list[int], contexts: list[int], num_threa
             if call_bytes > MAX_KV_BYTES:
                 continue
             dense_ms = None
-            for kv_format in KV_FORMATS:
+            for kv_format, isa in kernel_rows():
                 row = bench_config(shape, batch, context, num_threads,
                                    REFERENCE_REPS if call_bytes <= 256 << 20 else 1, bandwidth, reader,
-                                   in_cache[kv_format], kv_format)
+                                   in_cache[kv_format, isa], kv_format, isa)
                 dense_ms = dense_ms or row["kernel_ms"]
                 row["time_vs_bf16"] = row["kernel_ms"] / dense_ms
                 rows.append(row)
                 lines.append(table_line(row))
                 print(lines[-1], flush=True)
 
-    results = RESULTS_DIR / f"{shape.name}.json"
+    results = RESULTS_DIR / f"{results_name or shape.name}.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({
         "machine": {"processor": platform.processor() or platform.machine(),
@@ -406,6 +418,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: calibrated)")
     parser.add_argument("--shape", choices=sorted(SHAPES), action="append",
                         help="attention shape (repeatable; default: all)")
+    parser.add_argument("--results-name", help="results file name instead of the shape's (one --shape)")
     args = parser.parse_args()
     if not cpu.is_available():
         raise SystemExit(f"the CPU attention extension is not built; run `{cpu.BUILD_COMMAND}`")
@@ -416,7 +429,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as build_dir:
         reader = PatternReader.build(Path(build_dir))
         for name in args.shape or list(SHAPES):
-            bench_shape(SHAPES[name], batches, contexts, num_threads, bandwidth, reader)
+            bench_shape(SHAPES[name], batches, contexts, num_threads, bandwidth, reader, args.results_name)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ The server and SSE are outside LLMEngine.step and not counted here (benchmarks/l
 them end to end). Timers cost about a microsecond per call, small beside what they time.
 
     .venv/bin/python -m benchmarks.serving.step_breakdown [--quantization int4] [--batches 1]
+        [--kv-cache-dtype auto int8] [--prompt-tokens 3000] [--variants 'C++ layers']
 Each code state in VARIANTS (the model's small ops as torch ops, or fused C++ kernels) is measured
 in the same run, repetitions interleaved. Writes benchmarks/results/step_breakdown.json and .md.
 """
@@ -134,13 +135,13 @@ class NativeProfile:
             seconds["attention"] += after[1] - before[1]
 
 
-def measure(engine: LLMEngine, batch: int) -> dict:
+def measure(engine: LLMEngine, batch: int, prompt_tokens: int = PROMPT_TOKENS) -> dict:
     """Median per-step seconds of each category over DECODE_STEPS decode steps of `batch` requests."""
     gen = torch.Generator().manual_seed(batch)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request(torch.randint(0, vocab, (PROMPT_TOKENS,), generator=gen).tolist(), params)
+        engine.add_request(torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist(), params)
     prefill_timers = StepTimers()
     with timed_engine(prefill_timers):
         start = time.perf_counter()
@@ -195,24 +196,24 @@ def gemm_flops_per_s(config, num_tokens: int, dtype: torch.dtype, reps: int = 5)
 
 
 def to_markdown(result: dict) -> str:
-    lines = [f"{result['cpu']}, {result['threads']} threads, prompts of {PROMPT_TOKENS} tokens, ms per decode step: "
+    lines = [f"{result['cpu']}, {result['threads']} threads, prompts of {result['prompt_tokens']} tokens, ms per decode step: "
              f"median of {DECODE_STEPS} steps, median of {result['reps']} interleaved repetitions; "
              f"roofline = weight bytes / read bandwidth "
              f"({result['read_bw_gbs']:.1f} GB/s, torch.sum over 2 GiB in the same run)", "",
-             "| label | weights | batch | step | " + " | ".join(CATEGORIES) + " | non-weight | roofline |",
-             "|---|---|---|---|" + "---|" * len(CATEGORIES) + "---|---|"]
+             "| label | weights | KV | batch | step | " + " | ".join(CATEGORIES) + " | non-weight | roofline |",
+             "|---|---|---|---|---|" + "---|" * len(CATEGORIES) + "---|---|"]
     for row in result["rows"]:
         cells = " | ".join(f"{row[c] * 1e3:.2f}" for c in CATEGORIES)
-        lines.append(f"| {row['label']} | {row['quantization']} | {row['batch']} | {row['total'] * 1e3:.2f} | {cells} | "
-                     f"{(row['total'] - row['matmuls']) * 1e3:.2f} | {row['roofline'] * 1e3:.2f} |")
+        lines.append(f"| {row['label']} | {row['quantization']} | {row['kv']} | {row['batch']} | {row['total'] * 1e3:.2f} | "
+                     f"{cells} | {(row['total'] - row['matmuls']) * 1e3:.2f} | {row['roofline'] * 1e3:.2f} |")
     lines += ["", f"The prefills before those steps (all prompts of a batch; the C++ layers take decode batches "
               f"only, so the three states prefill alike). GEMM bound: torch's {result['dtype']} GEMM on the model's "
               f"gate/up shape at the batch's prompt tokens, measured in the same run.", "",
-              "| label | weights | batch | prompt tokens | prefill s | tokens/s | matmuls s | matmul GFLOP/s | "
-              "GEMM bound GFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
+              "| label | weights | KV | batch | prompt tokens | prefill s | tokens/s | matmuls s | matmul GFLOP/s | "
+              "GEMM bound GFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
-        tokens = row["batch"] * PROMPT_TOKENS
-        lines.append(f"| {row['label']} | {row['quantization']} | {row['batch']} | {tokens} | {row['prefill']:.2f} | "
+        tokens = row["batch"] * result["prompt_tokens"]
+        lines.append(f"| {row['label']} | {row['quantization']} | {row['kv']} | {row['batch']} | {tokens} | {row['prefill']:.2f} | "
                      f"{tokens / row['prefill']:.0f} | {row['prefill matmuls']:.2f} | "
                      f"{tokens * result['flops_per_token'] / row['prefill matmuls'] / 1e9:.0f} | "
                      f"{result['gemm_flops_per_s'][str(row['batch'])] / 1e9:.0f} |")
@@ -230,33 +231,39 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quantization", nargs="+", default=["int4", "none"])
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="KV formats, side by side")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="each request's context")
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--reps", type=int, default=REPS, help="interleaved repetitions of every variant")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     bandwidth = ReadBandwidth(torch.get_num_threads()).sample()
     samples: dict[tuple, list[dict]] = defaultdict(list)
+    long_context = {"max_model_len": args.prompt_tokens + DECODE_STEPS + 8} if args.prompt_tokens > PROMPT_TOKENS else {}
     for rep in range(args.reps):
-        order = list(VARIANTS.items()) if rep % 2 == 0 else list(reversed(VARIANTS.items()))
+        states = [(label, VARIANTS[label], kv) for label in args.variants for kv in args.kv_cache_dtype]
         for quantization in args.quantization:
-            for label, knobs in order:  # A B, then B A: drift hits both alike
+            for label, knobs, kv in states if rep % 2 == 0 else reversed(states):  # A B, then B A: drift hits both alike
                 engine = LLMEngine(EngineConfig.from_flat(quantization=quantization, max_num_seqs=max(args.batches),
-                                                          **knobs))
+                                                          kv_cache_dtype=kv, **long_context, **knobs))
                 try:
                     weight_bytes = engine.runner.model.gpu_weight_bytes()
                     for batch in args.batches:
-                        row = measure(engine, batch)
+                        row = measure(engine, batch, args.prompt_tokens)
                         row["roofline"] = weight_bytes / bandwidth
-                        samples[label, quantization, batch].append(row)
-                        print(label, quantization, batch, row, file=sys.stderr, flush=True)
+                        samples[label, quantization, kv, batch].append(row)
+                        print(label, quantization, kv, batch, row, file=sys.stderr, flush=True)
                 finally:
                     engine.close()
-    rows = [{"label": label, "quantization": quantization, "batch": batch,
+    rows = [{"label": label, "quantization": quantization, "kv": kv, "batch": batch,
              **{name: statistics.median(r[name] for r in reps) for name in reps[0]}}
-            for (label, quantization, batch), reps in sorted(samples.items(), key=lambda item: (item[0][1], item[0][2]))]
+            for (label, quantization, kv, batch), reps in sorted(samples.items(),
+                                                                 key=lambda item: (item[0][1], item[0][3]))]
     config, dtype = engine.model_config, engine.dtype
     result = {"cpu": host_cpu_model(), "threads": torch.get_num_threads(), "read_bw_gbs": bandwidth / 1e9, "reps": args.reps,
+              "prompt_tokens": args.prompt_tokens,
               "rows": rows, "dtype": str(dtype).removeprefix("torch."), "flops_per_token": linear_flops_per_token(config),
-              "gemm_flops_per_s": {str(b): gemm_flops_per_s(config, b * PROMPT_TOKENS, dtype) for b in args.batches}}
+              "gemm_flops_per_s": {str(b): gemm_flops_per_s(config, b * args.prompt_tokens, dtype) for b in args.batches}}
     write_results(args.output, result, to_markdown(result))
     print(to_markdown(result))
     return 0

@@ -456,29 +456,19 @@ inline float* value_coefficients(const Problem& p, float* scratch) {  // value_c
   return tail_tile(p, scratch) + static_cast<size_t>(p.head_dim) * kTailRowFloats;
 }
 
-// One rotated query group as int8 codes, rounded to nearest even, with step max|q| / 127 (0 and
-// codes 0 for a zero group): keys scored by integer dot products (attention_quant_impl.h) take
-// q = step * code.
-inline void quantize_query_group(const float* q, int8_t* codes, float* step, int32_t* code_sum) {
-  Vec absmax = Isa::zero();
-  for (int d = 0; d < kQuantGroup; d += kWidth) {
-    const Vec x = Isa::load(q + d);
-    absmax = Isa::max(absmax, Isa::max(x, Isa::sub(Isa::zero(), x)));
-  }
-  *step = Isa::reduce_max(absmax) / kInt8MaxCode;
-  const float inverse = *step > 0.0f ? 1.0f / *step : 0.0f;
-  int32_t sum = 0;
-  for (int d = 0; d < kQuantGroup; ++d) {
-    codes[d] = static_cast<int8_t>(std::nearbyint(q[d] * inverse));
-    sum += codes[d];
-  }
-  *code_sum = sum;
+// The query group q [kQuantGroup] (pre-scaled) as integer dot products read it, through
+// Isa::Dots: rotated as the stored keys are, then int8 codes round-half-even(q / step) with step
+// max|q| / 127 (codes 0 for a zero group); q_sum, the codes' query's sum, is INT4 keys' min term.
+template <class I = Isa>
+inline void quantize_query_group(float* q, int8_t* codes, float* step, int32_t* code_sum, float* q_sum) {
+  I::Dots::quantize_query_group(q, codes, step, code_sum);
+  *q_sum = *step * static_cast<float>(*code_sum);
 }
 
-// The query terms a quantized cache needs: each group rotated as the stored keys are, q's sum over
-// each rotated group (INT4 keys' mins), the INT4 values' min lanes zeroed; then where keys are
-// scored by integer dot products each group's int8 codes, else for INT4 keys each group's channel
-// pairs (j, j + 32) rewritten for keys read as low nibble and whole byte (attention_quant_impl.h):
+// The query terms a quantized cache needs: the INT4 values' min lanes zeroed; where keys are scored
+// by integer dot products each group's int8 codes; else each group rotated as the stored keys are,
+// q's sum over it (INT4 keys' mins), and for INT4 keys its channel pairs (j, j + 32) rewritten for
+// keys read as low nibble and whole byte (attention_quant_impl.h):
 // q_j low + q_{j+32} high = (q_j - q_{j+32} / 16) low + q_{j+32} / 16 byte.
 inline void start_quantized_query(const Problem& p, const HeadState& state) {
   const int num_groups = static_cast<int>(quant_groups(p));
@@ -486,19 +476,18 @@ inline void start_quantized_query(const Problem& p, const HeadState& state) {
   const Vec inverse_weight = Isa::set1(1.0f / kNibbleWeight);
   for (int h = 0; h < p.group_size(); ++h) {
     for (int g = 0; g < num_groups; ++g) {
+      const int index = h * num_groups + g;
       float* q = state.q + h * p.head_dim + g * kQuantGroup;
+      Isa::store(state.min_lanes + index * kWidth, Isa::zero());  // INT4 values' mins
+      if constexpr (kIntegerDots) {
+        quantize_query_group(q, state.q_codes + h * p.head_dim + g * kQuantGroup, state.q_steps + index,
+                             state.q_code_sums + index, state.q_sums + index);
+        continue;
+      }
       hadamard_rotate(q);  // q . k = (q H) . (k H): the stored keys are rotated
       Vec sum = Isa::zero();
       for (int d = 0; d < kQuantGroup; d += kWidth) sum = Isa::add(sum, Isa::load(q + d));
-      state.q_sums[h * num_groups + g] = Isa::reduce_add(sum);
-      Isa::store(state.min_lanes + (h * num_groups + g) * kWidth, Isa::zero());  // INT4 values' mins
-      if constexpr (kIntegerDots) {
-        const int index = h * num_groups + g;
-        quantize_query_group(q, state.q_codes + h * p.head_dim + g * kQuantGroup, state.q_steps + index,
-                             state.q_code_sums + index);
-        state.q_sums[index] = state.q_steps[index] * state.q_code_sums[index];  // the codes' query throughout
-        continue;
-      }
+      state.q_sums[index] = Isa::reduce_add(sum);
       if (key_unit_dtype(p.kv_dtype) != DType::kInt4) continue;
       for (int j = 0; j < half; j += kWidth) {
         const Vec high = Isa::mul(Isa::load(q + half + j), inverse_weight);

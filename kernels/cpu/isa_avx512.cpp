@@ -73,6 +73,43 @@ struct VnniDots {
     const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(coefficients, inverse));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtusepi32_epi8(rounded));
   }
+  // The query group q [64] rotated in place (kv_quant.h: hadamard_rotate's butterflies, the same
+  // adds in the same order, so the same bits), then as int8 codes with their step and sum.
+  static void quantize_query_group(float* q, int8_t* codes, float* step, int32_t* code_sum) {
+    __m512 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm512_loadu_ps(q + 16 * i);
+    for (int span = 1; span < 16; span *= 2) {  // partners within a vector: lane l and l ^ span
+      const __m512i partner = _mm512_xor_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(span));
+      const __mmask16 upper = static_cast<__mmask16>(upper_lanes(span));
+      for (int i = 0; i < 4; ++i) {
+        const __m512 other = _mm512_permutexvar_ps(partner, v[i]);
+        v[i] = _mm512_mask_blend_ps(upper, _mm512_add_ps(v[i], other), _mm512_sub_ps(other, v[i]));
+      }
+    }
+    for (int span = 1; span < 4; span *= 2) {  // spans 16 and 32: whole vectors
+      for (int i = 0; i < 4; ++i) {
+        if (i & span) continue;
+        const __m512 low = v[i], high = v[i + span];
+        v[i] = _mm512_add_ps(low, high);
+        v[i + span] = _mm512_sub_ps(low, high);
+      }
+    }
+    __m512 absmax = _mm512_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm512_mul_ps(v[i], _mm512_set1_ps(kHadamardNorm));
+      absmax = _mm512_max_ps(absmax, _mm512_abs_ps(v[i]));
+    }
+    *step = _mm512_reduce_max_ps(absmax) / kInt8MaxCode;
+    const __m512 inverse = _mm512_set1_ps(*step > 0.0f ? 1.0f / *step : 0.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) {
+      const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * i), _mm512_cvtsepi32_epi8(rounded));
+      sum = _mm512_add_epi32(sum, rounded);
+    }
+    *code_sum = _mm512_reduce_add_epi32(sum);
+  }
   // A group's 64 floats from quad order to channel order: a 4 x 4 transpose of 128-bit lanes.
   static void to_channel_order(float* group) {
     const __m512 w0 = _mm512_loadu_ps(group), w1 = _mm512_loadu_ps(group + 16);
@@ -87,6 +124,12 @@ struct VnniDots {
 
  private:
   static __m128i load_16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  // Lanes whose index has bit `span` set: the second of each butterfly pair.
+  static int upper_lanes(int span) {
+    int mask = 0;
+    for (int lane = 0; lane < 16; ++lane) mask |= (lane & span) ? 1 << lane : 0;
+    return mask;
+  }
   // One token's 32 INT4 bytes of a group as its 64 codes in channel order.
   static __m512i split_nibbles(const uint8_t* p) {
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
