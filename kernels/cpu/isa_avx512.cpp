@@ -60,9 +60,23 @@ struct VnniDots {
     interleave(_mm512_loadu_si512(row), _mm512_loadu_si512(row + row_bytes), _mm512_loadu_si512(row + 2 * row_bytes),
                _mm512_loadu_si512(row + 3 * row_bytes), v);
   }
+  // INT4: tokens 0 and 2 (then 1 and 3) share a register, one per 256-bit half, so the two byte
+  // interleaves run once over all four; each 32-bit lane then holds one byte column j of the 4
+  // tokens, whose low nibbles are channel j and high nibbles channel j + 32, regrouped in quad order.
   static void load_int4_values(const uint8_t* row, size_t row_bytes, IVec* v) {
-    interleave(split_nibbles(row), split_nibbles(row + row_bytes), split_nibbles(row + 2 * row_bytes),
-               split_nibbles(row + 3 * row_bytes), v);
+    const __m512i even = with_upper(load_32(row), load_32(row + 2 * row_bytes));   // tokens 0 | 2
+    const __m512i odd = with_upper(load_32(row + row_bytes), load_32(row + 3 * row_bytes));  // 1 | 3
+    const __m512i low = _mm512_unpacklo_epi8(even, odd), high = _mm512_unpackhi_epi8(even, odd);
+    // Lanes by byte column: j 0-7, 16-23, 8-15, 24-31; `first` tokens 0 and 1, `second` 2 and 3.
+    const __m512i first = _mm512_shuffle_i64x2(low, high, 0x44), second = _mm512_shuffle_i64x2(low, high, 0xee);
+    const __m512i columns[2] = {_mm512_unpacklo_epi16(first, second), _mm512_unpackhi_epi16(first, second)};
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    for (int c = 0; c < 2; ++c) {  // columns[c]'s lanes: j 4c.. of 0, 16, 8 and 24
+      const __m512i channels = _mm512_and_si512(columns[c], mask);                         // channel j
+      const __m512i upper = _mm512_and_si512(_mm512_srli_epi16(columns[c], 4), mask);     // j + 32
+      v[c] = _mm512_shuffle_i64x2(channels, upper, 0x44);
+      v[c + 2] = _mm512_shuffle_i64x2(channels, upper, 0xee);
+    }
   }
   // acc + per lane its 4 tokens' codes times their 4 u8 coefficients at c.
   static IVec dot_values(IVec acc, IVec values, const uint8_t* c) {
@@ -130,12 +144,9 @@ struct VnniDots {
     for (int lane = 0; lane < 16; ++lane) mask |= (lane & span) ? 1 << lane : 0;
     return mask;
   }
-  // One token's 32 INT4 bytes of a group as its 64 codes in channel order.
-  static __m512i split_nibbles(const uint8_t* p) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i mask = _mm256_set1_epi8(0x0f);
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, mask)), high, 1);
+  static __m256i load_32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static __m512i with_upper(__m256i low, __m256i high) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
   }
   // Rows r0..r3 (64 channels each) to quad order: bytes, then byte pairs, interleaved per 128-bit lane.
   static void interleave(__m512i r0, __m512i r1, __m512i r2, __m512i r3, IVec* v) {
