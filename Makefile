@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-gpu gpu-check clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-pacing bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-gpu gpu-check clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -167,6 +167,25 @@ bench-chunked: install
 		--max-model-len 2048 --host 127.0.0.1 --port {port}') --startup-timeout 900 \
 		--concurrency 32 --num-requests 32 --input-len 240 --output-len 128 --reps 2 --warmup 1 --no-progress \
 		--output benchmarks/results/decode_32_serve.json
+	$(PY) -m benchmarks.update_benchmarks_doc
+
+# Prefill pacing's frontier (issue 49 item 4): output throughput, TTFT p50 and ITL p99 at 8 and 32
+# fresh clients and on the long-prompt workload, one tandem per setting, side by side: bounds
+# relative to a decode step (--max-prefill-slowdown; 0 is no pacing), then bounds in milliseconds.
+PACING_SLOWDOWNS := 0 1.5 2 3 5
+PACING_STALLS_MS := 250 500 1000
+PACING_LOAD := --concurrency 8 32 --num-requests 32 --input-len 240 --output-len 128 --reps 2 --warmup 1 --no-progress --no-plot
+PACED = $(TANDEM_SERVE) --quantization int4
+bench-pacing: install
+	$(PY) -m benchmarks.load.serve $(foreach s,$(PACING_SLOWDOWNS),--system 'pace-$(s)=$(PACED) --max-prefill-slowdown $(s)') \
+		$(PACING_LOAD) --output benchmarks/results/pacing_clients.json
+	$(PY) -m benchmarks.serving.long_prompt $(foreach s,$(PACING_SLOWDOWNS),--system 'pace-$(s)=$(PACED) \
+		--max-model-len $(LONG_PROMPT_CONTEXT) --max-prefill-slowdown $(s)') --output benchmarks/results/pacing_long_prompt.json
+	$(PY) -m benchmarks.load.serve --system 'pace-0=$(PACED) --max-prefill-slowdown 0' \
+		$(foreach s,$(PACING_STALLS_MS),--system 'stall-$(s)ms=$(PACED) --max-prefill-stall-ms $(s)') \
+		$(PACING_LOAD) --output benchmarks/results/pacing_stall_clients.json
+	$(PY) -m benchmarks.serving.long_prompt $(foreach s,$(PACING_STALLS_MS),--system 'stall-$(s)ms=$(PACED) \
+		--max-model-len $(LONG_PROMPT_CONTEXT) --max-prefill-stall-ms $(s)') --output benchmarks/results/pacing_stall_long_prompt.json
 	$(PY) -m benchmarks.update_benchmarks_doc
 
 # Multi-turn chat over one shared system prompt (prefix caching): 16 conversations of 6 turns at once,

@@ -120,7 +120,12 @@ DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 2048, "testbed": 2048}
 # Prefill pacing's default per device. On a CPU a prefill token costs a sizeable share of a decode
 # step and its attention grows with the prompt: unpaced, a long prompt stalls running streams for
 # tens of decode steps. On CUDA, unmeasured here, the token budget alone (vLLM's behaviour).
-DEFAULT_PREFILL_SLOWDOWN = {"cuda": 0.0, "cpu": 3.0, "testbed": 3.0}
+# Prefill pacing's defaults by device, where neither pacing flag is given (0: none). On a CPU a
+# stall bound of 500 ms keeps the unpaced throughput and first-token times at 8 and 32 clients and
+# halves the worst gap between tokens; bounds in decode steps never let an int4 iteration past 64
+# rows, so prompts trickle in (docs/benchmarks.md: pacing's frontier, `make bench-pacing`).
+DEFAULT_PREFILL_SLOWDOWN = {"cuda": 0.0, "cpu": 0.0, "testbed": 0.0}
+DEFAULT_PREFILL_STALL_MS = {"cuda": 0.0, "cpu": 500.0, "testbed": 500.0}
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 DEFAULT_CPU_KV_CACHE_MEMORY_GIB = 4.0
 # What --memory-gib keeps back from the KV pool for activations, logits and scratch buffers.
@@ -428,8 +433,13 @@ class EngineConfig:
     # scheduler/prefill_pacing.py; None: the device's default (DEFAULT_PREFILL_SLOWDOWN)
     max_prefill_slowdown: float | None = knob(
         "--max-prefill-slowdown", None, "while streams decode, an iteration carrying prompt chunks takes at most "
-        "this many decode steps' time, so running streams keep their pace (0: the token budget alone; default "
-        f"{DEFAULT_PREFILL_SLOWDOWN['cpu']:g} on cpu and testbed, {DEFAULT_PREFILL_SLOWDOWN['cuda']:g} on cuda)",
+        "this many decode steps' time, so running streams keep their pace (0: no such bound; by default none: "
+        "--max-prefill-stall-ms bounds it)", Group.BATCHING)
+    max_prefill_stall_ms: float | None = knob(
+        "--max-prefill-stall-ms", None, "while streams decode, an iteration carrying prompt chunks takes at most "
+        "this many milliseconds longer than a decode step (0: no such bound; default "
+        f"{DEFAULT_PREFILL_STALL_MS['cpu']:g} on cpu and testbed, {DEFAULT_PREFILL_STALL_MS['cuda']:g} on cuda; with "
+        "--max-prefill-slowdown the smaller allowance holds, and either flag alone turns the other's default off)",
         Group.BATCHING)
     # The fit's two budgets (engine/planning/fit.py)
     gpu_memory_gib: float | None = knob(
@@ -460,6 +470,9 @@ class EngineConfig:
         if slowdown is not None and (not isinstance(slowdown, (int, float)) or isinstance(slowdown, bool)
                                      or not (slowdown == 0 or slowdown > 1)):
             raise ConfigError(f"max_prefill_slowdown must be 0 (off) or a number > 1, got {slowdown!r}")
+        stall = self.max_prefill_stall_ms
+        if stall is not None and (not isinstance(stall, (int, float)) or isinstance(stall, bool) or not stall >= 0):
+            raise ConfigError(f"max_prefill_stall_ms must be 0 (off) or a number of milliseconds > 0, got {stall!r}")
         for name in ("gpu_memory_gib", "host_memory_gib"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
@@ -518,10 +531,23 @@ class EngineConfig:
 
     @property
     def prefill_slowdown_limit(self) -> float:
-        """`max_prefill_slowdown`, else the device's default (DEFAULT_PREFILL_SLOWDOWN)."""
+        """`max_prefill_slowdown`; else none where `max_prefill_stall_ms` is given, else the device's
+        default (DEFAULT_PREFILL_SLOWDOWN)."""
         if self.max_prefill_slowdown is not None:
             return float(self.max_prefill_slowdown)
+        if self.max_prefill_stall_ms is not None:
+            return 0.0
         return DEFAULT_PREFILL_SLOWDOWN["cuda" if self.device.startswith("cuda") else self.device]
+
+    @property
+    def prefill_stall_limit_s(self) -> float:
+        """`max_prefill_stall_ms` in seconds; else none where `max_prefill_slowdown` is given, else
+        the device's default (DEFAULT_PREFILL_STALL_MS)."""
+        if self.max_prefill_stall_ms is not None:
+            return self.max_prefill_stall_ms / 1000
+        if self.max_prefill_slowdown is not None:
+            return 0.0
+        return DEFAULT_PREFILL_STALL_MS["cuda" if self.device.startswith("cuda") else self.device] / 1000
 
     @property
     def cpu_attention_enabled(self) -> bool:

@@ -143,7 +143,7 @@ class LLMEngine:
             num_blocks=num_blocks, block_size=cache.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.batched_tokens_budget,
             enable_prefix_caching=cache.enable_prefix_caching, prefix_cache_key=self._prefix_cache_key(),
-            max_prefill_slowdown=config.prefill_slowdown_limit)
+            max_prefill_slowdown=config.prefill_slowdown_limit, max_prefill_stall_s=config.prefill_stall_limit_s)
         logger.info("scheduler: %s", plan.scheduler.describe())
         self.cost_model: CostModel | None = None
         if plan.scheduler.kind == "neo":

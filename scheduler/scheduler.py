@@ -59,8 +59,10 @@ class SchedulerConfig:
     # every block hash, so no two engines' blocks could ever be taken for each other.
     prefix_cache_key: str = ""
     # While sequences decode, an iteration carrying prefill chunks takes at most this many
-    # decode-only iterations' time (scheduler/prefill_pacing.py); 0: the token budget alone.
+    # decode-only iterations' time, and at most max_prefill_stall_s longer than one
+    # (scheduler/prefill_pacing.py); 0: no such bound, both 0: the token budget alone.
     max_prefill_slowdown: float = 0.0
+    max_prefill_stall_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -71,6 +73,9 @@ class SchedulerConfig:
         if (not isinstance(slowdown, (int, float)) or isinstance(slowdown, bool)
                 or not (slowdown == 0 or slowdown > 1)):
             raise SchedulerConfigError(f"max_prefill_slowdown must be 0 (off) or > 1, got {slowdown!r}")
+        stall = self.max_prefill_stall_s
+        if not isinstance(stall, (int, float)) or isinstance(stall, bool) or not stall >= 0:
+            raise SchedulerConfigError(f"max_prefill_stall_s must be 0 (off) or > 0, got {stall!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise SchedulerConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
@@ -88,7 +93,8 @@ class Scheduler:
         self.config = config
         self.block_pool = BlockPool(config.num_blocks, config.block_size)
         self.prefix_cache = PrefixCache(config.block_size, config.prefix_cache_key, config.enable_prefix_caching)
-        self.pacer = PrefillPacer(config.max_prefill_slowdown, min_tokens=config.block_size)
+        self.pacer = PrefillPacer(config.max_prefill_slowdown, min_tokens=config.block_size,
+                                  max_stall_s=config.max_prefill_stall_s)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, prompt not yet computed: the last is the newest
         self.running: list[Sequence] = []  # in admission order: the last is the newest

@@ -79,14 +79,16 @@ class SchedulerPlan:
     max_num_batched_tokens: int
     enable_prefix_caching: bool
     max_prefill_slowdown: float
+    max_prefill_stall_s: float = 0.0
     cost_tables: str | None = None  # a JSON file of tables given instead of a profile
     profile_key: ProfileKey | None = None  # what the profiled tables are cached under
     layer_costs: tuple[str, ...] = ()  # "streamed", "sliced": what stretches the linear stage
 
     def describe(self) -> str:
         caching = "on" if self.enable_prefix_caching else "off"
-        slowdown = self.max_prefill_slowdown
-        pacing = f", prompt chunks at most {slowdown:g} decode steps' time while streams decode" if slowdown else ""
+        bounds = [f"{self.max_prefill_slowdown:g} decode steps' time"] if self.max_prefill_slowdown else []
+        bounds += [f"a decode step + {self.max_prefill_stall_s * 1000:g} ms"] if self.max_prefill_stall_s else []
+        pacing = f", prompt chunks at most {' and '.join(bounds)} while streams decode" if bounds else ""
         text = (f"{self.kind}: {self.max_num_batched_tokens} tokens per iteration (longer prompts in chunks){pacing}, "
                 f"prefix caching {caching}")
         if self.kind == "neo":
@@ -98,7 +100,8 @@ class SchedulerPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "enable_prefix_caching": self.enable_prefix_caching,
-                "max_prefill_slowdown": self.max_prefill_slowdown, "cost_tables": self.cost_tables,
+                "max_prefill_slowdown": self.max_prefill_slowdown, "max_prefill_stall_s": self.max_prefill_stall_s,
+                "cost_tables": self.cost_tables,
                 "profile_key": None if self.profile_key is None else asdict(self.profile_key),
                 "layer_costs": list(self.layer_costs)}
 
@@ -304,7 +307,7 @@ def _scheduler_plan(config: EngineConfig, dtype: torch.dtype, layers: ModelPlan,
     (cached under the key of what it measures), stretched by streamed layers and sliced MLPs."""
     common = dict(max_num_batched_tokens=config.batched_tokens_budget,
                   enable_prefix_caching=config.cache.enable_prefix_caching,
-                  max_prefill_slowdown=config.prefill_slowdown_limit)
+                  max_prefill_slowdown=config.prefill_slowdown_limit, max_prefill_stall_s=config.prefill_stall_limit_s)
     if not num_cpu_blocks:
         return SchedulerPlan("gpu-only", **common)
     placement = layers.placement

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import (ACTIVATION_RESERVE_GIB, DEPRECATED_FLAT_NAMES, FLAT_NAMES, CacheConfig, EngineConfig,
-                           CpuAttentionConfig, ParallelConfig, WeightsConfig)
+from engine.config import (ACTIVATION_RESERVE_GIB, DEFAULT_PREFILL_SLOWDOWN, DEFAULT_PREFILL_STALL_MS,
+                           DEPRECATED_FLAT_NAMES, FLAT_NAMES, CacheConfig, EngineConfig, CpuAttentionConfig,
+                           ParallelConfig, WeightsConfig)
 from engine.engine import LLMEngine
 from engine.model_config import ConfigError
 from engine.profiling import dtype_probe
@@ -184,3 +185,15 @@ def test_mlp_slicing_gives_each_layer_its_rates():
 def test_prefill_moving_is_on_unless_switched_off():
     assert WeightsConfig().prefill_moving
     assert not EngineConfig.from_flat(mlp_prefill_moving="off").weights.prefill_moving
+
+
+def test_either_pacing_flag_turns_the_others_device_default_off():
+    default = EngineConfig.from_flat(device="cpu")
+    assert (default.prefill_slowdown_limit, default.prefill_stall_limit_s) == (
+        DEFAULT_PREFILL_SLOWDOWN["cpu"], DEFAULT_PREFILL_STALL_MS["cpu"] / 1000)
+    stall = EngineConfig.from_flat(device="cpu", max_prefill_stall_ms=400)
+    assert (stall.prefill_slowdown_limit, stall.prefill_stall_limit_s) == (0.0, 0.4)
+    slowdown = EngineConfig.from_flat(device="cpu", max_prefill_slowdown=0)
+    assert (slowdown.prefill_slowdown_limit, slowdown.prefill_stall_limit_s) == (0.0, 0.0)
+    with pytest.raises(ConfigError, match="max_prefill_stall_ms"):
+        EngineConfig.from_flat(max_prefill_stall_ms=-5)

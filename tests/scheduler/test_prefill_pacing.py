@@ -23,6 +23,19 @@ def test_cap_fits_prefill_in_the_slowdown_left_by_the_decodes():
     assert PrefillPacer(max_slowdown=0).max_prefill_tokens(8) is None
 
 
+def test_a_stall_bound_in_seconds_holds_however_fast_a_decode_step_is():
+    pacer = PrefillPacer(max_slowdown=0, min_tokens=4, max_stall_s=0.2)
+    pacer.observe(num_decodes=0, num_prefill_tokens=200, seconds=1.0)  # 5 ms a prompt token
+    pacer.observe(num_decodes=8, num_prefill_tokens=0, seconds=0.01)
+    assert pacer.max_prefill_tokens(8) == 40  # 200 ms of 5 ms tokens, whatever the 10 ms decode step
+    both = PrefillPacer(max_slowdown=3.0, min_tokens=4, max_stall_s=0.2)
+    both.observe(num_decodes=0, num_prefill_tokens=200, seconds=1.0)
+    both.observe(num_decodes=8, num_prefill_tokens=0, seconds=0.01)
+    assert both.max_prefill_tokens(8) == 4  # the smaller allowance, (3 - 1) * 10 ms, and the floor
+    with pytest.raises(SchedulerConfigError, match="max_prefill_stall_s"):
+        SchedulerConfig(num_blocks=64, max_prefill_stall_s=-1.0)
+
+
 def test_scheduler_caps_chunks_while_sequences_decode():
     config = SchedulerConfig(num_blocks=64, block_size=4, max_model_len=200, max_num_batched_tokens=128,
                              max_prefill_slowdown=2.0, enable_prefix_caching=False)

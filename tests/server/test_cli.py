@@ -40,8 +40,8 @@ def test_plan_prints_the_breakdown_and_the_expected_speed_without_loading_weight
     out = capsys.readouterr().out
     assert "weight placement (auto):" in out and "streamed (" in out and "memory (GiB):" in out
     assert "KV pool" in out and "activations" in out and "tokens/s" in out
-    assert ("scheduler: gpu-only: 2048 tokens per iteration (longer prompts in chunks), prompt chunks at most 3 decode steps' "
-            "time while streams decode, prefix caching on") in out  # cpu's defaults
+    assert ("scheduler: gpu-only: 2048 tokens per iteration (longer prompts in chunks), prompt chunks at most a decode "
+            "step + 500 ms while streams decode, prefix caching on") in out  # cpu's defaults
 
 
 def test_plan_prints_the_token_budget_and_whether_prefix_caching_is_on(capsys):
@@ -51,7 +51,7 @@ def test_plan_prints_the_token_budget_and_whether_prefix_caching_is_on(capsys):
     assert "scheduler: gpu-only: 256 tokens per iteration (longer prompts in chunks), prefix caching off" in out
     report = json.loads(out[out.index("\n{") + 1:])
     assert report["scheduler"] == {"kind": "gpu-only", "max_num_batched_tokens": 256, "enable_prefix_caching": False,
-                                   "max_prefill_slowdown": 0.0, "cost_tables": None, "profile_key": None,
+                                   "max_prefill_slowdown": 0.0, "max_prefill_stall_s": 0.0, "cost_tables": None, "profile_key": None,
                                    "layer_costs": []}
 
 
