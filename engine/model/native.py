@@ -75,7 +75,7 @@ class NativeDecoder:
         shape.dtype, shape.hidden, shape.intermediate = _DTYPE_CODES[model.dtype], cfg.hidden_size, cfg.intermediate_size
         shape.num_heads, shape.num_kv_heads, shape.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         shape.eps, shape.cos, shape.sin = cfg.rms_norm_eps, model.rope.cos.data_ptr(), model.rope.sin.data_ptr()
-        shape.linear_threads, shape.isa = int4_kernels.default_num_threads(), isa or ""
+        shape.linear_threads, shape.isa = int4_kernels.default_num_threads(), isa or cpu_kernels.current_isa()
         decoder = ext.Decoder(shape)
         keep_alive, row_limits = [model.rope.cos, model.rope.sin], [MAX_INT16_ROWS]
         for w in model.layers:

@@ -83,6 +83,11 @@ def using_isa(isa: str):
         _default_isa = previous
 
 
+def current_isa() -> str:
+    """What a kernel call naming no `isa` runs: using_isa()'s, or "" (the best usable)."""
+    return _default_isa
+
+
 def integer_dot_isas() -> list[str]:
     """The usable instruction sets whose decode attention scores quantized keys by integer dot
     products, the query quantized to int8 per group (kernels/kv_quant.py: query_round_trip)."""
