@@ -8,7 +8,8 @@
 // name here has internal linkage (unnamed namespace), so the same inline code
 // compiled with different -m flags never merges across translation units.
 //
-// Arithmetic is fp32 throughout; K and V are widened on load. The query heads
+// Arithmetic is fp32, K and V widened on load, except where an Isa attends quantized
+// codes by integer dot products (attention_quant_impl.h). The query heads
 // that share one kv head are processed together, so every K and V row is read
 // once per group rather than once per query head.
 #pragma once
@@ -64,7 +65,8 @@ struct HasSplitLoads<
     I, std::void_t<decltype(static_cast<void>(I::load_even(static_cast<const BFloat16*>(nullptr))))>>
     : std::true_type {};
 
-// Whether Isa scores quantized keys by integer dot products and accumulates values (Isa::Dots, attention_quant_impl.h).
+// Whether Isa attends quantized KV by integer dot products, keys and values alike (Isa::Dots,
+// attention_quant_impl.h).
 template <class I, class = void>
 struct HasIntegerDots : std::false_type {};
 template <class I>

@@ -2,7 +2,8 @@
 // spec), included by attention_impl.h after the pieces it shares with the 16-bit path (softmax,
 // head state, prefetch, tile heads), once per instruction set.
 //
-// Codes are widened to fp32 in registers; no dequantized copy of a unit is ever written. A key
+// Codes are widened to fp32 in registers, or (Isa::Dots) multiplied as integers; no dequantized
+// copy of a unit is ever written. A key
 // score is sum_g scale[g, t] * sum_{d in g} q[d] code[d, t] (+ min[g, t] * sum_{d in g} q[d] for
 // INT4): the group's dot product runs on raw codes and is scaled once per group and token. The
 // values fold each token's scale into its probability once per block (coef = p * scale), so a code
