@@ -48,6 +48,18 @@ inline const Float16* unit_mins(const uint8_t* unit, const KvUnit& u) {  // [num
   return reinterpret_cast<const Float16*>(unit + u.mins_offset());
 }
 
+// One head's score terms of key group g over the span at t0: s = scale * sums (+ min[g] * q_sum for
+// INT4), added to what earlier groups left (group 0 writes).
+template <class Codes>
+TANDEM_ALWAYS_INLINE void add_group_score(float* s, Vec scale, Vec sums, const uint8_t* unit, const KvUnit& u, int g,
+                                          int t0, float q_sum) {
+  Vec total = Isa::fma(scale, sums, g == 0 ? Isa::zero() : Isa::load(s));
+  if constexpr (Codes::kHasMin) {
+    total = Isa::fma(Isa::load(unit_mins(unit, u) + g * u.block_size + t0), Isa::set1(q_sum), total);
+  }
+  Isa::store(s, total);
+}
+
 // Scores of kHeads query rows (q [heads, head_dim], pre-scaled; q_sums [heads, num_groups])
 // against the kWidth tokens at t0 of a key unit, whose codes are [code_cols, block_size]. Per
 // group, kPhases accumulator sets take every kPhases-th code row (one load; INT4's holds two
@@ -99,13 +111,7 @@ TANDEM_ALWAYS_INLINE void score_quantized_span(const float* q, const float* q_su
     const Vec scale = Isa::load(unit_scales(unit, u) + g * block_size + t0);
 #pragma GCC unroll 8
     for (int h = 0; h < kHeads; ++h) {
-      float* s = scores + h * score_stride;
-      Vec total = Isa::fma(scale, acc[h], g == 0 ? Isa::zero() : Isa::load(s));
-      if constexpr (Codes::kHasMin) {
-        const Vec min = Isa::load(unit_mins(unit, u) + g * block_size + t0);
-        total = Isa::fma(min, Isa::set1(q_sums[h * num_groups + g]), total);
-      }
-      Isa::store(s, total);
+      add_group_score<Codes>(scores + h * score_stride, scale, acc[h], unit, u, g, t0, q_sums[h * num_groups + g]);
     }
   }
 }
@@ -170,15 +176,9 @@ TANDEM_ALWAYS_INLINE void score_dotted_span(const int8_t* q_codes, const float* 
     const Vec scale = Isa::load(unit_scales(unit, u) + g * block_size + t0);
 #pragma GCC unroll 8
     for (int h = 0; h < kHeads; ++h) {
-      float* s = scores + h * score_stride;
       const Vec sums = Dots::to_float(Dots::add(acc[h], acc[kHeads + h]));
       const Vec step_scale = Isa::mul(scale, Isa::set1(q_steps[h * num_groups + g]));
-      Vec total = Isa::fma(step_scale, sums, g == 0 ? Isa::zero() : Isa::load(s));
-      if constexpr (Codes::kHasMin) {
-        const Vec min = Isa::load(unit_mins(unit, u) + g * block_size + t0);
-        total = Isa::fma(min, Isa::set1(q_sums[h * num_groups + g]), total);
-      }
-      Isa::store(s, total);
+      add_group_score<Codes>(scores + h * score_stride, step_scale, sums, unit, u, g, t0, q_sums[h * num_groups + g]);
     }
   }
 }
