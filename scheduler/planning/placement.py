@@ -15,7 +15,8 @@ A forward holds one layer at a time, or two under Neo's two-batch forward (layer
 sub-batch runs before layer i's second). Each candidate must fit the budgets; a resident layer
 costs KV space when the GPU's memory is one budget, so fewer sequences fit a batch.
 The candidate with the most decode tokens per second in simulated time (pipeline.py) wins; one that
-streams more layers must win by MIN_STREAMING_GAIN, and ties go to the least GPU memory. When none fits, `PlacementError` says what
+streams more layers must win by MIN_STREAMING_GAIN (and never wins at the same batch in the same
+pipeline: its other loads are the same), and ties go to the least GPU memory. When none fits, `PlacementError` says what
 to change.
 """
 from __future__ import annotations
@@ -103,8 +104,8 @@ class TransferRates:
     def load_s(self, tier: Tier, nbytes: int, under_compute: bool = False) -> float:
         """One layer's load: host layers copy at the link's rate; disk layers are read and copied
         block by block, so the slower stage sets the pace, plus one block of the other."""
-        link = self.link_bytes_per_s_under_compute if under_compute and self.link_bytes_per_s_under_compute \
-            else self.link_bytes_per_s
+        link = min(self.link_bytes_per_s, self.link_bytes_per_s_under_compute) \
+            if under_compute and self.link_bytes_per_s_under_compute else self.link_bytes_per_s
         link_s = nbytes / link
         if tier == Tier.HOST:
             return link_s
@@ -239,6 +240,8 @@ def is_better(a: WeightPlacement, b: WeightPlacement) -> bool:
     then the smaller."""
     rate_a, rate_b = a.estimate.tokens_per_s, b.estimate.tokens_per_s
     streamed_a, streamed_b = len(a.streamed_layers), len(b.streamed_layers)
+    if streamed_a != streamed_b and _same_pipeline(a, b) and a.estimate.batch == b.estimate.batch:
+        return streamed_a < streamed_b  # a layer kept resident only drops a load: faster estimates are noise
     if streamed_a != streamed_b:
         more, fewer = (rate_a, rate_b) if streamed_a > streamed_b else (rate_b, rate_a)
         more_wins = more > fewer * (1 + MIN_STREAMING_GAIN)
@@ -246,6 +249,10 @@ def is_better(a: WeightPlacement, b: WeightPlacement) -> bool:
     if abs(rate_a - rate_b) > 1e-9 * max(rate_a, rate_b):
         return rate_a > rate_b
     return a.memory.gpu_bytes < b.memory.gpu_bytes
+
+
+def _same_pipeline(a: WeightPlacement, b: WeightPlacement) -> bool:
+    return a.pipeline is None or b.pipeline is None or a.pipeline == b.pipeline
 
 
 def spread(num_chosen: int, num_total: int) -> list[bool]:
@@ -405,7 +412,8 @@ def forward_timeline(inputs: PlannerInputs, tiers: Sequence[Tier], num_buffers: 
 
     def replay(compute_share: float, load_share: float) -> tuple[ForwardTimeline, dict[Tier, float]]:
         alone = costs.linear(num_tokens)
-        busy = costs.linear_under_transfer(num_tokens) if costs.linear_under_transfer else alone
+        # a load beside never speeds compute (nor compute a load): a reading below alone is noise
+        busy = max(alone, costs.linear_under_transfer(num_tokens)) if costs.linear_under_transfer else alone
         layer_s = alone + (busy - alone) * compute_share + attention_s
         load_s = {tier: (1 - load_share) * rates.load_s(tier, layer_bytes)
                   + load_share * rates.load_s(tier, layer_bytes, under_compute=True) for tier in streamed_tiers}

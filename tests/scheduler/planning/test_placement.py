@@ -255,3 +255,19 @@ def test_measured_interference_between_loads_and_compute_slows_the_estimate():
     resident = MemoryBudgets(kv_cache_bytes=GIB_BYTES)
     assert plan_placement(dataclasses.replace(slowed, budgets=resident, mode="gpu")).estimate.timeline.iteration_s == \
         pytest.approx(plan_placement(dataclasses.replace(base, budgets=resident, mode="gpu")).estimate.timeline.iteration_s)
+
+
+def test_loads_and_compute_measured_faster_together_than_alone_count_as_alone():
+    """A noisy probe (a busy neighbour while compute ran alone) must not make streaming look faster
+    than keeping layers resident: the planner keeps as many layers resident as fit, and the
+    estimate is the one measured alone."""
+    import dataclasses
+
+    budgets = MemoryBudgets(gpu_weight_bytes=GLOBALS + 8 * LAYER, kv_cache_bytes=GIB_BYTES)
+    base = inputs(budgets, link_s_per_layer=0.005)
+    noisy = dataclasses.replace(base, costs=dataclasses.replace(
+        base.costs, linear_under_transfer=Curve.from_points([(1, 0.0025), (64, 0.00275)])),
+        rates=dataclasses.replace(base.rates, link_bytes_per_s_under_compute=base.rates.link_bytes_per_s * 4))
+    quiet, placed = plan_placement(base), plan_placement(noisy)
+    assert placed.tiers == quiet.tiers and placed.num_layers_in(TIER_GPU) == quiet.num_layers_in(TIER_GPU) > 0
+    assert placed.estimate.timeline.iteration_s == pytest.approx(quiet.estimate.timeline.iteration_s)
