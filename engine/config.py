@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.knobs import Group, config_knobs, flat_names, keyword_of, knob, parse_knobs, sections
 from engine.model_config import ConfigError
+from engine.speculative.config import SpeculativeConfig
 from scheduler.modes import Mode
 from scheduler.planning.kv_format import KV_CACHE_DTYPES, QUANTIZED_KV_BLOCK_MULTIPLE, kv_format
 from scheduler.planning.memory import Quantization
@@ -441,6 +442,12 @@ class EngineConfig:
         f"{DEFAULT_PREFILL_STALL_MS['cpu']:g} on cpu and testbed, {DEFAULT_PREFILL_STALL_MS['cuda']:g} on cuda; with "
         "--max-prefill-slowdown the smaller allowance holds, and either flag alone turns the other's default off)",
         Group.BATCHING)
+    # Speculative decoding (engine/speculative): vLLM's flag, its JSON keys
+    speculative_config: SpeculativeConfig | None = knob(
+        "--speculative-config", None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
+        'K, "prompt_lookup_min": A, "prompt_lookup_max": B} drafts up to K tokens from the latest earlier match of '
+        'the last A..B tokens (defaults 2..4) in the prompt and output, and one forward verifies them (greedy text '
+        'and sampled distributions as without it)', Group.BATCHING, metavar="JSON", parse=SpeculativeConfig.parse)
     # The fit's two budgets (engine/planning/fit.py)
     gpu_memory_gib: float | None = knob(
         "--gpu-memory-gib", None, "the GPU's memory for weights, layer buffers, activations and its KV pool "

@@ -30,7 +30,10 @@ from engine.planning.weights import profile_key, weight_format
 from engine.profiling.cache import profile_path
 from engine.request import InputProcessor, PreparedRequest, Request
 from engine.runtime import ModelRunner
-from engine.runtime.runner import FatalRunnerError
+from engine.runtime.runner import FatalRunnerError, RunnerOutput
+from engine.sampling import Sampler
+from engine.speculative import create_speculator
+from engine.speculative.verify import VerifyCounts, verify
 from engine.text import Tokenizer
 from engine.weights import create_loader
 from scheduler.iteration_plan import IterationPlan, PlanMode
@@ -48,6 +51,7 @@ from scheduler.planning.tiers import Tier
 from scheduler.prefix_cache import PrefixCacheCounters
 from scheduler.sampling_params import ParamError, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,8 @@ class IterationStats:
     weight_transfer_time: float = 0.0  # loading streamed layers (overlapping the forward)
     weight_stall_time: float = 0.0  # the GPU waiting for a streamed layer's weights
     weight_bytes_streamed: dict[str, int] = field(default_factory=dict)  # by tier (host, disk)
+    # ---- speculative decoding ------------------------------------------------------------------
+    speculation: VerifyCounts | None = None  # this step's drafts and what was accepted
     # ---- MLP slicing (ScheInfer): the CG parts' bytes are in weight_bytes_streamed["host"] ------
     mlp_cpu_time: float = 0.0  # the CPU computing its MLP parts (CC)
     num_mlp_moved_tokens: int = 0  # tokens whose CC units CG' computed on the GPU, summed over layers
@@ -153,6 +159,12 @@ class LLMEngine:
                                                      self.cost_model)
         else:
             self.scheduler = Scheduler(scheduler_config)
+        self.speculator = None
+        if config.speculative_config is not None:
+            self.speculator = create_speculator(config.speculative_config, self.max_model_len)
+            # its own generator (seeded apart from the runner's) for unseeded requests' draws
+            self._verify_sampler = Sampler(self.model_config.vocab_size, seed=config.seed + 1)
+            logger.info("speculative decoding: %s", config.speculative_config.to_dict())
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.eos_token_ids = tuple(dict.fromkeys((*eos, *self.model_config.eos_token_ids)))
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
@@ -333,6 +345,8 @@ class LLMEngine:
         and report the requests that received one."""
         prefix_cache_before = self.scheduler.prefix_cache.counters.snapshot()
         plan = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.draft(plan, self.scheduler)
         self.stats = stats = self._plan_stats(plan)
         # lookups, demotions and promotions all happen while planning (an undone admission too)
         stats.prefix_cache = self.scheduler.prefix_cache.counters.since(prefix_cache_before)
@@ -354,6 +368,8 @@ class LLMEngine:
             return []
         stats.forward_time = output.forward_time
         self.scheduler.observe_step(plan, output.forward_time)
+        if self.speculator is not None:
+            self.speculator.observe_step(plan, output.forward_time)
         self._record_weights(stats, weights_before, self.weight_stats)
         if output.pipeline is not None:
             stats.cpu_attention_time = output.pipeline.cpu_attention
@@ -365,8 +381,33 @@ class LLMEngine:
             self._fail_request(sampling[row].sequence.request_id, reason)
         updated = self.scheduler.update(plan, output.sampled.token_ids, output.sampled.token_logprobs(),
                                         on_error=self._token_failed)
+        if plan.verifies:
+            updated += self._verify(plan, output)
         return self._outputs({seq.request_id: self._requests[seq.request_id] for seq in updated
                               if seq.request_id in self._requests})
+
+    def _verify(self, plan: IterationPlan, output: RunnerOutput) -> list[Sequence]:
+        """Check the plan's drafts against the forward's rows and take the tokens they give
+        (engine/speculative/verify.py); the sequences that received any."""
+        live = [(share, rows) for share, rows in zip(plan.verifies, output.verify_logits)
+                if not share.sequence.finished]  # aborted while the forward ran
+        shares = [share for share, _ in live]
+
+        def take(share, position: int, token) -> bool:
+            try:
+                return self.scheduler.take_verified(share, position, token)
+            except Exception as exc:  # noqa: BLE001 (its detokenizer or grammar: its own failure)
+                self._token_failed(share.sequence, exc)
+                return False
+
+        def fail(seq: Sequence, reason: str) -> None:
+            self._fail_request(seq.request_id, reason)
+
+        counts = verify(shares, [rows for _, rows in live], self._verify_sampler, take, fail)
+        self.speculator.observe(shares, counts.accepted_by_share)
+        self.stats.speculation = counts
+        self.stats.num_generation_tokens += counts.num_emitted_tokens
+        return [share.sequence for share in shares]
 
     def take_failures(self) -> list[RequestFailure]:
         """The requests that failed since the last call, each alone (the others go on); they have

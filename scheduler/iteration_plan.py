@@ -13,17 +13,30 @@ from scheduler.sequence import Sequence
 class ScheduledSeq:
     """One sequence's share of an iteration: compute `num_new_tokens` tokens after the cached
     ones. Only a share that reaches the sequence's last token samples one; an earlier chunk of a
-    prefill does not."""
+    prefill does not. A verify share (speculative decoding) is a decode whose last token is
+    followed by `draft_token_ids`: each of its tokens is a decode row of its own position, and
+    each row checks the draft after it (engine/speculative/verify.py) instead of sampling."""
 
     sequence: Sequence
     num_computed_tokens: int
     num_new_tokens: int
     samples: bool = True
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
         start = self.num_computed_tokens
-        return self.sequence.all_token_ids[start:start + self.num_new_tokens]
+        own = self.sequence.all_token_ids[start:start + self.num_new_tokens - len(self.draft_token_ids)]
+        return own + list(self.draft_token_ids)
+
+    @property
+    def is_verify(self) -> bool:
+        return bool(self.draft_token_ids)
+
+    @property
+    def num_output_rows(self) -> int:
+        """Logit rows the forward returns for it: every row of a verify share, else its last."""
+        return self.num_new_tokens if self.draft_token_ids else 1
 
 
 @dataclass(frozen=True)
@@ -95,13 +108,18 @@ class IterationPlan:
 
     @property
     def sampling(self) -> list[ScheduledSeq]:
-        """The scheduled shares that sample a token, in `scheduled` order."""
+        """The scheduled shares that sample a token, in `scheduled` order (verify shares check
+        their drafts instead)."""
         return [s for s in self.scheduled if s.samples]
 
     @property
+    def verifies(self) -> list[ScheduledSeq]:
+        """The verify shares (decodes with drafts), in `scheduled` order."""
+        return [s for s in self.scheduled if s.is_verify]
+
+    @property
     def num_batched_tokens(self) -> int:
-        return (sum(s.num_new_tokens for s in self.prefills) + len(self.decodes)
-                + len(self.batch0_cpu_decodes) + len(self.batch1_cpu_decodes))
+        return sum(s.num_new_tokens for s in self.scheduled)  # a decode's 1, a verify share's 1 + drafts
 
     @property
     def is_empty(self) -> bool:

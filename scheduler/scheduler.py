@@ -192,7 +192,7 @@ class Scheduler:
     def observe_step(self, plan: IterationPlan, forward_s: float) -> None:
         """The measured time of `plan`'s forward, for the pacer."""
         num_prefill_tokens = sum(s.num_new_tokens for s in plan.prefills)
-        self.pacer.observe(len(plan.scheduled) - len(plan.prefills), num_prefill_tokens, forward_s)
+        self.pacer.observe(plan.num_batched_tokens - num_prefill_tokens, num_prefill_tokens, forward_s)
 
     def _continue_prefills(self, plan: IterationPlan, token_budget: int) -> int:
         """Schedule the next chunk of every prefill in progress while the budget and its pool
@@ -307,7 +307,7 @@ class Scheduler:
         sampled = iter(zip(sampled_token_ids, logprobs if logprobs is not None else [None] * len(sampled_token_ids)))
         for scheduled in plan.scheduled:
             token = next(sampled) if scheduled.samples else None
-            if scheduled.sequence.finished:  # aborted while the iteration ran
+            if scheduled.sequence.finished or scheduled.is_verify:  # aborted while it ran; verified apart
                 continue
             try:
                 if self._take_token(scheduled, token):
@@ -317,6 +317,26 @@ class Scheduler:
                     raise
                 on_error(scheduled.sequence, exc)
         return updated
+
+    # ---- speculative decoding --------------------------------------------------------------
+    def reserve_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` of `seq`'s tokens (its drafts' slots) from its pool, where they
+        are free: drafts never preempt anyone. Extra blocks stay with it until it ends."""
+        pool = self._pool_of(seq)
+        needed = blocks_for(num_tokens, self.config.block_size) - len(seq.block_ids)
+        if needed > 0 and not pool.can_allocate(needed):
+            return False
+        if needed > 0:
+            seq.block_ids.extend(pool.allocate(needed))
+        return True
+
+    def take_verified(self, scheduled: ScheduledSeq, position: int, token: tuple[int, Any]) -> bool:
+        """The token a verify share's row `position` gave (engine/speculative/verify.py): taken
+        as a decode's, the positions before it computed. Whether its sequence goes on (not
+        finished); the caller stops at the first token that differs from the draft."""
+        decode = ScheduledSeq(scheduled.sequence, scheduled.num_computed_tokens + position, 1)
+        self._take_token(decode, token)
+        return not scheduled.sequence.finished
 
     def _take_token(self, scheduled: ScheduledSeq, token: tuple[int, Any] | None) -> bool:
         """One scheduled share's update; whether its sequence received a token."""

@@ -36,7 +36,7 @@ def wire_plan(plan: IterationPlan, vocab_size: int) -> IterationPlan:
     preemption or placement records)."""
     def share(scheduled: ScheduledSeq) -> ScheduledSeq:
         return ScheduledSeq(_wire_sequence(scheduled.sequence, vocab_size), scheduled.num_computed_tokens,
-                            scheduled.num_new_tokens, scheduled.samples)
+                            scheduled.num_new_tokens, scheduled.samples, scheduled.draft_token_ids)
 
     return IterationPlan(prefills=[share(s) for s in plan.prefills], decodes=[share(s) for s in plan.decodes],
                          batch0_cpu_decodes=[share(s) for s in plan.batch0_cpu_decodes],

@@ -20,9 +20,10 @@ class BatchInputs:
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata  # the GPU rows
     cpu: CpuDecodeMetadata | None  # the trailing CPU decode rows
-    last_indices: torch.Tensor  # [num_seqs] row of each sequence's last token
+    # each sequence's output rows, in order: its last token's; every row of a verify share
+    sequence_rows: torch.Tensor
     # Prefills that asked for prompt logprobs: the rows whose logits predict their prompt's next
-    # tokens ([num_prompt_rows], after `last_indices` in the forward's output), and per such
+    # tokens ([num_prompt_rows], after `sequence_rows` in the forward's output), and per such
     # prefill (its index among this batch's sequences, its number of rows), in row order.
     prompt_rows: torch.Tensor
     prompt_spans: list[tuple[int, int]]
@@ -39,7 +40,7 @@ class BatchInputs:
 def build_batch(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], cpu_decodes: list[ScheduledSeq],
                 block_size: int, device: torch.device) -> BatchInputs:
     """Pack one sub-batch: prefill tokens, then GPU decodes, then CPU decodes."""
-    token_ids, positions, last_indices, prompt_rows, prompt_spans = [], [], [], [], []
+    token_ids, positions, sequence_rows, prompt_rows, prompt_spans = [], [], [], [], []
     for index, seq in enumerate((*prefills, *gpu_decodes, *cpu_decodes)):
         start, count = seq.num_computed_tokens, seq.num_new_tokens
         if index < len(prefills) and seq.sequence.wants_prompt_logprobs:
@@ -48,7 +49,7 @@ def build_batch(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], c
             prompt_spans.append((index, end - first))
         token_ids.extend(seq.token_ids)
         positions.extend(range(start, start + count))
-        last_indices.append(len(token_ids) - 1)
+        sequence_rows.extend(range(len(token_ids) - seq.num_output_rows, len(token_ids)))
     cpu_meta = None
     if cpu_decodes:
         cpu_meta = CpuDecodeMetadata(*_decode_tables(cpu_decodes, torch.device("cpu")))
@@ -56,7 +57,7 @@ def build_batch(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq], c
         token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         meta=_gpu_metadata(prefills, gpu_decodes, block_size, device), cpu=cpu_meta,
-        last_indices=torch.tensor(last_indices, dtype=torch.int64, device=device),
+        sequence_rows=torch.tensor(sequence_rows, dtype=torch.int64, device=device),
         prompt_rows=torch.tensor(prompt_rows, dtype=torch.int64, device=device), prompt_spans=prompt_spans,
     )
 
@@ -104,12 +105,16 @@ def _gpu_metadata(prefills: list[ScheduledSeq], gpu_decodes: list[ScheduledSeq],
 
 
 def _decode_tables(decodes: list[ScheduledSeq], device: torch.device):
-    """-> block tables [num_decodes, max_blocks] int32 (unused entries point at block 0 and are
-    masked by the context lengths) and context lengths [num_decodes] int32; (None, None) if empty."""
+    """-> block tables [num_decode_rows, max_blocks] int32 (unused entries point at block 0 and are
+    masked by the context lengths) and context lengths [num_decode_rows] int32; (None, None) if
+    empty. A verify share is one row per token, each a decode of its own position: every backend
+    appends a step's new K/V before it attends, so each row reads the drafts before it."""
     if not decodes:
         return None, None
-    max_blocks = max(len(s.sequence.block_ids) for s in decodes)
-    tables = torch.tensor([s.sequence.block_ids + [0] * (max_blocks - len(s.sequence.block_ids)) for s in decodes],
+    rows = [(s.sequence.block_ids, s.num_computed_tokens + offset + 1)
+            for s in decodes for offset in range(s.num_new_tokens)]
+    max_blocks = max(len(table) for table, _ in rows)
+    tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table, _ in rows],
                           dtype=torch.int32, device=device)
-    context_lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes], dtype=torch.int32, device=device)
+    context_lens = torch.tensor([context_len for _, context_len in rows], dtype=torch.int32, device=device)
     return tables, context_lens

@@ -150,7 +150,7 @@ class _PipelinedForward:
     def _head(self) -> torch.Tensor:
         batch0, batch1 = self.b0.inputs, self.b1.inputs
         hidden = torch.cat([self.b0.hidden, self.b1.hidden])
-        last = torch.cat([batch0.last_indices, batch1.last_indices + batch0.num_tokens, batch0.prompt_rows,
+        last = torch.cat([batch0.sequence_rows, batch1.sequence_rows + batch0.num_tokens, batch0.prompt_rows,
                           batch1.prompt_rows + batch0.num_tokens])
         return self.model.post_layer(hidden, last)
 

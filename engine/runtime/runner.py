@@ -49,13 +49,16 @@ class RunnerOutput:
     pipeline: PipelineTimes | None = None  # pipelined plans only
     # row of plan.scheduled -> the prompt logprobs entries its chunk gave, for prefills that asked for them
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    # per verify share of the plan (`plan.verifies`, in order): its rows' logits [1 + drafts, vocab]
+    verify_logits: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
 class ForwardLogits:
-    """A forward's logits: one row per scheduled sequence, then the prompt rows."""
+    """A forward's logits: each scheduled sequence's rows (one; a verify share's every row), then
+    the prompt rows."""
 
-    rows: torch.Tensor  # [num_scheduled + num_prompt_rows, vocab] fp32
+    rows: torch.Tensor  # [num_sequence_rows + num_prompt_rows, vocab] fp32
     prompt_spans: list[tuple[int, int]]  # (row of plan.scheduled, number of prompt rows), in order
     pipeline: PipelineTimes | None
 
@@ -157,10 +160,14 @@ class ModelRunner:
         start = time.perf_counter()
         logits = self._forward(plan)
         forward_time = time.perf_counter() - start
-        rows = [row for row, scheduled in enumerate(plan.scheduled) if scheduled.samples]
-        sampling_rows = logits.rows[rows] if len(rows) < len(plan.scheduled) else logits.rows[:len(rows)]
-        sampled = self.sampler(sampling_rows, [plan.scheduled[row].sequence for row in rows])
-        return RunnerOutput(sampled, forward_time, logits.pipeline, self._prompt_logprobs(plan, logits))
+        firsts = first_output_rows(plan)
+        shares = plan.scheduled
+        rows = [firsts[index] for index, scheduled in enumerate(shares) if scheduled.samples]
+        sampling_rows = logits.rows[rows] if len(rows) < len(shares) else logits.rows[:len(rows)]
+        sampled = self.sampler(sampling_rows, [scheduled.sequence for scheduled in shares if scheduled.samples])
+        verify_logits = [logits.rows[firsts[index]:firsts[index] + scheduled.num_output_rows]
+                         for index, scheduled in enumerate(shares) if scheduled.is_verify]
+        return RunnerOutput(sampled, forward_time, logits.pipeline, self._prompt_logprobs(plan, logits), verify_logits)
 
     @torch.inference_mode()
     def forward(self, plan: IterationPlan) -> ForwardLogits:
@@ -174,7 +181,7 @@ class ModelRunner:
 
     @staticmethod
     def _prompt_logprobs(plan: IterationPlan, logits: ForwardLogits) -> dict[int, list[TokenLogprob]]:
-        result, first_row = {}, len(plan.scheduled)
+        result, first_row = {}, sum(scheduled.num_output_rows for scheduled in plan.scheduled)
         for row, num_rows in logits.prompt_spans:
             scheduled = plan.scheduled[row]
             first, end = prompt_logprob_positions(scheduled)
@@ -204,7 +211,7 @@ class ModelRunner:
                 return ForwardLogits(logits, [], None)
         if plan.mode == PlanMode.GPU_ONLY and not (plan.batch0_cpu_decodes or plan.batch1_cpu_decodes):
             batch = self._build_batch(plan.prefills, plan.decodes, [])
-            output_rows = torch.cat([batch.last_indices, batch.prompt_rows])
+            output_rows = torch.cat([batch.sequence_rows, batch.prompt_rows])
             logits = self.gpu.submit(lambda: self.model.forward(
                 batch.token_ids, batch.positions, self.kv_cache, batch.meta, output_rows)).result()
             return ForwardLogits(logits, batch.prompt_spans, None)
@@ -215,7 +222,7 @@ class ModelRunner:
         batch1 = self._build_batch([], [], plan.batch1_cpu_decodes)
         logits = pipelined_forward(self.model, self.gpu, self.kv_cache, self.cpu_decode,
                                    batch0, batch1, times)
-        num_batch0_seqs = len(batch0.last_indices)
+        num_batch0_seqs = len(plan.batch0)
         spans = batch0.prompt_spans + [(num_batch0_seqs + index, num_rows) for index, num_rows in batch1.prompt_spans]
         return ForwardLogits(logits, spans, times)
 
@@ -225,10 +232,11 @@ class ModelRunner:
         if (self.graphs is None or plan.mode != PlanMode.GPU_ONLY or plan.prefills or not decodes
                 or plan.batch0_cpu_decodes or plan.batch1_cpu_decodes):
             return None
-        tables = [seq.sequence.block_ids for seq in decodes]
-        if not self.graphs.takes(len(decodes), max(map(len, tables))):
+        rows = [(token, share.num_computed_tokens + offset, share.sequence.block_ids)
+                for share in decodes for offset, token in enumerate(share.token_ids)]  # a verify share's every row
+        if not self.graphs.takes(len(rows), max(len(table) for _, _, table in rows)):
             return None
-        return DecodeRows([seq.token_ids[0] for seq in decodes], [seq.num_computed_tokens for seq in decodes], tables)
+        return DecodeRows(*(list(column) for column in zip(*rows)))
 
     def _build_batch(self, prefills, gpu_decodes, cpu_decodes):
         return build_batch(prefills, gpu_decodes, cpu_decodes, self.block_size, self.device)
@@ -244,6 +252,15 @@ class ModelRunner:
                 kv.copy_blocks([copy], to_cpu=copy.to_cpu)
 
         self.gpu.submit_copy(copy_all).result()
+
+
+def first_output_rows(plan: IterationPlan) -> list[int]:
+    """Each scheduled share's first row in a forward's logits (ForwardLogits.rows)."""
+    firsts, row = [], 0
+    for scheduled in plan.scheduled:
+        firsts.append(row)
+        row += scheduled.num_output_rows
+    return firsts
 
 
 def _linear_method(name: str, int4_prefill: Int4Prefill, batch_invariant: bool) -> LinearMethod:

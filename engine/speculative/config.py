@@ -1,0 +1,87 @@
+"""--speculative-config: vLLM's flag and keys, parsed once as the engine's config is built.
+
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
+    {"method": "draft_model", "model": PATH_OR_PRESET, "num_speculative_tokens": k}
+
+No torch here: the scheduler-side and config code read it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+# n-gram lookup bounds where none are given: a 1-token match drafts noise, and past 4 tokens a
+# longer match rarely predicts better than the longest of 4 (vLLM's example uses 4)
+DEFAULT_LOOKUP_MIN = 2
+DEFAULT_LOOKUP_MAX = 4
+MAX_SPECULATIVE_TOKENS = 16  # the verify chunk's rows grow with it, and acceptance falls geometrically
+_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
+         "draft_model": {"method", "num_speculative_tokens", "model", "quantization"}}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int  # the most drafts one verify carries (adaptive below it)
+    prompt_lookup_min: int = DEFAULT_LOOKUP_MIN  # ngram: the shortest suffix matched
+    prompt_lookup_max: int = DEFAULT_LOOKUP_MAX  # ngram: the longest suffix matched
+    model: str | None = None  # draft_model: a GGUF file, an HF directory or a preset
+    quantization: str = "int4"  # draft_model: its decoder layers' format (int4: small and resident)
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | str | dict[str, Any]") -> "SpeculativeConfig":
+        """The flag's JSON text, a mapping (YAML, Python), or a config; ValueError naming the key."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"must be a JSON object such as "
+                                 f'{{"method": "ngram", "num_speculative_tokens": 4}}, got {value!r} ({exc})') from None
+        if not isinstance(value, dict):
+            raise ValueError(f"must be a JSON object with a method ({' or '.join(METHODS)}), got {value!r}")
+        return cls._from_mapping(value)
+
+    @classmethod
+    def _from_mapping(cls, mapping: dict[str, Any]) -> "SpeculativeConfig":
+        method = mapping.get("method")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        unknown = sorted(set(mapping) - _KEYS[method])
+        if unknown:
+            raise ValueError(f"method {method} takes {', '.join(sorted(_KEYS[method]))}; unknown: {', '.join(unknown)}")
+        config = cls(method=method, num_speculative_tokens=_int(mapping, "num_speculative_tokens", None, 1),
+                     prompt_lookup_min=_int(mapping, "prompt_lookup_min", DEFAULT_LOOKUP_MIN, 1),
+                     prompt_lookup_max=_int(mapping, "prompt_lookup_max",
+                                            max(DEFAULT_LOOKUP_MAX, mapping.get("prompt_lookup_min") or 0), 1),
+                     model=mapping.get("model"), quantization=mapping.get("quantization", "int4"))
+        config.check()
+        return config
+
+    def check(self) -> None:
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("method draft_model needs a model: a GGUF file, an HF directory or a preset")
+        if self.quantization not in ("int4", "none"):
+            raise ValueError(f"quantization must be int4 or none, got {self.quantization!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = sorted(_KEYS[self.method])
+        return {key: getattr(self, key) for key in keys}
+
+
+def _int(mapping: dict[str, Any], key: str, default: int | None, minimum: int) -> int:
+    value = mapping.get(key, default)
+    if value is None:
+        raise ValueError(f"{key} is required (an integer >= {minimum})")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return value

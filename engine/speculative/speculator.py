@@ -1,0 +1,81 @@
+"""Speculative decoding's side of an iteration: drafts for the plan's decodes before the forward,
+what their verification showed after it.
+
+`draft` turns decodes of a scheduled plan into verify shares (the last token and up to k drafts,
+each a decode row of its own position) where the proposer has drafts, they pay for their rows
+(budget.py), the token budget has room and free blocks hold their slots (drafts never preempt).
+Rejected drafts' slots are rolled back by not counting them: a sequence's computed tokens
+advance by the tokens taken, so the next forward overwrites those slots, and the prefix cache
+hashes a block only once its tokens are taken.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.speculative.budget import Acceptance, StepCostFit, drafts_that_pay
+from engine.speculative.config import SpeculativeConfig
+from scheduler.iteration_plan import IterationPlan, ScheduledSeq
+from scheduler.scheduler import Scheduler
+from scheduler.sequence import Sequence
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Up to k draft tokens for each (sequence, k), in order."""
+
+
+DECODE_LISTS = ("decodes", "batch0_cpu_decodes", "batch1_cpu_decodes")  # either pool's sequences verify
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.acceptance = Acceptance(config.num_speculative_tokens)
+        self.step_costs = StepCostFit()
+
+    def draft(self, plan: IterationPlan, scheduler: Scheduler) -> None:
+        """Give the plan's decodes their drafts (in place): each that gets some becomes a verify
+        share in its place."""
+        decodes = [share for name in DECODE_LISTS for share in getattr(plan, name)]
+        wanted = [(share, self._num_drafts(share.sequence)) for share in decodes]
+        wanted = [(share, k) for share, k in wanted if k > 0]
+        budget = scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
+        if budget <= 0 or not wanted:
+            return
+        proposals = self.proposer.propose([(share.sequence, k) for share, k in wanted])
+        counts = drafts_that_pay([len(tokens) for tokens in proposals],
+                                 [self.acceptance.rate(share.sequence) for share, _ in wanted],
+                                 plan.num_batched_tokens, len(decodes), self.step_costs.line())
+        verifies = {}
+        for (share, _), tokens, count in zip(wanted, proposals, counts):
+            tokens = tokens[:min(count, budget)]
+            seq = share.sequence
+            if not tokens or not scheduler.reserve_slots(seq, seq.num_tokens + len(tokens)):
+                continue
+            budget -= len(tokens)
+            verifies[id(seq)] = ScheduledSeq(seq, share.num_computed_tokens, 1 + len(tokens), samples=False,
+                                             draft_token_ids=tuple(tokens))
+        for name in DECODE_LISTS:
+            setattr(plan, name, [verifies.get(id(share.sequence), share) for share in getattr(plan, name)])
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """k for `seq`: its adaptive length, within its context and its max_tokens (the token the
+        verify draws last is one more)."""
+        room = self.max_model_len - seq.num_tokens
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(self.acceptance.num_drafts(seq), room))
+
+    def observe_step(self, plan: IterationPlan, forward_s: float) -> None:
+        """A forward's time: decode-only steps teach the cost of a row."""
+        if not plan.prefills and plan.num_batched_tokens:
+            self.step_costs.observe(plan.num_batched_tokens, forward_s)
+
+    def observe(self, shares: list[ScheduledSeq], accepted_by_share: list[int]) -> None:
+        for share, num_accepted in zip(shares, accepted_by_share):
+            self.acceptance.observe(share.sequence, len(share.draft_token_ids), num_accepted)
