@@ -33,7 +33,8 @@ from engine.runtime import ModelRunner
 from engine.runtime.runner import FatalRunnerError, RunnerOutput
 from engine.sampling import Sampler
 from engine.speculative import create_speculator
-from engine.speculative.verify import VerifyCounts, verify
+from engine.speculative.counts import VerifyCounts
+from engine.speculative.verify import verify
 from engine.text import Tokenizer
 from engine.weights import create_loader
 from scheduler.iteration_plan import IterationPlan, PlanMode
@@ -404,7 +405,7 @@ class LLMEngine:
             self._fail_request(seq.request_id, reason)
 
         counts = verify(shares, [rows for _, rows in live], self._verify_sampler, take, fail)
-        self.speculator.observe(shares, counts.accepted_by_share)
+        self.speculator.observe(shares, counts)
         self.stats.speculation = counts
         self.stats.num_generation_tokens += counts.num_emitted_tokens
         return [share.sequence for share in shares]

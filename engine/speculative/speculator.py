@@ -14,6 +14,7 @@ from typing import Protocol
 
 from engine.speculative.budget import Acceptance, StepCostFit, drafts_that_pay
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.counts import VerifyCounts
 from scheduler.iteration_plan import IterationPlan, ScheduledSeq
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
@@ -36,6 +37,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.acceptance = Acceptance(config.num_speculative_tokens)
         self.step_costs = StepCostFit()
+        self.totals = VerifyCounts()  # since the engine started
 
     def draft(self, plan: IterationPlan, scheduler: Scheduler) -> None:
         """Give the plan's decodes their drafts (in place): each that gets some becomes a verify
@@ -76,6 +78,8 @@ class Speculator:
         if not plan.prefills and plan.num_batched_tokens:
             self.step_costs.observe(plan.num_batched_tokens, forward_s)
 
-    def observe(self, shares: list[ScheduledSeq], accepted_by_share: list[int]) -> None:
-        for share, num_accepted in zip(shares, accepted_by_share):
+    def observe(self, shares: list[ScheduledSeq], counts: VerifyCounts) -> None:
+        """A step's verification: each sequence's acceptance, and the running totals."""
+        self.totals.add(counts)
+        for share, num_accepted in zip(shares, counts.accepted_by_share):
             self.acceptance.observe(share.sequence, len(share.draft_token_ids), num_accepted)

@@ -11,33 +11,14 @@ request's draws are the ones it would make without speculation (its noise is key
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from engine.sampling import Sampler
+from engine.speculative.counts import VerifyCounts
 from scheduler.iteration_plan import ScheduledSeq
 from scheduler.sequence import Sequence
-
-
-@dataclass
-class VerifyCounts:
-    """One step's verification, as vLLM's spec-decode metrics count it."""
-
-    num_drafts: int = 0  # verify shares
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts accepted at each position
-    num_emitted_tokens: int = 0  # tokens taken: accepted drafts and each share's last draw
-    accepted_by_share: list[int] = field(default_factory=list)  # per share, in order
-
-    def accept(self, share: int, position: int) -> None:
-        self.num_accepted_tokens += 1
-        self.accepted_by_share[share] += 1
-        while len(self.accepted_per_position) <= position:
-            self.accepted_per_position.append(0)
-        self.accepted_per_position[position] += 1
 
 
 # take(share, position, (token, logprob entry)) -> whether its sequence goes on

@@ -1,0 +1,89 @@
+"""Speculative decoding's parts without a model: the flag's parsing, n-gram lookup, the row-cost
+fit and which drafts pay, and sequences' adaptive k."""
+import pytest
+
+from engine.config import EngineConfig
+from engine.model_config import ConfigError
+from engine.speculative.budget import Acceptance, StepCostFit, drafts_that_pay
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.ngram import ngram_drafts
+from scheduler.sampling_params import SamplingParams
+from scheduler.sequence import Sequence
+
+
+def test_the_flag_takes_vllms_json_and_names_what_is_wrong():
+    config = EngineConfig.from_flat(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, '
+                                                       '"prompt_lookup_max": 5}').speculative_config
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == \
+        ("ngram", 3, 2, 5)
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).prompt_lookup_max == 4
+    for text, named in [('{"method": "ngram"}', "num_speculative_tokens is required"),
+                        ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of"),
+                        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
+                        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, '
+                         '"prompt_lookup_max": 3}', "prompt_lookup_min (5) must not exceed"),
+                        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown: model"),
+                        ("ngram", "must be a JSON object")]:
+        with pytest.raises(ConfigError, match="--speculative-config") as error:
+            EngineConfig.from_flat(speculative_config=text)
+        assert named in str(error.value)
+
+
+@pytest.mark.parametrize("tokens, expected", [
+    ([1, 2, 3, 4, 5, 1, 2, 3], [4, 5, 1]),  # the longest suffix, 3 tokens, recurs
+    ([9, 2, 3, 7, 1, 2, 3, 8, 2, 3], [8, 2, 3]),  # the latest of two matches
+    ([1, 2, 3, 4, 5, 6, 7, 3], []),  # one recurring token is below prompt_lookup_min
+    ([5, 6, 5, 6, 5, 6], [5, 6]),  # a match overlapping the suffix: what follows it
+    ([7], []),
+])
+def test_ngram_drafts_follow_the_latest_longest_match(tokens, expected):
+    assert ngram_drafts(tokens, 3, 2, 4) == expected
+
+
+def test_ngram_drafts_match_a_plain_search(gen):
+    """Against a loop over every n and start, on random token strings with repeats."""
+    import torch
+
+    for _ in range(50):
+        tokens = torch.randint(0, 4, (int(torch.randint(2, 40, (1,), generator=gen)),), generator=gen).tolist()
+        expected = []
+        for n in range(min(4, len(tokens) - 1), 1, -1):
+            starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+            if starts:
+                expected = tokens[starts[-1] + n:starts[-1] + n + 3]
+                break
+        assert ngram_drafts(tokens, 3, 2, 4) == expected
+
+
+def test_the_row_cost_fit_recovers_its_line_and_waits_for_spread():
+    fit = StepCostFit()
+    for _ in range(5):
+        fit.observe(4, 0.004 + 4 * 0.001)
+    assert fit.line() is None  # every step had 4 rows: a row's cost is unknown
+    for rows in (1, 2, 6, 9, 3):
+        fit.observe(rows, 0.004 + rows * 0.001)
+    a, b = fit.line()
+    assert a == pytest.approx(0.004) and b == pytest.approx(0.001)
+
+
+def test_drafts_pay_where_rows_are_cheap_and_not_where_the_step_is_compute_bound():
+    cheap = (0.010, 0.0002)  # weight-bound: a row is 2% of a step
+    # 0.3^3 yields less per row's cost than the step already does
+    assert drafts_that_pay([4, 4], [0.8, 0.3], 2, 2, cheap) == [4, 2]
+    bound = (0.001, 0.001)  # every row costs as much as the step's fixed part
+    assert drafts_that_pay([4, 4], [0.9, 0.9], 32, 32, bound) == [0, 0]
+    assert drafts_that_pay([4], [0.9], 1, 1, None) == [4]  # costs not measured yet: all
+    assert drafts_that_pay([0, 2], [0.9, 0.9], 2, 2, cheap) == [0, 2]
+
+
+def test_k_doubles_while_all_are_accepted_and_drops_after_a_rejection():
+    seq = Sequence("s", [1, 2], SamplingParams())
+    acceptance = Acceptance(max_drafts=8)
+    assert acceptance.num_drafts(seq) == 8
+    acceptance.observe(seq, 8, 2)
+    assert acceptance.num_drafts(seq) == 3 and acceptance.rate(seq) > 0.6  # 2 of the 3 checked
+    acceptance.observe(seq, 3, 3)
+    assert acceptance.num_drafts(seq) == 6
+    before = acceptance.rate(seq)
+    acceptance.observe(seq, 6, 0)
+    assert acceptance.num_drafts(seq) == 1 and acceptance.rate(seq) < before
