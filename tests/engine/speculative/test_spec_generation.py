@@ -114,3 +114,30 @@ def test_aborts_mid_verification_leave_no_block_held():
         assert not engine.has_unfinished_requests()
         assert engine.scheduler.block_pool.num_free_blocks == 16
         assert engine.speculator.totals.num_drafts > 0
+
+
+def test_host_pool_sequences_verify_with_cpu_attention(llm, tmp_path):
+    """Neo with a GPU pool of one request: drafts of sequences in the host pool are decode rows of
+    the CPU's attention, in either sub-batch; the tokens are the GPU-only engine's."""
+    from offload_costs import write_cost_tables
+    from scheduler.sequence import Tier
+
+    params = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True)
+    prompts = PROMPTS[:4]  # each fits 64 tokens with its 36
+    expected = token_ids(llm.generate(prompts, params))
+    tables = write_cost_tables(tmp_path, llm.engine.model_config.num_layers)
+    with LLM("smollm2-135m", dtype="float32", cpu_attention="on", cost_tables=tables, num_gpu_blocks=16,
+             num_cpu_blocks=128, block_size=4, max_model_len=64, max_num_seqs=8, speculative_config=NGRAM) as neo:
+        scheduler = neo.engine.scheduler
+        verified_tiers = set()
+        draft = neo.engine.speculator.draft
+
+        def recording_draft(plan, owner):
+            draft(plan, owner)
+            verified_tiers.update(share.sequence.tier for share in plan.verifies)
+
+        neo.engine.speculator.draft = recording_draft
+        assert token_ids(neo.generate(prompts, params)) == expected
+        assert verified_tiers == {Tier.GPU, Tier.CPU}
+        assert scheduler.block_pool.num_free_blocks == scheduler.block_pool.num_blocks
+        assert scheduler.cpu_pool.num_free_blocks == scheduler.cpu_pool.num_blocks
