@@ -117,6 +117,7 @@ class Metrics:
         self._add_weight_metrics(r, counter, histogram)
         self._add_prefix_cache_metrics(r, counter)
         self._add_expert_metrics(r, counter)
+        self._add_speculation_metrics(r, counter)
         self._last_token_time: dict[str, float] = {}
         self._initialise_labelled_series()
 
@@ -179,6 +180,17 @@ class Metrics:
             "tandem:moe_expert_copied_bytes", "Bytes of expert weights copied onto the GPU, by what for (promoted: "
             "into a slot; fetched: into a buffer for one forward).", ["model_name", "kind"], registry=r)
 
+    def _add_speculation_metrics(self, r: CollectorRegistry, counter) -> None:
+        # ---- speculative decoding, as vLLM V1 counts it: acceptance rate = accepted / draft tokens,
+        # mean accepted length = 1 + accepted / drafts ---------------------------------------------
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Verify shares: decodes that carried drafts.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                       "Draft tokens the target accepted.")
+        self._spec_accepted_per_pos = Counter(
+            "tandem:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position of a verify "
+            "(0: the first draft).", ["model_name", "position"], registry=r)
+
     def record_api_request(self, endpoint: str, status: int) -> None:
         self._api_requests.labels(self._model_name, endpoint, str(status)).inc()
 
@@ -210,6 +222,7 @@ class Metrics:
             self._expert_pairs.labels(name, expert, placement)
         for kind in EXPERT_COPY_KINDS:
             self._expert_copied_bytes.labels(name, kind)
+        self._spec_accepted_per_pos.labels(name, "0")  # at 0 without speculation; later positions as they come
 
     def request_success(self, finished_reason: str):
         return self._success.labels(self._model_name, finished_reason)
@@ -238,6 +251,8 @@ class Metrics:
             if stats.weight_bytes_streamed:
                 self._record_streaming(stats)
             self._record_experts(stats)
+            if stats.speculation is not None:
+                self._record_speculation(stats.speculation)
         for output in outputs:
             new_tokens = sum(len(c.delta_token_ids) for c in output.outputs)
             self.generation_tokens.inc(new_tokens)
@@ -278,6 +293,13 @@ class Metrics:
         self.expert_demotions.inc(stats.num_expert_demotions)
         self._expert_copied_bytes.labels(name, EXPERT_PROMOTED).inc(stats.promoted_bytes)
         self._expert_copied_bytes.labels(name, EXPERT_FETCHED).inc(stats.fetched_bytes)
+
+    def _record_speculation(self, counts) -> None:
+        self.spec_decode_num_drafts.inc(counts.num_drafts)
+        self.spec_decode_num_draft_tokens.inc(counts.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(counts.num_accepted_tokens)
+        for position, count in enumerate(counts.accepted_per_position):
+            self._spec_accepted_per_pos.labels(self._model_name, str(position)).inc(count)
 
     def _record_prefix_cache(self, stats) -> None:
         counts, name = stats.prefix_cache, self._model_name

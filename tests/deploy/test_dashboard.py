@@ -107,7 +107,8 @@ def test_the_layout_is_a_grafana_dashboard_on_the_provisioned_datasource():
     ids = [panel["id"] for panel in panels]
     assert len(ids) == len(set(ids))
     rows = [panel["title"] for panel in panels if panel["type"] == "row"]
-    assert rows == ["Serving", "Prefix cache", "Offloading (Neo)", "Weights", "Hot experts (MoE)"]
+    assert rows == ["Serving", "Prefix cache", "Offloading (Neo)", "Weights", "Hot experts (MoE)",
+                    "Speculative decoding"]
     cells = set()
     for panel in panels:
         grid = panel["gridPos"]
