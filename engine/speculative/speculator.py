@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.speculative.budget import Acceptance, StepCostFit, drafts_that_pay
+from engine.speculative.budget import Acceptance, StepCosts, drafts_that_pay
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.counts import VerifyCounts
 from scheduler.iteration_plan import IterationPlan, ScheduledSeq
@@ -36,7 +36,7 @@ class Speculator:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.acceptance = Acceptance(config.num_speculative_tokens)
-        self.step_costs = StepCostFit()
+        self.step_costs = StepCosts()
         self.totals = VerifyCounts()  # since the engine started
 
     def draft(self, plan: IterationPlan, scheduler: Scheduler) -> None:
@@ -51,7 +51,7 @@ class Speculator:
         proposals = self.proposer.propose([(share.sequence, k) for share, k in wanted])
         counts = drafts_that_pay([len(tokens) for tokens in proposals],
                                  [self.acceptance.rate(share.sequence) for share, _ in wanted],
-                                 plan.num_batched_tokens, len(decodes), self.step_costs.line())
+                                 plan.num_batched_tokens, len(decodes), self.step_costs)
         verifies = {}
         for (share, _), tokens, count in zip(wanted, proposals, counts):
             tokens = tokens[:min(count, budget)]

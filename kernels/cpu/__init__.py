@@ -261,7 +261,7 @@ def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     return out
 
 
-DENSE_LINEAR_MAX_ROWS = 4
+DENSE_LINEAR_MAX_ROWS = 8
 DENSE_LINEAR_K_MULTIPLE = 16
 
 

@@ -415,8 +415,9 @@ void silu_mul(uintptr_t gate_up, uintptr_t out, int dtype, int rows, int width, 
 void dense_linear(uintptr_t x, uintptr_t w, int w_dtype, uintptr_t y, int batch, int n, int k, int num_threads,
                   const std::string& isa) {
   if (num_threads < 1 || num_threads > kMaxThreads) throw std::invalid_argument("num_threads out of range");
-  if (batch < 1 || batch > 4 || n < 1 || k < 1 || k % kHeadDimMultiple != 0) {
-    throw std::invalid_argument("dense_linear takes 1-4 rows and k a positive multiple of " +
+  if (batch < 1 || batch > kGemvMaxRows || n < 1 || k < 1 || k % kHeadDimMultiple != 0) {
+    throw std::invalid_argument("dense_linear takes 1-" + std::to_string(kGemvMaxRows) +
+                                " rows and k a positive multiple of " +
                                 std::to_string(kHeadDimMultiple) + ", got " + std::to_string(batch) + " rows, k " +
                                 std::to_string(k));
   }

@@ -25,6 +25,10 @@ inline size_t dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2;
 struct BFloat16 { uint16_t bits; };
 struct Float16 { uint16_t bits; };
 
+// Up to this many rows of x share each pass over W (gemv_impl.h): a decode step's, and the verify
+// rows of a speculative decode.
+constexpr int kGemvMaxRows = 8;
+
 // y [batch, n] = x [batch, k] @ W^T, W [n, k] in w_dtype, x and y fp32 (gemv_impl.h).
 struct GemvProblem {
   const float* x;

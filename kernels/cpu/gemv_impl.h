@@ -12,8 +12,6 @@
 namespace tandem {
 namespace {
 
-constexpr int kGemvMaxRows = 4;
-
 template <typename T, int kRows>
 void gemv_typed(const GemvProblem& p, int col_begin, int col_end) {
   using Vec = typename Isa::Vec;
@@ -36,6 +34,10 @@ void gemv_dispatch(const GemvProblem& p, int col_begin, int col_end) {
     case 1: gemv_typed<T, 1>(p, col_begin, col_end); break;
     case 2: gemv_typed<T, 2>(p, col_begin, col_end); break;
     case 3: gemv_typed<T, 3>(p, col_begin, col_end); break;
+    case 4: gemv_typed<T, 4>(p, col_begin, col_end); break;
+    case 5: gemv_typed<T, 5>(p, col_begin, col_end); break;
+    case 6: gemv_typed<T, 6>(p, col_begin, col_end); break;
+    case 7: gemv_typed<T, 7>(p, col_begin, col_end); break;
     default: gemv_typed<T, kGemvMaxRows>(p, col_begin, col_end); break;
   }
 }

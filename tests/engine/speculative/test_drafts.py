@@ -4,9 +4,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.model_config import ConfigError
-from engine.speculative.budget import Acceptance, StepCostFit, drafts_that_pay
+from engine.speculative.budget import Acceptance, StepCosts, drafts_that_pay
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.ngram import ngram_drafts
+from engine.speculative.ngram import NgramIndex, ngram_drafts
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
 
@@ -40,40 +40,51 @@ def test_ngram_drafts_follow_the_latest_longest_match(tokens, expected):
     assert ngram_drafts(tokens, 3, 2, 4) == expected
 
 
-def test_ngram_drafts_match_a_plain_search(gen):
-    """Against a loop over every n and start, on random token strings with repeats."""
+def test_the_growing_index_answers_as_the_plain_search(gen):
+    """A sequence's index, grown token by token as a decode grows it, on random strings with repeats."""
     import torch
 
-    for _ in range(50):
-        tokens = torch.randint(0, 4, (int(torch.randint(2, 40, (1,), generator=gen)),), generator=gen).tolist()
-        expected = []
-        for n in range(min(4, len(tokens) - 1), 1, -1):
-            starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
-            if starts:
-                expected = tokens[starts[-1] + n:starts[-1] + n + 3]
-                break
-        assert ngram_drafts(tokens, 3, 2, 4) == expected
+    for _ in range(20):
+        tokens = torch.randint(0, 4, (60,), generator=gen).tolist()
+        index = NgramIndex(2, 4)
+        for length in range(1, len(tokens) + 1, int(torch.randint(1, 4, (1,), generator=gen))):
+            assert index.drafts(tokens[:length], 3) == ngram_drafts(tokens[:length], 3, 2, 4)
 
 
-def test_the_row_cost_fit_recovers_its_line_and_waits_for_spread():
-    fit = StepCostFit()
+def test_step_costs_keep_each_row_counts_own_time_and_fit_a_line_for_the_rest():
+    costs = StepCosts()
     for _ in range(5):
-        fit.observe(4, 0.004 + 4 * 0.001)
-    assert fit.line() is None  # every step had 4 rows: a row's cost is unknown
+        costs.observe(4, 0.004 + 4 * 0.001)
+    assert costs.line() is None and costs.seconds(6) is None  # every step had 4 rows: a row's cost is unknown
     for rows in (1, 2, 6, 9, 3):
-        fit.observe(rows, 0.004 + rows * 0.001)
-    a, b = fit.line()
+        costs.observe(rows, 0.004 + rows * 0.001)
+    a, b = costs.line()
     assert a == pytest.approx(0.004) and b == pytest.approx(0.001)
+    costs.observe(5, 0.020)  # a kernel's row block ends at 4: the fifth row costs a second pass
+    assert costs.seconds(5) == pytest.approx(0.020) and costs.seconds(7) == pytest.approx(0.011, rel=0.2)
+
+
+def steps(rows_seconds) -> StepCosts:
+    costs = StepCosts()
+    for rows, seconds in rows_seconds:
+        costs.observe(rows, seconds)
+    return costs
 
 
 def test_drafts_pay_where_rows_are_cheap_and_not_where_the_step_is_compute_bound():
-    cheap = (0.010, 0.0002)  # weight-bound: a row is 2% of a step
+    cheap = steps((rows, 0.010 + 0.0002 * rows) for rows in range(1, 12))  # weight-bound: a row is 2% of a step
     # 0.3^3 yields less per row's cost than the step already does
     assert drafts_that_pay([4, 4], [0.8, 0.3], 2, 2, cheap) == [4, 2]
-    bound = (0.001, 0.001)  # every row costs as much as the step's fixed part
+    bound = steps((rows, 0.001 + 0.001 * rows) for rows in range(30, 40))  # a row costs as much as the fixed part
     assert drafts_that_pay([4, 4], [0.9, 0.9], 32, 32, bound) == [0, 0]
-    assert drafts_that_pay([4], [0.9], 1, 1, None) == [4]  # costs not measured yet: all
+    assert drafts_that_pay([4], [0.9], 1, 1, StepCosts()) == [4]  # nothing measured yet: all, to learn
     assert drafts_that_pay([0, 2], [0.9, 0.9], 2, 2, cheap) == [0, 2]
+
+
+def test_a_row_block_boundary_stops_the_drafts_before_it():
+    """A step of 5 rows costing twice one of 4 (the kernels' row block): 3 drafts, not 4."""
+    staircase = steps([(1, 0.005), (2, 0.0055), (3, 0.006), (4, 0.0065), (5, 0.012), (6, 0.0125)])
+    assert drafts_that_pay([4], [0.8], 1, 1, staircase) == [3]
 
 
 def test_k_doubles_while_all_are_accepted_and_drops_after_a_rejection():

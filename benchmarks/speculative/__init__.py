@@ -1,0 +1,1 @@
+"""Benchmarks of speculative decoding (engine/speculative)."""
