@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-pacing bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-gpu gpu-check clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-pacing bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-spec bench-gpu gpu-check clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -114,6 +114,7 @@ bench: install
 	$(MAKE) bench-moe
 	$(MAKE) bench-tp
 	$(MAKE) bench-protocols
+	$(MAKE) bench-spec
 	$(PY) -m benchmarks.serving.offline
 	$(PY) -m benchmarks.load.serve --system 'tandem=$(PY) -m server.cli serve --port {port}' \
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
@@ -186,6 +187,24 @@ bench-pacing: install
 		$(PACING_LOAD) --output benchmarks/results/pacing_stall_clients.json
 	$(PY) -m benchmarks.serving.long_prompt $(foreach s,$(PACING_STALLS_MS),--system 'stall-$(s)ms=$(PACED) \
 		--max-model-len $(LONG_PROMPT_CONTEXT) --max-prefill-stall-ms $(s)') --output benchmarks/results/pacing_stall_long_prompt.json
+	$(PY) -m benchmarks.update_benchmarks_doc
+
+# Speculative decoding (n-gram lookup) on output that copies its prompt and on open chat, at 1 and 32
+# clients: the default CPU path, the testbed with most layers streamed from host memory, and
+# llama.cpp's server with its own n-gram speculation where ../shared/peers/ built it. Each pair is a
+# system and the same with -ngram; the table gives each pair's ratio.
+NGRAM_CONFIG := '{"method": "ngram", "num_speculative_tokens": 4}'
+STREAMED_TESTBED := --device testbed --quantization none --weights-gpu-gib 0.12
+LLAMA_SPEC = env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) -m $(EMBEDDED_GGUF) -t 2 -np 32 -c 16384 \
+	--host 127.0.0.1 --port {port} -a smollm2
+bench-spec: install
+	$(PY) -m benchmarks.speculative.spec_decode --system 'tandem=$(TANDEM_SERVE)' \
+		--system 'tandem-ngram=$(TANDEM_SERVE) --speculative-config $(NGRAM_CONFIG)' \
+		--system 'streamed=$(TANDEM_SERVE) $(STREAMED_TESTBED)' \
+		--system 'streamed-ngram=$(TANDEM_SERVE) $(STREAMED_TESTBED) --speculative-config $(NGRAM_CONFIG)' \
+		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=$(LLAMA_SPEC)' \
+		--system 'llama.cpp-ngram=$(LLAMA_SPEC) --spec-type ngram-simple') \
+		--num-requests 6 --clients 32 --reps 2 --warmup 1 --no-progress --output benchmarks/results/spec_decode.json
 	$(PY) -m benchmarks.update_benchmarks_doc
 
 # Multi-turn chat over one shared system prompt (prefix caching): 16 conversations of 6 turns at once,
