@@ -193,7 +193,7 @@ bench-pacing: install
 # clients: the default CPU path, the testbed with most layers streamed from host memory, and
 # llama.cpp's server with its own n-gram speculation where ../shared/peers/ built it. Each pair is a
 # system and the same with -ngram; the table gives each pair's ratio.
-NGRAM_CONFIG := '{"method": "ngram", "num_speculative_tokens": 4}'
+NGRAM_CONFIG := "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}"
 STREAMED_TESTBED := --device testbed --quantization none --weights-gpu-gib 0.12
 LLAMA_SPEC = env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) -m $(EMBEDDED_GGUF) -t 2 -np 32 -c 16384 \
 	--host 127.0.0.1 --port {port} -a smollm2
