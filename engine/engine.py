@@ -369,8 +369,6 @@ class LLMEngine:
             return []
         stats.forward_time = output.forward_time
         self.scheduler.observe_step(plan, output.forward_time)
-        if self.speculator is not None:
-            self.speculator.observe_step(plan, output.forward_time)
         self._record_weights(stats, weights_before, self.weight_stats)
         if output.pipeline is not None:
             stats.cpu_attention_time = output.pipeline.cpu_attention
@@ -382,8 +380,11 @@ class LLMEngine:
             self._fail_request(sampling[row].sequence.request_id, reason)
         updated = self.scheduler.update(plan, output.sampled.token_ids, output.sampled.token_logprobs(),
                                         on_error=self._token_failed)
-        if plan.verifies:
-            updated += self._verify(plan, output)
+        if self.speculator is not None:
+            verify_start = time.perf_counter()
+            updated += self._verify(plan, output) if plan.verifies else []
+            # what a verify row costs includes drawing its token
+            self.speculator.observe_step(plan, output.forward_time + time.perf_counter() - verify_start)
         return self._outputs({seq.request_id: self._requests[seq.request_id] for seq in updated
                               if seq.request_id in self._requests})
 

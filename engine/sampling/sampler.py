@@ -87,7 +87,7 @@ class Sampler:
     def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logits = self._vocab_logits(logits, seqs)
         params = [seq.sampling_params for seq in seqs]
-        if all(p.greedy for p in params) and not _needs_processing(seqs):
+        if all(p.greedy for p in params) and not needs_processing(seqs):
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._sample(self.process(logits, seqs), params, seqs)
@@ -165,7 +165,8 @@ class Sampler:
         return self._seeded_generators[device]
 
 
-def _needs_processing(seqs: list[Sequence]) -> bool:
+def needs_processing(seqs: list[Sequence]) -> bool:
+    """Whether any row's logits change with its sequence's state (min_tokens, penalties, bias, grammar)."""
     return any(_min_tokens_active(r) or _uses_penalties(r.sampling_params) or r.sampling_params.logit_bias
                or r.grammar is not None for r in seqs)
 

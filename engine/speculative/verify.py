@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from engine.sampling import Sampler
+from engine.sampling.sampler import needs_processing
 from engine.speculative.counts import VerifyCounts
 from scheduler.iteration_plan import ScheduledSeq
 from scheduler.sequence import Sequence
@@ -31,23 +32,46 @@ def verify(shares: list[ScheduledSeq], logits: list[torch.Tensor], sampler: Samp
     appends each token drawn, `fail` ends a request whose sampling raised."""
     counts = VerifyCounts(num_drafts=len(shares), num_draft_tokens=sum(len(s.draft_token_ids) for s in shares),
                           accepted_by_share=[0] * len(shares))
+    drawn_ahead = _greedy_draws(shares, logits, sampler)
     active, position = list(range(len(shares))), 0
     while active:
-        rows = torch.stack([logits[i][position] for i in active])
-        drawn = sampler(rows, [shares[i].sequence for i in active])
-        entries = drawn.token_logprobs()
+        if drawn_ahead is None:
+            drawn = sampler(torch.stack([logits[i][position] for i in active]), [shares[i].sequence for i in active])
+            tokens, entries, failed = drawn.token_ids, drawn.token_logprobs(), drawn.failed_rows
+        else:
+            tokens, entries = zip(*(drawn_ahead[i][position] for i in active))
+            failed = {}
         still = []
         for j, i in enumerate(active):
             share = shares[i]
-            if j in drawn.failed_rows:
-                fail(share.sequence, drawn.failed_rows[j])
+            if j in failed:
+                fail(share.sequence, failed[j])
                 continue
-            token = drawn.token_ids[j]
             counts.num_emitted_tokens += 1
-            if not take(share, position, (token, entries[j])):
+            if not take(share, position, (tokens[j], entries[j])):
                 continue
-            if position < len(share.draft_token_ids) and token == share.draft_token_ids[position]:
+            if position < len(share.draft_token_ids) and tokens[j] == share.draft_token_ids[position]:
                 counts.accept(i, position)
                 still.append(i)
         active, position = still, position + 1
     return counts
+
+
+def _greedy_draws(shares: list[ScheduledSeq], logits: list[torch.Tensor],
+                  sampler: Sampler) -> list[list[tuple[int, Any]]] | None:
+    """Every row's token and logprobs entry in one sampler call, where no row's draw depends on the
+    tokens before it (greedy, no penalties, bias, grammar or min_tokens): per share, per row. None
+    otherwise: those are drawn position by position."""
+    seqs = [share.sequence for share in shares]
+    if not all(seq.sampling_params.greedy for seq in seqs) or needs_processing(seqs):
+        return None
+    rows = [seq for share, seq in zip(shares, seqs) for _ in range(share.num_output_rows)]
+    drawn = sampler(torch.cat(logits), rows)
+    if drawn.failed_rows:
+        return None  # drawn again position by position, where the failing row is told apart
+    pairs, first = list(zip(drawn.token_ids, drawn.token_logprobs())), 0
+    per_share = []
+    for share in shares:
+        per_share.append(pairs[first:first + share.num_output_rows])
+        first += share.num_output_rows
+    return per_share

@@ -141,3 +141,16 @@ def test_host_pool_sequences_verify_with_cpu_attention(llm, tmp_path):
         assert verified_tiers == {Tier.GPU, Tier.CPU}
         assert scheduler.block_pool.num_free_blocks == scheduler.block_pool.num_blocks
         assert scheduler.cpu_pool.num_free_blocks == scheduler.cpu_pool.num_blocks
+
+
+def test_batch_invariant_text_is_the_same_beside_others_with_drafts():
+    """--batch-invariant: a row's numbers do not depend on its batch, so a crowd of requests, some
+    verifying drafts, gives each the tokens it gets alone without speculation."""
+    prompts = [*PROMPTS, COPY, "Name the planets: Mercury, Venus, Earth, Mars,"]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    with LLM("smollm2-135m", dtype="bfloat16", batch_invariant=True, max_model_len=512) as plain:
+        alone = [token_ids(plain.generate([prompt], params))[0] for prompt in prompts]
+    with LLM("smollm2-135m", dtype="bfloat16", batch_invariant=True, max_model_len=512,
+             speculative_config=NGRAM) as speculating:
+        assert token_ids(speculating.generate(prompts, params)) == alone
+        assert speculating.engine.speculator.totals.num_accepted_tokens > 0
