@@ -31,6 +31,7 @@ EVERY_FLAG = {
     "weight-pipeline": "memory", "weight-io-threads": 2, "weight-copy-threads": 1, "expected-context-len": 300, "mlp-slicing": "0.25,0.5",
     "mlp-prefill-moving": "off", "hot-experts": "3", "expert-window-tokens": 512,
     "tensor-parallel-size": 2, "ray-address": "ray://head:10001",
+    "speculative-config": '{"method": "ngram", "num_speculative_tokens": 3}',
 }
 # Former flag names -> (the flag now, a value unlike its default); each still works and warns (deprecated)
 DEPRECATED_FLAGS = {"offload": ("cpu-attention", "off"), "accelerator-threads": ("gpu-threads", 2),

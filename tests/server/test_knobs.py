@@ -22,7 +22,7 @@ from server.flag_sources import FlagSourceError
 TEXT_VALUES = {"--model": "llama-3.1-8b", "--dtype": "bfloat16", "--device": "cuda:1",
                "--cost-tables": "/tmp/costs.json", "--profile-cache-dir": "/tmp/profiles",
                "--offload-dir": "/tmp/offload", "--ray-address": "ray://head:10001", "--mlp-slicing": "0.25,0.5",
-               "--hot-experts": "3"}
+               "--hot-experts": "3", "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 3}'}
 # Values each knob with a type, choices or a parse refuses; free text that nothing refuses is absent.
 BAD_TEXT = {"--dtype": "float64", "--device": "tpu"}
 FREE_TEXT = {"--model", "--cost-tables", "--profile-cache-dir", "--offload-dir", "--ray-address"}
