@@ -190,10 +190,11 @@ bench-pacing: install
 	$(PY) -m benchmarks.update_benchmarks_doc
 
 # Speculative decoding (n-gram lookup) on output that copies its prompt and on open chat, at 1 and 32
-# clients: the default CPU path, the testbed with most layers streamed from host memory, and
-# llama.cpp's server with its own n-gram speculation where ../shared/peers/ built it. Each pair is a
-# system and the same with -ngram; the table gives each pair's ratio.
+# clients: the default CPU path, the testbed with most layers streamed from host memory (n-gram, and
+# the embedded model in INT4 drafting for itself), and llama.cpp's server with its own n-gram
+# speculation where ../shared/peers/ built it. The table gives each -ngram/-draft system's ratio.
 NGRAM_CONFIG := "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}"
+DRAFT_CONFIG := "{\"method\": \"draft_model\", \"model\": \"smollm2-135m\", \"num_speculative_tokens\": 4}"
 STREAMED_TESTBED := --device testbed --quantization none --weights-gpu-gib 0.12
 LLAMA_SPEC = env LD_LIBRARY_PATH=$(dir $(LLAMA_SERVER)) $(LLAMA_SERVER) -m $(EMBEDDED_GGUF) -t 2 -np 32 -c 16384 \
 	--host 127.0.0.1 --port {port} -a smollm2
@@ -202,6 +203,7 @@ bench-spec: install
 		--system 'tandem-ngram=$(TANDEM_SERVE) --speculative-config $(NGRAM_CONFIG)' \
 		--system 'streamed=$(TANDEM_SERVE) $(STREAMED_TESTBED)' \
 		--system 'streamed-ngram=$(TANDEM_SERVE) $(STREAMED_TESTBED) --speculative-config $(NGRAM_CONFIG)' \
+		--system 'streamed-draft=$(TANDEM_SERVE) $(STREAMED_TESTBED) --speculative-config $(DRAFT_CONFIG)' \
 		$(if $(wildcard $(LLAMA_SERVER)),--system 'llama.cpp=$(LLAMA_SPEC)' \
 		--system 'llama.cpp-ngram=$(LLAMA_SPEC) --spec-type ngram-simple') \
 		--num-requests 6 --clients 32 --reps 2 --warmup 1 --no-progress --output benchmarks/results/spec_decode.json

@@ -34,6 +34,7 @@ from engine.runtime.runner import FatalRunnerError, RunnerOutput
 from engine.sampling import Sampler
 from engine.speculative import create_speculator
 from engine.speculative.counts import VerifyCounts
+from engine.speculative.draft_model import Target
 from engine.speculative.verify import verify
 from engine.text import Tokenizer
 from engine.weights import create_loader
@@ -162,7 +163,8 @@ class LLMEngine:
             self.scheduler = Scheduler(scheduler_config)
         self.speculator = None
         if config.speculative_config is not None:
-            self.speculator = create_speculator(config.speculative_config, self.max_model_len)
+            self.speculator = create_speculator(config.speculative_config, Target(
+                self.model_config.vocab_size, self.tokenizer, self.dtype, config.device, self.max_model_len, config.seed))
             # its own generator (seeded apart from the runner's) for unseeded requests' draws
             self._verify_sampler = Sampler(self.model_config.vocab_size, seed=config.seed + 1)
             logger.info("speculative decoding: %s", config.speculative_config.to_dict())
@@ -295,8 +297,10 @@ class LLMEngine:
         return load_or_profile(scheduler.profile_key, build, cpu_attention.profile_cache_dir)
 
     def close(self) -> None:
-        """Stop the runner's threads (the testbed's GPU thread)."""
+        """Stop the runner's threads (the testbed's GPU thread), and a draft model's."""
         self.runner.close()
+        if self.speculator is not None:
+            self.speculator.close()
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         if self.config.max_model_len is not None:

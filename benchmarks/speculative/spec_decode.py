@@ -9,7 +9,7 @@ Two workloads of chat requests, greedy, ending where the model ends them (no ign
 Each at 1 client (requests one after another) and at --clients (all at once). Reported per
 system, medians over repetitions (each system started afresh per repetition, A B C then C B A):
 output tokens/s (the prompt's prefill included) and TPOT p50 (decode alone), each speculating
-system's ratios to its own baseline (the system with its name less the suffix -ngram), and how
+system's ratios to its own baseline (the system with its name less the suffix -ngram or -draft), and how
 many of its texts equal the baseline's (the first repetition's).
 
     python -m benchmarks.speculative.spec_decode --reps 3 \\
@@ -46,7 +46,7 @@ CHAT_QUESTIONS = (
     "Write a poem about autumn leaves.",
     "What should I pack for a week-long hiking trip?",
 )
-SPECULATING_SUFFIXES = ("-ngram",)
+SPECULATING_SUFFIXES = ("-ngram", "-draft")
 
 
 def build_parser(prog: str | None = None, default_output: Path = Path("spec_decode.json")) -> argparse.ArgumentParser:

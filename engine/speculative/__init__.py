@@ -7,24 +7,33 @@ A registry of proposers by method; `Speculator` (speculator.py) drafts into a pl
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.speculator import Proposer, Speculator
 
-PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {"ngram": NgramProposer}
+
+def _draft_model(config: SpeculativeConfig, target: Any) -> Proposer:
+    from engine.speculative.draft_model import DraftModelProposer  # torch: only where one is asked for
+
+    return DraftModelProposer(config, target)
 
 
-def create_proposer(config: SpeculativeConfig) -> Proposer:
+# method -> factory(config, target): `target` (draft_model.Target) says what a proposer must share
+PROPOSERS: dict[str, Callable[[SpeculativeConfig, Any], Proposer]] = {
+    "ngram": lambda config, target: NgramProposer(config), "draft_model": _draft_model}
+
+
+def create_proposer(config: SpeculativeConfig, target: Any) -> Proposer:
     if config.method not in PROPOSERS:
         raise ValueError(f"speculative method {config.method!r} has no proposer here; one of "
                          f"{', '.join(PROPOSERS)}")
-    return PROPOSERS[config.method](config)
+    return PROPOSERS[config.method](config, target)
 
 
-def create_speculator(config: SpeculativeConfig, max_model_len: int) -> Speculator:
-    return Speculator(config, create_proposer(config), max_model_len)
+def create_speculator(config: SpeculativeConfig, target: Any) -> Speculator:
+    return Speculator(config, create_proposer(config, target), target.max_model_len)
 
 
 __all__ = ["PROPOSERS", "Proposer", "SpeculativeConfig", "Speculator", "create_proposer", "create_speculator"]

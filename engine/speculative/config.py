@@ -1,8 +1,10 @@
 """--speculative-config: vLLM's flag and keys, parsed once as the engine's config is built.
 
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
+    {"method": "draft_model", "model": PATH_OR_NAME, "num_speculative_tokens": k,
+     "quantization": "int4" | "none", "load_format": "auto" | "dummy" | ...}
 
-vLLM's other methods (a draft model, EAGLE, MTP) are refused by name. No torch here.
+vLLM's other methods (EAGLE, MTP, ...) are refused by name. No torch here.
 """
 from __future__ import annotations
 
@@ -10,13 +12,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # n-gram lookup bounds where none are given: a 1-token match drafts noise, and past 4 tokens a
 # longer match rarely predicts better than the longest of 4 (vLLM's example uses 4)
 DEFAULT_LOOKUP_MIN = 2
 DEFAULT_LOOKUP_MAX = 4
 MAX_SPECULATIVE_TOKENS = 16  # a verify's rows grow with it, while acceptance falls geometrically
-_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}}
+_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
+         "draft_model": {"method", "num_speculative_tokens", "model", "quantization", "load_format"}}
+DRAFT_QUANTIZATIONS = ("int4", "none")
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # the most drafts one verify carries (adaptive below it)
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN  # ngram: the shortest suffix matched
     prompt_lookup_max: int = DEFAULT_LOOKUP_MAX  # ngram: the longest suffix matched
+    model: str | None = None  # draft_model: a GGUF file, an HF directory, the embedded model's name
+    quantization: str = "int4"  # draft_model: its decoder layers' format (int4: small, resident)
+    load_format: str = "auto"  # draft_model: as --load-format (dummy: a preset's random weights)
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | str | dict[str, Any]") -> "SpeculativeConfig":
@@ -45,15 +52,17 @@ class SpeculativeConfig:
     def _from_mapping(cls, mapping: dict[str, Any]) -> "SpeculativeConfig":
         method = mapping.get("method")
         if method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)} (vLLM's draft_model, eagle and mtp are "
-                             f"not built here), got {method!r}")
+            raise ValueError(f"method must be one of {', '.join(METHODS)} (vLLM's eagle and mtp are not built "
+                             f"here), got {method!r}")
         unknown = sorted(set(mapping) - _KEYS[method])
         if unknown:
             raise ValueError(f"method {method} takes {', '.join(sorted(_KEYS[method]))}; unknown: {', '.join(unknown)}")
         config = cls(method=method, num_speculative_tokens=_int(mapping, "num_speculative_tokens", None, 1),
                      prompt_lookup_min=_int(mapping, "prompt_lookup_min", DEFAULT_LOOKUP_MIN, 1),
                      prompt_lookup_max=_int(mapping, "prompt_lookup_max",
-                                            max(DEFAULT_LOOKUP_MAX, mapping.get("prompt_lookup_min") or 0), 1))
+                                            max(DEFAULT_LOOKUP_MAX, mapping.get("prompt_lookup_min") or 0), 1),
+                     model=mapping.get("model"), quantization=mapping.get("quantization", "int4"),
+                     load_format=mapping.get("load_format", "auto"))
         config.check()
         return config
 
@@ -64,6 +73,11 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("method draft_model needs a model: a GGUF file, an HF directory or the embedded "
+                             "model's name")
+        if self.quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, got {self.quantization!r}")
 
     def to_dict(self) -> dict[str, Any]:
         keys = sorted(_KEYS[self.method])

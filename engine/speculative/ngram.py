@@ -49,6 +49,9 @@ class NgramProposer:
         """Up to k drafts for each (sequence, k); [] where no suffix recurs."""
         return [self._index(seq).drafts(seq.all_token_ids, k) if k > 0 else [] for seq, k in requests]
 
+    def close(self) -> None:
+        pass  # nothing but dictionaries
+
     def _index(self, seq: Sequence) -> NgramIndex:
         if seq not in self._indexes:
             self._indexes[seq] = NgramIndex(self.min_n, self.max_n)

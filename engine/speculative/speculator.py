@@ -26,6 +26,9 @@ class Proposer(Protocol):
     def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
         """Up to k draft tokens for each (sequence, k), in order."""
 
+    def close(self) -> None:
+        """Release what it holds (a draft model's threads)."""
+
 
 DECODE_LISTS = ("decodes", "batch0_cpu_decodes", "batch1_cpu_decodes")  # either pool's sequences verify
 
@@ -63,6 +66,9 @@ class Speculator:
                                              draft_token_ids=tuple(tokens))
         for name in DECODE_LISTS:
             setattr(plan, name, [verifies.get(id(share.sequence), share) for share in getattr(plan, name)])
+
+    def close(self) -> None:
+        self.proposer.close()
 
     def _num_drafts(self, seq: Sequence) -> int:
         """k for `seq`: its adaptive length, within its context and its max_tokens (the token the

@@ -23,6 +23,9 @@ def test_the_flag_takes_vllms_json_and_names_what_is_wrong():
                         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, '
                          '"prompt_lookup_max": 3}', "prompt_lookup_min (5) must not exceed"),
                         ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown: model"),
+                        ('{"method": "draft_model", "num_speculative_tokens": 2}', "draft_model needs a model"),
+                        ('{"method": "draft_model", "model": "m", "num_speculative_tokens": 2, "quantization": "fp8"}',
+                         "quantization must be one of"),
                         ("ngram", "must be a JSON object")]:
         with pytest.raises(ConfigError, match="--speculative-config") as error:
             EngineConfig.from_flat(speculative_config=text)

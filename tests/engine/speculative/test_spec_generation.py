@@ -6,6 +6,7 @@ import json
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.model_config import ConfigError
 from scheduler.structured_output import StructuredOutput
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
@@ -154,3 +155,29 @@ def test_batch_invariant_text_is_the_same_beside_others_with_drafts():
              speculative_config=NGRAM) as speculating:
         assert token_ids(speculating.generate(prompts, params)) == alone
         assert speculating.engine.speculator.totals.num_accepted_tokens > 0
+
+
+DRAFT = '{"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 3}'
+
+
+def test_a_draft_model_in_int4_drafts_for_its_own_float32_checkpoint(llm):
+    """The embedded model packed in INT4 drafts for itself in float32: most drafts are accepted,
+    the text is the target's, seeded draws are too, and its KV pool is whole again once the
+    requests end."""
+    prompts = [*PROMPTS[:3], chat_ids(llm, "Write a short poem about the sea.")]
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=24)
+    with LLM("smollm2-135m", dtype="float32", speculative_config=DRAFT) as drafted:
+        assert token_ids(drafted.generate(prompts, GREEDY)) == token_ids(llm.generate(prompts, GREEDY))
+        assert token_ids(drafted.generate(prompts[:1], seeded)) == token_ids(llm.generate(prompts[:1], seeded))
+        speculator = drafted.engine.speculator
+        totals = speculator.totals
+        assert totals.num_accepted_tokens > 0.6 * totals.num_draft_tokens > 0
+        speculator.proposer.propose([])  # its sweep frees the finished sequences' blocks
+        pool = speculator.proposer.pool
+        assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused_at_start():
+    other = '{"method": "draft_model", "model": "qwen3-moe-tiny", "load_format": "dummy", "num_speculative_tokens": 2}'
+    with pytest.raises(ConfigError, match="must share the target's tokenizer"):
+        LLM("smollm2-135m", dtype="float32", speculative_config=other)
