@@ -10,6 +10,7 @@ hashes a block only once its tokens are taken.
 """
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from engine.speculative.budget import Acceptance, StepCosts, drafts_that_pay
@@ -38,26 +39,28 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
-        self.acceptance = Acceptance(config.num_speculative_tokens)
+        self.acceptance = Acceptance()
         self.step_costs = StepCosts()
         self.totals = VerifyCounts()  # since the engine started
+        self._draft_s = 0.0  # this step's drafting
 
     def draft(self, plan: IterationPlan, scheduler: Scheduler) -> None:
         """Give the plan's decodes their drafts (in place): each that gets some becomes a verify
-        share in its place."""
+        share in its place. How many each may have is decided before any is proposed (a draft
+        model's drafts cost a step of its own each); the proposal may bring fewer."""
+        start = time.perf_counter()
         decodes = [share for name in DECODE_LISTS for share in getattr(plan, name)]
-        wanted = [(share, self._num_drafts(share.sequence)) for share in decodes]
-        wanted = [(share, k) for share, k in wanted if k > 0]
         budget = scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
+        counts = drafts_that_pay([self._num_drafts(share.sequence) for share in decodes],
+                                 [self.acceptance.rate(share.sequence) for share in decodes],
+                                 plan.num_batched_tokens, len(decodes), self.step_costs)
+        wanted = [(share, count) for share, count in zip(decodes, counts) if count > 0]
         if budget <= 0 or not wanted:
             return
-        proposals = self.proposer.propose([(share.sequence, k) for share, k in wanted])
-        counts = drafts_that_pay([len(tokens) for tokens in proposals],
-                                 [self.acceptance.rate(share.sequence) for share, _ in wanted],
-                                 plan.num_batched_tokens, len(decodes), self.step_costs)
+        proposals = self.proposer.propose([(share.sequence, count) for share, count in wanted])
         verifies = {}
-        for (share, _), tokens, count in zip(wanted, proposals, counts):
-            tokens = tokens[:min(count, budget)]
+        for (share, _), tokens in zip(wanted, proposals):
+            tokens = tokens[:budget]
             seq = share.sequence
             if not tokens or not scheduler.reserve_slots(seq, seq.num_tokens + len(tokens)):
                 continue
@@ -66,23 +69,26 @@ class Speculator:
                                              draft_token_ids=tuple(tokens))
         for name in DECODE_LISTS:
             setattr(plan, name, [verifies.get(id(share.sequence), share) for share in getattr(plan, name)])
+        self._draft_s = time.perf_counter() - start
 
     def close(self) -> None:
         self.proposer.close()
 
     def _num_drafts(self, seq: Sequence) -> int:
-        """k for `seq`: its adaptive length, within its context and its max_tokens (the token the
-        verify draws last is one more)."""
+        """The most drafts `seq` may have: num_speculative_tokens, within its context and its
+        max_tokens (the token the verify draws last is one more)."""
         room = self.max_model_len - seq.num_tokens
         max_tokens = seq.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(self.acceptance.num_drafts(seq), room))
+        return max(0, min(self.config.num_speculative_tokens, room))
 
     def observe_step(self, plan: IterationPlan, forward_s: float) -> None:
-        """A forward's time: decode-only steps teach the cost of a row."""
+        """A step's time past scheduling (proposing, the forward, verifying): decode-only steps
+        teach the cost of a row."""
         if not plan.prefills and plan.num_batched_tokens:
-            self.step_costs.observe(plan.num_batched_tokens, forward_s)
+            self.step_costs.observe(plan.num_batched_tokens, self._draft_s + forward_s)
+        self._draft_s = 0.0
 
     def observe(self, shares: list[ScheduledSeq], counts: VerifyCounts) -> None:
         """A step's verification: each sequence's acceptance, and the running totals."""
