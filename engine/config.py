@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.knobs import Group, config_knobs, flat_names, keyword_of, knob, parse_knobs, sections
 from engine.model_config import ConfigError
-from engine.speculative.config import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig
 from scheduler.modes import Mode
 from scheduler.planning.kv_format import KV_CACHE_DTYPES, QUANTIZED_KV_BLOCK_MULTIPLE, kv_format
 from scheduler.planning.memory import Quantization

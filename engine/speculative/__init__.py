@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from engine.speculative.config import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.speculator import Proposer, Speculator
 

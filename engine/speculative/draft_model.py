@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.model_config import ConfigError
-from engine.speculative.config import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig
 from scheduler.block_pool import BlockPool, blocks_for
 from scheduler.iteration_plan import IterationPlan, ScheduledSeq
 from scheduler.sampling_params import SamplingParams

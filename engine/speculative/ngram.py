@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 
-from engine.speculative.config import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig
 from scheduler.sequence import Sequence
 
 

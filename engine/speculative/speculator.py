@@ -14,7 +14,7 @@ import time
 from typing import Protocol
 
 from engine.speculative.budget import Acceptance, StepCosts, drafts_that_pay
-from engine.speculative.config import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig
 from engine.speculative.counts import VerifyCounts
 from scheduler.iteration_plan import IterationPlan, ScheduledSeq
 from scheduler.scheduler import Scheduler

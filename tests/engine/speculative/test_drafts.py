@@ -5,7 +5,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.model_config import ConfigError
 from engine.speculative.budget import Acceptance, StepCosts, drafts_that_pay
-from engine.speculative.config import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig
 from engine.speculative.ngram import NgramIndex, ngram_drafts
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
