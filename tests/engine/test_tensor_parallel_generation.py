@@ -62,6 +62,19 @@ def test_embedded_model_at_two_ranks_equals_one(quantization):
     assert run(PROMPTS[:4], params, quantization=quantization, cpu_attention="off", tensor_parallel_size=2) == one
 
 
+def test_drafts_verify_on_every_rank():
+    """Speculative decoding at two ranks: the wired plan carries the drafts, rank 0's rows come back
+    for verification, and the tokens are one rank's without drafts."""
+    prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1,"]
+    params = greedy([32, 32])
+    one = run(prompts, params, cpu_attention="off")
+    accepted = []
+    assert run(prompts, params, cpu_attention="off", tensor_parallel_size=2,
+               speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
+               check=lambda engine: accepted.append(engine.speculator.totals.num_accepted_tokens)) == one
+    assert accepted[0] > 0
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("testbed", marks=pytest.mark.skipif(
     not TWO_CORES, reason="one core per rank needs 2 cores"))])
 def test_offloading_on_every_rank_equals_one_rank_without(device, tmp_path):
