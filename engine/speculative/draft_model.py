@@ -92,7 +92,7 @@ class DraftModelProposer:
         if live:
             self._catch_up([state for _, state, _ in live])
             for step in range(1, max(k for _, _, k in live)):
-                self._decode([state for _, state, k in live if len(state.drafts) > step - 1 and k > step])
+                self._decode([state for _, state, k in live if k > step])  # each has `step` drafts
         drafts = [[] for _ in requests]
         for index, state, k in live:
             drafts[index] = state.drafts[:k]

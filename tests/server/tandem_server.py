@@ -140,6 +140,14 @@ def wait_idle(http: httpx.Client, timeout: float = IDLE_TIMEOUT_S) -> dict[tuple
         time.sleep(0.1)
 
 
+def greedy_completion(http: httpx.Client, prompt: str, max_tokens: int) -> str:
+    """The embedded model's greedy completion of exactly `max_tokens` tokens (ignore_eos), its text."""
+    response = http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
+                                                  "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
 def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
     """The body is OpenAI's error shape; returns the inner error object."""
     assert response.status_code == status, response.text

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tandem_server import REQUEST_TIMEOUT_S, metric, pipelining_cost_tables, wait_idle
+from tandem_server import REQUEST_TIMEOUT_S, greedy_completion, metric, pipelining_cost_tables, wait_idle
 
 TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
 PROMPTS = [f"Count from {i} to {i + 20}, one number per line:" for i in range(8)]
@@ -33,11 +33,7 @@ def test_offloading_server_matches_engine_and_reports_tiers(start_server, llm, t
         PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
     with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
         def complete(prompt, max_tokens=MAX_TOKENS):
-            response = http.post("/v1/completions", json={
-                "model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True})
-            assert response.status_code == 200, response.text
-            return response.json()["choices"][0]["text"]
+            return greedy_completion(http, prompt, max_tokens)
 
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             texts = list(pool.map(complete, PROMPTS))

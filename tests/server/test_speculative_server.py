@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tandem_server import REQUEST_TIMEOUT_S, metric, wait_idle
+from tandem_server import REQUEST_TIMEOUT_S, greedy_completion, metric, wait_idle
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
 PROMPTS = [f"Count from {i} to {i + 12}, separated by commas: {i}, {i + 1}, {i + 2}," for i in range(6)]
@@ -21,15 +21,8 @@ def test_speculating_server_matches_the_engine_and_counts_drafts(start_server, l
     expected = [o.outputs[0].text for o in llm.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
     with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
-        def complete(prompt):
-            response = http.post("/v1/completions", json={
-                "model": "smollm2-135m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True})
-            assert response.status_code == 200, response.text
-            return response.json()["choices"][0]["text"]
-
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            assert list(pool.map(complete, PROMPTS)) == expected
+            assert list(pool.map(lambda prompt: greedy_completion(http, prompt, MAX_TOKENS), PROMPTS)) == expected
         streamed = ""
         with http.stream("POST", "/v1/completions", json={
                 "model": "smollm2-135m", "prompt": PROMPTS[-1], "max_tokens": MAX_TOKENS, "temperature": 0,
