@@ -4,6 +4,10 @@
     {"method": "draft_model", "model": PATH_OR_NAME, "num_speculative_tokens": k,
      "quantization": "int4" | "none", "load_format": "auto" | "dummy" | ...}
 
+and tandem's own key for either, "adaptive": true (the default: each step verifies the drafts its
+measured costs say pay, engine/speculative/budget.py) or false (every decode verifies k drafts
+wherever the proposer has them, as vLLM does).
+
 vLLM's other methods (EAGLE, MTP, ...) are refused by name. No torch here.
 """
 from __future__ import annotations
@@ -18,8 +22,8 @@ METHODS = ("ngram", "draft_model")
 DEFAULT_LOOKUP_MIN = 2
 DEFAULT_LOOKUP_MAX = 4
 MAX_SPECULATIVE_TOKENS = 16  # a verify's rows grow with it, while acceptance falls geometrically
-_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
-         "draft_model": {"method", "num_speculative_tokens", "model", "quantization", "load_format"}}
+_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive"},
+         "draft_model": {"method", "num_speculative_tokens", "model", "quantization", "load_format", "adaptive"}}
 DRAFT_QUANTIZATIONS = ("int4", "none")
 
 
@@ -32,6 +36,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: a GGUF file, an HF directory, the embedded model's name
     quantization: str = "int4"  # draft_model: its decoder layers' format (int4: small, resident)
     load_format: str = "auto"  # draft_model: as --load-format (dummy: a preset's random weights)
+    adaptive: bool = True  # drafts only where measured costs say they pay (False: always k)
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | str | dict[str, Any]") -> "SpeculativeConfig":
@@ -62,7 +67,7 @@ class SpeculativeConfig:
                      prompt_lookup_max=_int(mapping, "prompt_lookup_max",
                                             max(DEFAULT_LOOKUP_MAX, mapping.get("prompt_lookup_min") or 0), 1),
                      model=mapping.get("model"), quantization=mapping.get("quantization", "int4"),
-                     load_format=mapping.get("load_format", "auto"))
+                     load_format=mapping.get("load_format", "auto"), adaptive=mapping.get("adaptive", True))
         config.check()
         return config
 
@@ -76,6 +81,8 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
             raise ValueError("method draft_model needs a model: a GGUF file, an HF directory or the embedded "
                              "model's name")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, got {self.quantization!r}")
 

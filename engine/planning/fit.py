@@ -37,6 +37,7 @@ from engine.profiling.cache import cache_root
 from engine.weights import WeightLoader
 from engine.weights.layer_files import room_bytes
 from scheduler.planning.fit import AttentionCosts, Fit, FitBudgets, FitError, FitOption, FitProbes, FitRequest, FixedChoices, fit
+from scheduler.planning.fit.speculation import ACCEPTANCE_PRIOR, SpeculationGain
 from scheduler.planning.kv_format import QUANTIZED_KV_BLOCK_MULTIPLE, KVFormat, kv_format
 from scheduler.planning import WeightFormat, layer_image_bytes
 from scheduler.planning.memory import resident_global_bytes
@@ -261,6 +262,15 @@ def apply_fit(config: EngineConfig, result: Fit, model_config: ModelConfig, offl
                                cache=dataclasses.replace(cache, **cache_changes), weights=weights)
 
 
+def _describe_speculation(gain: SpeculationGain, config: EngineConfig) -> str:
+    spec = config.speculative_config
+    unpriced = ", the draft model's own steps not counted" if spec.method == "draft_model" else ""
+    drafts = (f"{gain.num_drafts} drafts a sequence give {gain.speedup:.2f}x the tokens/s" if gain.num_drafts
+              else "no draft pays (the forward's rows are not cheap enough)")
+    return (f"  speculation ({spec.method}, at most {spec.num_speculative_tokens} drafts) at {gain.num_seqs} "
+            f"sequences, {ACCEPTANCE_PRIOR:.0%} of drafts accepted: {drafts}{unpriced}")
+
+
 def describe_fit(result: Fit | None, config: EngineConfig) -> str:
     """The fit's choice as `tandem plan` prints it and the engine logs it."""
     if result is None:
@@ -280,6 +290,7 @@ def describe_fit(result: Fit | None, config: EngineConfig) -> str:
         lines.append(f"  expected at {config.max_num_seqs} sequences of {context_len} "
                      f"tokens: {p.tokens_per_s:.1f} tokens/s (batch {p.batch}, {p.num_cpu_seqs} attended on the CPU; "
                      f"GPU {p.gpu_s * 1e3:.1f} ms, CPU {p.cpu_s * 1e3:.1f} ms an iteration), TTFT {p.ttft_s:.2f} s")
+        lines += [_describe_speculation(gain, config) for gain in p.speculation]
     for other in result.options:
         if other is not c and other.prediction is not None:
             lines.append(f"  weighed: {other.option.describe()}: {other.prediction.tokens_per_s:.1f} tokens/s")

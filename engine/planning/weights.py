@@ -110,7 +110,7 @@ def workload(config: EngineConfig, max_model_len: int, dtype: torch.dtype | None
     `model_config`, a GPU pool of fixed size caps max_model_len where it is not given, as the engine
     caps it."""
     kv_bytes = None if dtype is None else resolve_kv_format(config.cache.kv_cache_dtype, dtype).element_bytes
-    cache = config.cache
+    cache, speculative = config.cache, config.speculative_config
     pool_fixed = cache.num_blocks is not None or cache.kv_cache_memory_gib is not None or not (
         cache.sized_by_memory_budget or config.device.startswith("cuda"))
     if model_config is not None and dtype is not None and config.max_model_len is None and pool_fixed:
@@ -121,7 +121,8 @@ def workload(config: EngineConfig, max_model_len: int, dtype: torch.dtype | None
                     max_num_batched_tokens=config.batched_tokens_budget,
                     block_size=config.cache.block_size,
                     context_len=min(config.weights.expected_context_len or max_model_len, max_model_len),
-                    layers_in_use=2 if config.cpu_attention_enabled else 1, kv_element_bytes=kv_bytes)
+                    layers_in_use=2 if config.cpu_attention_enabled else 1, kv_element_bytes=kv_bytes,
+                    num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
 
 
 def _refuse_moe_streaming(model_config: ModelConfig) -> None:

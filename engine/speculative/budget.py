@@ -1,8 +1,11 @@
 """How many drafts a step verifies: each sequence's drafts are worth what it is expected to accept,
-and a step's rows cost what decode steps of that many rows were measured to cost.
+and cost their rows in the forward plus the proposer's steps that make them.
 
-A step of n rows costs what recent decode-only steps of n rows took (between seen row counts,
-linearly; past the largest, on the last slope); the j-th draft of a sequence whose drafts are accepted at rate alpha yields alpha^j
+A step of n rows costs what recent decode-only forwards of n rows took (between seen row counts,
+linearly; past the largest, on the last slope). A proposer drafting j tokens for m sequences runs
+j steps of its own (a draft model's forwards; an n-gram lookup's are nearly free), the s-th over
+the sequences given at least s drafts, each costing what its steps over that many sequences took
+(from nothing at none). The j-th draft of a sequence whose drafts are accepted at rate alpha yields alpha^j
 tokens. The best drafts are taken, as many as give the step the most tokens per second. Where a
 step is bound by reading weights (small batches, streamed layers) a row costs little and k drafts
 pay; where it is compute-bound (large batches on a CPU) a draft must be accepted more often than
@@ -14,11 +17,12 @@ import statistics
 import weakref
 from collections import deque
 
+from scheduler.planning.fit.speculation import ACCEPTANCE_PRIOR
 from scheduler.sequence import Sequence
 
 RECENT_STEPS = 9  # a row count's cost is the median of its last this many steps
 MIN_ROW_SHARE = 0.05  # past the row counts seen, a row costs at least this share of a row's average
-PRIOR_ACCEPTANCE = 0.6  # the rate new sequences start from before any verification
+PRIOR_ACCEPTANCE = ACCEPTANCE_PRIOR  # the rate new sequences start from before any verification
 ACCEPTANCE_SMOOTHING = 0.3  # the weight of the latest verification in a sequence's rate
 POOLED_SMOOTHING = 0.05  # ... in the rate a new sequence starts from
 
@@ -30,11 +34,16 @@ class StepCosts:
     on the slope of the two largest (so larger verifies get tried where rows were cheap, and not
     where the step is compute-bound)."""
 
-    def __init__(self) -> None:
+    def __init__(self, free_at_zero: bool = False) -> None:
         self._samples: dict[int, deque[float]] = {}
+        if free_at_zero:  # a proposer's step over no sequence: below the fewest seen, cost in proportion
+            self._samples[0] = deque([0.0])
 
     def observe(self, num_rows: int, seconds: float) -> None:
         self._samples.setdefault(num_rows, deque(maxlen=RECENT_STEPS)).append(seconds)
+
+    def seen(self, num_rows: int) -> bool:
+        return num_rows in self._samples
 
     @property
     def known(self) -> bool:
@@ -43,6 +52,8 @@ class StepCosts:
 
     def seconds(self, num_rows: int) -> float:
         table = {rows: statistics.median(samples) for rows, samples in self._samples.items()}
+        if len(table) == 1 and num_rows not in table:  # nothing seen past the origin, or one count
+            return next(iter(table.values()))
         if num_rows in table:
             return table[num_rows]
         below = max((rows for rows in table if rows < num_rows), default=None)
@@ -55,6 +66,30 @@ class StepCosts:
             return table[below] + (num_rows - below) * max(slope, MIN_ROW_SHARE * table[below] / below)
         share = (num_rows - below) / (above - below)
         return table[below] + share * (table[above] - table[below])
+
+
+class ProposerCosts:
+    """A proposer's own work: its steps, by the sequences in them (from nothing at none), and the
+    prompt tokens it computes once before its first drafts for a sequence (a draft model's catch-up
+    of the prompt), per token. An n-gram lookup observes neither: it is free."""
+
+    def __init__(self) -> None:
+        self.steps = StepCosts(free_at_zero=True)
+        self._token_s: deque[float] = deque(maxlen=RECENT_STEPS)
+
+    def observe_step(self, num_seqs: int, seconds: float) -> None:
+        self.steps.observe(num_seqs, seconds)
+
+    def observe_catch_up(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0:
+            self._token_s.append(seconds / num_tokens)
+
+    def step_s(self, num_seqs: int) -> float:
+        return self.steps.seconds(num_seqs)
+
+    def catch_up_s(self, num_tokens: int) -> float:
+        """Seconds to catch up on `num_tokens` prompt tokens (0 before any was seen: learnt by trying)."""
+        return statistics.median(self._token_s) * num_tokens if self._token_s and num_tokens else 0.0
 
 
 class Acceptance:
@@ -78,23 +113,44 @@ class Acceptance:
 
 
 def drafts_that_pay(proposed: list[int], rates: list[float], num_rows: int, num_tokens: float,
-                    costs: StepCosts) -> list[int]:
+                    costs: StepCosts, proposer: ProposerCosts | None = None,
+                    entry_s: list[float] | None = None) -> list[int]:
     """How many of each sequence's `proposed` drafts to verify in a step of `num_rows` rows that
     yields `num_tokens` tokens without them: the best-valued drafts first (a sequence's j-th is
-    worth rate^j tokens), as many as give the step the most tokens per second; all of them until
-    steps of different row counts have been seen."""
-    if not costs.known:  # every step so far had as many rows: drafts are how the costs are learnt
-        return list(proposed)
-    base_s = costs.seconds(num_rows)
-    candidates = sorted(((rates[i] ** j, i) for i, count in enumerate(proposed) for j in range(1, count + 1)),
+    worth rate^j tokens), as many as give the step the most tokens per second. Each costs its row
+    in the forward and its share of the proposer's steps; a sequence's first also `entry_s` (a
+    one-time catch-up spread over the steps it pays for). Until forwards of two row counts are
+    known: none where this step's row count is new, else the likeliest sequence's all (a crowd's
+    exploring stays cheap)."""
+    if not costs.known:  # a row's cost is learnt from this many rows' step, then one sequence's drafts
+        return _explore(proposed, rates) if costs.seen(num_rows) else [0] * len(proposed)
+    entry_s = entry_s or [0.0] * len(proposed)
+    candidates = sorted(((rates[i] ** j, -j, i) for i, count in enumerate(proposed) for j in range(1, count + 1)),
                         reverse=True)
-    best_rate, best_count, tokens = num_tokens / base_s, 0, num_tokens
-    for count, (value, _) in enumerate(candidates, start=1):
+    depth_counts = [0] * (max(proposed, default=0) + 1)  # sequences given at least s drafts: the s-th step's
+    best_rate, best_count, tokens, extra_s = num_tokens / costs.seconds(num_rows), 0, num_tokens, 0.0
+    for count, (value, minus_j, i) in enumerate(candidates, start=1):
         tokens += value
-        seconds = costs.seconds(num_rows + count)
+        depth = -minus_j
+        if proposer is not None:
+            extra_s += proposer.step_s(depth_counts[depth] + 1) - proposer.step_s(depth_counts[depth])
+        if depth == 1:
+            extra_s += entry_s[i]
+        depth_counts[depth] += 1
+        seconds = costs.seconds(num_rows + count) + extra_s
         if tokens / seconds > best_rate:
             best_rate, best_count = tokens / seconds, count
     taken = [0] * len(proposed)
-    for _, i in candidates[:best_count]:
+    for _, _, i in candidates[:best_count]:
         taken[i] += 1
+    return taken
+
+
+def _explore(proposed: list[int], rates: list[float]) -> list[int]:
+    """All of the likeliest sequence's drafts, none of the others'."""
+    taken = [0] * len(proposed)
+    offered = [i for i, count in enumerate(proposed) if count > 0]
+    if offered:
+        best = max(offered, key=lambda i: rates[i])
+        taken[best] = proposed[best]
     return taken

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 
+from engine.speculative.budget import ProposerCosts
 from engine.speculative_config import SpeculativeConfig
 from scheduler.sequence import Sequence
 
@@ -45,9 +46,13 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
 
-    def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
-        """Up to k drafts for each (sequence, k); [] where no suffix recurs."""
+    def propose(self, requests: list[tuple[Sequence, int]], costs: ProposerCosts) -> list[list[int]]:
+        """Up to k drafts for each (sequence, k); [] where no suffix recurs. A lookup costs nothing
+        worth pricing."""
         return [self._index(seq).drafts(seq.all_token_ids, k) if k > 0 else [] for seq, k in requests]
+
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        return 0  # the index grows by the tokens it has not seen as it looks up
 
     def close(self) -> None:
         pass  # nothing but dictionaries

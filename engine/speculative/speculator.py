@@ -10,13 +10,13 @@ hashes a block only once its tokens are taken.
 """
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
-from engine.speculative.budget import Acceptance, StepCosts, drafts_that_pay
+from engine.speculative.budget import Acceptance, ProposerCosts, StepCosts, drafts_that_pay
 from engine.speculative_config import SpeculativeConfig
 from engine.speculative.counts import VerifyCounts
 from scheduler.iteration_plan import IterationPlan, ScheduledSeq
+from scheduler.planning.fit.speculation import tokens_per_verify
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 
@@ -24,8 +24,13 @@ from scheduler.sequence import Sequence
 class Proposer(Protocol):
     name: str
 
-    def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
-        """Up to k draft tokens for each (sequence, k), in order."""
+    def propose(self, requests: list[tuple[Sequence, int]], costs: ProposerCosts) -> list[list[int]]:
+        """Up to k draft tokens for each (sequence, k), in order; what its own work took goes
+        into `costs`."""
+
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens it must compute once before it can draft for `seq` (0: none, or a few
+        that its priced steps cover)."""
 
     def close(self) -> None:
         """Release what it holds (a draft model's threads)."""
@@ -40,24 +45,26 @@ class Speculator:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.acceptance = Acceptance()
-        self.step_costs = StepCosts()
+        self.step_costs = StepCosts()  # the forward and verifying, by rows
+        self.proposer_costs = ProposerCosts()
         self.totals = VerifyCounts()  # since the engine started
-        self._draft_s = 0.0  # this step's drafting
 
     def draft(self, plan: IterationPlan, scheduler: Scheduler) -> None:
         """Give the plan's decodes their drafts (in place): each that gets some becomes a verify
         share in its place. How many each may have is decided before any is proposed (a draft
         model's drafts cost a step of its own each); the proposal may bring fewer."""
-        start = time.perf_counter()
         decodes = [share for name in DECODE_LISTS for share in getattr(plan, name)]
         budget = scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
-        counts = drafts_that_pay([self._num_drafts(share.sequence) for share in decodes],
-                                 [self.acceptance.rate(share.sequence) for share in decodes],
-                                 plan.num_batched_tokens, len(decodes), self.step_costs)
+        counts = [self._num_drafts(share.sequence) for share in decodes]
+        if self.config.adaptive:
+            rates = [self.acceptance.rate(share.sequence) for share in decodes]
+            entry_s = [self._entry_s(share.sequence, rate, count) for share, rate, count in zip(decodes, rates, counts)]
+            counts = drafts_that_pay(counts, rates, plan.num_batched_tokens, len(decodes), self.step_costs,
+                                     self.proposer_costs, entry_s)
         wanted = [(share, count) for share, count in zip(decodes, counts) if count > 0]
         if budget <= 0 or not wanted:
             return
-        proposals = self.proposer.propose([(share.sequence, count) for share, count in wanted])
+        proposals = self.proposer.propose([(share.sequence, count) for share, count in wanted], self.proposer_costs)
         verifies = {}
         for (share, _), tokens in zip(wanted, proposals):
             tokens = tokens[:budget]
@@ -69,26 +76,31 @@ class Speculator:
                                              draft_token_ids=tuple(tokens))
         for name in DECODE_LISTS:
             setattr(plan, name, [verifies.get(id(share.sequence), share) for share in getattr(plan, name)])
-        self._draft_s = time.perf_counter() - start
 
     def close(self) -> None:
         self.proposer.close()
 
+    def _entry_s(self, seq: Sequence, rate: float, num_drafts: int) -> float:
+        """The proposer's catch-up on `seq`'s prompt, spread over the verifies left to it."""
+        catch_up_s = self.proposer_costs.catch_up_s(self.proposer.catch_up_tokens(seq)) if num_drafts else 0.0
+        if not catch_up_s:
+            return 0.0
+        return catch_up_s * tokens_per_verify(rate, num_drafts) / max(1, self._tokens_left(seq))
+
+    def _tokens_left(self, seq: Sequence) -> int:
+        room = self.max_model_len - seq.num_tokens
+        max_tokens = seq.sampling_params.max_tokens
+        return room if max_tokens is None else min(room, max_tokens - seq.num_output_tokens)
+
     def _num_drafts(self, seq: Sequence) -> int:
         """The most drafts `seq` may have: num_speculative_tokens, within its context and its
         max_tokens (the token the verify draws last is one more)."""
-        room = self.max_model_len - seq.num_tokens
-        max_tokens = seq.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(self.config.num_speculative_tokens, room))
+        return max(0, min(self.config.num_speculative_tokens, self._tokens_left(seq) - 1))
 
     def observe_step(self, plan: IterationPlan, forward_s: float) -> None:
-        """A step's time past scheduling (proposing, the forward, verifying): decode-only steps
-        teach the cost of a row."""
+        """A step's forward and verifying: decode-only steps teach the cost of a row."""
         if not plan.prefills and plan.num_batched_tokens:
-            self.step_costs.observe(plan.num_batched_tokens, self._draft_s + forward_s)
-        self._draft_s = 0.0
+            self.step_costs.observe(plan.num_batched_tokens, forward_s)
 
     def observe(self, shares: list[ScheduledSeq], counts: VerifyCounts) -> None:
         """A step's verification: each sequence's acceptance, and the running totals."""

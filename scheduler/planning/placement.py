@@ -137,6 +137,7 @@ class Workload:
     context_len: int  # tokens each decoding sequence holds (its prompt and output so far)
     layers_in_use: int = 1  # layers a forward holds at once: 2 under Neo's two-batch forward
     kv_element_bytes: float | None = None  # the KV format's (scheduler/planning/kv_format.py); None: the compute dtype's
+    num_speculative_tokens: int = 0  # drafts a sequence may verify in a step (0: no speculative decoding)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import httpx
 
 from tandem_server import REQUEST_TIMEOUT_S, greedy_completion, metric, wait_idle
 
-NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": False})
 PROMPTS = [f"Count from {i} to {i + 12}, separated by commas: {i}, {i + 1}, {i + 2}," for i in range(6)]
 PROMPTS += ["Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat"]
 MAX_TOKENS = 32

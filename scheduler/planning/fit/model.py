@@ -20,11 +20,12 @@ sequence's KV must fit the GPU pool).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
+from scheduler.planning.fit.speculation import SpeculationGain, speculation_gain
 from scheduler.planning.kv_format import KVFormat
-from scheduler.planning.placement import PlannerInputs, forward_timeline
+from scheduler.planning.placement import PlannerInputs, Workload, forward_timeline
 from scheduler.planning.tiers import Tier
 
 
@@ -68,6 +69,7 @@ class Prediction:
     cpu_s: float  # the CPU side's: attention of the CPU's sequences and its hand-offs
     ttft_s: float  # one expected-context prompt prefilled alone, chunk by chunk
     transfer_s: float = 0.0  # the ring loading streamed layers within an iteration
+    speculation: tuple[SpeculationGain, ...] = ()  # one sequence's and the GPU pool's batch's, where asked for
 
     @property
     def iteration_s(self) -> float:
@@ -80,7 +82,7 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         return {"batch": self.batch, "num_cpu_seqs": self.num_cpu_seqs, "gpu_s": self.gpu_s, "cpu_s": self.cpu_s,
                 "iteration_s": self.iteration_s, "transfer_s": self.transfer_s, "ttft_s": self.ttft_s,
-                "tokens_per_s": self.tokens_per_s}
+                "tokens_per_s": self.tokens_per_s, "speculation": [gain.to_dict() for gain in self.speculation]}
 
 
 def predict(inputs: PlannerInputs, tiers: Sequence[Tier], num_buffers: int, layer_bytes: int, kv: KVFormat,
@@ -94,10 +96,13 @@ def predict(inputs: PlannerInputs, tiers: Sequence[Tier], num_buffers: int, laye
     if batch < 1:
         return f"neither KV pool holds a {context_len}-token sequence"
 
-    def gpu_forward(num_gpu_seqs: int, num_tokens: int) -> tuple[float, float]:
-        attention_s = attention.gpu_s_per_token[kv.name] * num_gpu_seqs * context_len
+    def gpu_forward(num_gpu_seqs: int, num_tokens: int, rows_per_seq: int = 1) -> tuple[float, float]:
+        attention_s = attention.gpu_s_per_token[kv.name] * num_gpu_seqs * rows_per_seq * context_len
         timeline, _ = forward_timeline(inputs, tiers, num_buffers, layer_bytes, num_tokens, attention_s)
         return timeline.iteration_s, timeline.transfer_s
+
+    def gpu_forward_rows(num_seqs: int, rows_per_seq: int) -> float:  # each row attends to the context
+        return gpu_forward(num_seqs, num_seqs * rows_per_seq, rows_per_seq)[0]
 
     ttft_s = _prefill_s(work.max_num_batched_tokens, context_len, gpu_forward)
     on_gpu = min(batch, gpu_seqs)
@@ -113,7 +118,17 @@ def predict(inputs: PlannerInputs, tiers: Sequence[Tier], num_buffers: int, laye
         choices += [_one_batch(inputs, tiers, num_buffers, layer_bytes, batch, num_cpu, cpu_layer_s,
                                attention.gpu_s_per_token[kv.name] * on_gpu * context_len, ttft_s),
                     _two_batches(inputs, on_gpu, num_cpu, cpu_layer_s, gpu_forward, ttft_s)]
-    return max(choices, key=lambda p: p.tokens_per_s)
+    best = max(choices, key=lambda p: p.tokens_per_s)
+    if work.num_speculative_tokens:
+        best = replace(best, speculation=_speculation(work, max(on_gpu, 1), gpu_forward_rows))
+    return best
+
+
+def _speculation(work: Workload, num_gpu_seqs: int, forward_s) -> tuple[SpeculationGain, ...]:
+    """Speculative decoding's expected gain for one sequence and for the GPU pool's batch (the
+    host pool's sequences verify too; their CPU attention is not priced here)."""
+    return tuple(speculation_gain(forward_s, num_seqs, work.num_speculative_tokens)
+                 for num_seqs in sorted({1, num_gpu_seqs}))
 
 
 def _one_batch(inputs: PlannerInputs, tiers: Sequence[Tier], num_buffers: int, layer_bytes: int, batch: int,

@@ -4,7 +4,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.model_config import ConfigError
-from engine.speculative.budget import Acceptance, StepCosts, drafts_that_pay
+from engine.speculative.budget import Acceptance, ProposerCosts, StepCosts, drafts_that_pay
 from engine.speculative_config import SpeculativeConfig
 from engine.speculative.ngram import NgramIndex, ngram_drafts
 from scheduler.sampling_params import SamplingParams
@@ -17,6 +17,8 @@ def test_the_flag_takes_vllms_json_and_names_what_is_wrong():
     assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == \
         ("ngram", 3, 2, 5)
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).prompt_lookup_max == 4
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).adaptive
+    assert not SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}).adaptive
     for text, named in [('{"method": "ngram"}', "num_speculative_tokens is required"),
                         ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of"),
                         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
@@ -26,6 +28,7 @@ def test_the_flag_takes_vllms_json_and_names_what_is_wrong():
                         ('{"method": "draft_model", "num_speculative_tokens": 2}', "draft_model needs a model"),
                         ('{"method": "draft_model", "model": "m", "num_speculative_tokens": 2, "quantization": "fp8"}',
                          "quantization must be one of"),
+                        ('{"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}', "adaptive must be"),
                         ("ngram", "must be a JSON object")]:
         with pytest.raises(ConfigError, match="--speculative-config") as error:
             EngineConfig.from_flat(speculative_config=text)
@@ -78,7 +81,10 @@ def test_drafts_pay_where_rows_are_cheap_and_not_where_the_step_is_compute_bound
     assert drafts_that_pay([4, 4], [0.8, 0.3], 2, 2, cheap) == [4, 2]
     bound = steps((rows, 0.001 + 0.001 * rows) for rows in range(30, 40))  # a row costs as much as the fixed part
     assert drafts_that_pay([4, 4], [0.9, 0.9], 32, 32, bound) == [0, 0]
-    assert drafts_that_pay([4], [0.9], 1, 1, StepCosts()) == [4]  # nothing measured yet: all, to learn
+    unknown = StepCosts()
+    assert drafts_that_pay([4, 4], [0.5, 0.9], 2, 2, unknown) == [0, 0]  # first a step without drafts
+    unknown.observe(2, 0.010)
+    assert drafts_that_pay([4, 4, 0], [0.5, 0.9, 1.0], 2, 2, unknown) == [0, 4, 0]  # then the likeliest's
     assert drafts_that_pay([4], [0.9], 32, 32, steps([(1, 0.005), (32, 0.040)])) == [0]  # past 32: 1 -> 32's slope
     assert drafts_that_pay([0, 2], [0.9, 0.9], 2, 2, cheap) == [0, 2]
 
@@ -87,6 +93,30 @@ def test_a_row_block_boundary_stops_the_drafts_before_it():
     """A step of 5 rows costing twice one of 4 (the kernels' row block): 3 drafts, not 4."""
     staircase = steps([(1, 0.005), (2, 0.0055), (3, 0.006), (4, 0.0065), (5, 0.012), (6, 0.0125)])
     assert drafts_that_pay([4], [0.8], 1, 1, staircase) == [3]
+
+
+def test_a_proposer_whose_steps_cost_a_forward_drafts_only_where_its_steps_are_cheap():
+    """A draft model's step costs about what the target's does at 32 sequences: drafting for all
+    of them never pays, while one sequence's cheap draft steps still do."""
+    forward = steps((rows, 0.004 + 0.0001 * rows) for rows in range(1, 200))
+    draft = ProposerCosts()
+    assert draft.step_s(8) == 0 and draft.catch_up_s(500) == 0  # an n-gram lookup: free
+    draft.observe_step(32, 0.016)
+    assert drafts_that_pay([4] * 32, [0.7] * 32, 32, 32, forward, draft) == [0] * 32
+    assert drafts_that_pay([4] * 32, [0.7] * 32, 32, 32, forward) != [0] * 32  # the forward alone would pay
+    draft.observe_step(1, 0.0005)
+    assert drafts_that_pay([4], [0.8], 1, 1, forward, draft) == [4]
+    assert draft.step_s(0) == 0 and draft.step_s(16) == pytest.approx(0.0005 + 15 / 31 * 0.0155)
+
+
+def test_a_prompt_to_catch_up_on_is_paid_once_spread_over_the_steps_left():
+    forward = steps((rows, 0.010 + 0.0001 * rows) for rows in range(1, 20))
+    draft = ProposerCosts()
+    draft.observe_step(1, 0.001)
+    draft.observe_catch_up(400, 0.4)  # 1 ms a prompt token
+    assert draft.catch_up_s(500) == pytest.approx(0.5)
+    assert drafts_that_pay([4], [0.8], 1, 1, forward, draft, entry_s=[0.5 / 150]) == [4]  # many steps left
+    assert drafts_that_pay([4], [0.8], 1, 1, forward, draft, entry_s=[0.5 / 5]) == [0]  # a few
 
 
 def test_acceptance_rates_follow_verifications_and_new_sequences_start_from_the_pool():

@@ -2,6 +2,7 @@
 tasks, budgets are never exceeded, the lossless option is taken unless memory binds and a lossier
 one is predicted MIN_LOSSY_GAIN faster (or nothing else fits), each option's configuration is the
 fastest of all its placements, and a refusal names the flags. No torch."""
+import dataclasses
 import random
 
 import pytest
@@ -158,3 +159,30 @@ def test_predict_is_the_max_of_the_overlapped_tasks():
         assert neo.gpu_s >= expected_cpu
     assert neo.tokens_per_s >= predict(inputs, tiers, 0, 1, BF16, p.attention, KVCapacity(2 * 1024, 0)).tokens_per_s
     assert isinstance(predict(inputs, tiers, 0, 1, BF16, p.attention, KVCapacity(512, 0)), str)
+
+
+def test_speculation_gain_is_the_best_k_where_rows_are_cheap_and_none_where_they_are_not():
+    from scheduler.planning.fit.speculation import speculation_gain, tokens_per_verify
+
+    assert tokens_per_verify(0.5, 3) == pytest.approx(1.875) and tokens_per_verify(0.0, 4) == 1
+    weight_bound = speculation_gain(lambda seqs, rows: 0.010 + 0.0001 * seqs * rows, 1, 4, acceptance=0.6)
+    assert weight_bound.num_drafts == 4 and weight_bound.speedup == pytest.approx(
+        tokens_per_verify(0.6, 4) * 0.0101 / 0.0105)
+    compute_bound = speculation_gain(lambda seqs, rows: 0.001 * seqs * rows, 32, 4, acceptance=0.6)
+    assert compute_bound.num_drafts == 0 and compute_bound.speedup == 1.0
+
+
+def test_the_prediction_carries_speculations_gain_at_one_sequence_and_the_batch():
+    """Streamed layers make a forward's rows cheap beside its loads: drafts pay, more at one sequence
+    than at the batch, whose rows cost more."""
+    work = Workload(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=256, block_size=16, context_len=512,
+                    num_speculative_tokens=4)
+    p = probes()
+    inputs = PlannerInputs(SHAPE, WeightFormat("none", 2), work, MemoryBudgets(), p.rates, p.compute("none"))
+    tiers = (Tier.GPU,) * 4 + (Tier.HOST,) * 12
+    prediction = predict(inputs, tiers, 2, 120 << 20, BF16, p.attention, KVCapacity(8 * 1024, 0))
+    one, batch = prediction.speculation
+    assert (one.num_seqs, batch.num_seqs) == (1, 8)
+    assert one.num_drafts == 4 and one.speedup > 2 and 1 <= batch.speedup <= one.speedup
+    without = dataclasses.replace(inputs, workload=dataclasses.replace(work, num_speculative_tokens=0))
+    assert predict(without, tiers, 2, 120 << 20, BF16, p.attention, KVCapacity(8 * 1024, 0)).speculation == ()
