@@ -29,18 +29,25 @@ POOLED_SMOOTHING = 0.05  # ... in the rate a new sequence starts from
 
 class StepCosts:
     """Decode-only steps' seconds by their rows: the median of each row count's recent steps
-    where it was seen (robust to a first step's warm-up; kernels step in row blocks, so 5 rows
-    may cost much more than 4), linear between the nearest seen row counts, and past the largest
-    on the slope of the two largest (so larger verifies get tried where rows were cheap, and not
-    where the step is compute-bound)."""
+    where it was seen, after its first (a new shape's first call allocates and plans; kernels
+    step in row blocks, so 5 rows may cost much more than 4), never more than a larger count's (fewer rows never cost more: a
+    rare count's one stalled step does not stand), linear between the nearest seen row counts,
+    and past the largest on the slope of the two largest (so larger verifies get tried where rows
+    were cheap, and not where the step is compute-bound)."""
 
     def __init__(self, free_at_zero: bool = False) -> None:
         self._samples: dict[int, deque[float]] = {}
+        self._warmed: set[int] = set()  # row counts whose first step was seen
+        self._table: dict[int, float] | None = None  # built from the samples when first asked
         if free_at_zero:  # a proposer's step over no sequence: below the fewest seen, cost in proportion
             self._samples[0] = deque([0.0])
 
     def observe(self, num_rows: int, seconds: float) -> None:
+        if num_rows not in self._warmed:
+            self._warmed.add(num_rows)
+            return
         self._samples.setdefault(num_rows, deque(maxlen=RECENT_STEPS)).append(seconds)
+        self._table = None
 
     def seen(self, num_rows: int) -> bool:
         return num_rows in self._samples
@@ -50,8 +57,16 @@ class StepCosts:
         """Whether steps of two row counts have been seen: before that, a row's cost is unknown."""
         return len(self._samples) >= 2
 
+    def _medians(self) -> dict[int, float]:
+        if self._table is None:
+            table, cheapest_above = {}, float("inf")
+            for rows in sorted(self._samples, reverse=True):
+                cheapest_above = table[rows] = min(statistics.median(self._samples[rows]), cheapest_above)
+            self._table = table
+        return self._table
+
     def seconds(self, num_rows: int) -> float:
-        table = {rows: statistics.median(samples) for rows, samples in self._samples.items()}
+        table = self._medians()
         if len(table) == 1 and num_rows not in table:  # nothing seen past the origin, or one count
             return next(iter(table.values()))
         if num_rows in table:
@@ -119,11 +134,13 @@ def drafts_that_pay(proposed: list[int], rates: list[float], num_rows: int, num_
     yields `num_tokens` tokens without them: the best-valued drafts first (a sequence's j-th is
     worth rate^j tokens), as many as give the step the most tokens per second. Each costs its row
     in the forward and its share of the proposer's steps; a sequence's first also `entry_s` (a
-    one-time catch-up spread over the steps it pays for). Until forwards of two row counts are
-    known: none where this step's row count is new, else the likeliest sequence's all (a crowd's
-    exploring stays cheap)."""
-    if not costs.known:  # a row's cost is learnt from this many rows' step, then one sequence's drafts
-        return _explore(proposed, rates) if costs.seen(num_rows) else [0] * len(proposed)
+    one-time catch-up spread over the steps it pays for). None where this step's row count was never
+    seen (its cost without drafts is measured first); where it was, but no other count was, the
+    likeliest sequence's all (a crowd's exploring stays cheap)."""
+    if not costs.seen(num_rows):  # what drafts add to is measured first
+        return [0] * len(proposed)
+    if not costs.known:  # then a row's cost from one sequence's drafts
+        return _explore(proposed, rates)
     entry_s = entry_s or [0.0] * len(proposed)
     candidates = sorted(((rates[i] ** j, -j, i) for i, count in enumerate(proposed) for j in range(1, count + 1)),
                         reverse=True)

@@ -52,10 +52,14 @@ class Speculator:
     def draft(self, plan: IterationPlan, scheduler: Scheduler) -> None:
         """Give the plan's decodes their drafts (in place): each that gets some becomes a verify
         share in its place. How many each may have is decided before any is proposed (a draft
-        model's drafts cost a step of its own each); the proposal may bring fewer."""
+        model's drafts cost a step of its own each); the proposal may bring fewer. Adaptive, a step
+        carrying prompt chunks gets none: its prompt rows make it compute-bound, and only
+        decode-only steps teach what rows cost."""
         decodes = [share for name in DECODE_LISTS for share in getattr(plan, name)]
         budget = scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
         counts = [self._num_drafts(share.sequence) for share in decodes]
+        if self.config.adaptive and plan.prefills:
+            return
         if self.config.adaptive:
             rates = [self.acceptance.rate(share.sequence) for share in decodes]
             entry_s = [self._entry_s(share.sequence, rate, count) for share, rate, count in zip(decodes, rates, counts)]

@@ -59,19 +59,27 @@ def test_the_growing_index_answers_as_the_plain_search(gen):
 
 def test_step_costs_keep_each_row_counts_time_interpolate_and_never_extrapolate_cheaper():
     costs = StepCosts()
-    for seconds in (0.300, 0.008, 0.008):  # a first step's warm-up does not count
+    for seconds in (0.300, 0.008, 0.012, 0.008):  # a first step's warm-up does not count
         costs.observe(4, seconds)
-    assert not costs.known  # every step had 4 rows: a row's cost is unknown
-    costs.observe(1, 0.005)
-    costs.observe(5, 0.020)  # a kernel's row block ends at 4: the fifth row costs a second pass
+    assert not costs.known and costs.seconds(4) == pytest.approx(0.008)  # every step had 4 rows
+    observe_warm(costs, 1, 0.005)
+    observe_warm(costs, 5, 0.020)  # a kernel's row block ends at 4: the fifth row costs a second pass
     assert costs.known and costs.seconds(5) == pytest.approx(0.020) and costs.seconds(4) == pytest.approx(0.008)
     assert costs.seconds(2) == pytest.approx(0.006) and costs.seconds(7) == pytest.approx(0.044)  # 4 -> 5's slope
+    observe_warm(costs, 2, 4.8)  # a rare count's one stalled step: fewer rows never cost more than more
+    assert costs.seconds(2) == pytest.approx(0.008) and costs.seconds(5) == pytest.approx(0.020)
+
+
+def observe_warm(costs: StepCosts, rows: int, seconds: float) -> None:
+    """A step of `rows` rows after its first (warm-up) one."""
+    costs.observe(rows, 10 * seconds)
+    costs.observe(rows, seconds)
 
 
 def steps(rows_seconds) -> StepCosts:
     costs = StepCosts()
     for rows, seconds in rows_seconds:
-        costs.observe(rows, seconds)
+        observe_warm(costs, rows, seconds)
     return costs
 
 
@@ -83,10 +91,11 @@ def test_drafts_pay_where_rows_are_cheap_and_not_where_the_step_is_compute_bound
     assert drafts_that_pay([4, 4], [0.9, 0.9], 32, 32, bound) == [0, 0]
     unknown = StepCosts()
     assert drafts_that_pay([4, 4], [0.5, 0.9], 2, 2, unknown) == [0, 0]  # first a step without drafts
-    unknown.observe(2, 0.010)
+    observe_warm(unknown, 2, 0.010)
     assert drafts_that_pay([4, 4, 0], [0.5, 0.9, 1.0], 2, 2, unknown) == [0, 4, 0]  # then the likeliest's
     assert drafts_that_pay([4], [0.9], 32, 32, steps([(1, 0.005), (32, 0.040)])) == [0]  # past 32: 1 -> 32's slope
     assert drafts_that_pay([0, 2], [0.9, 0.9], 2, 2, cheap) == [0, 2]
+    assert drafts_that_pay([4], [0.9], 40, 40, cheap) == [0]  # 40 rows never seen: measured without drafts first
 
 
 def test_a_row_block_boundary_stops_the_drafts_before_it():
@@ -101,9 +110,11 @@ def test_a_proposer_whose_steps_cost_a_forward_drafts_only_where_its_steps_are_c
     forward = steps((rows, 0.004 + 0.0001 * rows) for rows in range(1, 200))
     draft = ProposerCosts()
     assert draft.step_s(8) == 0 and draft.catch_up_s(500) == 0  # an n-gram lookup: free
+    draft.observe_step(32, 0.160)  # warm-up
     draft.observe_step(32, 0.016)
     assert drafts_that_pay([4] * 32, [0.7] * 32, 32, 32, forward, draft) == [0] * 32
     assert drafts_that_pay([4] * 32, [0.7] * 32, 32, 32, forward) != [0] * 32  # the forward alone would pay
+    draft.observe_step(1, 0.005)
     draft.observe_step(1, 0.0005)
     assert drafts_that_pay([4], [0.8], 1, 1, forward, draft) == [4]
     assert draft.step_s(0) == 0 and draft.step_s(16) == pytest.approx(0.0005 + 15 / 31 * 0.0155)
@@ -112,6 +123,7 @@ def test_a_proposer_whose_steps_cost_a_forward_drafts_only_where_its_steps_are_c
 def test_a_prompt_to_catch_up_on_is_paid_once_spread_over_the_steps_left():
     forward = steps((rows, 0.010 + 0.0001 * rows) for rows in range(1, 20))
     draft = ProposerCosts()
+    draft.observe_step(1, 0.01)
     draft.observe_step(1, 0.001)
     draft.observe_catch_up(400, 0.4)  # 1 ms a prompt token
     assert draft.catch_up_s(500) == pytest.approx(0.5)
