@@ -34,6 +34,7 @@ class RankReport:
 
     rank: int
     pid: int
+    actor_id: str  # Ray's id of this rank's actor (hex), which its errors name
     cores: CoreAssignment
     num_gpu_blocks: int
     weight_bytes: dict[tuple[str, str], int]
@@ -124,7 +125,8 @@ class RankWorker:
         logger.info("rank %d of %d: KV heads %s, MLP units %s, LM-head rows %s, cores %s",
                     self.shard.rank, self.shard.world_size, self.shard.kv_heads, self.shard.intermediate,
                     self.shard.vocab, sorted(self.cores))
-        return RankReport(self.shard.rank, os.getpid(), cores, self.runner.num_gpu_blocks, self.runner.weight_bytes())
+        return RankReport(self.shard.rank, os.getpid(), _actor_id(), cores, self.runner.num_gpu_blocks,
+                          self.runner.weight_bytes())
 
     def _core_assignment(self, device: str) -> CoreAssignment:
         return CoreAssignment.for_rank(_local_device(device), self.cores)
@@ -161,6 +163,12 @@ class RankWorker:
 def resident_store(config: ModelConfig, device: torch.device) -> LayerStore:
     """Every layer resident, as the model builds it without a store."""
     return ResidentMoeLayers(device) if config.is_moe else LayerStore(device)
+
+
+def _actor_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_actor_id()
 
 
 def _node_ip() -> str:
