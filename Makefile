@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-pacing bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-spec bench-gpu gpu-check clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-multinode test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-pacing bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-spec bench-gpu gpu-check clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -66,6 +66,12 @@ test-api: install
 # one rank's, an SDK server at -tp 2, a rank killed under load.
 test-tp: install
 	$(PY) -m pytest tests -m tp --tp
+
+# Tensor parallelism across hosts (tests marked multinode): two Ray nodes on this host, each in its
+# own network namespace, joined by a veth link shaped to 1 Gbit/s; a -tp 2 server with a rank on each
+# node answers as one process, and loses a node mid-stream. Needs root and iproute2 (ip, tc).
+test-multinode: install
+	$(PY) -m pytest tests -m multinode --multinode
 
 # The CPU kernels on other instruction sets (tests marked isa): compiled with Debian's aarch64 cross
 # compiler and run under qemu-user as a CPU with and without the dot product extension, and the same

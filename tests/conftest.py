@@ -17,11 +17,12 @@ SLOW_OPTION = "--slow"
 API_OPTION = "--api"
 TP_OPTION = "--tp"
 ISA_OPTION = "--isa"
+MULTINODE_OPTION = "--multinode"
 # Markers whose tests skip unless their option is given, so that `make test` stays within its time:
 # marker -> (option, the make target that runs them)
 OPT_IN_MARKERS = {"integration": (INTEGRATION_OPTION, "make test-integration"), "slow": (SLOW_OPTION, "make test-slow"),
                   "api": (API_OPTION, "make test-api"), "tp": (TP_OPTION, "make test-tp"),
-                  "isa": (ISA_OPTION, "make test-isa")}
+                  "isa": (ISA_OPTION, "make test-isa"), "multinode": (MULTINODE_OPTION, "make test-multinode")}
 # Modules whose every test is marked api: without --api they are not even collected (schemathesis
 # builds its cases from the schema while collecting, and the SDKs take seconds to import).
 API_ONLY_MODULES = frozenset({"test_schemathesis.py", "test_agent_protocols.py", "test_structured_and_tools.py"})
@@ -70,6 +71,10 @@ def pytest_addoption(parser):
                      help="also run the tests marked isa: the CPU kernels compiled for other instruction sets "
                           "(aarch64 NEON, with and without dotprod) and run under qemu-user, a minute or two; "
                           "`make test-isa` installs the tools and runs them")
+    parser.addoption(MULTINODE_OPTION, action="store_true",
+                     help="also run the tests marked multinode: tensor parallelism over two Ray nodes, each in "
+                          "its own network namespace joined by a shaped veth link; needs root and iproute2, a few "
+                          "minutes; `make test-multinode` runs them")
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -138,9 +138,11 @@ class TensorParallelRunner:
         raise RankLostError(f"tensor-parallel rank {failure.rank} failed alone: {failure.message}")
 
     def _rank_of(self, exc: BaseException) -> str:
-        """"rank N" where Ray's message names the dead worker's pid, else "a rank"."""
-        match = re.search(r"pid: (\d+)", str(exc))
-        ranks = [report.rank for report in self.reports if match and report.pid == int(match[1])]
+        """"rank N" where Ray's error names the dead worker: by its actor id (a lost node's actors are
+        unavailable, not dead, and only their id is known) or its pid; else "a rank"."""
+        text, pid = str(exc), re.search(r"pid: (\d+)", str(exc))
+        ranks = [report.rank for report in self.reports if report.actor_id == getattr(exc, "actor_id", None)
+                 or report.actor_id in text or (pid and report.pid == int(pid[1]))]
         return f"rank {ranks[0]}" if ranks else "a rank"
 
     def profile_costs(self, **profile_kwargs) -> TableCostModel:

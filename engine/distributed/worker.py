@@ -34,6 +34,7 @@ class RankReport:
 
     rank: int
     pid: int
+    actor_id: str  # Ray's id of this rank's actor (hex), which its errors name
     cores: CoreAssignment
     num_gpu_blocks: int
     weight_bytes: dict[tuple[str, str], int]
@@ -91,17 +92,17 @@ class RankWorker:
 
     def rendezvous_address(self) -> str:
         """tcp://<this node>:<a free port> for the process group (asked of rank 0)."""
-        import ray
-
         with socket.socket() as probe:
             probe.bind(("", 0))
             port = probe.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        return f"tcp://{_node_ip()}:{port}"
 
     def connect(self, init_method: str | None, device: str, segment_name: str | None) -> None:
-        """Join the other ranks: in the shared-memory segment `segment_name`, else at `init_method`."""
+        """Join the other ranks: in the shared-memory segment `segment_name`, else at `init_method`,
+        reachable from the other nodes at this node's address in the cluster."""
+        node_ip = None if segment_name is not None else _node_ip()
         self.collectives = create_collectives(self.shard.rank, self.shard.world_size, device, init_method,
-                                              segment_name)
+                                              segment_name, node_ip)
 
     def build(self, source: ModelSource, device: str, runner_kwargs: dict,
               vocab_ranges: list[tuple[int, int]]) -> RankReport:
@@ -124,7 +125,8 @@ class RankWorker:
         logger.info("rank %d of %d: KV heads %s, MLP units %s, LM-head rows %s, cores %s",
                     self.shard.rank, self.shard.world_size, self.shard.kv_heads, self.shard.intermediate,
                     self.shard.vocab, sorted(self.cores))
-        return RankReport(self.shard.rank, os.getpid(), cores, self.runner.num_gpu_blocks, self.runner.weight_bytes())
+        return RankReport(self.shard.rank, os.getpid(), _actor_id(), cores, self.runner.num_gpu_blocks,
+                          self.runner.weight_bytes())
 
     def _core_assignment(self, device: str) -> CoreAssignment:
         return CoreAssignment.for_rank(_local_device(device), self.cores)
@@ -161,6 +163,19 @@ class RankWorker:
 def resident_store(config: ModelConfig, device: torch.device) -> LayerStore:
     """Every layer resident, as the model builds it without a store."""
     return ResidentMoeLayers(device) if config.is_moe else LayerStore(device)
+
+
+def _actor_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_actor_id()
+
+
+def _node_ip() -> str:
+    """This node's address in the Ray cluster (what the other nodes reach it at)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def _local_device(device: str) -> str:

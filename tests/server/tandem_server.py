@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -48,13 +49,16 @@ class ServerProcess:
     """A `tandem serve` subprocess; `start()` returns once /health answers 200."""
 
     def __init__(self, log_path: Path, *flags: str, env: dict[str, str] | None = None,
-                 entry: tuple[str, ...] = ("-m", "server.cli")) -> None:
-        """`entry`: what python runs with `serve` and the flags (a script that plants faults, say)."""
-        self.entry = entry
+                 entry: tuple[str, ...] = ("-m", "server.cli"), host: str = "127.0.0.1",
+                 prefix: tuple[str, ...] = ()) -> None:
+        """`entry`: what python runs with `serve` and the flags (a script that plants faults, say);
+        `host`: the address it listens on; `prefix`: a command that runs it (in a network namespace,
+        say: `ip netns exec NAME`)."""
+        self.entry, self.prefix = entry, prefix
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
-        self.flags = ("--port", str(self.port), "--dtype", "float32", *flags,
+        self.flags = ("--host", host, "--port", str(self.port), "--dtype", "float32", *flags,
                       *os.environ.get(EXTRA_FLAGS_ENV, "").split())
         # the server refuses TANDEM_* variables it has no flag for: the suite's own stays here
         inherited = {k: v for k, v in os.environ.items() if k != EXTRA_FLAGS_ENV}
@@ -63,8 +67,8 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, *self.entry, "serve", *self.flags], cwd=ROOT,
-                                         env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen([*self.prefix, sys.executable, *self.entry, "serve", *self.flags],
+                                         cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          preexec_fn=die_with_parent)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -101,6 +105,12 @@ class ServerProcess:
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
+
+
+def rank_pids(server: ServerProcess) -> dict[int, int]:
+    """rank -> pid of a tensor-parallel server's ranks, from its log."""
+    found = re.findall(r"tensor-parallel rank (\d+): pid (\d+)", server.log_tail(10**6))
+    return {int(rank): int(pid) for rank, pid in found}
 
 
 # ---- offloading ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tandem_server import MODEL, REQUEST_TIMEOUT_S
+from tandem_server import MODEL, REQUEST_TIMEOUT_S, rank_pids
 
 pytestmark = pytest.mark.tp
 
@@ -47,12 +47,6 @@ def test_parallel_requests_at_two_ranks(tp_server):
                                    max_tokens=16)
     assert [c.text for c in answer.choices] == [c.text for c in again.choices]
     assert answer.usage.completion_tokens == 3 * 16
-
-
-def rank_pids(server) -> dict[int, int]:
-    """rank -> pid, from the server's log."""
-    found = re.findall(r"tensor-parallel rank (\d+): pid (\d+)", server.log_tail(10**6))
-    return {int(rank): int(pid) for rank, pid in found}
 
 
 def test_a_killed_rank_makes_health_503_and_the_server_exit(start_server):

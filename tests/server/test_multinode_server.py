@@ -1,0 +1,83 @@
+"""`tandem serve -tp 2 --ray-address` with its ranks on two Ray nodes, each node in a network
+namespace of its own and the two joined by a shaped veth link (netns_cluster.py): greedy completions
+as a one-process server's, and the worker node lost mid-stream makes /health answer 503 and the
+server exit 1 naming the rank that was on it."""
+import shutil
+import time
+
+import httpx
+import openai
+import pytest
+
+import netns_cluster
+from tandem_server import MODEL, REQUEST_TIMEOUT_S, ServerProcess, greedy_completion, rank_pids
+
+pytestmark = pytest.mark.multinode
+
+PROMPTS = ("The capital of France is", "def fibonacci(n):")
+MAX_TOKENS = 24
+DEAD_ENGINE_GRACE_S = 3
+EXIT_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = netns_cluster.missing_requirements()
+    if reason is not None:  # asked for with --multinode: a skip would pass unnoticed in CI
+        pytest.fail(f"cannot build the two-node cluster: {reason}")
+    netns_cluster.tear_down()  # what a killed run left behind
+    temp_dir = netns_cluster.make_temp_dir()
+    try:
+        netns_cluster.create_network()
+        yield netns_cluster.start_nodes(temp_dir)
+    finally:
+        netns_cluster.tear_down()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def multinode_server(cluster, tmp_path_factory):
+    """The server in the head's namespace (the driver joins the cluster on a node's network) and
+    listening there, its ranks one on each node. The last test loses a node: a short grace."""
+    log = tmp_path_factory.mktemp("multinode") / "serve.log"
+    server = ServerProcess(log, "-tp", "2", "--ray-address", cluster.address,
+                           "--dead-engine-grace", str(DEAD_ENGINE_GRACE_S), env=netns_cluster.RAY_ENV,
+                           host=cluster.server_host, prefix=netns_cluster.netns_exec(cluster.head_namespace))
+    yield server.start()
+    server.stop()
+
+
+def rank_namespaces(server) -> dict[int, str | None]:
+    """rank -> the network namespace its process runs in."""
+    return {rank: netns_cluster.namespace_of(pid) for rank, pid in rank_pids(server).items()}
+
+
+def test_ranks_on_two_nodes_complete_as_one_process(multinode_server, cluster, http):
+    assert sorted(rank_namespaces(multinode_server).values()) == [cluster.head_namespace, cluster.worker_namespace]
+    with httpx.Client(base_url=multinode_server.url, timeout=REQUEST_TIMEOUT_S) as two_nodes:
+        for prompt in PROMPTS:
+            assert greedy_completion(two_nodes, prompt, MAX_TOKENS) == greedy_completion(http, prompt, MAX_TOKENS)
+
+
+def test_a_lost_node_makes_health_503_and_the_server_exit(multinode_server, cluster):
+    """The module's last test: the worker node does not come back."""
+    lost_rank, = [rank for rank, namespace in rank_namespaces(multinode_server).items()
+                  if namespace == cluster.worker_namespace]
+    two_nodes = openai.OpenAI(base_url=f"{multinode_server.url}/v1", api_key="unused", max_retries=0,
+                              timeout=REQUEST_TIMEOUT_S)
+    stream = two_nodes.completions.create(model=MODEL, prompt="Count to one hundred:", max_tokens=400,
+                                          temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # generating
+    netns_cluster.kill_namespace(cluster.worker_namespace)  # its raylet and the rank's process
+    with pytest.raises((openai.APIError, httpx.HTTPError)):
+        for _ in stream:
+            pass
+    health = httpx.get(f"{multinode_server.url}/health", timeout=5.0)
+    assert health.status_code == 503
+    assert f"rank {lost_rank}" in health.json()["error"]["message"]
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    while multinode_server.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert multinode_server.proc.returncode == 1, multinode_server.log_tail()
+    assert f"tandem serve: exiting: the engine loop died: tensor-parallel rank {lost_rank}" \
+        in multinode_server.log_tail()
