@@ -270,17 +270,31 @@ class ParallelConfig:
         "--tensor-parallel-size", 1, "split the model's heads, MLP units and LM head over this many ranks, one Ray "
         "actor each with its own GPU (one per rank on cuda) or its own share of the host's cores, and its own GPU "
         "and host KV pools", Group.PARALLEL, short="-tp")
-    ray_address: str | None = knob(  # None: start a local cluster when tensor_parallel_size > 1
+    pipeline_parallel_size: int = knob(
+        "--pipeline-parallel-size", 1, "cut the decoder layers into this many contiguous stages, one Ray actor "
+        "each with its own layers, KV pools and share of the host's cores; a step's hidden states pass from stage "
+        "to stage (one activation a step between stages, where tensor parallelism all-reduces twice a layer)",
+        Group.PARALLEL, short="-pp")
+    ray_address: str | None = knob(  # None: start a local cluster when the ranks are several
         "--ray-address", None, "the Ray cluster the ranks run on (default: a local one, started with the server)",
         Group.PARALLEL)
 
     def __post_init__(self) -> None:
         parse_knobs(self)
         _require_int(self, "tensor_parallel_size", 1)
+        _require_int(self, "pipeline_parallel_size", 1)
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ConfigError(f"--pipeline-parallel-size {self.pipeline_parallel_size} does not combine with "
+                              f"--tensor-parallel-size {self.tensor_parallel_size} yet: use one of them")
 
     @property
     def enabled(self) -> bool:
-        return self.tensor_parallel_size > 1
+        """Whether the model runs on ranks on Ray (tensor-parallel shards or pipeline stages)."""
+        return self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -515,13 +529,18 @@ class EngineConfig:
                               "--cpu-attention on")
 
     def _check_parallel(self) -> None:
-        """What tensor parallelism does not combine with yet, refused with the flag to change: the
-        fit's budgets (disk-tier layers, chosen or asked for, the engine refuses once planned)."""
+        """What tensor and pipeline parallelism do not combine with yet, refused with the flag to
+        change: the fit's budgets (disk-tier layers, chosen or asked for, the engine refuses once
+        planned); Neo's host pool in pipeline stages."""
+        stages = self.parallel.pipeline_parallel_size
+        if stages > 1 and self.cpu_attention_enabled:
+            raise ConfigError(f"--pipeline-parallel-size {stages}: CPU attention (Neo) in pipeline stages is not "
+                              f"built yet; use --cpu-attention off or --pipeline-parallel-size 1")
         if self.parallel.enabled and (self.gpu_memory_gib is not None or self.host_memory_gib is not None):
-            raise ConfigError(f"--tensor-parallel-size {self.parallel.tensor_parallel_size} does not combine with "
+            raise ConfigError(f"--tensor-parallel-size / --pipeline-parallel-size do not combine with "
                               f"--gpu-memory-gib / --host-memory-gib (the fit's budgets) yet: place each rank's "
                               f"layers with --weights-gpu-gib / --weights-cpu-gib and size its pools with "
-                              f"--kv-cache-gib / --cpu-kv-cache-gib, or use --tensor-parallel-size 1")
+                              f"--kv-cache-gib / --cpu-kv-cache-gib, or use one rank")
 
     @property
     def torch_device(self) -> str:
@@ -559,8 +578,9 @@ class EngineConfig:
     @property
     def cpu_attention_enabled(self) -> bool:
         """Whether the engine keeps a host KV pool and plans with the Neo scheduler."""
-        if self.cpu_attention.mode == CpuAttention.AUTO:
-            return self.device == "testbed" or self.device.startswith("cuda")
+        if self.cpu_attention.mode == CpuAttention.AUTO:  # not in pipeline stages (not built there)
+            return (self.device == "testbed" or self.device.startswith("cuda")) and \
+                self.parallel.pipeline_parallel_size == 1
         return self.cpu_attention.mode == CpuAttention.ON
 
     @classmethod

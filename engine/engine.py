@@ -197,15 +197,18 @@ class LLMEngine:
 
     def _create_runner(self, loader, runner_kwargs: dict) -> ModelRunner | TensorParallelRunner:
         """The model on this process (its layers where the plan puts them), or split over
-        --tensor-parallel-size ranks, each a Ray actor building its shard (engine/distributed)."""
+        --tensor-parallel-size ranks or --pipeline-parallel-size stages, each a Ray actor building
+        its part (engine/distributed)."""
         config = self.config
         runner_kwargs = dict(runner_kwargs, layer_store=self._layer_store_factory(loader))
         if not config.parallel.enabled:
             return ModelRunner(self.model_config, loader, device=config.device, cores=self.plan.cores,
                                **runner_kwargs)
         source = ModelSource(config.model, config.load_format, config.seed)
-        return TensorParallelRunner(self.model_config, source, config.device, config.parallel.tensor_parallel_size,
-                                    config.parallel.ray_address, runner_kwargs, self.weight_stats)
+        parallel = config.parallel
+        return TensorParallelRunner(self.model_config, source, config.device, parallel.tensor_parallel_size,
+                                    parallel.ray_address, runner_kwargs, self.weight_stats,
+                                    num_stages=parallel.pipeline_parallel_size)
 
     def _prefix_cache_key(self) -> str:
         """What, besides the tokens, decides a block's K/V: the weights, how they compute, and how

@@ -1,9 +1,13 @@
-"""The driver's side of tensor parallelism: one RankWorker per rank as a Ray actor.
+"""The driver's side of tensor and pipeline parallelism: one RankWorker per rank (and per
+pipeline stage) as a Ray actor.
 
 The scheduler stays here; each iteration's plan goes to every rank at once (a compiled Ray graph's
-shared-memory channels), every rank runs the same forward with its shard, and rank 0's sampled
-tokens come back. A rank that dies (its process killed, its node lost) or fails alone ends the
-engine with `RankLostError`: the others would wait in their next collective forever."""
+shared-memory channels). Tensor-parallel ranks run the same forward with their shards and rank 0's
+sampled tokens come back; pipeline stages run one after another, each handing its hidden states
+to the next, and the last stage's tokens come back. A rank that dies (its process killed, its node
+lost) or fails alone ends the engine with `RankLostError`: the others would wait in their next
+collective (or for the stage before them) forever. A stage's failure on its own is the plan's:
+the stages after it pass it on, and none is left out of step."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +17,7 @@ import uuid
 from multiprocessing import shared_memory
 
 from engine.distributed.partition import plan_shards
+from engine.distributed.stages import plan_stages
 from engine.distributed.wire import wire_plan
 from engine.distributed.worker import ModelSource, RankFailure, RankReport, RankWorker
 from engine.device.cores import CoreAssignment, device_kind, host_cores, rank_core_sets
@@ -38,28 +43,25 @@ class TensorParallelRunner:
     """ModelRunner's interface to the engine, over `world_size` ranks."""
 
     def __init__(self, model_config: ModelConfig, source: ModelSource, device: str, world_size: int,
-                 ray_address: str | None, runner_kwargs: dict, weight_stats: WeightStats) -> None:
-        """`runner_kwargs`: ModelRunner's, with `layer_store` (a factory of the store each rank places
-        its shard's layers by; None: resident); `weight_stats`: where rank 0's store's totals land
-        after each step."""
+                 ray_address: str | None, runner_kwargs: dict, weight_stats: WeightStats, num_stages: int = 1) -> None:
+        """`world_size` tensor-parallel ranks in each of `num_stages` pipeline stages (one stage:
+        no pipeline; several: one rank each, for now). `runner_kwargs`: ModelRunner's, with
+        `layer_store` (a factory of the store each rank places its shard's layers by; None:
+        resident); `weight_stats`: where the sampling rank's store's totals land after each step."""
         import ray
 
-        self._ray, self._lost, self._step_graph = ray, False, None
+        self._ray, self._lost, self._step_graph, self._segment = ray, False, None, None
         self.world_size, self.vocab_size, self.weight_stats = world_size, model_config.vocab_size, weight_stats
         shards = plan_shards(model_config, world_size)
+        self.stages = plan_stages(model_config, num_stages) if num_stages > 1 else None
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
-            _start_ray(ray, ray_address, world_size)
+            _start_ray(ray, ray_address, world_size * num_stages)
         one_host = ray_address is None
-        self._workers = self._start_workers(ray, shards, device, pin_cores=one_host)
+        self._workers = self._start_workers(ray, shards, self.stages or [None], device, pin_cores=one_host)
         try:
-            # CPU ranks of one host meet in shared memory; GPUs and hosts over torch.distributed
-            shared = one_host and device_kind(device) != "cuda"
-            self._segment = f"tandem-tp-{uuid.uuid4().hex[:16]}" if shared else None
-            address = None if shared else ray.get(self._workers[0].rendezvous_address.remote())
-            self._gather([worker.connect.remote(address, device, self._segment) for worker in self._workers])
-            logger.info("tensor-parallel collectives: %s", f"shared memory {self._segment}" if shared
-                        else f"torch.distributed at {address}")
+            if world_size > 1:
+                self._connect(ray, device, one_host)
             vocab_ranges = [shard.vocab for shard in shards]
             runner_kwargs = dict(runner_kwargs, weight_stats=weight_stats)
             self.reports: list[RankReport] = self._gather(
@@ -68,19 +70,31 @@ class TensorParallelRunner:
             self.close()
             raise
         for report in self.reports:
-            logger.info("tensor-parallel rank %d: pid %d, %d GPU KV blocks", report.rank, report.pid,
-                        report.num_gpu_blocks)
+            logger.info("%s: pid %d, %d GPU KV blocks", report.name, report.pid, report.num_gpu_blocks)
+
+    def _connect(self, ray, device: str, one_host: bool) -> None:
+        """The tensor-parallel ranks' collectives: CPU ranks of one host meet in shared memory, GPUs
+        and hosts over torch.distributed."""
+        shared = one_host and device_kind(device) != "cuda"
+        self._segment = f"tandem-tp-{uuid.uuid4().hex[:16]}" if shared else None
+        address = None if shared else ray.get(self._workers[0].rendezvous_address.remote())
+        self._gather([worker.connect.remote(address, device, self._segment) for worker in self._workers])
+        logger.info("tensor-parallel collectives: %s", f"shared memory {self._segment}" if shared
+                    else f"torch.distributed at {address}")
 
     @staticmethod
-    def _start_workers(ray, shards, device: str, pin_cores: bool) -> list:
-        """One actor per rank; on a local cluster each pinned to its own run of this host's cores."""
+    def _start_workers(ray, shards, stages, device: str, pin_cores: bool) -> list:
+        """One actor per rank of each stage; on a local cluster each pinned to its own run of this
+        host's cores."""
         kind = device_kind(device)
-        core_sets = rank_core_sets(host_cores(), len(shards)) if pin_cores else [()] * len(shards)
+        placed = [(shard, stage) for stage in stages for shard in shards]
+        core_sets = rank_core_sets(host_cores(), len(placed)) if pin_cores else [()] * len(placed)
         actor = ray.remote(RankWorker)
         workers = []
-        for shard, cores in zip(shards, core_sets):
+        for (shard, stage), cores in zip(placed, core_sets):
             options = dict(num_cpus=max(1, len(cores)), num_gpus=1 if kind == "cuda" else 0)
-            workers.append(actor.options(**options).remote(shard, cores, logging.getLogger().getEffectiveLevel()))
+            workers.append(actor.options(**options).remote(shard, cores, logging.getLogger().getEffectiveLevel(),
+                                                            stage))
         return workers
 
     # ---- what the engine asks of a runner ------------------------------------------------------
@@ -102,9 +116,11 @@ class TensorParallelRunner:
         return totals
 
     def execute(self, plan: IterationPlan) -> RunnerOutput:
-        """The plan on every rank; rank 0's sampled tokens (and its store's totals into weight_stats)."""
+        """The plan on every rank; the sampling rank's tokens (and its store's totals into weight_stats)."""
         results = self._run_step(wire_plan(plan, self.vocab_size))
         failures = [result for result in results if isinstance(result, RankFailure)]
+        if failures and self.stages is not None:
+            raise failures[0].error  # a stage's alone: the ones after it passed it on, none is out of step
         if failures:
             self._raise_failures(failures)
         output, rank_stats = results[0]
@@ -112,38 +128,52 @@ class TensorParallelRunner:
         return output
 
     def _run_step(self, plan: IterationPlan) -> list:
-        """Every rank's result of `plan`, through a compiled Ray graph: the plan reaches the ranks
-        over shared-memory channels (0.5 ms a step on the 2-core VM where an actor call per rank
-        and the object store took 4-6)."""
+        """Every rank's result of `plan` (the last stage's, with stages), through a compiled Ray
+        graph: the plan reaches the ranks over shared-memory channels (0.5 ms a step on the 2-core
+        VM where an actor call per rank and the object store took 4-6), and a stage's output the
+        next stage the same way."""
         ray = self._ray
         if self._step_graph is None:
-            from ray.dag import InputNode, MultiOutputNode
-
-            with InputNode() as step_plan:
-                self._step_graph = MultiOutputNode([w.execute.bind(step_plan) for w in self._workers]) \
-                    .experimental_compile()
+            self._step_graph = self._compile_step_graph()
         try:
             return [ref.get(timeout=-1) for ref in self._step_graph.execute(plan)]  # -1: a prefill may take long
         except (ray.exceptions.RayActorError, ray.exceptions.RayChannelError) as exc:
             self._lost = True
-            raise RankLostError(f"tensor-parallel {self._rank_of(exc)} died: {_first_line(exc)}") from exc
+            raise RankLostError(f"{self._rank_of(exc)} died: {_first_line(exc)}") from exc
+
+    def _compile_step_graph(self):
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as step_plan:
+            if self.stages is None:
+                return MultiOutputNode([w.execute.bind(step_plan) for w in self._workers]).experimental_compile()
+            output = self._workers[0].execute.bind(step_plan)
+            for worker in self._workers[1:]:
+                output = worker.execute.bind(step_plan, output)
+            return MultiOutputNode([output]).experimental_compile()
 
     def _raise_failures(self, failures: list[RankFailure]) -> None:
         """The same error on every rank is the plan's (the engine fails the batch and goes on);
         another is a rank's alone, and the ranks are out of step."""
-        if len(failures) == self.world_size and len({failure.message for failure in failures}) == 1:
+        num_workers = self.world_size * len(self.stages or [None])
+        if len(failures) == num_workers and len({failure.message for failure in failures}) == 1:
             raise failures[0].error
         self._lost = True
         failure = failures[0]
-        raise RankLostError(f"tensor-parallel rank {failure.rank} failed alone: {failure.message}")
+        raise RankLostError(f"{self._name(failure.rank)} failed alone: {failure.message}")
+
+    def _name(self, index: int) -> str:
+        """The worker at `index` (its rank without stages, its stage with them) as errors name it."""
+        return f"pipeline stage {index}" if self.stages is not None else f"tensor-parallel rank {index}"
 
     def _rank_of(self, exc: BaseException) -> str:
-        """"rank N" where Ray's error names the dead worker: by its actor id (a lost node's actors are
-        unavailable, not dead, and only their id is known) or its pid; else "a rank"."""
+        """The dead worker's name where Ray's error names it: by its actor id (a lost node's actors
+        are unavailable, not dead, and only their id is known) or its pid; else "a rank"."""
         text, pid = str(exc), re.search(r"pid: (\d+)", str(exc))
-        ranks = [report.rank for report in self.reports if report.actor_id == getattr(exc, "actor_id", None)
-                 or report.actor_id in text or (pid and report.pid == int(pid[1]))]
-        return f"rank {ranks[0]}" if ranks else "a rank"
+        named = [report.name for report in getattr(self, "reports", [])
+                 if report.actor_id == getattr(exc, "actor_id", None) or report.actor_id in text
+                 or (pid and report.pid == int(pid[1]))]
+        return named[0] if named else "a rank"
 
     def profile_costs(self, **profile_kwargs) -> TableCostModel:
         """Every rank profiles in lock-step (the linear stages and the head are collectives); rank
@@ -204,7 +234,7 @@ class TensorParallelRunner:
                 results[ranks[ref]] = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
                 self._lost = True
-                raise RankLostError(f"tensor-parallel rank {ranks[ref]} died: {_first_line(exc)}") from exc
+                raise RankLostError(f"{self._name(ranks[ref])} died: {_first_line(exc)}") from exc
             except ray.exceptions.RayTaskError as exc:
                 cause = exc.cause if isinstance(exc.cause, BaseException) else exc
                 failures[ranks[ref]] = RankFailure(ranks[ref], f"{type(cause).__name__}: {cause}", cause)

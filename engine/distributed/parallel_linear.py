@@ -14,7 +14,7 @@ import torch
 from engine.model_config import ModelConfig
 from engine.model.feed_forward import FeedForward, SiluMul
 from engine.model.layer_weights import LayerWeights
-from engine.model.layer_store import LayerStore
+from engine.model.layer_store import DelegatingLayerStore, LayerStore
 from engine.model.moe import MoeLayerWeights
 from engine.quant import LinearMethod, LinearWeight
 from engine.quant.base import WrappedWeight
@@ -80,15 +80,14 @@ class ReducedFeedForward:
         return self.inner.linear_weights()
 
 
-class TensorParallelLayers(LayerStore):
+class TensorParallelLayers(DelegatingLayerStore):
     """Another store's layers (resident, streamed, sliced; dense or MoE), each with its O
     projection row-parallel and its MLP's output summed over the ranks; the LM head
     vocabulary-parallel. Everything else is the inner store's."""
 
     def __init__(self, inner: LayerStore, collectives: Collectives, vocab_ranges: list[tuple[int, int]]) -> None:
-        super().__init__(inner.device)
-        self.inner, self.collectives, self.vocab_ranges = inner, collectives, vocab_ranges
-        self.weights_stay_put = inner.weights_stay_put
+        super().__init__(inner)
+        self.collectives, self.vocab_ranges = collectives, vocab_ranges
 
     @property
     def graph_capturable(self) -> bool:
@@ -108,31 +107,3 @@ class TensorParallelLayers(LayerStore):
 
     def head(self, weight: LinearWeight) -> LinearWeight:
         return VocabParallelHead(self.inner.head(weight), self.collectives, self.vocab_ranges)
-
-    # ---- the inner store's -------------------------------------------------------------------
-    def start(self) -> None:
-        self.inner.start()
-
-    def use_gpu(self, gpu) -> None:
-        self.inner.use_gpu(gpu)
-
-    def acquire(self, layer: int) -> None:
-        self.inner.acquire(layer)
-
-    def release(self, layer: int) -> None:
-        self.inner.release(layer)
-
-    def recover(self) -> None:
-        self.inner.recover()
-
-    def begin_serving(self) -> None:
-        self.inner.begin_serving()
-
-    def between_forwards(self) -> None:
-        self.inner.between_forwards()
-
-    def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
-        return self.inner.extra_weight_bytes()
-
-    def close(self) -> None:
-        self.inner.close()

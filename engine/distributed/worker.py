@@ -15,6 +15,7 @@ from engine.distributed.collectives import create_collectives
 from engine.distributed.parallel_linear import TensorParallelLayers
 from engine.distributed.partition import RankShard
 from engine.distributed.sharded_loader import ShardedLoader
+from engine.distributed.stages import Stage, StageLayers, StageLoader
 from engine.device.cores import CoreAssignment
 from engine.runtime.runner import ModelRunner, RunnerOutput
 from engine.offload.stats import WeightStats
@@ -32,12 +33,17 @@ logger = logging.getLogger(__name__)
 class RankReport:
     """What a built rank tells the driver."""
 
-    rank: int
+    rank: int  # its tensor-parallel rank within its stage
     pid: int
     actor_id: str  # Ray's id of this rank's actor (hex), which its errors name
     cores: CoreAssignment
     num_gpu_blocks: int
     weight_bytes: dict[tuple[str, str], int]
+    stage: int | None = None  # its pipeline stage (None: no pipeline)
+
+    @property
+    def name(self) -> str:
+        return f"pipeline stage {self.stage}" if self.stage is not None else f"tensor-parallel rank {self.rank}"
 
 
 @dataclass(frozen=True)
@@ -70,10 +76,13 @@ class ModelSource:
 class RankWorker:
     """Rank `shard.rank`'s process: connect, build, then one `execute` per iteration."""
 
-    def __init__(self, shard: RankShard, cores: tuple[int, ...], log_level: int = logging.INFO) -> None:
-        logging.basicConfig(level=log_level,
-                            format=f"%(asctime)s %(levelname)s rank {shard.rank} %(name)s: %(message)s")
-        self.shard, self.cores = shard, cores
+    def __init__(self, shard: RankShard, cores: tuple[int, ...], log_level: int = logging.INFO,
+                 stage: Stage | None = None) -> None:
+        """`stage`: the pipeline stage whose layers it holds (None: every layer)."""
+        where = f"stage {stage.index}" if stage is not None else f"rank {shard.rank}"
+        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {where} %(name)s: %(message)s")
+        self.shard, self.cores, self.stage = shard, cores, stage
+        self.stage_store: StageLayers | None = None  # where its forward's stage input and output pass
         self._pinned_threads: set[int] = set()
         self._pin_this_thread()
         self.collectives = None
@@ -106,43 +115,63 @@ class RankWorker:
 
     def build(self, source: ModelSource, device: str, runner_kwargs: dict,
               vocab_ranges: list[tuple[int, int]]) -> RankReport:
-        """This rank's runner over its shard; `runner_kwargs["layer_store"]` makes the store its
-        layers are placed by (None: every layer resident), under the row-parallel wrapping, and
-        `runner_kwargs["weight_stats"]` is what that store writes to."""
+        """This rank's runner over its shard of its stage's layers; `runner_kwargs["layer_store"]`
+        makes the store its layers are placed by (None: every layer resident), under the
+        row-parallel and stage wrappings, and `runner_kwargs["weight_stats"]` is what that store
+        writes to."""
         self._pin_this_thread()
-        loader = ShardedLoader(create_loader(source.model, source.load_format, seed=source.seed), self.shard)
+        loader = create_loader(source.model, source.load_format, seed=source.seed)
+        if self.stage is not None:
+            loader = StageLoader(loader, self.stage)
+        if self.shard.world_size > 1:
+            loader = ShardedLoader(loader, self.shard)
         cores = self._core_assignment(device)
-        collectives, inner_store = self.collectives, runner_kwargs.pop("layer_store")
+        inner_store = runner_kwargs.pop("layer_store")
         self.weight_stats = runner_kwargs.pop("weight_stats")  # the very object the store holds: one pickle
 
-        def layer_store(gpu_device: torch.device, rank_cores: CoreAssignment) -> TensorParallelLayers:
-            inner = inner_store(gpu_device, rank_cores) if inner_store is not None else \
+        def layer_store(gpu_device: torch.device, rank_cores: CoreAssignment) -> LayerStore:
+            store = inner_store(gpu_device, rank_cores) if inner_store is not None else \
                 resident_store(loader.config, gpu_device)
-            return TensorParallelLayers(inner, collectives, vocab_ranges)
+            if self.shard.world_size > 1:
+                store = TensorParallelLayers(store, self.collectives, vocab_ranges)
+            if self.stage is not None:
+                store = self.stage_store = StageLayers(store, self.stage)
+            return store
 
         self.runner = ModelRunner(loader.config, loader, device=_local_device(device), cores=cores,
                                   layer_store=layer_store, **runner_kwargs)
-        logger.info("rank %d of %d: KV heads %s, MLP units %s, LM-head rows %s, cores %s",
+        logger.info("rank %d of %d: KV heads %s, MLP units %s, LM-head rows %s, layers %s, cores %s",
                     self.shard.rank, self.shard.world_size, self.shard.kv_heads, self.shard.intermediate,
-                    self.shard.vocab, sorted(self.cores))
+                    self.shard.vocab, self.stage.layers if self.stage else "all", sorted(self.cores))
         return RankReport(self.shard.rank, os.getpid(), _actor_id(), cores, self.runner.num_gpu_blocks,
-                          self.runner.weight_bytes())
+                          self.runner.weight_bytes(), None if self.stage is None else self.stage.index)
 
     def _core_assignment(self, device: str) -> CoreAssignment:
         return CoreAssignment.for_rank(_local_device(device), self.cores)
 
-    def execute(self, plan: IterationPlan) -> tuple[RunnerOutput, WeightStats] | RankFailure | None:
-        """The plan's forward on this rank; rank 0 also samples and returns the tokens, with what its
-        layer store did so far. A failure comes back as a value, so that the driver can tell one
-        rank's from every rank's."""
+    def execute(self, plan: IterationPlan, incoming=None):
+        """The plan's forward on this rank. The rank that samples (rank 0 of the last stage) returns
+        the tokens, with what its layer store did so far; an earlier stage's rank 0 its output
+        for the next stage (`incoming` at that one); the others None. A failure comes back as a
+        value, so that the driver can tell one rank's from every rank's, and later stages pass an
+        earlier one's on."""
         self._pin_this_thread()
+        if isinstance(incoming, RankFailure):
+            return incoming
         try:
-            if self.shard.rank == 0:
+            if self.stage_store is not None:
+                self.stage_store.incoming = incoming
+            if self.shard.rank != 0:
+                self.runner.forward(plan)
+                return None
+            if self.stage is None or self.stage.last:
                 return self.runner.execute(plan), self.weight_stats.snapshot()
             self.runner.forward(plan)
-            return None
+            outgoing, self.stage_store.outgoing = self.stage_store.outgoing, None
+            return outgoing
         except Exception as exc:
-            logger.exception("rank %d: the step failed", self.shard.rank)
+            where = f"stage {self.stage.index}" if self.stage is not None else f"rank {self.shard.rank}"
+            logger.exception("%s: the step failed", where)
             return RankFailure(self.shard.rank, f"{type(exc).__name__}: {exc}", _picklable(exc))
 
     def profile_costs(self, profile_kwargs: dict) -> TableCostModel:

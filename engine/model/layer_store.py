@@ -39,6 +39,16 @@ class LayerStore:
         """The LM head as the forward applies it (split over tensor-parallel ranks: gathered)."""
         return weight
 
+    def stage_input(self, token_ids: torch.Tensor, embed) -> torch.Tensor:
+        """The first layer's input: the tokens embedded (a later pipeline stage: the previous
+        stage's output)."""
+        return embed(token_ids)
+
+    def stage_output(self, hidden: torch.Tensor, output_rows: torch.Tensor, head) -> torch.Tensor:
+        """The last layer's output as the forward returns it: the logits of `output_rows` (an
+        earlier pipeline stage: handed on whole, no logits)."""
+        return head(hidden, output_rows)
+
     def start(self) -> None:
         """Every layer is built: allocate what serving needs."""
 
@@ -68,3 +78,59 @@ class LayerStore:
 
     def close(self) -> None:
         """Stop threads and close files."""
+
+
+class DelegatingLayerStore(LayerStore):
+    """Another store's layers, with some of what the forward asks changed by a subclass (split over
+    tensor-parallel ranks, cut into pipeline stages); everything else is the inner store's."""
+
+    def __init__(self, inner: LayerStore) -> None:
+        super().__init__(inner.device)
+        self.inner = inner
+        self.weights_stay_put = inner.weights_stay_put
+
+    @property
+    def graph_capturable(self) -> bool:
+        return self.inner.graph_capturable
+
+    def build(self, index: int, loaded: dict, linear: LinearMethod, dtype: torch.dtype) -> LayerWeights:
+        return self.inner.build(index, loaded, linear, dtype)
+
+    def build_moe_layer(self, index: int, loaded: dict, config, linear: LinearMethod, dtype: torch.dtype):
+        return self.inner.build_moe_layer(index, loaded, config, linear, dtype)
+
+    def head(self, weight: LinearWeight) -> LinearWeight:
+        return self.inner.head(weight)
+
+    def stage_input(self, token_ids: torch.Tensor, embed) -> torch.Tensor:
+        return self.inner.stage_input(token_ids, embed)
+
+    def stage_output(self, hidden: torch.Tensor, output_rows: torch.Tensor, head) -> torch.Tensor:
+        return self.inner.stage_output(hidden, output_rows, head)
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def use_gpu(self, gpu) -> None:
+        self.inner.use_gpu(gpu)
+
+    def acquire(self, layer: int) -> None:
+        self.inner.acquire(layer)
+
+    def release(self, layer: int) -> None:
+        self.inner.release(layer)
+
+    def recover(self) -> None:
+        self.inner.recover()
+
+    def begin_serving(self) -> None:
+        self.inner.begin_serving()
+
+    def between_forwards(self) -> None:
+        self.inner.between_forwards()
+
+    def extra_weight_bytes(self) -> dict[tuple[str, str], int]:
+        return self.inner.extra_weight_bytes()
+
+    def close(self) -> None:
+        self.inner.close()

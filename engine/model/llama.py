@@ -130,7 +130,11 @@ class LlamaModel:
 
     # ---- stages ---------------------------------------------------------------------------
     def pre_layer(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids [num_tokens] -> hidden [num_tokens, hidden]"""
+        """token_ids [num_tokens] -> hidden [num_tokens, hidden] (a later pipeline stage's: the
+        previous stage's output, engine/distributed/stages.py)"""
+        return self.layer_store.stage_input(token_ids, self._embed)
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed_tokens)
 
     def pre_proj(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor):
@@ -235,7 +239,11 @@ class LlamaModel:
 
     def post_layer(self, hidden: torch.Tensor, output_rows: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the rows whose logits are wanted: each sequence's last token,
-        then any prompt rows. -> logits [len(output_rows), vocab] fp32"""
+        then any prompt rows. -> logits [len(output_rows), vocab] fp32 (an earlier pipeline
+        stage's: none, its hidden goes on to the next stage)"""
+        return self.layer_store.stage_output(hidden, output_rows, self._logits)
+
+    def _logits(self, hidden: torch.Tensor, output_rows: torch.Tensor) -> torch.Tensor:
         rows = self.rms_norm(hidden[output_rows], self.final_norm, self.config.rms_norm_eps)
         return self.lm_head.apply(rows).float()
 

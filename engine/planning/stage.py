@@ -20,6 +20,7 @@ from engine.config import GIB_BYTES, EngineConfig
 from engine.device.cores import CoreAssignment, host_cores, rank_core_sets
 from engine.device.memory import default_gpu_memory_bytes
 from engine.distributed.partition import RankMemory, describe_ranks, largest_rank_config, rank_memories
+from engine.distributed.stages import StageMemory, describe_stages, stage_memories
 from engine.kv import KVCache
 from engine.kv.layouts import resolve_kv_format
 from engine.model_config import ConfigError, ModelConfig
@@ -125,6 +126,7 @@ class EnginePlan:
     threads: ThreadPlan
     cores: CoreAssignment
     ranks: tuple[RankMemory, ...]
+    stages: tuple[StageMemory, ...]  # pipeline stages (none without)
     scheduler: SchedulerPlan
     cuda_graph_max_batch: int  # the largest decode batch replayed as a CUDA graph (0: eager)
 
@@ -148,7 +150,8 @@ class EnginePlan:
                 "kv_cache": {"format": self.kv_format.name, "bytes_per_token": self.kv_bytes_per_token,
                              "gpu_pool": self.gpu_pool.to_dict(), "num_cpu_blocks": self.num_cpu_blocks},
                 "threads": self.threads.to_dict(), "cores": _cores_dict(self.cores),
-                "ranks": [memory.to_dict() for memory in self.ranks], "scheduler": self.scheduler.to_dict(),
+                "ranks": [memory.to_dict() for memory in self.ranks],
+                "stages": [memory.to_dict() for memory in self.stages], "scheduler": self.scheduler.to_dict(),
                 "cuda_graph_max_batch": self.cuda_graph_max_batch, "flags": fitted_flags(config),
                 **self.layers.to_dict(),
                 "slicing_costs": None if self.slicing_costs is None else self.slicing_costs.to_dict()}
@@ -169,8 +172,10 @@ class EnginePlan:
                                                 weight_format(config, self.dtype), self.slicing_costs,
                                                 config.max_num_seqs, config.batched_tokens_budget))
         lines.append(f"threads: {self.threads.describe()}")
-        if config.parallel.enabled:
+        if config.parallel.tensor_parallel_size > 1:
             lines.append(describe_ranks(list(self.ranks)))
+        if self.stages:
+            lines.append(describe_stages(list(self.stages)))
         return "\n".join(lines)
 
 
@@ -187,6 +192,7 @@ def plan_engine(config: EngineConfig, loader: WeightLoader, *, predict: bool = F
     rank_model_config = largest_rank_config(model_config, config.parallel.tensor_parallel_size)
     layers, costs = plan_model(config, rank_model_config, dtype, max_model_len, expert_skew=expert_skew)
     _refuse_sharded_disk_tier(config, layers)
+    _refuse_unstaged_placement(config, layers)
     kv_format = _kv_format(config, dtype, model_config)
     block_bytes = KVCache.bytes_per_block(rank_model_config, config.cache.block_size, kv_format)
     num_cpu_blocks = config.cache.num_cpu_blocks_for(block_bytes) if config.cpu_attention_enabled else 0
@@ -200,7 +206,7 @@ def plan_engine(config: EngineConfig, loader: WeightLoader, *, predict: bool = F
         config=config, model_config=model_config, rank_model_config=rank_model_config, dtype=dtype,
         dtype_reason=dtype_reason, fit=fitted, max_model_len=max_model_len, layers=layers, slicing_costs=costs,
         kv_format=kv_format, gpu_pool=_gpu_pool(config, block_bytes, layers), num_cpu_blocks=num_cpu_blocks,
-        threads=threads, cores=cores, ranks=tuple(ranks),
+        threads=threads, cores=cores, ranks=tuple(ranks), stages=tuple(_stages(config, model_config, dtype, kv_format)),
         scheduler=_scheduler_plan(config, dtype, layers, kv_format, cores, num_cpu_blocks),
         cuda_graph_max_batch=_cuda_graph_max_batch(config))
 
@@ -242,9 +248,25 @@ def _cores(config: EngineConfig, threads: ThreadPlan) -> CoreAssignment:
     parallel = config.parallel
     if not parallel.enabled:
         return core_assignment(config, threads.split)
-    world_size = parallel.tensor_parallel_size
-    rank_cores = rank_core_sets(host_cores(), world_size)[0] if parallel.ray_address is None else ()
+    rank_cores = rank_core_sets(host_cores(), parallel.num_ranks)[0] if parallel.ray_address is None else ()
     return CoreAssignment.for_rank(config.device, rank_cores)
+
+
+def _stages(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, kv_format: KVFormat):
+    num_stages = config.parallel.pipeline_parallel_size
+    if num_stages == 1:
+        return []
+    return stage_memories(model_config, num_stages, weight_format(config, dtype), kv_format.element_bytes)
+
+
+def _refuse_unstaged_placement(config: EngineConfig, layers: ModelPlan) -> None:
+    """Pipeline stages keep their layers resident for now: each stage's own streaming or slicing
+    plan is not built."""
+    stages = config.parallel.pipeline_parallel_size
+    if stages > 1 and not (layers.all_resident and layers.rates is None and layers.experts is None):
+        raise ConfigError(f"--pipeline-parallel-size {stages}: each stage keeps its layers resident for now; the "
+                          f"plan streams, slices or caches some (drop --weights-gpu-gib / --weights-cpu-gib / "
+                          f"--weight-placement / --mlp-slicing / --hot-experts, or use --pipeline-parallel-size 1)")
 
 
 def _refuse_sharded_disk_tier(config: EngineConfig, layers: ModelPlan) -> None:

@@ -107,9 +107,9 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
 
-def rank_pids(server: ServerProcess) -> dict[int, int]:
-    """rank -> pid of a tensor-parallel server's ranks, from its log."""
-    found = re.findall(r"tensor-parallel rank (\d+): pid (\d+)", server.log_tail(10**6))
+def rank_pids(server: ServerProcess, kind: str = "tensor-parallel rank") -> dict[int, int]:
+    """rank (or with kind "pipeline stage", stage) -> pid of a parallel server's actors, from its log."""
+    found = re.findall(rf"{kind} (\d+): pid (\d+)", server.log_tail(10**6))
     return {int(rank): int(pid) for rank, pid in found}
 
 

@@ -1,7 +1,7 @@
-"""`tandem serve -tp 2 --ray-address` with its ranks on two Ray nodes, each node in a network
-namespace of its own and the two joined by a shaped veth link (netns_cluster.py): greedy completions
-as a one-process server's, and the worker node lost mid-stream makes /health answer 503 and the
-server exit 1 naming the rank that was on it."""
+"""`tandem serve -tp 2` and `-pp 2 --ray-address` with their ranks (stages) on two Ray nodes, each
+node in a network namespace of its own and the two joined by a shaped veth link (netns_cluster.py):
+greedy completions as a one-process server's, and the worker node lost mid-stream makes /health
+answer 503 and the server exit 1 naming the rank that was on it."""
 import shutil
 import time
 
@@ -35,33 +35,54 @@ def cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def start_on_cluster(cluster, log, *flags: str) -> ServerProcess:
+    """A server in the head's namespace (the driver joins the cluster on a node's network) and
+    listening there, its actors spread over the nodes. A node lost: a short grace."""
+    return ServerProcess(log, *flags, "--ray-address", cluster.address, "--dead-engine-grace",
+                         str(DEAD_ENGINE_GRACE_S), env=netns_cluster.RAY_ENV, host=cluster.server_host,
+                         prefix=netns_cluster.netns_exec(cluster.head_namespace)).start()
+
+
 @pytest.fixture(scope="module")
 def multinode_server(cluster, tmp_path_factory):
-    """The server in the head's namespace (the driver joins the cluster on a node's network) and
-    listening there, its ranks one on each node. The last test loses a node: a short grace."""
-    log = tmp_path_factory.mktemp("multinode") / "serve.log"
-    server = ServerProcess(log, "-tp", "2", "--ray-address", cluster.address,
-                           "--dead-engine-grace", str(DEAD_ENGINE_GRACE_S), env=netns_cluster.RAY_ENV,
-                           host=cluster.server_host, prefix=netns_cluster.netns_exec(cluster.head_namespace))
-    yield server.start()
+    """Two tensor-parallel ranks, one on each node. The last test loses a node."""
+    server = start_on_cluster(cluster, tmp_path_factory.mktemp("multinode") / "serve.log", "-tp", "2")
+    yield server
     server.stop()
 
 
-def rank_namespaces(server) -> dict[int, str | None]:
-    """rank -> the network namespace its process runs in."""
-    return {rank: netns_cluster.namespace_of(pid) for rank, pid in rank_pids(server).items()}
+def actor_namespaces(server, kind: str = "tensor-parallel rank") -> dict[int, str | None]:
+    """rank (stage) -> the network namespace its process runs in."""
+    return {rank: netns_cluster.namespace_of(pid) for rank, pid in rank_pids(server, kind).items()}
 
 
-def test_ranks_on_two_nodes_complete_as_one_process(multinode_server, cluster, http):
-    assert sorted(rank_namespaces(multinode_server).values()) == [cluster.head_namespace, cluster.worker_namespace]
-    with httpx.Client(base_url=multinode_server.url, timeout=REQUEST_TIMEOUT_S) as two_nodes:
+def assert_completes_as_one_process(server, http) -> None:
+    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as two_nodes:
         for prompt in PROMPTS:
             assert greedy_completion(two_nodes, prompt, MAX_TOKENS) == greedy_completion(http, prompt, MAX_TOKENS)
 
 
+def test_ranks_on_two_nodes_complete_as_one_process(multinode_server, cluster, http):
+    assert sorted(actor_namespaces(multinode_server).values()) == [cluster.head_namespace, cluster.worker_namespace]
+    assert_completes_as_one_process(multinode_server, http)
+
+
+def test_pipeline_stages_on_two_nodes_complete_as_one_process(multinode_server, cluster, http, tmp_path_factory):
+    """The tensor-parallel server's ranks leave the nodes first (a CPU each)."""
+    multinode_server.stop()
+    server = start_on_cluster(cluster, tmp_path_factory.mktemp("multinode-pp") / "serve.log", "-pp", "2")
+    try:
+        stages = actor_namespaces(server, "pipeline stage")
+        assert sorted(stages.values()) == [cluster.head_namespace, cluster.worker_namespace]
+        assert_completes_as_one_process(server, http)
+    finally:
+        server.stop()
+    multinode_server.start()
+
+
 def test_a_lost_node_makes_health_503_and_the_server_exit(multinode_server, cluster):
     """The module's last test: the worker node does not come back."""
-    lost_rank, = [rank for rank, namespace in rank_namespaces(multinode_server).items()
+    lost_rank, = [rank for rank, namespace in actor_namespaces(multinode_server).items()
                   if namespace == cluster.worker_namespace]
     two_nodes = openai.OpenAI(base_url=f"{multinode_server.url}/v1", api_key="unused", max_retries=0,
                               timeout=REQUEST_TIMEOUT_S)

@@ -1,0 +1,45 @@
+"""Greedy tokens at --pipeline-parallel-size 2 and 3 equal one process's, end to end through the
+engine: each stage a Ray actor holding its own run of decoder layers and its own KV pools for them,
+a step's hidden states handed from stage to stage; the embedded model packed INT4 (as the GGUF
+stores it) and dense, chunked prefills and prefix hits, and speculative verify rows, which pass
+through the stages like any decode row."""
+import pytest
+
+from engine import LLM
+from test_offload_generation import MAX_TOKENS, PROMPTS
+from test_tensor_parallel_generation import greedy, ray_cluster  # noqa: F401 (the module's cluster)
+
+pytestmark = pytest.mark.tp
+SHARED_PREFIX = "You are a helpful assistant. Answer briefly and clearly, in one or two sentences. " * 3
+
+
+def run(prompts, params, rounds=1, check=lambda engine: None, **kwargs):
+    """Greedy token ids per prompt, `rounds` times over (a later round's prompts hit the cache);
+    `check` sees the engine afterwards."""
+    with LLM(dtype="float32", **kwargs) as llm:
+        outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for _ in range(rounds)]
+        check(llm.engine)
+        return outputs
+
+
+def hit_and_drafted(engine) -> None:
+    assert engine.scheduler.prefix_cache.counters.hits["gpu"] > 0
+    assert engine.speculator.totals.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_two_stages_give_one_process_tokens(quantization):
+    params = greedy(MAX_TOKENS[:4])
+    expected = run(PROMPTS[:4], params, quantization=quantization)[0]
+    assert run(PROMPTS[:4], params, quantization=quantization, pipeline_parallel_size=2)[0] == expected
+
+
+def test_three_stages_chunked_with_prefix_hits_and_drafts():
+    """30 layers over 3 stages; 8-token chunks; the second round's prompts hit the cache; n-gram
+    drafts verified wherever the lookup has some."""
+    prompts = [SHARED_PREFIX + prompt for prompt in PROMPTS[:3]]  # whole blocks to cache
+    params = greedy(MAX_TOKENS[:3])
+    drafts = '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}'
+    expected = run(prompts, params)[0]
+    assert run(prompts, params, rounds=2, max_num_batched_tokens=8, max_num_seqs=4, pipeline_parallel_size=3,
+               speculative_config=drafts, check=hit_and_drafted) == [expected, expected]
