@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-multinode test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-pacing bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-revisions bench-protocols bench-spec bench-gpu gpu-check clean
+.PHONY: install serve test test-streamed test-slow test-api test-tp test-multinode test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-pacing bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-multinode bench-revisions bench-protocols bench-spec bench-gpu gpu-check clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -325,6 +325,12 @@ bench-moe: install
 # Tensor parallelism on this host: one rank against two (Ray actors), decode and a step's overhead.
 bench-tp: install
 	$(PY) -m benchmarks.serving.tensor_parallel
+	$(PY) -m benchmarks.update_benchmarks_doc
+
+# -pp 2 against -tp 2 with a rank on each of two Ray nodes in network namespaces over a shaped
+# 1 Gbit/s link (root and iproute2, as make test-multinode).
+bench-multinode: install
+	$(PY) -m benchmarks.cluster.multinode
 	$(PY) -m benchmarks.update_benchmarks_doc
 
 # Two revisions side by side (a redesign should cost nothing): the embedded model resident, sliced

@@ -115,6 +115,14 @@ SECTIONS = (
             "On a CPU-only host one rank already reads the weights with both cores, so this measures the\n"
             "machinery's cost, not a gain; the gain needs a GPU per rank (the CUDA path has not run yet).",
             "## Structured outputs (`benchmarks/serving/structured_decode.py`)"),
+    Section("multinode", "## Two nodes over a 1 Gbit/s link: pipeline against tensor parallelism "
+            "(`benchmarks/cluster/multinode.py`, `make bench-multinode`)",
+            "Run by `make bench-multinode` (root): two Ray nodes on this host, each a network namespace with one core,\n"
+            "joined by a veth pair shaped by tbf to 1 Gbit/s; `tandem serve -tp 2` and `-pp 2 --ray-address` in the head's\n"
+            "namespace, a rank (stage) on each node, started afresh per repetition and interleaved; 4 greedy streams of 64\n"
+            "tokens, medians. Tensor parallelism all-reduces twice a layer over the link (gloo, TCP); pipeline stages send\n"
+            "one activation a step, and run in turn (no micro-batches yet).",
+            "## Structured outputs (`benchmarks/serving/structured_decode.py`)"),
     Section("gpu_check", "### The last `make gpu-check` (`benchmarks/gpu/gpu_check.py`)",
             "Run by `make gpu-check` on a lent GPU: every CUDA test and each GPU benchmark below in one window of at most\n"
             "9 minutes (a budget per step, a total deadline, failures reported and the rest run on), each table naming\n"

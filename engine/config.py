@@ -537,7 +537,10 @@ class EngineConfig:
             raise ConfigError(f"--pipeline-parallel-size {stages}: CPU attention (Neo) in pipeline stages is not "
                               f"built yet; use --cpu-attention off or --pipeline-parallel-size 1")
         if self.parallel.enabled and (self.gpu_memory_gib is not None or self.host_memory_gib is not None):
-            raise ConfigError(f"--tensor-parallel-size / --pipeline-parallel-size do not combine with "
+            parallel = self.parallel
+            flag = (f"--tensor-parallel-size {parallel.tensor_parallel_size}" if parallel.tensor_parallel_size > 1
+                    else f"--pipeline-parallel-size {parallel.pipeline_parallel_size}")
+            raise ConfigError(f"{flag} does not combine with "
                               f"--gpu-memory-gib / --host-memory-gib (the fit's budgets) yet: place each rank's "
                               f"layers with --weights-gpu-gib / --weights-cpu-gib and size its pools with "
                               f"--kv-cache-gib / --cpu-kv-cache-gib, or use one rank")

@@ -194,7 +194,7 @@ BENCH_MODULES = (
     "benchmarks.kernels.accuracy", "benchmarks.kernels.kv_variants",
     "benchmarks.offload.weight_streaming", "benchmarks.offload.weight_plan", "benchmarks.offload.mlp_slicing",
     "benchmarks.offload.moe_offload", "benchmarks.offload.thread_split", "benchmarks.offload.fit_grid",
-    "benchmarks.speculative.spec_decode",
+    "benchmarks.speculative.spec_decode", "benchmarks.cluster.multinode",
     "benchmarks.gpu.decode_step_gpu", "benchmarks.gpu.neo_gpu", "benchmarks.gpu.gpu_check",
     "benchmarks.simulation.simulate_neo",
 )

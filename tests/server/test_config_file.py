@@ -30,16 +30,17 @@ EVERY_FLAG = {
     "weight-placement": "cpu", "weights-gpu-gib": 0.5, "weights-cpu-gib": 2.0, "offload-dir": "/tmp/offload",
     "weight-pipeline": "memory", "weight-io-threads": 2, "weight-copy-threads": 1, "expected-context-len": 300, "mlp-slicing": "0.25,0.5",
     "mlp-prefill-moving": "off", "hot-experts": "3", "expert-window-tokens": 512,
-    "tensor-parallel-size": 2, "ray-address": "ray://head:10001",
+    "tensor-parallel-size": 2, "pipeline-parallel-size": 2, "ray-address": "ray://head:10001",
     "speculative-config": '{"method": "ngram", "num_speculative_tokens": 3}',
 }
 # Former flag names -> (the flag now, a value unlike its default); each still works and warns (deprecated)
 DEPRECATED_FLAGS = {"offload": ("cpu-attention", "off"), "accelerator-threads": ("gpu-threads", 2),
                     "num-blocks": ("num-gpu-blocks", 40)}
 # EngineConfig takes one of kv_cache_memory_gib and memory_gib, no weight streaming with tensor parallelism,
-# and int8 INT4 prefill and batch invariance on device cpu only
+# no Neo or tensor parallelism in pipeline stages, and int8 INT4 prefill and batch invariance on device cpu only
 ENGINE_FLAGS = {name: value for name, value in EVERY_FLAG.items()
-                if name not in ("kv-cache-gib", "tensor-parallel-size", "int4-prefill", "batch-invariant")}
+                if name not in ("kv-cache-gib", "tensor-parallel-size", "pipeline-parallel-size", "int4-prefill",
+                                "batch-invariant")}
 
 
 def as_flags(values: dict) -> list[str]:

@@ -2,14 +2,13 @@
 node in a network namespace of its own and the two joined by a shaped veth link (netns_cluster.py):
 greedy completions as a one-process server's, and the worker node lost mid-stream makes /health
 answer 503 and the server exit 1 naming the rank that was on it."""
-import shutil
 import time
 
 import httpx
 import openai
 import pytest
 
-import netns_cluster
+from benchmarks.cluster import netns_cluster
 from tandem_server import MODEL, REQUEST_TIMEOUT_S, ServerProcess, greedy_completion, rank_pids
 
 pytestmark = pytest.mark.multinode
@@ -25,14 +24,8 @@ def cluster():
     reason = netns_cluster.missing_requirements()
     if reason is not None:  # asked for with --multinode: a skip would pass unnoticed in CI
         pytest.fail(f"cannot build the two-node cluster: {reason}")
-    netns_cluster.tear_down()  # what a killed run left behind
-    temp_dir = netns_cluster.make_temp_dir()
-    try:
-        netns_cluster.create_network()
-        yield netns_cluster.start_nodes(temp_dir)
-    finally:
-        netns_cluster.tear_down()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with netns_cluster.running_cluster() as running:
+        yield running
 
 
 def start_on_cluster(cluster, log, *flags: str) -> ServerProcess:

@@ -52,7 +52,7 @@ def test_a_later_stage_reads_the_previous_output_and_an_earlier_hands_its_own_on
 @pytest.mark.parametrize("flags, named", [
     (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "use one of them"),
     (dict(pipeline_parallel_size=2, cpu_attention="on"), "--cpu-attention off"),
-    (dict(pipeline_parallel_size=2, gpu_memory_gib=1.0), "one rank"),
+    (dict(pipeline_parallel_size=2, gpu_memory_gib=1.0), "--pipeline-parallel-size 2 does not combine with --gpu-memory-gib"),
 ])
 def test_pipeline_stages_refuse_what_they_do_not_combine_with(flags, named):
     with pytest.raises(ConfigError, match=named):

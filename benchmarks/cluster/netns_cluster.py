@@ -1,9 +1,11 @@
 """A two-node Ray cluster on this host: each node in its own network namespace, the two joined by a
 veth pair shaped to 1 Gbit/s, so that the ranks of `tandem serve -tp 2 --ray-address` meet over a
-network link as on two hosts. A third veth pair links the test process (the root namespace) to the
-head's namespace, where the server listens. Needs root and iproute2 (ip, tc)."""
+network link as on two hosts. A third veth pair links the test or benchmark process (the root
+namespace) to the head's namespace, where the server listens. Needs root and iproute2 (ip, tc).
+`make test-multinode` and `make bench-multinode` build it."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -166,3 +168,20 @@ def tear_down() -> None:
 def make_temp_dir() -> Path:
     """Short: Ray's unix sockets live under it, and a socket's path holds at most 107 bytes."""
     return Path(tempfile.mkdtemp(prefix="tandem-ray-"))
+
+
+@contextlib.contextmanager
+def running_cluster():
+    """The cluster for the duration of the block, torn down after (and what a killed run left
+    behind, before); RuntimeError saying why where it cannot be built here."""
+    reason = missing_requirements()
+    if reason is not None:
+        raise RuntimeError(f"cannot build the two-node cluster: {reason}")
+    tear_down()
+    temp_dir = make_temp_dir()
+    try:
+        create_network()
+        yield start_nodes(temp_dir)
+    finally:
+        tear_down()
+        shutil.rmtree(temp_dir, ignore_errors=True)
