@@ -79,15 +79,18 @@ class RankWorker:
     def __init__(self, shard: RankShard, cores: tuple[int, ...], log_level: int = logging.INFO,
                  stage: Stage | None = None) -> None:
         """`stage`: the pipeline stage whose layers it holds (None: every layer)."""
-        where = f"stage {stage.index}" if stage is not None else f"rank {shard.rank}"
-        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {where} %(name)s: %(message)s")
         self.shard, self.cores, self.stage = shard, cores, stage
+        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {self.name} %(name)s: %(message)s")
         self.stage_store: StageLayers | None = None  # where its forward's stage input and output pass
         self._pinned_threads: set[int] = set()
         self._pin_this_thread()
         self.collectives = None
         self.runner: ModelRunner | None = None
         self.weight_stats: WeightStats | None = None  # what this rank's layer store writes (given to build)
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage.index}" if self.stage is not None else f"rank {self.shard.rank}"
 
     def _pin_this_thread(self) -> None:
         """Keep the calling thread to this rank's cores: Ray runs an actor's calls on threads of its
@@ -170,8 +173,7 @@ class RankWorker:
             outgoing, self.stage_store.outgoing = self.stage_store.outgoing, None
             return outgoing
         except Exception as exc:
-            where = f"stage {self.stage.index}" if self.stage is not None else f"rank {self.shard.rank}"
-            logger.exception("%s: the step failed", where)
+            logger.exception("%s: the step failed", self.name)
             return RankFailure(self.shard.rank, f"{type(exc).__name__}: {exc}", _picklable(exc))
 
     def profile_costs(self, profile_kwargs: dict) -> TableCostModel:

@@ -57,15 +57,7 @@ class Speculator:
         decode-only steps teach what rows cost."""
         decodes = [share for name in DECODE_LISTS for share in getattr(plan, name)]
         budget = scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
-        counts = [self._num_drafts(share.sequence) for share in decodes]
-        if self.config.adaptive and plan.prefills:
-            return
-        if self.config.adaptive:
-            rates = [self.acceptance.rate(share.sequence) for share in decodes]
-            entry_s = [self._entry_s(share.sequence, rate, count) for share, rate, count in zip(decodes, rates, counts)]
-            counts = drafts_that_pay(counts, rates, plan.num_batched_tokens, len(decodes), self.step_costs,
-                                     self.proposer_costs, entry_s)
-        wanted = [(share, count) for share, count in zip(decodes, counts) if count > 0]
+        wanted = [(share, count) for share, count in zip(decodes, self._counts(plan, decodes)) if count > 0]
         if budget <= 0 or not wanted:
             return
         proposals = self.proposer.propose([(share.sequence, count) for share, count in wanted], self.proposer_costs)
@@ -83,6 +75,19 @@ class Speculator:
 
     def close(self) -> None:
         self.proposer.close()
+
+    def _counts(self, plan: IterationPlan, decodes: list[ScheduledSeq]) -> list[int]:
+        """How many drafts each of `decodes` may have: as many as it can take, or adaptive, as many
+        as pay (none in a step carrying prompt chunks)."""
+        counts = [self._num_drafts(share.sequence) for share in decodes]
+        if not self.config.adaptive:
+            return counts
+        if plan.prefills:
+            return [0] * len(decodes)
+        rates = [self.acceptance.rate(share.sequence) for share in decodes]
+        entry_s = [self._entry_s(share.sequence, rate, count) for share, rate, count in zip(decodes, rates, counts)]
+        return drafts_that_pay(counts, rates, plan.num_batched_tokens, len(decodes), self.step_costs,
+                               self.proposer_costs, entry_s)
 
     def _entry_s(self, seq: Sequence, rate: float, num_drafts: int) -> float:
         """The proposer's catch-up on `seq`'s prompt, spread over the verifies left to it."""
