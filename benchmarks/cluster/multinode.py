@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -31,6 +32,35 @@ MODEL = "smollm2-135m"
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
+LINK_PORT = 7411
+LINK_ROUND_TRIPS = 200
+LINK_MIB = 64
+# The link's bound, measured in the same run: a TCP sink in the worker's namespace echoes one byte
+# per round trip, then takes a bulk send until the sender's end closes, and answers once it has.
+LINK_SINK = """
+import socket, sys
+conn, _ = socket.create_server((sys.argv[1], int(sys.argv[2]))).accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for _ in range(int(sys.argv[3])):
+    conn.sendall(conn.recv(1))
+while conn.recv(1 << 20):
+    pass
+conn.sendall(b"k")
+"""
+LINK_SENDER = """
+import json, socket, sys, time
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(int(sys.argv[3])):
+    start = time.perf_counter(); conn.sendall(b"x"); conn.recv(1); rtts.append(time.perf_counter() - start)
+payload, start = bytes(1 << 20), time.perf_counter()
+for _ in range(int(sys.argv[4])):
+    conn.sendall(payload)
+conn.shutdown(socket.SHUT_WR); conn.recv(1)
+rtts.sort()
+print(json.dumps({"rtt_s": rtts[len(rtts) // 2], "bytes_per_s": (int(sys.argv[4]) << 20) / (time.perf_counter() - start)}))
+"""
 
 
 def start_server(cluster, flags: tuple[str, ...], log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -57,6 +87,21 @@ def start_server(cluster, flags: tuple[str, ...], log_path: Path) -> tuple[subpr
     raise RuntimeError(f"{' '.join(flags)} not healthy after {STARTUP_TIMEOUT_S:g} s")
 
 
+def measure_link(cluster) -> dict:
+    """The node link's round trip (median) and TCP rate, head to worker."""
+    worker_ip = netns_cluster.NODE_IPS[1]
+    sink = subprocess.Popen((*netns_cluster.netns_exec(cluster.worker_namespace), sys.executable, "-c", LINK_SINK,
+                             worker_ip, str(LINK_PORT), str(LINK_ROUND_TRIPS)))
+    try:
+        time.sleep(1.0)  # listening
+        sent = subprocess.run((*netns_cluster.netns_exec(cluster.head_namespace), sys.executable, "-c", LINK_SENDER,
+                               worker_ip, str(LINK_PORT), str(LINK_ROUND_TRIPS), str(LINK_MIB)),
+                              capture_output=True, text=True, timeout=120, check=True)
+    finally:
+        sink.wait(30)
+    return json.loads(sent.stdout)
+
+
 def measure(url: str, num_streams: int, max_tokens: int) -> dict:
     endpoint = Endpoint(url, MODEL, "completions", None, ignore_eos=True)
     specs = [RequestSpec(i, 0, max_tokens) for i in range(num_streams)]
@@ -74,6 +119,7 @@ def run(args) -> dict:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     with netns_cluster.running_cluster() as cluster:
+        link = measure_link(cluster)
         for rep in range(args.reps):
             for name in (list(SYSTEMS) if rep % 2 == 0 else list(SYSTEMS)[::-1]):
                 proc, url = start_server(cluster, SYSTEMS[name], log_dir / f"{name}.log")
@@ -85,15 +131,17 @@ def run(args) -> dict:
                     proc.wait(60)
     rows = {name: {key: statistics.median(s[key] for s in runs) for key in runs[0]} for name, runs in samples.items()}
     return {"reps": args.reps, "streams": args.streams, "max_tokens": args.max_tokens, "rows": rows,
-            "samples": samples}
+            "samples": samples, "link": link}
 
 
 def markdown(result: dict) -> str:
-    tp, pp = result["rows"]["tp2"], result["rows"]["pp2"]
+    tp, pp, link = result["rows"]["tp2"], result["rows"]["pp2"], result["link"]
     return "\n".join([
         "| system | output tokens/s | TPOT p50 ms |", "|---|---|---|",
         f"| -tp 2 | {tp['output_throughput']:.1f} | {1e3 * tp['tpot_p50']:.1f} |",
         f"| -pp 2 | {pp['output_throughput']:.1f} | {1e3 * pp['tpot_p50']:.1f} |",
+        f"\nThe link, measured in the same run: {8 * link['bytes_per_s'] / 1e9:.2f} Gbit/s over TCP, round trip "
+        f"{1e3 * link['rtt_s']:.2f} ms (median of {LINK_ROUND_TRIPS}).",
         f"\n-pp 2 / -tp 2: {pp['output_throughput'] / tp['output_throughput']:.2f}x output tokens/s. The embedded "
         f"SmolLM2-135M (INT4), {result['streams']} greedy streams of {result['max_tokens']} tokens, two Ray nodes in "
         f"network namespaces (one core each) over a veth pair shaped to 1 Gbit/s; medians of {result['reps']} "
