@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install serve test test-streamed test-slow test-api test-tp test-multinode test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-pacing bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-multinode bench-revisions bench-protocols bench-spec bench-gpu gpu-check clean
+.PHONY: install install-iproute2 serve test test-streamed test-slow test-api test-tp test-multinode test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-pacing bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-multinode bench-revisions bench-protocols bench-spec bench-gpu gpu-check clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -67,10 +67,19 @@ test-api: install
 test-tp: install
 	$(PY) -m pytest tests -m tp --tp
 
-# Tensor parallelism across hosts (tests marked multinode): two Ray nodes on this host, each in its
-# own network namespace, joined by a veth link shaped to 1 Gbit/s; a -tp 2 server with a rank on each
-# node answers as one process, and loses a node mid-stream. Needs root and iproute2 (ip, tc).
-test-multinode: install
+# Tensor and pipeline parallelism across hosts (tests marked multinode): two Ray nodes on this host,
+# each in its own network namespace, joined by a veth link shaped to 1 Gbit/s; -tp 2 and -pp 2 servers
+# with a rank (stage) on each node answer as one process, and one loses a node mid-stream. Needs root;
+# iproute2 (ip, tc) comes from Debian's packages when missing.
+MULTINODE_TOOLS := ip tc
+install-iproute2:
+	@missing=$$(for tool in $(MULTINODE_TOOLS); do command -v $$tool > /dev/null || echo $$tool; done); \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			iproute2 > /dev/null; \
+	fi
+
+test-multinode: install install-iproute2
 	$(PY) -m pytest tests -m multinode --multinode
 
 # The CPU kernels on other instruction sets (tests marked isa): compiled with Debian's aarch64 cross
@@ -329,7 +338,7 @@ bench-tp: install
 
 # -pp 2 against -tp 2 with a rank on each of two Ray nodes in network namespaces over a shaped
 # 1 Gbit/s link (root and iproute2, as make test-multinode).
-bench-multinode: install
+bench-multinode: install install-iproute2
 	$(PY) -m benchmarks.cluster.multinode
 	$(PY) -m benchmarks.update_benchmarks_doc
 

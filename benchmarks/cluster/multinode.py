@@ -9,19 +9,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from benchmarks.load.client import Endpoint
 from benchmarks.load.runner import run_requests
 from benchmarks.load.stats import summarize
-from benchmarks.load.systems import free_port
+from benchmarks.load.systems import RunningSystem, SystemSpec
 from benchmarks.load.workload import RequestSpec
 from benchmarks.report import RESULTS_DIR, write_results
 from benchmarks.cluster import netns_cluster
@@ -30,6 +27,7 @@ RESULTS = RESULTS_DIR / "multinode.json"
 SYSTEMS = {"tp2": ("-tp", "2"), "pp2": ("-pp", "2")}
 MODEL = "smollm2-135m"
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
+LOG_DIR = Path("/tmp/tandem-bench-multinode")  # each system's server log
 STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
 LINK_PORT = 7411
@@ -63,28 +61,13 @@ print(json.dumps({"rtt_s": rtts[len(rtts) // 2], "bytes_per_s": (int(sys.argv[4]
 """
 
 
-def start_server(cluster, flags: tuple[str, ...], log_path: Path) -> tuple[subprocess.Popen, str]:
-    """A server in the head's namespace, its actors on the two nodes; its process and URL once healthy."""
-    port = free_port()
-    url = f"http://{cluster.server_host}:{port}"
-    command = (*netns_cluster.netns_exec(cluster.head_namespace), sys.executable, "-m", "server.cli", "serve",
-               *flags, "--ray-address", cluster.address, "--host", cluster.server_host, "--port", str(port),
-               "--log-level", "warning")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=netns_cluster.ROOT,
-                                env={**os.environ, **netns_cluster.RAY_ENV})
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{' '.join(flags)} exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError(f"{' '.join(flags)} not healthy after {STARTUP_TIMEOUT_S:g} s")
+def system(cluster, name: str) -> RunningSystem:
+    """A server in the head's namespace, listening there, its actors on the two nodes."""
+    command = " ".join((*netns_cluster.netns_exec(cluster.head_namespace), sys.executable, "-m", "server.cli", "serve",
+                        *SYSTEMS[name], "--ray-address", cluster.address, "--host", cluster.server_host,
+                        "--port", "{port}", "--log-level", "warning"))
+    return RunningSystem(SystemSpec(name, command), LOG_DIR / f"{name}.log", env=netns_cluster.RAY_ENV,
+                         host=cluster.server_host)
 
 
 def measure_link(cluster) -> dict:
@@ -116,19 +99,13 @@ def measure(url: str, num_streams: int, max_tokens: int) -> dict:
 
 def run(args) -> dict:
     samples: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
-    log_dir = Path(args.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
     with netns_cluster.running_cluster() as cluster:
         link = measure_link(cluster)
         for rep in range(args.reps):
             for name in (list(SYSTEMS) if rep % 2 == 0 else list(SYSTEMS)[::-1]):
-                proc, url = start_server(cluster, SYSTEMS[name], log_dir / f"{name}.log")
-                try:
-                    measure(url, 1, 8)  # warm-up
-                    samples[name].append(measure(url, args.streams, args.max_tokens))
-                finally:
-                    proc.terminate()
-                    proc.wait(60)
+                with system(cluster, name).start(STARTUP_TIMEOUT_S) as running:
+                    measure(running.url, 1, 8)  # warm-up
+                    samples[name].append(measure(running.url, args.streams, args.max_tokens))
     rows = {name: {key: statistics.median(s[key] for s in runs) for key in runs[0]} for name, runs in samples.items()}
     return {"reps": args.reps, "streams": args.streams, "max_tokens": args.max_tokens, "rows": rows,
             "samples": samples, "link": link}
@@ -153,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--log-dir", default="/tmp/tandem-bench-multinode")
     args = parser.parse_args(argv)
     result = run(args)
     write_results(RESULTS, result, markdown(result))

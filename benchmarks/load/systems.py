@@ -52,10 +52,12 @@ def free_port() -> int:
 class RunningSystem:
     """A started system; use as a context manager so it is always stopped."""
 
-    def __init__(self, spec: SystemSpec, log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, spec: SystemSpec, log_path: Path, env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1") -> None:
+        """`host`: where the system listens (a network namespace's address, for one started in it)."""
         self.spec = spec
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
