@@ -135,6 +135,7 @@ bench: install
 		--rate 1 2 4 8 --num-requests 16 --input-len 128 --output-len 32 --reps 2 \
 		--slo ttft=1 --slo tpot=0.1 --no-progress --output benchmarks/results/serve_sweep.json
 	$(PY) -m benchmarks.simulation.simulate_neo
+	$(PY) -m benchmarks.simulation.simulate_cluster
 	$(MAKE) bench-neo
 	$(PY) -m benchmarks.update_benchmarks_doc
 
@@ -337,9 +338,11 @@ bench-tp: install
 	$(PY) -m benchmarks.update_benchmarks_doc
 
 # -pp 2 against -tp 2 with a rank on each of two Ray nodes in network namespaces over a shaped
-# 1 Gbit/s link (root and iproute2, as make test-multinode).
+# 1 Gbit/s link (root and iproute2, as make test-multinode), beside the simulator's prediction;
+# then the simulator's TP against PP for a 70B model over 2-4 nodes.
 bench-multinode: install install-iproute2
 	$(PY) -m benchmarks.cluster.multinode
+	$(PY) -m benchmarks.simulation.simulate_cluster
 	$(PY) -m benchmarks.update_benchmarks_doc
 
 # Two revisions side by side (a redesign should cost nothing): the embedded model resident, sliced

@@ -123,6 +123,14 @@ SECTIONS = (
             "tokens, medians. Tensor parallelism all-reduces twice a layer over the link (gloo, TCP); pipeline stages send\n"
             "one activation a step, and run in turn (no micro-batches yet).",
             "## Structured outputs (`benchmarks/serving/structured_decode.py`)"),
+    Section("simulate_cluster", "### TP against PP for a 70B model over 2-4 nodes, simulated "
+            "(`benchmarks/simulation/simulate_cluster.py`)",
+            "Run by `make bench-multinode` after the measured run above: the simulator (scheduler/simulation/cluster.py)\n"
+            "drives the real scheduler over one node's roofline spread by a layout over a link: tensor parallelism splits\n"
+            "every stage and pays two ring all-reduces a layer and a gather of the logits; pipeline stages run their layers\n"
+            "in turn and send one activation per boundary; a node's weights that do not fit stream over PCIe under its\n"
+            "layers. The link model is the one checked against the measured two-node ratio above.",
+            "## Structured outputs (`benchmarks/serving/structured_decode.py`)"),
     Section("gpu_check", "### The last `make gpu-check` (`benchmarks/gpu/gpu_check.py`)",
             "Run by `make gpu-check` on a lent GPU: every CUDA test and each GPU benchmark below in one window of at most\n"
             "9 minutes (a budget per step, a total deadline, failures reported and the rest run on), each table naming\n"

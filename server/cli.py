@@ -196,7 +196,7 @@ BENCH_MODULES = (
     "benchmarks.offload.moe_offload", "benchmarks.offload.thread_split", "benchmarks.offload.fit_grid",
     "benchmarks.speculative.spec_decode", "benchmarks.cluster.multinode",
     "benchmarks.gpu.decode_step_gpu", "benchmarks.gpu.neo_gpu", "benchmarks.gpu.gpu_check",
-    "benchmarks.simulation.simulate_neo",
+    "benchmarks.simulation.simulate_neo", "benchmarks.simulation.simulate_cluster",
 )
 BENCH_SUITES = {module.rpartition(".")[2]: module for module in BENCH_MODULES}
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,9 +24,14 @@ from benchmarks.load.systems import RunningSystem, SystemSpec
 from benchmarks.load.workload import RequestSpec
 from benchmarks.report import RESULTS_DIR, write_results
 from benchmarks.cluster import netns_cluster
+from engine.model_config import load_model_preset
+from scheduler.planning.cost_model import TableCostModel
+from scheduler.simulation.cluster import BITS_PER_BYTE, Layout, Link, simulate_costs, spread
+from scheduler.simulation.simulator import Workload
 
 RESULTS = RESULTS_DIR / "multinode.json"
 SYSTEMS = {"tp2": ("-tp", "2"), "pp2": ("-pp", "2")}
+LAYOUTS = {"tp2": Layout(tensor_parallel=2), "pp2": Layout(pipeline_parallel=2)}
 MODEL = "smollm2-135m"
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 LOG_DIR = Path("/tmp/tandem-bench-multinode")  # each system's server log
@@ -60,6 +67,34 @@ rtts.sort()
 print(json.dumps({"rtt_s": rtts[len(rtts) // 2], "bytes_per_s": (int(sys.argv[4]) << 20) / (time.perf_counter() - start)}))
 """
 
+ALLREDUCE_PORT = 7412
+ALLREDUCE_CALLS = 300
+# One all-reduce of the bench's decode step (streams x hidden size, bf16, as the ranks' residual
+# stream) between a process in each node's namespace, through the ranks' own collectives: the
+# median call, what the link model takes as its per-call cost beyond the wire.
+ALLREDUCE_PROBE = """
+import json, statistics, sys, time, torch
+from engine.distributed.collectives import TorchCollectives
+rank, node_ip, head_ip, port, numel, calls = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+group = TorchCollectives(int(rank), 2, f"tcp://{head_ip}:{port}", "gloo", node_ip)
+tensor, times = torch.ones(int(numel), dtype=torch.bfloat16), []
+for _ in range(int(calls)):
+    start = time.perf_counter(); group.all_reduce(tensor); times.append(time.perf_counter() - start)
+group.close()
+print(json.dumps({"allreduce_s": statistics.median(times[len(times) // 10:])}))
+"""
+# One rank's costs: the whole model on one core of this host (the testbed's GPU thread), measured
+# by the engine's own profiler (the offloading scheduler's tables) in a process of its own, into a
+# cache of its own.
+RANK_PROFILE = """
+import json, sys
+import kernels  # before torch: its OpenMP spin cap
+from engine.llm import LLM
+with LLM(sys.argv[1], cpu_attention="on", gpu_threads=1, profile_grid="quick", profile_cache_dir=sys.argv[3]) as llm:
+    print(json.dumps({"costs": llm.engine.cost_model.to_dict(),
+                      "prompt_tokens": len(llm.engine.tokenizer.encode(sys.argv[2]))}))
+"""
+
 
 def system(cluster, name: str) -> RunningSystem:
     """A server in the head's namespace, listening there, its actors on the two nodes."""
@@ -85,6 +120,28 @@ def measure_link(cluster) -> dict:
     return json.loads(sent.stdout)
 
 
+def measure_allreduce(cluster, num_streams: int, hidden_size: int) -> dict:
+    """A 2-rank gloo all-reduce of one decode step's activations across the node link."""
+    head_ip, numel = netns_cluster.NODE_IPS[0], num_streams * hidden_size
+    probes = [subprocess.Popen((*netns_cluster.netns_exec(namespace), sys.executable, "-c", ALLREDUCE_PROBE,
+                                str(rank), netns_cluster.NODE_IPS[rank], head_ip, str(ALLREDUCE_PORT), str(numel),
+                                str(ALLREDUCE_CALLS)), stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, **netns_cluster.RAY_ENV})
+              for rank, namespace in enumerate((cluster.head_namespace, cluster.worker_namespace))]
+    outputs = [probe.communicate(timeout=300)[0] for probe in probes]
+    if any(probe.returncode for probe in probes):
+        raise RuntimeError(f"the all-reduce probe failed: exit codes {[probe.returncode for probe in probes]}")
+    return {**json.loads(outputs[0]), "allreduce_bytes": 2 * numel}
+
+
+def profile_one_rank() -> dict:
+    """The engine's cost tables for the whole model on one core, and the prompt's length."""
+    with tempfile.TemporaryDirectory() as cache_dir:  # measured now, not a cached profile of another day
+        result = subprocess.run((sys.executable, "-c", RANK_PROFILE, MODEL, PROMPT, cache_dir), capture_output=True,
+                                text=True, timeout=600, check=True, env={**os.environ, **netns_cluster.RAY_ENV})
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def measure(url: str, num_streams: int, max_tokens: int) -> dict:
     endpoint = Endpoint(url, MODEL, "completions", None, ignore_eos=True)
     specs = [RequestSpec(i, 0, max_tokens) for i in range(num_streams)]
@@ -97,18 +154,35 @@ def measure(url: str, num_streams: int, max_tokens: int) -> dict:
     return {"output_throughput": summary["output_throughput"], "tpot_p50": summary["tpot"]["p50"]}
 
 
+def predict(result: dict) -> dict:
+    """The simulator's output tokens/s for each system: one rank's profiled costs spread over two
+    nodes on the link as measured (rate, round trip, the all-reduce's per-call cost), driving the
+    scheduler through the bench's workload."""
+    shape = load_model_preset(MODEL)[0]
+    link_measured, allreduce = result["link"], result["allreduce"]
+    link = Link.from_allreduce("node link", BITS_PER_BYTE * link_measured["bytes_per_s"] / 1e9,
+                               link_measured["rtt_s"], allreduce["allreduce_s"], allreduce["allreduce_bytes"])
+    base = TableCostModel.from_dict(result["rank_profile"]["costs"])
+    workload = Workload(result["streams"], result["rank_profile"]["prompt_tokens"], result["max_tokens"], spread=0.0)
+    return {name: simulate_costs(spread(base, layout, link, shape), workload).output_throughput
+            for name, layout in LAYOUTS.items()} | {"link_call_s": link.call_s}
+
+
 def run(args) -> dict:
     samples: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
+    rank_profile = profile_one_rank()
     with netns_cluster.running_cluster() as cluster:
         link = measure_link(cluster)
+        allreduce = measure_allreduce(cluster, args.streams, load_model_preset(MODEL)[0].hidden_size)
         for rep in range(args.reps):
             for name in (list(SYSTEMS) if rep % 2 == 0 else list(SYSTEMS)[::-1]):
                 with system(cluster, name).start(STARTUP_TIMEOUT_S) as running:
                     measure(running.url, 1, 8)  # warm-up
                     samples[name].append(measure(running.url, args.streams, args.max_tokens))
     rows = {name: {key: statistics.median(s[key] for s in runs) for key in runs[0]} for name, runs in samples.items()}
-    return {"reps": args.reps, "streams": args.streams, "max_tokens": args.max_tokens, "rows": rows,
-            "samples": samples, "link": link}
+    result = {"reps": args.reps, "streams": args.streams, "max_tokens": args.max_tokens, "rows": rows,
+              "samples": samples, "link": link, "allreduce": allreduce, "rank_profile": rank_profile}
+    return result | {"predicted": predict(result)}
 
 
 def markdown(result: dict) -> str:
@@ -122,7 +196,25 @@ def markdown(result: dict) -> str:
         f"\n-pp 2 / -tp 2: {pp['output_throughput'] / tp['output_throughput']:.2f}x output tokens/s. The embedded "
         f"SmolLM2-135M (INT4), {result['streams']} greedy streams of {result['max_tokens']} tokens, two Ray nodes in "
         f"network namespaces (one core each) over a veth pair shaped to 1 Gbit/s; medians of {result['reps']} "
-        f"interleaved repetitions.", ""])
+        f"interleaved repetitions.",
+        *prediction_lines(result), ""])
+
+
+def prediction_lines(result: dict) -> list[str]:
+    predicted, rows = result["predicted"], result["rows"]
+    measured_ratio = rows["pp2"]["output_throughput"] / rows["tp2"]["output_throughput"]
+    predicted_ratio = predicted["pp2"] / predicted["tp2"]
+    return [
+        "\nThe simulator on the same link (scheduler/simulation/cluster.py): one rank's costs as the engine profiles "
+        "the whole model on one core, spread over two nodes; the link's per-call cost from a 2-rank gloo all-reduce "
+        f"of one decode step's activations measured in the same run ({1e3 * result['allreduce']['allreduce_s']:.2f} ms, "
+        f"{1e3 * predicted['link_call_s']:.2f} ms a call beyond the wire).",
+        "", "| system | predicted output tokens/s | measured |", "|---|---|---|",
+        *(f"| {flag} | {predicted[name]:.1f} | {rows[name]['output_throughput']:.1f} |"
+          for name, flag in (("tp2", "-tp 2"), ("pp2", "-pp 2"))),
+        f"\n-pp 2 / -tp 2 predicted {predicted_ratio:.2f}x against {measured_ratio:.2f}x measured "
+        f"({predicted_ratio / measured_ratio - 1:+.0%}).",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

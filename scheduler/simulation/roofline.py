@@ -221,6 +221,8 @@ class RooflineCostModel(CostModel):
     # bytes of one stored KV element (a KVFormat's, scales included: int8 KV is read and moved in
     # about half the bytes); None: dtype_bytes
     kv_element_bytes: float | None = None
+    # bytes of one stored linear weight (INT4's codes with their scales and mins); None: dtype_bytes
+    weight_element_bytes: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("dtype_bytes", "block_size"):
@@ -228,6 +230,7 @@ class RooflineCostModel(CostModel):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         shape, hw, size = self.shape, self.hardware, self.dtype_bytes
+        weight_size = self.weight_element_bytes or size
         num_gpus = hw.num_gpus
         kv_bytes = shape.kv_bytes_per_token_layer(self.kv_element_bytes or size)
         q_width = shape.num_heads * shape.head_dim
@@ -236,7 +239,7 @@ class RooflineCostModel(CostModel):
             # linear: the layer's weights, read once per batch, shared by the GPUs (every expert of
             # a MoE layer: an upper bound for batches too small to route to all of them); the
             # FLOPs are those of the weights each token uses
-            "_linear_memory_s": shape.layer_params * size / (num_gpus * hw.gpu_bandwidth),
+            "_linear_memory_s": shape.layer_params * weight_size / (num_gpus * hw.gpu_bandwidth),
             "_linear_s_per_token": 2 * shape.active_layer_params / (num_gpus * hw.gpu_flops),
             # a ring all-reduce sends 2 (g - 1) / g of the message from each GPU
             "_allreduce_s_per_token": (NUM_ALLREDUCES_PER_LAYER * 2 * (num_gpus - 1) / num_gpus
@@ -257,7 +260,7 @@ class RooflineCostModel(CostModel):
             # overlap, each GPU moves its own heads
             "_cpu_transfer_s_per_seq": (max(q_width + 2 * kv_width, q_width) * size
                                         / (num_gpus * hw.pcie_bandwidth)),
-            "_head_memory_s": shape.vocab_size * shape.hidden_size * size / (num_gpus * hw.gpu_bandwidth),
+            "_head_memory_s": shape.vocab_size * shape.hidden_size * weight_size / (num_gpus * hw.gpu_bandwidth),
             "_head_s_per_row": 2 * shape.vocab_size * shape.hidden_size / (num_gpus * hw.gpu_flops),
             "_swap_s_per_block": (self.block_size * shape.num_layers * kv_bytes
                                   / (num_gpus * hw.pcie_bandwidth)),
@@ -335,13 +338,14 @@ class PoolSizes:
     cpu_kv_gib: float
 
 
-def weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
+def weight_bytes(shape: ModelShape, dtype_bytes: int, linear_element_bytes: float | None = None) -> int:
     """All weights: the layers, the embedding and the LM head (counted apart: an untied model's
     head is its own matrix, and a tied one is over-counted by one matrix, erring to fewer blocks),
-    and the norms."""
-    params = (shape.num_layers * (shape.layer_params + 2 * shape.hidden_size)
-              + 2 * shape.vocab_size * shape.hidden_size + shape.hidden_size)
-    return params * dtype_bytes
+    and the norms. `linear_element_bytes`: the layers' linear weights and the head as stored (None:
+    dtype_bytes); the embedding and norms stay in the compute dtype."""
+    linear = shape.num_layers * shape.layer_params + shape.vocab_size * shape.hidden_size
+    dense = shape.num_layers * 2 * shape.hidden_size + shape.vocab_size * shape.hidden_size + shape.hidden_size
+    return round(linear * (linear_element_bytes or dtype_bytes) + dense * dtype_bytes)
 
 
 def activation_bytes_per_gpu(shape: ModelShape, num_gpus: int, dtype_bytes: int, max_num_batched_tokens: int,
@@ -358,13 +362,13 @@ def activation_bytes_per_gpu(shape: ModelShape, num_gpus: int, dtype_bytes: int,
 
 def size_pools(shape: ModelShape, hardware: HardwareProfile, *, dtype_bytes: int = 2, block_size: int = 16,
                max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-               kv_element_bytes: float | None = None) -> PoolSizes:
+               kv_element_bytes: float | None = None, weight_element_bytes: float | None = None) -> PoolSizes:
     """GPU blocks: what `GPU_MEMORY_UTILIZATION` of each GPU leaves after its weight shard and its
     activations; host blocks: `HOST_KV_FRACTION` of host memory."""
     num_gpus = hardware.num_gpus
     block_bytes = block_size * kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                                   kv_element_bytes or dtype_bytes)
-    weights = weight_bytes(shape, dtype_bytes)
+    weights = weight_bytes(shape, dtype_bytes, weight_element_bytes)
     activations = num_gpus * activation_bytes_per_gpu(shape, num_gpus, dtype_bytes, max_num_batched_tokens,
                                                       max_num_seqs)
     usable = num_gpus * hardware.gpu_memory_gib * GIB * GPU_MEMORY_UTILIZATION
