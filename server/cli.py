@@ -16,6 +16,7 @@ from engine.config import ENGINE_KNOBS
 from engine.knobs import Group, Knob
 from scheduler.planning.experts.hot_experts import DEFAULT_SKEW
 from server.flag_sources import CONFIG_ENV, FlagSourceError, add_knob_flags, layered_defaults
+from server.replicas import ROUTINGS
 from server.tool_calls.registry import AUTO_PARSER, PARSER_NAMES
 
 API_KEY_ENV = "TANDEM_API_KEY"  # one key, or several separated by commas
@@ -23,6 +24,7 @@ API_KEY_ENV = "TANDEM_API_KEY"  # one key, or several separated by commas
 # ---- the server's knobs and each command's own (the engine's: engine/config.py) ----------------
 SERVER = "server"
 ADMISSION = "admission (beyond these bounds: 429 with Retry-After)"
+DATA_PARALLEL = "data parallelism (replicas)"
 LOGGING = "logging"
 CONFIG_KNOB = Knob("--config", "flag values from a YAML file, keys named as the flags (max-num-seqs: 8); also "
                    f"${CONFIG_ENV}", "config", metavar="FILE.yaml")
@@ -44,6 +46,12 @@ SERVER_KNOBS = (
          default=AUTO_PARSER, choices=(AUTO_PARSER, *PARSER_NAMES)),
     Knob("--max-waiting-requests", "queued requests", ADMISSION, default=256, type=int),
     Knob("--max-waiting-tokens", "queued prompt tokens", ADMISSION, default=262144, type=int),
+    Knob("--data-parallel-size", "serve from this many replicas of the whole engine, one Ray actor each with its own "
+         "KV cache and share of the host's cores (or a GPU each), behind this one server", DATA_PARALLEL, default=1,
+         type=int, short="-dp"),
+    Knob("--data-parallel-routing", "prefix: each request to the replica that was sent the longest prefix of its "
+         "prompt (a conversation stays where its history is cached), the least loaded among equals; round-robin: "
+         "in turn", DATA_PARALLEL, default="prefix", choices=ROUTINGS),
 )
 LOG_LEVEL = Knob("--log-level", "log threshold", LOGGING, default="info", choices=("debug", "info", "warning", "error"))
 PROFILE_KNOBS = (Knob("--force", "measure again even if a cached profile exists", "profile", default=False,
@@ -57,7 +65,8 @@ CONVERT_KNOBS = (Knob("--verify", "check every layer file in --offload-dir (its 
                       "checksum) without writing any; exit 2 naming each file that is missing or damaged", "convert",
                       default=False, switch=True),)
 # --help's sections: the two memory budgets first, their overrides next
-SERVE_GROUPS = (Group.MEMORY, Group.MEMORY_OVERRIDES, CONFIG_KNOB.group, SERVER, ADMISSION, *Group, LOGGING)
+SERVE_GROUPS = (Group.MEMORY, Group.MEMORY_OVERRIDES, CONFIG_KNOB.group, SERVER, ADMISSION, DATA_PARALLEL, *Group,
+                LOGGING)
 ENGINE_GROUPS = (*Group, LOGGING)
 
 
@@ -224,26 +233,24 @@ def bench(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from engine.async_engine import AsyncEngine, QueueBounds
-    from engine.engine import LLMEngine
+    from engine.async_engine import QueueBounds
     from server.app import ServerSettings, create_app
-    from server.metrics import Metrics
+    from server.replicas.local import serving_engine
+    from server.replicas.router import replica_set
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = list(args.api_key or [])
     keys += [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
     print(f"tandem: loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(engine_config(args))
     name = args.served_model_name or args.model
-    metrics = Metrics(name)
-    metrics.record_weights(engine.runner.weight_bytes())
-    metrics.record_kv_format(engine.kv_format.name, engine.kv_bytes_per_token)
-    metrics.record_threads(engine.thread_plan.split)
-    metrics.watch_experts(engine.expert_heat)
     exit_when_dead = ExitWhenDead(args.dead_engine_grace)
-    async_engine = AsyncEngine(engine, QueueBounds(args.max_waiting_requests, args.max_waiting_tokens),
-                               on_iteration=metrics.record_iteration, on_abort=metrics.record_abort,
-                               on_dead=exit_when_dead)
+    bounds = QueueBounds(args.max_waiting_requests, args.max_waiting_tokens)
+    if args.data_parallel_size != 1:
+        async_engine, metrics = replica_set(engine_config(args), name, bounds, args.data_parallel_size,
+                                            args.data_parallel_routing, exit_when_dead)
+    else:
+        async_engine, metrics = serving_engine(engine_config(args), name, bounds, exit_when_dead)
+    engine = async_engine.engine
     settings = ServerSettings(served_model_name=name, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes,
                               cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
                               tool_call_parser=args.tool_call_parser)

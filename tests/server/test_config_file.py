@@ -18,7 +18,7 @@ EVERY_FLAG = {
     "host": "0.0.0.0", "port": 8123, "served-model-name": "tiny", "api-key": ["k1", "k2"],
     "max-body-bytes": 1024, "cors-origins": "http://a.test,http://b.test", "shutdown-grace": 2.5, "dead-engine-grace": 1.5,
     "tool-call-parser": "mistral",
-    "max-waiting-requests": 7, "max-waiting-tokens": 999,
+    "max-waiting-requests": 7, "max-waiting-tokens": 999, "data-parallel-size": 2, "data-parallel-routing": "round-robin",
     "model": "llama-3.1-8b", "load-format": "dummy", "dtype": "bfloat16", "quantization": "int4",
     "int4-prefill": "int8", "batch-invariant": True, "cpu-ops": "torch", "enforce-eager": True, "seed": 3, "gpu-memory-gib": 7.5, "host-memory-gib": 12.0,
     "max-model-len": 512, "max-num-seqs": 5, "max-num-batched-tokens": 1024, "max-prefill-slowdown": 2.5, "max-prefill-stall-ms": 400.0,
