@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 CPU_KERNEL := kernels/cpu/.built
 CPU_KERNEL_SRC := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h kernels/cpu/build.py)
 
-.PHONY: install install-iproute2 serve test test-streamed test-slow test-api test-tp test-multinode test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-pacing bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-multinode bench-revisions bench-protocols bench-spec bench-gpu gpu-check clean
+.PHONY: install install-iproute2 serve test test-streamed test-slow test-api test-tp test-multinode test-isa test-gpu test-integration bench bench-int4 bench-decode bench-chunked bench-pacing bench-multi-turn bench-long-prompt bench-neo bench-kv-decode bench-neo-kv bench-stream bench-slicing bench-fit bench-structured bench-moe bench-tp bench-multinode bench-data-parallel bench-revisions bench-protocols bench-spec bench-gpu gpu-check clean
 
 install: $(STAMP) $(CPU_KERNEL)
 
@@ -239,6 +239,16 @@ bench-multi-turn: install
 		--max-model-len 2048 --enable-prefix-caching --host 127.0.0.1 --port {port}') --startup-timeout 900 \
 		--num-conversations 16 --num-turns 6 --system-prompt-len 400 --user-len 60 100 --output-len 64 \
 		--reps 3 --no-progress --output benchmarks/results/multi_turn.json
+	$(PY) -m benchmarks.update_benchmarks_doc
+
+# Two data-parallel replicas (one core each) on the multi-turn chat: routed by prefix, in turn, and
+# one engine on both cores; the prefix hit rate and TTFT side by side.
+bench-data-parallel: install
+	$(PY) -m benchmarks.serving.multi_turn --system 'dp2-prefix=$(TANDEM_SERVE) --quantization int4 -dp 2' \
+		--system 'dp2-round-robin=$(TANDEM_SERVE) --quantization int4 -dp 2 --data-parallel-routing round-robin' \
+		--system 'one-engine=$(TANDEM_SERVE) --quantization int4' --startup-timeout 300 \
+		--num-conversations 16 --num-turns 6 --system-prompt-len 400 --user-len 60 100 --output-len 64 \
+		--reps 2 --no-progress --output benchmarks/results/multi_turn_dp.json
 	$(PY) -m benchmarks.update_benchmarks_doc
 
 # A long prompt among running streams (chunked prefill): 8 streams decoding 400 tokens each when an

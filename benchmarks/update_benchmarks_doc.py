@@ -131,6 +131,13 @@ SECTIONS = (
             "in turn and send one activation per boundary; a node's weights that do not fit stream over PCIe under its\n"
             "layers. The link model is the one checked against the measured two-node ratio above.",
             "## Structured outputs (`benchmarks/serving/structured_decode.py`)"),
+    Section("multi_turn_dp", "## Two data-parallel replicas on multi-turn chat: prefix routing against round-robin "
+            "(`make bench-data-parallel`)",
+            "Run by `make bench-data-parallel`: `make bench-multi-turn`'s conversations (16 at once, 6 turns, one shared\n"
+            "400-token system prompt) against `tandem serve -dp 2` routed by prefix, the same routed in turn, and one engine\n"
+            "on both cores, each started afresh per repetition, interleaved, medians. Each replica is a Ray actor on one of\n"
+            "the two cores with its own KV cache; the hit rate is the replicas' /metrics summed.",
+            "## Structured outputs (`benchmarks/serving/structured_decode.py`)"),
     Section("gpu_check", "### The last `make gpu-check` (`benchmarks/gpu/gpu_check.py`)",
             "Run by `make gpu-check` on a lent GPU: every CUDA test and each GPU benchmark below in one window of at most\n"
             "9 minutes (a budget per step, a total deadline, failures reported and the rest run on), each table naming\n"
