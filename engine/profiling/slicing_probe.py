@@ -80,7 +80,8 @@ def _weights(shape: tuple[int, int], method: str, dtype: torch.dtype, device: to
     linear_method = create_linear_method(method)
     first = linear_method.create_weight(dense, None, dtype=dtype, device=device)
     num_copies = max(1, min(MAX_COPIES, math.ceil(COLD_WEIGHT_BYTES / first.nbytes)))
-    # copied, not made again: quantizing each copy (INT4's round-to-nearest) took seconds
+    # deep copies, each with storage of its own (made again, an fp32 weight cast to fp32 was one shared,
+    # warm tensor), and not quantized again (INT4's round-to-nearest of each copy took seconds)
     return [first] + [copy.deepcopy(first) for _ in range(num_copies - 1)]
 
 

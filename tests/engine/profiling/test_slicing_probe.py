@@ -13,7 +13,7 @@ from engine.device.cores import CoreAssignment
 from engine.offload.transfer import create_copy_engine
 from engine.model_config import ModelConfig
 from engine.profiling.cache import ProfileKey, load_cached, load_or_measure, profile_path
-from engine.profiling.slicing_probe import measure_slicing_costs
+from engine.profiling.slicing_probe import _weights, measure_slicing_costs
 from scheduler.planning import SlicingCosts
 
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -70,3 +70,23 @@ def test_slicing_models_are_cached_beside_the_tables_under_the_same_key(tmp_path
                               gpu_threads=1, cpu_attention_threads=1, block_size=16)
     load_or_measure(other, "slicing-dense", build, SlicingCosts.to_dict, SlicingCosts.from_dict, tmp_path)
     assert len(calls) == 2
+
+
+def _storages(weight) -> list[int]:
+    """The storages behind a weight object's tensors (INT4's tiles one level down)."""
+    found = []
+    for value in vars(weight).values():
+        tensors = vars(value).values() if hasattr(value, "__dict__") and not isinstance(value, torch.Tensor) else [value]
+        found += [t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)]
+    return found
+
+
+@pytest.mark.parametrize("method", ["dense", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_probes_cold_copies_are_copies(method, dtype):
+    """Each copy of a probed slice has storage of its own, in every dtype: a cast to the weight's own
+    dtype returns the same tensor, and fp32 copies made that way were one warm weight timed over."""
+    weights = _weights((128, 128), method, dtype, torch.device("cpu"))
+    storages = [ptr for weight in weights for ptr in _storages(weight)]
+    assert len(weights) > 1 and storages
+    assert len(set(storages)) == len(storages)
