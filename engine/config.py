@@ -283,9 +283,6 @@ class ParallelConfig:
         parse_knobs(self)
         _require_int(self, "tensor_parallel_size", 1)
         _require_int(self, "pipeline_parallel_size", 1)
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ConfigError(f"--pipeline-parallel-size {self.pipeline_parallel_size} does not combine with "
-                              f"--tensor-parallel-size {self.tensor_parallel_size} yet: use one of them")
 
     @property
     def enabled(self) -> bool:

@@ -19,11 +19,11 @@ from multiprocessing import shared_memory
 from engine.distributed.partition import plan_shards
 from engine.distributed.stages import plan_stages
 from engine.distributed.wire import wire_plan
-from engine.distributed.worker import ModelSource, RankFailure, RankReport, RankWorker
+from engine.distributed.worker import ModelSource, RankFailure, RankReport, RankWorker, worker_name
 from engine.device.cores import CoreAssignment, device_kind, host_cores, rank_core_sets
 from engine.runtime.runner import FatalRunnerError, RunnerOutput
 from engine.offload.stats import WeightStats
-from engine.model_config import ModelConfig
+from engine.model_config import ConfigError, ModelConfig
 from scheduler.planning.cost_model import TableCostModel
 from scheduler.iteration_plan import IterationPlan
 
@@ -50,7 +50,7 @@ class TensorParallelRunner:
         resident); `weight_stats`: where the sampling rank's store's totals land after each step."""
         import ray
 
-        self._ray, self._lost, self._step_graph, self._segment = ray, False, None, None
+        self._ray, self._lost, self._step_graph, self._segments = ray, False, None, []
         self.world_size, self.vocab_size, self.weight_stats = world_size, model_config.vocab_size, weight_stats
         shards = plan_shards(model_config, world_size)
         self.stages = plan_stages(model_config, num_stages) if num_stages > 1 else None
@@ -58,6 +58,13 @@ class TensorParallelRunner:
         if self._started_ray:
             _start_ray(ray, ray_address, world_size * num_stages)
         one_host = ray_address is None
+        flags = f"--tensor-parallel-size {world_size}" + (f" --pipeline-parallel-size {num_stages}" if num_stages > 1 else "")
+        try:
+            require_resources(ray, world_size * num_stages, device_kind(device) == "cuda", flags)
+        except ConfigError:
+            if self._started_ray:
+                ray.shutdown()
+            raise
         self._workers = self._start_workers(ray, shards, self.stages or [None], device, pin_cores=one_host)
         try:
             if world_size > 1:
@@ -73,14 +80,22 @@ class TensorParallelRunner:
             logger.info("%s: pid %d, %d GPU KV blocks", report.name, report.pid, report.num_gpu_blocks)
 
     def _connect(self, ray, device: str, one_host: bool) -> None:
-        """The tensor-parallel ranks' collectives: CPU ranks of one host meet in shared memory, GPUs
-        and hosts over torch.distributed."""
+        """Each stage's tensor-parallel ranks' collectives, a group of their own: CPU ranks of one
+        host meet in shared memory, GPUs and hosts over torch.distributed."""
         shared = one_host and device_kind(device) != "cuda"
-        self._segment = f"tandem-tp-{uuid.uuid4().hex[:16]}" if shared else None
-        address = None if shared else ray.get(self._workers[0].rendezvous_address.remote())
-        self._gather([worker.connect.remote(address, device, self._segment) for worker in self._workers])
-        logger.info("tensor-parallel collectives: %s", f"shared memory {self._segment}" if shared
-                    else f"torch.distributed at {address}")
+        calls = []
+        for group in self._stage_groups():
+            segment = f"tandem-tp-{uuid.uuid4().hex[:16]}" if shared else None
+            address = None if shared else ray.get(group[0].rendezvous_address.remote())
+            self._segments += [segment] if segment else []
+            calls += [worker.connect.remote(address, device, segment) for worker in group]
+            logger.info("tensor-parallel collectives: %s", f"shared memory {segment}" if shared
+                        else f"torch.distributed at {address}")
+        self._gather(calls)
+
+    def _stage_groups(self) -> list[list]:
+        """The workers of each stage (one stage without a pipeline), in rank order."""
+        return [self._workers[start:start + self.world_size] for start in range(0, len(self._workers), self.world_size)]
 
     @staticmethod
     def _start_workers(ray, shards, stages, device: str, pin_cores: bool) -> list:
@@ -145,12 +160,12 @@ class TensorParallelRunner:
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as step_plan:
-            if self.stages is None:
-                return MultiOutputNode([w.execute.bind(step_plan) for w in self._workers]).experimental_compile()
-            output = self._workers[0].execute.bind(step_plan)
-            for worker in self._workers[1:]:
-                output = worker.execute.bind(step_plan, output)
-            return MultiOutputNode([output]).experimental_compile()
+            incoming, others = None, []
+            for group in self._stage_groups():  # every rank of a stage reads its predecessor's rank 0
+                nodes = [w.execute.bind(step_plan) if incoming is None else w.execute.bind(step_plan, incoming)
+                         for w in group]
+                incoming, others = nodes[0], others + nodes[1:]
+            return MultiOutputNode([incoming, *others]).experimental_compile()
 
     def _raise_failures(self, failures: list[RankFailure]) -> None:
         """The same error on every rank is the plan's (the engine fails the batch and goes on);
@@ -163,8 +178,9 @@ class TensorParallelRunner:
         raise RankLostError(f"{self._name(failure.rank)} failed alone: {failure.message}")
 
     def _name(self, index: int) -> str:
-        """The worker at `index` (its rank without stages, its stage with them) as errors name it."""
-        return f"pipeline stage {index}" if self.stages is not None else f"tensor-parallel rank {index}"
+        """The worker at `index` as errors name it (RankReport.name)."""
+        stage, rank = divmod(index, self.world_size)
+        return worker_name(rank, None if self.stages is None else stage)
 
     def _rank_of(self, exc: BaseException) -> str:
         """The dead worker's name where Ray's error names it: by its actor id (a lost node's actors
@@ -198,7 +214,8 @@ class TensorParallelRunner:
                 except Exception:  # a rank that failed to build has nothing left to close
                     logger.debug("tensor-parallel rank: close failed", exc_info=True)
             self._kill(workers)
-        remove_segment(getattr(self, "_segment", None))
+        for segment in getattr(self, "_segments", []):
+            remove_segment(segment)
         if self._started_ray and self._ray.is_initialized():
             self._ray.shutdown()
 
@@ -259,6 +276,17 @@ def remove_segment(name: str | None) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def require_resources(ray, num_actors: int, one_gpu_each: bool, flags: str) -> None:
+    """ConfigError naming `flags` where the Ray cluster cannot place `num_actors` actors of a CPU
+    (and a GPU) each: Ray would wait for them forever."""
+    resources = ray.cluster_resources()
+    needs = {"CPU": num_actors, "GPU": num_actors if one_gpu_each else 0}
+    short = [f"{need} {kind}s (the Ray cluster has {int(resources.get(kind, 0))})" for kind, need in needs.items()
+             if resources.get(kind, 0) < need]
+    if short:
+        raise ConfigError(f"{flags} needs {', '.join(short)}")
 
 
 def _start_ray(ray, address: str | None, world_size: int) -> None:

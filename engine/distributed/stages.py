@@ -141,7 +141,10 @@ def stage_memories(config: ModelConfig, num_stages: int, fmt: WeightFormat,
             for stage in plan_stages(config, num_stages)]
 
 
-def describe_stages(memories: list[StageMemory]) -> str:
-    lines = [f"pipeline parallel: {len(memories)} stages (Ray actors), each with its own layers and KV pools; "
+def describe_stages(memories: list[StageMemory], ranks_per_stage: int = 1) -> str:
+    actors = (f"{len(memories)} stages (Ray actors)" if ranks_per_stage == 1 else
+              f"{len(memories)} stages of {ranks_per_stage} tensor-parallel ranks ({len(memories) * ranks_per_stage} "
+              f"Ray actors; a rank holds its share, as above, of its stage's layers)")
+    lines = [f"pipeline parallel: {actors}, each with its own layers and KV pools; "
              f"a step's hidden states pass from stage to stage"]
     return "\n".join(lines + [f"  {memory.describe()}" for memory in memories])

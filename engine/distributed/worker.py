@@ -43,7 +43,14 @@ class RankReport:
 
     @property
     def name(self) -> str:
-        return f"pipeline stage {self.stage}" if self.stage is not None else f"tensor-parallel rank {self.rank}"
+        return worker_name(self.rank, self.stage)
+
+
+def worker_name(rank: int, stage: int | None) -> str:
+    """A rank as logs and errors name it: its stage's rank 0 by its stage alone."""
+    if stage is None:
+        return f"tensor-parallel rank {rank}"
+    return f"pipeline stage {stage}" + (f" rank {rank}" if rank else "")
 
 
 @dataclass(frozen=True)
@@ -164,8 +171,10 @@ class RankWorker:
         try:
             if self.stage_store is not None:
                 self.stage_store.incoming = incoming
-            if self.shard.rank != 0:
+            if self.shard.rank != 0:  # its stage's output, the same on every rank, goes on from rank 0
                 self.runner.forward(plan)
+                if self.stage_store is not None:
+                    self.stage_store.outgoing = None
                 return None
             if self.stage is None or self.stage.last:
                 return self.runner.execute(plan), self.weight_stats.snapshot()

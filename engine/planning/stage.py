@@ -175,7 +175,7 @@ class EnginePlan:
         if config.parallel.tensor_parallel_size > 1:
             lines.append(describe_ranks(list(self.ranks)))
         if self.stages:
-            lines.append(describe_stages(list(self.stages)))
+            lines.append(describe_stages(list(self.stages), config.parallel.tensor_parallel_size))
         return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from typing import Callable, Protocol, Sequence
 from engine.async_engine import EngineDeadError, QueueBounds, QueueFullError, RequestStream
 from engine.config import EngineConfig
 from engine.device.cores import device_kind, host_cores, rank_core_sets
+from engine.distributed.executor import require_resources
 from engine.engine import RequestFailedError
 from engine.model_config import ConfigError
 from engine.request import InputProcessor, PreparedRequest
@@ -339,7 +340,12 @@ def replica_set(config: EngineConfig, model_name: str, bounds: QueueBounds, num_
     core_sets = rank_core_sets(host_cores(), num_replicas) if one_host else [()] * num_replicas
     actor = ray.remote(ReplicaWorker)
     num_gpus = 1 if device_kind(config.device) == "cuda" else 0
-    _require_resources(ray, num_replicas, num_gpus, started_ray)
+    try:
+        require_resources(ray, num_replicas, num_gpus == 1, f"--data-parallel-size {num_replicas}")
+    except ConfigError:
+        if started_ray:
+            ray.shutdown()
+        raise
     actors = [actor.options(num_cpus=max(1, len(cores)), num_gpus=num_gpus).remote(
         index, config, model_name, cores, _replica_bounds(bounds), logging.getLogger().getEffectiveLevel())
         for index, cores in enumerate(core_sets)]
@@ -358,18 +364,6 @@ def replica_set(config: EngineConfig, model_name: str, bounds: QueueBounds, num_
                     info.node_ip, list(info.cores) or "its node's", info.max_model_len)
     replicas_set = ReplicaSet(replicas, FrontEngine(config, infos), chosen, bounds, on_dead, started_ray)
     return replicas_set, ReplicaMetrics(model_name, replicas_set.metrics_texts)
-
-
-def _require_resources(ray, num_replicas: int, num_gpus: int, started_ray: bool) -> None:
-    """Refuse at start what the cluster cannot place (Ray would wait for it forever)."""
-    resources = ray.cluster_resources()
-    needs = {"CPU": num_replicas, "GPU": num_replicas * num_gpus}
-    short = {kind: (need, int(resources.get(kind, 0))) for kind, need in needs.items() if resources.get(kind, 0) < need}
-    if short:
-        if started_ray:
-            ray.shutdown()
-        raise ConfigError(f"--data-parallel-size {num_replicas} needs " + ", ".join(
-            f"{need} {kind}s (the Ray cluster has {have})" for kind, (need, have) in short.items()))
 
 
 def _replica_bounds(bounds: QueueBounds) -> QueueBounds:

@@ -43,3 +43,11 @@ def test_three_stages_chunked_with_prefix_hits_and_drafts():
     expected = run(prompts, params)[0]
     assert run(prompts, params, rounds=2, max_num_batched_tokens=8, max_num_seqs=4, pipeline_parallel_size=3,
                speculative_config=drafts, check=hit_and_drafted) == [expected, expected]
+
+
+def test_two_stages_of_two_tensor_parallel_ranks_give_one_process_tokens():
+    """-pp 2 -tp 2: each stage's two ranks all-reduce in a group of their own; both read the first
+    stage's output, and the last stage's rank 0 samples from the gathered head."""
+    params = greedy(MAX_TOKENS[:3])
+    expected = run(PROMPTS[:3], params)[0]
+    assert run(PROMPTS[:3], params, pipeline_parallel_size=2, tensor_parallel_size=2)[0] == expected

@@ -25,9 +25,9 @@ NUM_TINY_PROMPTS = 4
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    """One local cluster for the module (each LLM starts only its actors; a CPU each, three pipeline
-    stages at most)."""
-    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False)
+    """One local cluster for the module (each LLM starts only its actors; a CPU each, four ranks at
+    most: two pipeline stages of two tensor-parallel ranks)."""
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
     yield
     ray.shutdown()
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.distributed.executor import require_resources
 from engine.distributed.stages import Stage, StageLayers, StageLoader, plan_stages
 from engine.model.layer_store import LayerStore
 from engine.model_config import ConfigError
@@ -50,7 +51,6 @@ def test_a_later_stage_reads_the_previous_output_and_an_earlier_hands_its_own_on
 
 
 @pytest.mark.parametrize("flags, named", [
-    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "use one of them"),
     (dict(pipeline_parallel_size=2, cpu_attention="on"), "--cpu-attention off"),
     (dict(pipeline_parallel_size=2, gpu_memory_gib=1.0), "--pipeline-parallel-size 2 does not combine with --gpu-memory-gib"),
 ])
@@ -59,6 +59,28 @@ def test_pipeline_stages_refuse_what_they_do_not_combine_with(flags, named):
         EngineConfig.from_flat(**flags)
 
 
+def test_stages_take_tensor_parallel_ranks():
+    assert EngineConfig.from_flat(pipeline_parallel_size=2, tensor_parallel_size=2).parallel.num_ranks == 4
+
+
 def test_stages_leave_neo_off_by_default_on_the_testbed():
     assert EngineConfig.from_flat(device="testbed").cpu_attention_enabled
     assert not EngineConfig.from_flat(device="testbed", pipeline_parallel_size=2).cpu_attention_enabled
+
+
+class _Cluster:
+    """What require_resources asks of Ray."""
+
+    def __init__(self, **resources) -> None:
+        self.resources = resources
+
+    def cluster_resources(self) -> dict:
+        return self.resources
+
+
+def test_ranks_the_cluster_cannot_place_are_refused_naming_the_flags():
+    require_resources(_Cluster(CPU=4.0), 4, False, "-pp 2 -tp 2")
+    with pytest.raises(ConfigError, match=r"-pp 2 -tp 2 needs 4 CPUs \(the Ray cluster has 3\)"):
+        require_resources(_Cluster(CPU=3.0), 4, False, "-pp 2 -tp 2")
+    with pytest.raises(ConfigError, match=r"needs 2 GPUs \(the Ray cluster has 1\)"):
+        require_resources(_Cluster(CPU=8.0, GPU=1.0), 2, True, "--data-parallel-size 2")
