@@ -40,7 +40,7 @@ from engine.text import Tokenizer
 from engine.weights import create_loader
 from scheduler.iteration_plan import IterationPlan, PlanMode
 from scheduler.neo import NeoConfig, NeoScheduler
-from scheduler.planning import describe_model_plan
+from scheduler.planning import ModelPlan, describe_model_plan
 from scheduler.planning.cost_model import CostModel, TableCostModel
 from scheduler.planning.experts.hot_experts import ExpertCachePlan
 from scheduler.planning.kv_format import KVFormat
@@ -200,15 +200,15 @@ class LLMEngine:
         --tensor-parallel-size ranks or --pipeline-parallel-size stages, each a Ray actor building
         its part (engine/distributed)."""
         config = self.config
-        runner_kwargs = dict(runner_kwargs, layer_store=self._layer_store_factory(loader))
         if not config.parallel.enabled:
             return ModelRunner(self.model_config, loader, device=config.device, cores=self.plan.cores,
-                               **runner_kwargs)
+                               layer_store=self._layer_store_factory(loader, self.plan.layers), **runner_kwargs)
         source = ModelSource(config.model, config.load_format, config.seed)
         parallel = config.parallel
+        stores = [self._layer_store_factory(loader, plan) for plan in self.plan.stage_layers or (self.plan.layers,)]
         return TensorParallelRunner(self.model_config, source, config.device, parallel.tensor_parallel_size,
                                     parallel.ray_address, runner_kwargs, self.weight_stats,
-                                    num_stages=parallel.pipeline_parallel_size)
+                                    num_stages=parallel.pipeline_parallel_size, layer_stores=stores)
 
     def _prefix_cache_key(self) -> str:
         """What, besides the tokens, decides a block's K/V: the weights, how they compute, and how
@@ -218,9 +218,9 @@ class LLMEngine:
                 f"|{config.weights.mlp_slicing}|kv={self.kv_format.name}|int4_prefill={config.int4_prefill}"
                 f"|batch_invariant={config.batch_invariant}")
 
-    def _layer_store_factory(self, loader):
-        """How the runner builds its layer store for the plan (None: every layer resident)."""
-        plan, config = self.plan.layers, self.config
+    def _layer_store_factory(self, loader, plan: ModelPlan):
+        """How a runner builds its layer store for `plan` (None: every layer resident)."""
+        config = self.config
         weights = config.weights
         if plan.experts is not None:
             return self._expert_store_factory(plan.experts)

@@ -43,11 +43,12 @@ class TensorParallelRunner:
     """ModelRunner's interface to the engine, over `world_size` ranks."""
 
     def __init__(self, model_config: ModelConfig, source: ModelSource, device: str, world_size: int,
-                 ray_address: str | None, runner_kwargs: dict, weight_stats: WeightStats, num_stages: int = 1) -> None:
+                 ray_address: str | None, runner_kwargs: dict, weight_stats: WeightStats, num_stages: int = 1,
+                 layer_stores: list | None = None) -> None:
         """`world_size` tensor-parallel ranks in each of `num_stages` pipeline stages (one stage:
-        no pipeline; several: one rank each, for now). `runner_kwargs`: ModelRunner's, with
-        `layer_store` (a factory of the store each rank places its shard's layers by; None:
-        resident); `weight_stats`: where the sampling rank's store's totals land after each step."""
+        no pipeline). `runner_kwargs`: ModelRunner's; `layer_stores`: per stage, a factory of the
+        store each rank of it places its shard's layers by (None: resident); `weight_stats`: where
+        the sampling rank's store's totals land after each step."""
         import ray
 
         self._ray, self._lost, self._step_graph, self._segments = ray, False, None, []
@@ -70,9 +71,10 @@ class TensorParallelRunner:
             if world_size > 1:
                 self._connect(ray, device, one_host)
             vocab_ranges = [shard.vocab for shard in shards]
-            runner_kwargs = dict(runner_kwargs, weight_stats=weight_stats)
-            self.reports: list[RankReport] = self._gather(
-                [worker.build.remote(source, device, runner_kwargs, vocab_ranges) for worker in self._workers])
+            stores = layer_stores or [None] * num_stages
+            self.reports: list[RankReport] = self._gather([worker.build.remote(
+                source, device, dict(runner_kwargs, weight_stats=weight_stats, layer_store=stores[index // world_size]),
+                vocab_ranges) for index, worker in enumerate(self._workers)])
         except BaseException:
             self.close()
             raise

@@ -10,6 +10,7 @@ tier and MLP slicing or expert cache (PIPO, ScheInfer), the KV pools, the host's
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -20,7 +21,7 @@ from engine.config import GIB_BYTES, EngineConfig
 from engine.device.cores import CoreAssignment, host_cores, rank_core_sets
 from engine.device.memory import default_gpu_memory_bytes
 from engine.distributed.partition import RankMemory, describe_ranks, largest_rank_config, rank_memories
-from engine.distributed.stages import StageMemory, describe_stages, stage_memories
+from engine.distributed.stages import StageMemory, describe_stages, plan_stages, stage_memories
 from engine.kv import KVCache
 from engine.kv.layouts import resolve_kv_format
 from engine.model_config import ConfigError, ModelConfig
@@ -127,6 +128,7 @@ class EnginePlan:
     cores: CoreAssignment
     ranks: tuple[RankMemory, ...]
     stages: tuple[StageMemory, ...]  # pipeline stages (none without)
+    stage_layers: tuple[ModelPlan, ...]  # each stage's plan of its own layers (`layers`: the largest stage's)
     scheduler: SchedulerPlan
     cuda_graph_max_batch: int  # the largest decode batch replayed as a CUDA graph (0: eager)
 
@@ -151,7 +153,8 @@ class EnginePlan:
                              "gpu_pool": self.gpu_pool.to_dict(), "num_cpu_blocks": self.num_cpu_blocks},
                 "threads": self.threads.to_dict(), "cores": _cores_dict(self.cores),
                 "ranks": [memory.to_dict() for memory in self.ranks],
-                "stages": [memory.to_dict() for memory in self.stages], "scheduler": self.scheduler.to_dict(),
+                "stages": [memory.to_dict() for memory in self.stages],
+                "stage_layers": [plan.to_dict() for plan in self.stage_layers], "scheduler": self.scheduler.to_dict(),
                 "cuda_graph_max_batch": self.cuda_graph_max_batch, "flags": fitted_flags(config),
                 **self.layers.to_dict(),
                 "slicing_costs": None if self.slicing_costs is None else self.slicing_costs.to_dict()}
@@ -165,8 +168,12 @@ class EnginePlan:
                  f"as flags: {' '.join(fitted_flags(config))}",
                  f"scheduler: {self.scheduler.describe()}",
                  f"kv cache: {self.kv_format.describe()}; {self.kv_bytes_per_token} bytes a token; "
-                 f"{self.gpu_pool.describe()}, host pool {self.num_cpu_blocks} blocks",
-                 describe_model_plan(self.layers, config.weights.offload_dir)]
+                 f"{self.gpu_pool.describe()}, host pool {self.num_cpu_blocks} blocks"]
+        if self.stage_layers:  # each stage's own plan of its layers
+            lines += [f"stage {index} {describe_model_plan(plan, config.weights.offload_dir)}"
+                      for index, plan in enumerate(self.stage_layers)]
+        else:
+            lines.append(describe_model_plan(self.layers, config.weights.offload_dir))
         if self.layers.experts is not None and self.slicing_costs is not None:
             lines.append(describe_expert_speeds(self.layers.experts, self.rank_model_config.shape,
                                                 weight_format(config, self.dtype), self.slicing_costs,
@@ -188,11 +195,14 @@ def plan_engine(config: EngineConfig, loader: WeightLoader, *, predict: bool = F
     dtype, dtype_reason = compute_dtype(config.dtype, config.torch_device)
     max_model_len = model_max_len(config, model_config)
     config, fitted = fit_config(config, loader, dtype, max_model_len, predict_always=predict)
-    # every rank places its shard's layers by one plan, made for the largest shard
-    rank_model_config = largest_rank_config(model_config, config.parallel.tensor_parallel_size)
+    # every rank places its shard's layers by one plan, made for the largest shard (of the
+    # largest stage); a smaller stage by a plan of its own size
+    rank_model_config = _largest_stage(config, largest_rank_config(model_config, config.parallel.tensor_parallel_size))
     layers, costs = plan_model(config, rank_model_config, dtype, max_model_len, expert_skew=expert_skew)
-    _refuse_sharded_disk_tier(config, layers)
-    _refuse_unstaged_placement(config, layers)
+    stage_layers = _stage_layer_plans(config, model_config, rank_model_config, dtype, max_model_len, layers)
+    for plan in stage_layers or (layers,):
+        _refuse_sharded_disk_tier(config, plan)
+        _refuse_cached_experts_in_stages(config, plan)
     kv_format = _kv_format(config, dtype, model_config)
     block_bytes = KVCache.bytes_per_block(rank_model_config, config.cache.block_size, kv_format)
     num_cpu_blocks = config.cache.num_cpu_blocks_for(block_bytes) if config.cpu_attention_enabled else 0
@@ -207,6 +217,7 @@ def plan_engine(config: EngineConfig, loader: WeightLoader, *, predict: bool = F
         dtype_reason=dtype_reason, fit=fitted, max_model_len=max_model_len, layers=layers, slicing_costs=costs,
         kv_format=kv_format, gpu_pool=_gpu_pool(config, block_bytes, layers), num_cpu_blocks=num_cpu_blocks,
         threads=threads, cores=cores, ranks=tuple(ranks), stages=tuple(_stages(config, model_config, dtype, kv_format)),
+        stage_layers=stage_layers,
         scheduler=_scheduler_plan(config, dtype, layers, kv_format, cores, num_cpu_blocks),
         cuda_graph_max_batch=_cuda_graph_max_batch(config))
 
@@ -259,14 +270,36 @@ def _stages(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
     return stage_memories(model_config, num_stages, weight_format(config, dtype), kv_format.element_bytes)
 
 
-def _refuse_unstaged_placement(config: EngineConfig, layers: ModelPlan) -> None:
-    """Pipeline stages keep their layers resident for now: each stage's own streaming or slicing
-    plan is not built."""
+def _largest_stage(config: EngineConfig, rank_config: ModelConfig) -> ModelConfig:
+    """What the largest pipeline stage's rank holds: its layers only (its KV pools, its plan)."""
+    num_stages = config.parallel.pipeline_parallel_size
+    if num_stages == 1:
+        return rank_config
+    return dataclasses.replace(rank_config, num_layers=max(stage.num_layers for stage in
+                                                           plan_stages(rank_config, num_stages)))
+
+
+def _stage_layer_plans(config: EngineConfig, model_config: ModelConfig, largest: ModelConfig, dtype: torch.dtype,
+                       max_model_len: int, largest_plan: ModelPlan) -> tuple[ModelPlan, ...]:
+    """Each pipeline stage's plan of its own layers under the per-node budgets (none without
+    stages): the largest stage's, or one made for a stage a layer shorter."""
+    num_stages = config.parallel.pipeline_parallel_size
+    if num_stages == 1:
+        return ()
+    stages = plan_stages(model_config, num_stages)
+    plans = {largest.num_layers: largest_plan}
+    for stage in stages:
+        if stage.num_layers not in plans:
+            shorter = dataclasses.replace(largest, num_layers=stage.num_layers)
+            plans[stage.num_layers] = plan_model(config, shorter, dtype, max_model_len)[0]
+    return tuple(plans[stage.num_layers] for stage in stages)
+
+
+def _refuse_cached_experts_in_stages(config: EngineConfig, layers: ModelPlan) -> None:
     stages = config.parallel.pipeline_parallel_size
-    if stages > 1 and not (layers.all_resident and layers.rates is None and layers.experts is None):
-        raise ConfigError(f"--pipeline-parallel-size {stages}: each stage keeps its layers resident for now; the "
-                          f"plan streams, slices or caches some (drop --weights-gpu-gib / --weights-cpu-gib / "
-                          f"--weight-placement / --mlp-slicing / --hot-experts, or use --pipeline-parallel-size 1)")
+    if stages > 1 and layers.experts is not None:
+        raise ConfigError(f"--pipeline-parallel-size {stages}: the hot-expert cache in pipeline stages is not built "
+                          f"(drop --hot-experts, or use --pipeline-parallel-size 1)")
 
 
 def _refuse_sharded_disk_tier(config: EngineConfig, layers: ModelPlan) -> None:

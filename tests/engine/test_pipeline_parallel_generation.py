@@ -5,6 +5,8 @@ stores it) and dense, chunked prefills and prefix hits, and speculative verify r
 through the stages like any decode row."""
 import pytest
 
+from scheduler.planning.tiers import Tier
+
 from engine import LLM
 from test_offload_generation import MAX_TOKENS, PROMPTS
 from test_tensor_parallel_generation import greedy, ray_cluster  # noqa: F401 (the module's cluster)
@@ -51,3 +53,33 @@ def test_two_stages_of_two_tensor_parallel_ranks_give_one_process_tokens():
     params = greedy(MAX_TOKENS[:3])
     expected = run(PROMPTS[:3], params)[0]
     assert run(PROMPTS[:3], params, pipeline_parallel_size=2, tensor_parallel_size=2)[0] == expected
+
+
+def each_stage_streams(engine):
+    """Every stage planned its own layers under the per-node budget, and streams some."""
+    plans = engine.plan.stage_layers
+    assert len(plans) == engine.config.parallel.pipeline_parallel_size
+    assert all(0 < plan.num_layers_in(Tier.HOST) < len(plan.layers) for plan in plans)
+    assert engine.weight_stats.bytes_by_tier[Tier.HOST] > 0  # the sampling stage's ring loaded
+
+
+@pytest.mark.parametrize("num_stages, budget_gib", [(2, 0.2), (4, 0.17)])
+def test_each_stage_streams_its_own_layers(num_stages, budget_gib):
+    """Weight streaming (PIPO) inside each stage, the budget a node's: 2 stages of 15 layers, and 4
+    of 8, 8, 7 and 7 (two plans)."""
+    params = greedy(MAX_TOKENS[:3])
+    one = run(PROMPTS[:3], params, quantization="none", cpu_attention="off")[0]
+    assert run(PROMPTS[:3], params, check=each_stage_streams, quantization="none", cpu_attention="off",
+               weights_gpu_gib=budget_gib, pipeline_parallel_size=num_stages)[0] == one
+
+
+def test_each_stage_slices_its_own_mlps():
+    """MLP slicing (ScheInfer) at fixed rates inside each stage."""
+    def sliced(engine):
+        assert all(plan.rates is not None for plan in engine.plan.stage_layers)
+        assert engine.weight_stats.num_cc_calls > 0
+
+    params = greedy(MAX_TOKENS[:3])
+    one = run(PROMPTS[:3], params, quantization="none", cpu_attention="off")[0]
+    assert run(PROMPTS[:3], params, check=sliced, quantization="none", cpu_attention="off", mlp_slicing="0.25,0.5",
+               pipeline_parallel_size=2)[0] == one
