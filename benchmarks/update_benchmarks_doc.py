@@ -117,7 +117,7 @@ SECTIONS = (
             "## Structured outputs (`benchmarks/serving/structured_decode.py`)"),
     Section("multinode", "## Two nodes over a 1 Gbit/s link: pipeline against tensor parallelism "
             "(`benchmarks/cluster/multinode.py`, `make bench-multinode`)",
-            "Run by `make bench-multinode` (root): two Ray nodes on this host, each a network namespace with one core,\n"
+            "Run by `make bench-multinode` (root): two Ray nodes on this host, each a network namespace with one core (taskset),\n"
             "joined by a veth pair shaped by tbf to 1 Gbit/s; `tandem serve -tp 2` and `-pp 2 --ray-address` in the head's\n"
             "namespace, a rank (stage) on each node, started afresh per repetition and interleaved; 4 greedy streams of 64\n"
             "tokens, medians. Tensor parallelism all-reduces twice a layer over the link (gloo, TCP); pipeline stages send\n"

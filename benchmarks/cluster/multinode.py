@@ -83,6 +83,32 @@ for _ in range(int(calls)):
 group.close()
 print(json.dumps({"allreduce_s": statistics.median(times[len(times) // 10:])}))
 """
+# What a message through Ray's compiled-graph channels (the plan, a stage's activation, the tokens)
+# costs: a graph echoing one decode step's activations from the driver through an actor on the
+# head's node, and through one on the worker's node, medians of many rounds.
+CHANNEL_PROBE = """
+import json, statistics, sys, time
+import numpy as np, ray
+from ray.dag import InputNode
+ray.init(address=sys.argv[1], configure_logging=False, log_to_driver=False)
+@ray.remote(num_cpus=1)
+class Echo:
+    def node(self):
+        return ray.util.get_node_ip_address()
+    def run(self, x):
+        return x
+near, far = sorted((Echo.remote(), Echo.remote()), key=lambda a: ray.get(a.node.remote()) != sys.argv[2])
+x = np.zeros(int(sys.argv[3]), dtype=np.float16)
+def round_s(actor):
+    with InputNode() as inp:
+        graph = actor.run.bind(inp).experimental_compile()
+    times = []
+    for _ in range(300):
+        start = time.perf_counter(); ray.get(graph.execute(x)); times.append(time.perf_counter() - start)
+    graph.teardown()
+    return statistics.median(times[30:])
+print(json.dumps({"local_round_s": round_s(near), "remote_round_s": round_s(far)}))
+"""
 # One rank's costs: the whole model on one core of this host (the testbed's GPU thread), measured
 # by the engine's own profiler (the offloading scheduler's tables) in a process of its own, into a
 # cache of its own.
@@ -134,6 +160,16 @@ def measure_allreduce(cluster, num_streams: int, hidden_size: int) -> dict:
     return {**json.loads(outputs[0]), "allreduce_bytes": 2 * numel}
 
 
+def measure_channels(cluster, num_streams: int, hidden_size: int) -> dict:
+    """Round trips of a decode step's activations through compiled-graph channels, to an actor on
+    the driver's node and to one across the link."""
+    result = subprocess.run((*netns_cluster.netns_exec(cluster.head_namespace), sys.executable, "-c", CHANNEL_PROBE,
+                             cluster.address, netns_cluster.NODE_IPS[0], str(num_streams * hidden_size)),
+                            capture_output=True, text=True, timeout=300, check=True,
+                            env={**os.environ, **netns_cluster.RAY_ENV})
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def profile_one_rank() -> dict:
     """The engine's cost tables for the whole model on one core, and the prompt's length."""
     with tempfile.TemporaryDirectory() as cache_dir:  # measured now, not a cached profile of another day
@@ -173,7 +209,9 @@ def run(args) -> dict:
     rank_profile = profile_one_rank()
     with netns_cluster.running_cluster() as cluster:
         link = measure_link(cluster)
-        allreduce = measure_allreduce(cluster, args.streams, load_model_preset(MODEL)[0].hidden_size)
+        hidden_size = load_model_preset(MODEL)[0].hidden_size
+        allreduce = measure_allreduce(cluster, args.streams, hidden_size)
+        channels = measure_channels(cluster, args.streams, hidden_size)
         for rep in range(args.reps):
             for name in (list(SYSTEMS) if rep % 2 == 0 else list(SYSTEMS)[::-1]):
                 with system(cluster, name).start(STARTUP_TIMEOUT_S) as running:
@@ -181,7 +219,8 @@ def run(args) -> dict:
                     samples[name].append(measure(running.url, args.streams, args.max_tokens))
     rows = {name: {key: statistics.median(s[key] for s in runs) for key in runs[0]} for name, runs in samples.items()}
     result = {"reps": args.reps, "streams": args.streams, "max_tokens": args.max_tokens, "rows": rows,
-              "samples": samples, "link": link, "allreduce": allreduce, "rank_profile": rank_profile}
+              "samples": samples, "link": link, "allreduce": allreduce, "channels": channels,
+              "rank_profile": rank_profile}
     return result | {"predicted": predict(result)}
 
 
@@ -201,7 +240,7 @@ def markdown(result: dict) -> str:
 
 
 def prediction_lines(result: dict) -> list[str]:
-    predicted, rows = result["predicted"], result["rows"]
+    predicted, rows, channels = result["predicted"], result["rows"], result["channels"]
     measured_ratio = rows["pp2"]["output_throughput"] / rows["tp2"]["output_throughput"]
     predicted_ratio = predicted["pp2"] / predicted["tp2"]
     return [
@@ -214,6 +253,9 @@ def prediction_lines(result: dict) -> list[str]:
           for name, flag in (("tp2", "-tp 2"), ("pp2", "-pp 2"))),
         f"\n-pp 2 / -tp 2 predicted {predicted_ratio:.2f}x against {measured_ratio:.2f}x measured "
         f"({predicted_ratio / measured_ratio - 1:+.0%}).",
+        f"\nRay's compiled-graph channels, measured in the same run: {1e3 * channels['local_round_s']:.2f} ms a round "
+        f"trip of one decode step's activations to an actor on the driver's node, "
+        f"{1e3 * channels['remote_round_s']:.2f} ms to one across the link.",
     ]
 
 

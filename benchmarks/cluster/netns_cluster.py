@@ -32,7 +32,7 @@ PROCESS_EXIT_TIMEOUT_S = 10.0
 RAY = str(Path(sys.executable).with_name("ray"))
 SHARED_MEMORY = Path("/dev/shm")
 SEMAPHORE_KINDS = ("hdr", "obj")  # Ray's mutable objects' semaphores: /dev/shm/sem.<kind><pid>-<n>
-REQUIRED_TOOLS = ("ip", "tc")
+REQUIRED_TOOLS = ("ip", "tc", "taskset")
 # Set for every Ray process and the driver: the ranks import this checkout, and token authentication
 # is off on every node alike (a token in ~/.ray/auth_token turns it on for a head started without
 # RAY_AUTH_MODE, and a joining node then cannot authenticate).
@@ -50,9 +50,18 @@ class Cluster:
     server_host: str  # the head namespace's address on the test process's link
 
 
+def node_cores(namespace: str) -> list[int]:
+    """The cores of the node in `namespace`: this host's cut in two, so each node's processes (its
+    Ray daemons and actors, and on the head's a server) compute on cores of their own, as on two hosts."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // len(NAMESPACES))
+    index = NAMESPACES.index(namespace)
+    return cores[index * half:(index + 1) * half] or cores
+
+
 def netns_exec(namespace: str) -> tuple[str, ...]:
-    """The command prefix that runs a command in `namespace`."""
-    return ("ip", "netns", "exec", namespace)
+    """The command prefix that runs a command in `namespace`, on its node's cores."""
+    return ("ip", "netns", "exec", namespace, "taskset", "-c", ",".join(map(str, node_cores(namespace))))
 
 
 def missing_requirements() -> str | None:
@@ -61,7 +70,7 @@ def missing_requirements() -> str | None:
         return "network namespaces need root (run `make test-multinode` as root)"
     missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
     if missing:
-        return f"iproute2's {', '.join(missing)} not found (Debian: apt-get install iproute2)"
+        return f"{', '.join(missing)} not found (Debian: apt-get install iproute2 util-linux)"
     return None
 
 
