@@ -176,7 +176,8 @@ class ReplicaSet:
 
     @property
     def is_running(self) -> bool:
-        return bool(self.live)
+        """As an AsyncEngine's: not before start() (the server's lifespan starts what is not running)."""
+        return self._watch.is_alive() and bool(self.live)
 
     @property
     def dead_reason(self) -> str | None:

@@ -8,7 +8,7 @@ from engine.config import EngineConfig
 from engine.model_config import ConfigError
 from server.metrics import Metrics
 from server.replicas.metrics import merged_exposition
-from server.replicas.router import (PrefixIndex, PrefixRouting, Replica, RoundRobinRouting, block_hashes,
+from server.replicas.router import (PrefixIndex, PrefixRouting, Replica, ReplicaSet, RoundRobinRouting, block_hashes,
                                     create_routing, max_load, replica_set)
 from server.replicas.worker import ReplicaInfo
 
@@ -114,3 +114,10 @@ def test_replica_sets_that_cannot_work_are_refused_before_anything_starts(num_re
     config = EngineConfig.from_flat(model="smollm2-135m", **flags)
     with pytest.raises(ConfigError, match=message):
         replica_set(config, "m", QueueBounds(), num_replicas, "prefix")
+
+
+def test_a_replica_set_runs_once_the_server_starts_it():
+    """The server's lifespan starts what is not running: the set's health watcher among it."""
+    replicas = ReplicaSet([replica(0)], front=None, routing=PrefixRouting(), bounds=QueueBounds())
+    assert not replicas.is_running
+    assert replicas.dead_reason is None  # not lost, not started
