@@ -466,6 +466,10 @@ class EngineConfig:
     host_memory_gib: float | None = knob(
         "--host-memory-gib", None, "host memory for streamed layers and the host KV pool (default: 80% of what "
         "the host has available)", Group.MEMORY)
+    ttft_target_s: float | None = knob(
+        "--ttft-target-s", None, "the time to first token the fit plans for: among the formats and placements it "
+        "weighs, those predicted to prefill an --expected-context-len prompt within this many seconds come first, "
+        "the fastest decode among them is taken, and the plan says when none does (default: no bound)", Group.MEMORY)
     decode_attention: str = "auto"  # auto | cpu (C++ kernel) | torch (reference)
     show_progress: bool = False  # progress bars while the weights load and the costs are profiled
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -491,7 +495,7 @@ class EngineConfig:
         stall = self.max_prefill_stall_ms
         if stall is not None and (not isinstance(stall, (int, float)) or isinstance(stall, bool) or not stall >= 0):
             raise ConfigError(f"max_prefill_stall_ms must be 0 (off) or a number of milliseconds > 0, got {stall!r}")
-        for name in ("gpu_memory_gib", "host_memory_gib"):
+        for name in ("gpu_memory_gib", "host_memory_gib", "ttft_target_s"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
         if not isinstance(self.enforce_eager, bool):

@@ -31,12 +31,13 @@ from engine.planning.weights import (
     workload,
 )
 from engine.kv import KVCache
-from engine.model_config import ModelConfig
+from engine.model_config import ConfigError, ModelConfig
 from engine.profiling.attention_probe import measure_attention_s_per_token
 from engine.profiling.cache import cache_root
 from engine.weights import WeightLoader
 from engine.weights.layer_files import room_bytes
-from scheduler.planning.fit import AttentionCosts, Fit, FitBudgets, FitError, FitOption, FitProbes, FitRequest, FixedChoices, fit
+from scheduler.planning.fit import (AttentionCosts, Configuration, Fit, FitBudgets, FitError, FitOption, FitProbes,
+                                    FitRequest, FixedChoices, fit)
 from scheduler.planning.fit.speculation import ACCEPTANCE_PRIOR, SpeculationGain
 from scheduler.planning.kv_format import QUANTIZED_KV_BLOCK_MULTIPLE, KVFormat, kv_format
 from scheduler.planning import WeightFormat, layer_image_bytes
@@ -61,6 +62,10 @@ def fit_config(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, m
     to change."""
     options = fit_options(config, loader.stores_int4(), dtype, loader.config.head_dim)
     if _placement_pinned(config, loader.config):
+        if config.ttft_target_s is not None:
+            raise ConfigError("--ttft-target-s guides the fit's choice of formats and placement, and the flags given "
+                              "place the layers themselves (--weights-gpu-gib / --weights-cpu-gib / "
+                              "--weight-placement / --mlp-slicing / --memory-gib / parallelism): drop one or the other")
         if loader.config.is_moe and not config.weights.streaming_requested:
             config = _fit_moe(config, loader, dtype, options[0])
         return _lossless(config, options[0]), None
@@ -79,7 +84,7 @@ def fit_request(config: EngineConfig, loader: WeightLoader, dtype: torch.dtype, 
     return FitRequest(model_config.shape, dtype.itemsize, options, workload(config, max_model_len, dtype),
                       fit_budgets(config, offload_dir),
                       lambda: measure_probes(config, model_config, dtype, options, offload_dir),
-                      fixed_choices(config), predict_always=predict_always)
+                      fixed_choices(config), predict_always=predict_always, ttft_target_s=config.ttft_target_s)
 
 
 def _offload_dir(config: EngineConfig, loader: WeightLoader) -> str:
@@ -271,6 +276,30 @@ def _describe_speculation(gain: SpeculationGain, config: EngineConfig) -> str:
             f"sequences, {ACCEPTANCE_PRIOR:.0%} of drafts accepted: {drafts}{unpriced}")
 
 
+SAME_SHARE = 0.005  # differences this small (of a ratio, or of a GiB) are not worth a word
+
+
+def _describe_alternative(other: Configuration, chosen: Configuration) -> str:
+    """A configuration the fit weighed and did not take: its prediction, memory and what it gives up
+    against the chosen one."""
+    p, q = other.prediction, chosen.prediction
+    gives_up = []
+    if p.tokens_per_s < q.tokens_per_s * (1 - SAME_SHARE):
+        gives_up.append(f"{p.tokens_per_s / q.tokens_per_s:.2f}x the tokens/s")
+    if q.ttft_s and p.ttft_s > q.ttft_s * (1 + SAME_SHARE):
+        gives_up.append(f"{p.ttft_s / q.ttft_s:.2f}x the TTFT")
+    if other.option.loss_rank > chosen.option.loss_rank:
+        gives_up.append("lossier formats")
+    if other.num_resident < chosen.num_resident:
+        gives_up.append(f"{chosen.num_resident - other.num_resident} more layers streamed")
+    if other.host_bytes - chosen.host_bytes > SAME_SHARE * GIB_BYTES:
+        gives_up.append(f"{(other.host_bytes - chosen.host_bytes) / GIB_BYTES:.2f} GiB more host memory")
+    return (f"  weighed: {other.option.describe()}: {p.tokens_per_s:.1f} tokens/s, TTFT {p.ttft_s:.2f} s; GPU "
+            f"{other.gpu_bytes / GIB_BYTES:.2f} GiB, host {other.host_bytes / GIB_BYTES:.2f} GiB, "
+            f"{other.num_resident} of {len(other.tiers)} layers resident; gives up "
+            f"{', '.join(gives_up) or 'nothing predicted (ties go to the less lossy)'}")
+
+
 def describe_fit(result: Fit | None, config: EngineConfig) -> str:
     """The fit's choice as `tandem plan` prints it and the engine logs it."""
     if result is None:
@@ -289,11 +318,12 @@ def describe_fit(result: Fit | None, config: EngineConfig) -> str:
         context_len = min(config.weights.expected_context_len or c.max_model_len, c.max_model_len)
         lines.append(f"  expected at {config.max_num_seqs} sequences of {context_len} "
                      f"tokens: {p.tokens_per_s:.1f} tokens/s (batch {p.batch}, {p.num_cpu_seqs} attended on the CPU; "
-                     f"GPU {p.gpu_s * 1e3:.1f} ms, CPU {p.cpu_s * 1e3:.1f} ms an iteration), TTFT {p.ttft_s:.2f} s")
+                     f"GPU {p.gpu_s * 1e3:.1f} ms, CPU {p.cpu_s * 1e3:.1f} ms an iteration), TTFT {p.ttft_s:.2f} s"
+                     + ("" if config.ttft_target_s is None else f" (target {config.ttft_target_s:g} s)"))
         lines += [_describe_speculation(gain, config) for gain in p.speculation]
-    for other in result.options:
-        if other is not c and other.prediction is not None:
-            lines.append(f"  weighed: {other.option.describe()}: {other.prediction.tokens_per_s:.1f} tokens/s")
+    lines += [_describe_alternative(other, c) for other in sorted(
+        result.options, key=lambda o: -o.prediction.tokens_per_s if o.prediction else 0.0)
+        if other is not c and other.prediction is not None]
     for option, why in result.refused.items():
         lines.append(f"  does not fit: {option}: {why}")
     return "\n".join(lines)

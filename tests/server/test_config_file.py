@@ -21,7 +21,7 @@ EVERY_FLAG = {
     "max-waiting-requests": 7, "max-waiting-tokens": 999, "data-parallel-size": 2, "data-parallel-routing": "round-robin",
     "model": "llama-3.1-8b", "load-format": "dummy", "dtype": "bfloat16", "quantization": "int4",
     "int4-prefill": "int8", "batch-invariant": True, "cpu-ops": "torch", "enforce-eager": True, "seed": 3, "gpu-memory-gib": 7.5, "host-memory-gib": 12.0,
-    "max-model-len": 512, "max-num-seqs": 5, "max-num-batched-tokens": 1024, "max-prefill-slowdown": 2.5, "max-prefill-stall-ms": 400.0,
+    "ttft-target-s": 2.5, "max-model-len": 512, "max-num-seqs": 5, "max-num-batched-tokens": 1024, "max-prefill-slowdown": 2.5, "max-prefill-stall-ms": 400.0,
     "prefix-caching": False, "block-size": 32, "num-gpu-blocks": 40, "kv-cache-gib": 0.5, "memory-gib": 6.0, "num-cpu-blocks": 300,
     "cpu-kv-cache-gib": 2.0, "kv-cache-dtype": "int8",
     "device": "cuda:1", "cpu-attention": "on", "gpu-threads": 3, "cpu-attention-threads": 5,
@@ -186,7 +186,8 @@ def test_help_groups_every_flag_by_concern(capsys):
     assert {"config", "server", "model", "batching", "KV cache", "device and CPU offloading", "logging"} <= set(sections)
     assert "--block-size" in sections["KV cache"] and "--cpu-attention" in sections["device and CPU offloading"]
     budgets, overrides = list(sections)[1:3]  # the two budgets first, then every other memory knob
-    assert budgets.startswith("memory budgets") and sections[budgets] == ["--gpu-memory-gib", "--host-memory-gib"]
+    assert budgets.startswith("memory budgets") and sections[budgets] == ["--gpu-memory-gib", "--host-memory-gib",
+                                                                           "--ttft-target-s"]  # and the fit's goal
     assert overrides.startswith("memory overrides of the two budgets") and set(sections[overrides]) == {
         "--num-gpu-blocks", "--kv-cache-gib", "--memory-gib", "--num-cpu-blocks", "--cpu-kv-cache-gib",
         "--weights-gpu-gib", "--weights-cpu-gib"}

@@ -119,6 +119,10 @@ class FitRequest:
     measure: Callable[[], FitProbes]  # called only where speed decides (or `predict_always`)
     fixed: FixedChoices = FixedChoices()
     predict_always: bool = False  # `tandem plan`: the expected speed even where memory alone decides (the same choice)
+    ttft_target_s: float | None = None  # --ttft-target-s: plans that meet it first (None: no bound)
+
+    def meets_ttft(self, configuration: "Configuration") -> bool:
+        return self.ttft_target_s is None or configuration.prediction.ttft_s <= self.ttft_target_s
 
 
 @dataclass(frozen=True)
@@ -187,16 +191,19 @@ def fit(request: FitRequest) -> Fit:
     resident = [c for c in first if not isinstance(c, str) and not c.streams]
     if resident and not _memory_binds(request, resident[0]):
         reason = "everything fits resident; nothing is quantized that is not stored so"
-        if not request.predict_always:
+        if not request.predict_always and request.ttft_target_s is None:
             return Fit(resident[0], reason)
-        # the same choice, with its expected speed: predicting never changes what runs
+        # the same choice, with its expected speed: predicting never changes what runs (nothing the
+        # fit weighs prefills faster than every layer resident in the lossless formats)
         predicted = with_predictions(request, resident[:1], request.measure())[0]
-        return Fit(resident[0], reason) if isinstance(predicted, str) else Fit(predicted, reason, (predicted,))
+        if isinstance(predicted, str):
+            return Fit(resident[0], reason)
+        return Fit(predicted, reason + _ttft_miss(request, predicted), (predicted,))
     probes = request.measure()
     weighed = [first] + [placements_of(request, option, None) for option in request.options[1:]]
     best, refused = [], {}
     for option, configurations in zip(request.options, weighed):
-        measured = _best(with_predictions(request, configurations, probes))
+        measured = _best(request, with_predictions(request, configurations, probes))
         if isinstance(measured, str) or measured is None:
             refused[option.describe()] = measured or f"no placement of {option.describe()} fits"
         else:
@@ -206,7 +213,8 @@ def fit(request: FitRequest) -> Fit:
 
 def _choose(request: FitRequest, best: tuple[Configuration, ...], refused: dict[str, str]) -> Fit:
     """The lossless option's best, then each lossier one's where it earns MIN_LOSSY_GAIN (or is the
-    first to fit), weighed only while memory binds."""
+    first to fit), weighed only while memory binds; with a TTFT target, one that meets it before
+    one that does not, lossier or slower."""
     if not best:
         raise FitError(_refusal(request, refused))
     taken, reason = None, ""
@@ -218,12 +226,26 @@ def _choose(request: FitRequest, best: tuple[Configuration, ...], refused: dict[
             continue
         if candidate.option.loss_rank == 0 or not _memory_binds(request, taken):
             continue
+        if request.meets_ttft(candidate) and not request.meets_ttft(taken):
+            reason = (f"{candidate.option.describe()} meets the TTFT target of {request.ttft_target_s:g} s "
+                      f"(predicted {candidate.prediction.ttft_s:.2f} s; {taken.option.describe()} "
+                      f"{taken.prediction.ttft_s:.2f} s)")
+            taken = candidate
+            continue
         gain = candidate.prediction.tokens_per_s / taken.prediction.tokens_per_s
-        if gain >= 1 + MIN_LOSSY_GAIN:
+        if gain >= 1 + MIN_LOSSY_GAIN and request.meets_ttft(candidate) >= request.meets_ttft(taken):
             reason = (f"{candidate.option.describe()} predicted {gain:.2f}x the tokens/s of "
                       f"{taken.option.describe()} (at least {1 + MIN_LOSSY_GAIN:.2f}x taken, memory binding)")
             taken = candidate
-    return Fit(taken, reason, best, refused)
+    return Fit(taken, reason + _ttft_miss(request, taken), best, refused)
+
+
+def _ttft_miss(request: FitRequest, chosen: Configuration) -> str:
+    """What the reason adds where no plan weighed meets the TTFT target."""
+    if request.meets_ttft(chosen):
+        return ""
+    return (f"; no plan weighed meets the TTFT target of {request.ttft_target_s:g} s (this one: "
+            f"{chosen.prediction.ttft_s:.2f} s; a larger --max-num-batched-tokens or a shorter prompt prefills faster)")
 
 
 def _memory_binds(request: FitRequest, configuration: Configuration) -> bool:
@@ -239,13 +261,14 @@ def _memory_binds(request: FitRequest, configuration: Configuration) -> bool:
     return sum(capacity.sequences(context_len, work.block_size)) < work.max_num_seqs
 
 
-def _best(configurations: list[Configuration | str]) -> Configuration | str | None:
-    """The fastest that fits (ties: the fewest streamed layers, then the least GPU memory); the
-    first reason if none does."""
+def _best(request: FitRequest, configurations: list[Configuration | str]) -> Configuration | str | None:
+    """The fastest that fits among those meeting the TTFT target, where any does (ties: the fewest
+    streamed layers, then the least GPU memory); the first reason if none fits."""
     fitting = [c for c in configurations if not isinstance(c, str)]
     if not fitting:
         return next(iter(configurations), None)
-    return max(fitting, key=lambda c: (round(c.prediction.tokens_per_s, 9), c.num_resident, -c.gpu_bytes))
+    return max(fitting, key=lambda c: (request.meets_ttft(c), round(c.prediction.tokens_per_s, 9), c.num_resident,
+                                       -c.gpu_bytes))
 
 
 def with_predictions(request: FitRequest, configurations: list[Configuration | str],

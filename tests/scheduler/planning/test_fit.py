@@ -186,3 +186,28 @@ def test_the_prediction_carries_speculations_gain_at_one_sequence_and_the_batch(
     assert one.num_drafts == 4 and one.speedup > 2 and 1 <= batch.speedup <= one.speedup
     without = dataclasses.replace(inputs, workload=dataclasses.replace(work, num_speculative_tokens=0))
     assert predict(without, tiers, 2, 120 << 20, BF16, p.attention, KVCapacity(8 * 1024, 0)).speculation == ()
+
+
+def test_a_ttft_target_takes_a_plan_that_meets_it_before_a_faster_decode():
+    """Memory binding: with no target the fit takes an option's fastest decode; with a target
+    between the options' predicted TTFTs it takes one that meets it, and says when none does."""
+    fast_int8 = probes({"bfloat16": 4e-7, "int8": 1e-7, "int4": 1e-7})
+    free = fit(request(2.6, measured=fast_int8, options=OPTIONS[:3], neo=False))
+    ttfts = sorted({c.prediction.ttft_s for c in free.options})
+    assert len(ttfts) > 1  # INT4 weights prefill faster here
+    if free.chosen.prediction.ttft_s == ttfts[0]:
+        pytest.skip("the fastest decode already has the shortest TTFT")
+    target = (ttfts[0] + ttfts[1]) / 2
+    bound = fit(dataclasses.replace(request(2.6, measured=fast_int8, options=OPTIONS[:3], neo=False),
+                                    ttft_target_s=target))
+    assert bound.chosen.prediction.ttft_s <= target and "TTFT target" in bound.reason
+    unmet = fit(dataclasses.replace(request(2.6, measured=fast_int8, options=OPTIONS[:3], neo=False),
+                                    ttft_target_s=ttfts[0] / 2))
+    assert "no plan weighed meets the TTFT target" in unmet.reason
+
+
+def test_a_ttft_target_where_everything_fits_is_checked_and_reported():
+    calls = []
+    result = fit(dataclasses.replace(request(gpu_gib=20.0, host_gib=40.0, calls=calls), ttft_target_s=1e-9))
+    assert result.chosen.option == OPTIONS[0] and calls == [1]  # measured once, to predict the TTFT
+    assert "no plan weighed meets the TTFT target of 1e-09 s" in result.reason
