@@ -206,7 +206,8 @@ def fixed_choices(config: EngineConfig) -> FixedChoices:
         host_kv_blocks=cache.num_cpu_blocks, host_kv_bytes=gib(cache.cpu_kv_cache_memory_gib),
         gpu_weight_bytes=gib(weights.gpu_gib), host_weight_bytes=gib(weights.host_gib),
         placement=weights.placement, pipeline=weights.pipeline,
-        max_model_len=config.max_model_len is not None)
+        max_model_len=config.max_model_len is not None,
+        max_num_batched_tokens=config.max_num_batched_tokens is not None)
 
 
 def measure_probes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
@@ -263,7 +264,8 @@ def apply_fit(config: EngineConfig, result: Fit, model_config: ModelConfig, offl
             weights, gpu_gib=(chosen.gpu_weight_bytes + BUDGET_SLACK_BYTES) / GIB_BYTES,
             host_gib=(chosen.host_layer_bytes + BUDGET_SLACK_BYTES) / GIB_BYTES, pipeline=chosen.pipeline,
             offload_dir=offload_dir if chosen.disk_layer_bytes else weights.offload_dir)
-    return dataclasses.replace(config, quantization=chosen.option.quantization,
+    chunk_budget = result.max_num_batched_tokens or config.max_num_batched_tokens
+    return dataclasses.replace(config, quantization=chosen.option.quantization, max_num_batched_tokens=chunk_budget,
                                cache=dataclasses.replace(cache, **cache_changes), weights=weights)
 
 

@@ -237,6 +237,8 @@ def fitted_flags(config: EngineConfig) -> list[str]:
     """The flags that run what the fit chose (`tandem serve` with them skips nothing it decides)."""
     cache, weights = config.cache, config.weights
     flags = [f"--quantization {config.quantization}", f"--kv-cache-dtype {cache.kv_cache_dtype}"]
+    if config.max_num_batched_tokens is not None:
+        flags.append(f"--max-num-batched-tokens {config.max_num_batched_tokens}")
     if cache.num_blocks is not None:
         flags.append(f"--num-gpu-blocks {cache.num_blocks}")
     if cache.num_cpu_blocks is not None:

@@ -93,6 +93,7 @@ class FixedChoices:
     host_kv_blocks: int | None = None  # --num-cpu-blocks
     host_kv_bytes: int | None = None  # --cpu-kv-cache-gib
     max_model_len: bool = False  # --max-model-len given: the GPU pool must hold it (else the pool caps it)
+    max_num_batched_tokens: bool = False  # --max-num-batched-tokens given (else a TTFT target may raise it)
     gpu_weight_bytes: int | None = None  # --weights-gpu-gib
     host_weight_bytes: int | None = None  # --weights-cpu-gib
     placement: PlacementMode = PlacementMode.AUTO  # --weight-placement
@@ -178,14 +179,38 @@ class Fit:
     reason: str
     options: tuple[Configuration, ...] = ()  # each option's best, where it fits
     refused: dict[str, str] = field(default_factory=dict)  # option -> why it fits nowhere
+    max_num_batched_tokens: int | None = None  # the chunk budget a TTFT target raised (None: as it was)
 
     def to_dict(self) -> dict[str, Any]:
         return {"chosen": self.chosen.to_dict(), "reason": self.reason,
-                "options": [c.to_dict() for c in self.options], "refused": dict(self.refused)}
+                "options": [c.to_dict() for c in self.options], "refused": dict(self.refused),
+                "max_num_batched_tokens": self.max_num_batched_tokens}
 
 
 def fit(request: FitRequest) -> Fit:
-    """The configuration to run; FitError naming what does not fit and the flag to change."""
+    """The configuration to run; FitError naming what does not fit and the flag to change. Where
+    a TTFT target is missed at the chunk budget and no flag fixes it, the budget doubles (up to
+    max_model_len) until a plan meets the target: a prompt in fewer, larger forwards (streamed
+    layers load once a forward)."""
+    result = _fit(request)
+    work = request.workload
+    if request.meets_ttft(result.chosen) or request.fixed.max_num_batched_tokens:
+        return result
+    budget = work.max_num_batched_tokens
+    while budget < work.max_model_len:
+        budget = min(2 * budget, work.max_model_len)
+        try:
+            larger = _fit(replace(request, workload=replace(work, max_num_batched_tokens=budget)))
+        except FitError:  # its activations leave no room
+            break
+        if request.meets_ttft(larger.chosen):
+            return replace(larger, max_num_batched_tokens=budget, reason=(
+                f"{larger.reason}; chunks of {budget} tokens (not {work.max_num_batched_tokens}) meet the TTFT "
+                f"target of {request.ttft_target_s:g} s"))
+    return result
+
+
+def _fit(request: FitRequest) -> Fit:
     lossless = request.options[0]
     first = placements_of(request, lossless, None)
     resident = [c for c in first if not isinstance(c, str) and not c.streams]
@@ -198,7 +223,7 @@ def fit(request: FitRequest) -> Fit:
         predicted = with_predictions(request, resident[:1], request.measure())[0]
         if isinstance(predicted, str):
             return Fit(resident[0], reason)
-        return Fit(predicted, reason + _ttft_miss(request, predicted), (predicted,))
+        return Fit(predicted, reason + _ttft_note(request, predicted), (predicted,))
     probes = request.measure()
     weighed = [first] + [placements_of(request, option, None) for option in request.options[1:]]
     best, refused = [], {}
@@ -237,13 +262,16 @@ def _choose(request: FitRequest, best: tuple[Configuration, ...], refused: dict[
             reason = (f"{candidate.option.describe()} predicted {gain:.2f}x the tokens/s of "
                       f"{taken.option.describe()} (at least {1 + MIN_LOSSY_GAIN:.2f}x taken, memory binding)")
             taken = candidate
-    return Fit(taken, reason + _ttft_miss(request, taken), best, refused)
+    return Fit(taken, reason + _ttft_note(request, taken), best, refused)
 
 
-def _ttft_miss(request: FitRequest, chosen: Configuration) -> str:
-    """What the reason adds where no plan weighed meets the TTFT target."""
-    if request.meets_ttft(chosen):
+def _ttft_note(request: FitRequest, chosen: Configuration) -> str:
+    """What the reason adds under a TTFT target: that the choice meets it, or that nothing weighed does."""
+    if request.ttft_target_s is None:
         return ""
+    if request.meets_ttft(chosen):
+        return (f"; meets the TTFT target of {request.ttft_target_s:g} s (predicted {chosen.prediction.ttft_s:.2f} s, "
+                f"the fastest decode among the placements that do)")
     return (f"; no plan weighed meets the TTFT target of {request.ttft_target_s:g} s (this one: "
             f"{chosen.prediction.ttft_s:.2f} s; a larger --max-num-batched-tokens or a shorter prompt prefills faster)")
 
