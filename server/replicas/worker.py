@@ -7,11 +7,15 @@ import os
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from engine.async_engine import QueueBounds
+from engine.async_engine import QueueBounds, RequestStream
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from scheduler.sampling_params import SamplingParams
 from server.replicas.local import serving_engine
+
+
+class RequestAbortedError(RuntimeError):
+    """Ends an aborted request's generate on the replica (the front end stopped reading it)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class ReplicaWorker:
         self.index, self.cores = index, cores
         self.async_engine, self.metrics = serving_engine(config, model_name, bounds)
         self.async_engine.start()
+        self._streams: dict[str, RequestStream] = {}  # each request's, while its generate runs
 
     def info(self) -> ReplicaInfo:
         import ray
@@ -54,16 +59,22 @@ class ReplicaWorker:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The request's outputs; an abort (or the caller going away) frees its blocks."""
         prepared = self.async_engine.prepare(prompt_token_ids, params)
-        stream = self.async_engine.add_request(request_id, prepared)
+        stream = self._streams[request_id] = self.async_engine.add_request(request_id, prepared)
         try:
             async for output in stream:
                 yield output
         finally:
+            self._streams.pop(request_id, None)
             if not stream.finished:
                 self.async_engine.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> None:
+        """Free the request's blocks and end its generate (the engine sends an aborted request
+        nothing more; on the event loop, where its stream is read)."""
         self.async_engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(RequestAbortedError(f"request {request_id} was aborted"))
 
     def dead_reason(self) -> str | None:
         return None if self.async_engine.is_running else (self.async_engine.dead_reason or "its engine stopped")

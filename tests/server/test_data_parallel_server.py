@@ -121,3 +121,24 @@ def _busy_replica(http: httpx.Client, timeout_s: float = 60.0) -> str:
                 return replica
         time.sleep(0.05)
     raise AssertionError("no replica started the request")
+
+
+def test_a_client_gone_mid_stream_frees_its_replica(dp_http):
+    """The front end aborts the request on the replica that runs it: nothing runs and no KV block
+    is held afterwards, on either replica."""
+    import time
+    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 4000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with dp_http.stream("POST", "/v1/completions", json=body) as response:
+        for index, _ in enumerate(response.iter_lines()):
+            if index > 4:
+                break  # leaves with the response unread: the connection closes
+    deadline = time.monotonic() + 20  # the whole request would take a minute or more
+    while True:
+        samples = scrape(dp_http)
+        busy = [metric(samples, name, replica=replica) for replica in ("0", "1")
+                for name in ("num_requests_running", "kv_cache_usage_perc")]
+        if not any(busy) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not any(busy), busy
