@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 MOE_WEIGHT_SHARE = 0.8
 
 # The lossy KV formats in the order the fit weighs them: the least lossy first.
-LOSSY_KV_FORMATS = ("int8", "int4")
+LOSSY_KV_FORMATS = ("int8", "k8v4", "int4")  # in the order of what they cost in accuracy (docs/benchmarks.md)
 # Added to a fitted weight budget, so that the bytes a placement was chosen for survive GiB's rounding.
 BUDGET_SLACK_BYTES = 1024
 
@@ -130,7 +130,8 @@ def _lossless(config: EngineConfig, option: FitOption) -> EngineConfig:
 
 def fit_options(config: EngineConfig, stores_int4: bool, dtype: torch.dtype, head_dim: int) -> tuple[FitOption, ...]:
     """The (weight format, KV format) pairs the fit may choose, the lossless one first and each
-    next one lossier: KV int8, weights int4 by round-to-nearest, both, KV int4, weights and KV int4."""
+    next one lossier: KV int8, weights int4 by round-to-nearest, both; then KV k8v4 (8-bit keys,
+    4-bit values) and KV int4, each with the weights as stored and in int4."""
     int4_runs = config.device != "testbed"  # EngineConfig says why the testbed takes none
     if config.quantization != "auto":
         weights = [config.quantization]
@@ -143,8 +144,8 @@ def fit_options(config: EngineConfig, stores_int4: bool, dtype: torch.dtype, hea
     else:
         kvs = [dtype_kv] + [kv_format(name) for name in LOSSY_KV_FORMATS
                             if _kv_format_fits(kv_format(name), head_dim, config.cache.block_size)]
-    # as the loss grows: KV int8 loses less than 4-bit weights, which lose less than KV int4
-    pairs = [(w, kv) for w in weights for kv in kvs[:2]] + [(w, kv) for w in weights for kv in kvs[2:]]
+    # as the loss grows: KV int8 loses less than 4-bit weights, which lose less than KV k8v4 and int4
+    pairs = [(w, kv) for w in weights for kv in kvs[:2]] + [(w, kv) for kv in kvs[2:] for w in weights]
     return tuple(FitOption(w, kv, rank) for rank, (w, kv) in enumerate(pairs))
 
 

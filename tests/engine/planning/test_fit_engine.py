@@ -54,9 +54,10 @@ def test_the_options_run_from_lossless_to_lossiest():
 
     names = [(o.quantization, o.kv.name) for o in fit_options(config, False, torch.bfloat16, 64)]
     assert names == [("none", "bfloat16"), ("none", "int8"), ("int4", "bfloat16"), ("int4", "int8"),
-                     ("none", "int4"), ("int4", "int4")]
+                     ("none", "k8v4"), ("int4", "k8v4"), ("none", "int4"), ("int4", "int4")]
     packed = fit_options(config, True, torch.bfloat16, 64)
-    assert [(o.quantization, o.kv.name) for o in packed] == [("int4", "bfloat16"), ("int4", "int8"), ("int4", "int4")]
+    assert [(o.quantization, o.kv.name) for o in packed] == [("int4", "bfloat16"), ("int4", "int8"), ("int4", "k8v4"),
+                                                             ("int4", "int4")]
     testbed = fit_options(EngineConfig.from_flat(device="testbed"), True, torch.float32, 64)
     assert {o.quantization for o in testbed} == {"none"}  # INT4 does not run there, packed or not
     assert [o.kv.name for o in fit_options(config, False, torch.bfloat16, 48)] == ["bfloat16", "bfloat16"]
