@@ -55,17 +55,9 @@ class TensorParallelRunner:
         self.world_size, self.vocab_size, self.weight_stats = world_size, model_config.vocab_size, weight_stats
         shards = plan_shards(model_config, world_size)
         self.stages = plan_stages(model_config, num_stages) if num_stages > 1 else None
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            _start_ray(ray, ray_address, world_size * num_stages)
-        one_host = ray_address is None
         flags = f"--tensor-parallel-size {world_size}" + (f" --pipeline-parallel-size {num_stages}" if num_stages > 1 else "")
-        try:
-            require_resources(ray, world_size * num_stages, device_kind(device) == "cuda", flags)
-        except ConfigError:
-            if self._started_ray:
-                ray.shutdown()
-            raise
+        self._started_ray = start_ray(ray, ray_address, world_size * num_stages, device_kind(device) == "cuda", flags)
+        one_host = ray_address is None
         self._workers = self._start_workers(ray, shards, self.stages or [None], device, pin_cores=one_host)
         try:
             if world_size > 1:
@@ -156,7 +148,7 @@ class TensorParallelRunner:
             return [ref.get(timeout=-1) for ref in self._step_graph.execute(plan)]  # -1: a prefill may take long
         except (ray.exceptions.RayActorError, ray.exceptions.RayChannelError) as exc:
             self._lost = True
-            raise RankLostError(f"{self._rank_of(exc)} died: {_first_line(exc)}") from exc
+            raise RankLostError(f"{self._rank_of(exc)} died: {first_line(exc)}") from exc
 
     def _compile_step_graph(self):
         from ray.dag import InputNode, MultiOutputNode
@@ -253,7 +245,7 @@ class TensorParallelRunner:
                 results[ranks[ref]] = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
                 self._lost = True
-                raise RankLostError(f"{self._name(ranks[ref])} died: {_first_line(exc)}") from exc
+                raise RankLostError(f"{self._name(ranks[ref])} died: {first_line(exc)}") from exc
             except ray.exceptions.RayTaskError as exc:
                 cause = exc.cause if isinstance(exc.cause, BaseException) else exc
                 failures[ranks[ref]] = RankFailure(ranks[ref], f"{type(cause).__name__}: {cause}", cause)
@@ -275,7 +267,7 @@ def remove_segment(name: str | None) -> None:
     segment.unlink()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
@@ -291,9 +283,19 @@ def require_resources(ray, num_actors: int, one_gpu_each: bool, flags: str) -> N
         raise ConfigError(f"{flags} needs {', '.join(short)}")
 
 
-def _start_ray(ray, address: str | None, world_size: int) -> None:
-    """Join the cluster at `address`, or start a local one with a CPU slot per rank at least."""
-    if address:
+def start_ray(ray, address: str | None, num_actors: int, one_gpu_each: bool, flags: str) -> bool:
+    """Join the cluster at `address`, or start a local one with a CPU slot per actor at least,
+    unless this process is in one already; then refuse (require_resources) what it cannot place,
+    shutting down what was started here. Whether Ray was started here."""
+    started = not ray.is_initialized()
+    if started and address:
         ray.init(address=address, include_dashboard=False, configure_logging=False)
-        return
-    ray.init(num_cpus=max(len(host_cores()), world_size), include_dashboard=False, configure_logging=False)
+    elif started:
+        ray.init(num_cpus=max(len(host_cores()), num_actors), include_dashboard=False, configure_logging=False)
+    try:
+        require_resources(ray, num_actors, one_gpu_each, flags)
+    except ConfigError:
+        if started:
+            ray.shutdown()
+        raise
+    return started

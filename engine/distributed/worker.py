@@ -97,7 +97,7 @@ class RankWorker:
 
     @property
     def name(self) -> str:
-        return f"stage {self.stage.index}" if self.stage is not None else f"rank {self.shard.rank}"
+        return worker_name(self.shard.rank, None if self.stage is None else self.stage.index)
 
     def _pin_this_thread(self) -> None:
         """Keep the calling thread to this rank's cores: Ray runs an actor's calls on threads of its

@@ -11,7 +11,6 @@ server is dead only when every replica is.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import logging
 import threading
@@ -22,12 +21,13 @@ from typing import Callable, Protocol, Sequence
 from engine.async_engine import EngineDeadError, QueueBounds, QueueFullError, RequestStream
 from engine.config import EngineConfig
 from engine.device.cores import device_kind, host_cores, rank_core_sets
-from engine.distributed.executor import require_resources
+from engine.distributed.executor import first_line, start_ray
 from engine.engine import RequestFailedError
 from engine.model_config import ConfigError
 from engine.request import InputProcessor, PreparedRequest
 from engine.text import Tokenizer
 from engine.weights import create_loader
+from scheduler.prefix_cache import chain_hash, root_hash
 from server.replicas import ROUTINGS
 from server.replicas.metrics import ReplicaMetrics
 from server.replicas.worker import ReplicaInfo, ReplicaWorker
@@ -39,17 +39,18 @@ ROUTE_BLOCK_TOKENS = 16  # the prompt's blocks as the router hashes them (the en
 # least loaded one plus 1 and a quarter of that one's load: otherwise every conversation sharing a
 # system prompt would follow the first one there and leave the other replicas idle.
 LOAD_GAP_SHARE = 0.25
+ROUTE_ROOT = root_hash("tandem-router")  # the chain's start (every replica serves the same model)
 HEALTH_INTERVAL_S = 2.0  # how often idle replicas are checked for life
 HEALTH_TIMEOUT_S = 10.0
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
 def block_hashes(token_ids: Sequence[int], block_tokens: int = ROUTE_BLOCK_TOKENS) -> list[bytes]:
-    """Chained digests of the prompt's whole blocks: equal digests mean equal prefixes."""
-    digests, previous = [], b""
+    """Chained digests of the prompt's whole blocks, as the prefix cache chains them: equal
+    digests mean equal prefixes."""
+    digests, previous = [], ROUTE_ROOT
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        block = ",".join(map(str, token_ids[start:start + block_tokens])).encode()
-        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
+        previous = chain_hash(previous, list(token_ids[start:start + block_tokens]))
         digests.append(previous)
     return digests
 
@@ -126,12 +127,13 @@ class RoundRobinRouting:
         return live[next(self._turn) % len(live)]
 
 
+ROUTING_TYPES: dict[str, Callable[[], Routing]] = {"prefix": PrefixRouting, "round-robin": RoundRobinRouting}
+
+
 def create_routing(name: str) -> Routing:
-    if name == "prefix":
-        return PrefixRouting()
-    if name == "round-robin":
-        return RoundRobinRouting()
-    raise ConfigError(f"--data-parallel-routing must be one of {', '.join(ROUTINGS)}, got {name!r}")
+    if name not in ROUTING_TYPES:
+        raise ConfigError(f"--data-parallel-routing must be one of {', '.join(ROUTINGS)}, got {name!r}")
+    return ROUTING_TYPES[name]()
 
 
 class FrontEngine:
@@ -144,9 +146,8 @@ class FrontEngine:
         self.tokenizer = Tokenizer.from_source(loader.tokenizer_source) if loader.tokenizer_source else None
         self.max_model_len = min(info.max_model_len for info in infos)
         self.dtype = infos[0].dtype
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
-        eos_token_ids = tuple(dict.fromkeys((*eos, *self.model_config.eos_token_ids)))
-        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len, eos_token_ids)
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                     infos[0].eos_token_ids)
 
     def prepare_request(self, prompt, params) -> PreparedRequest:
         return self.inputs.prepare(prompt, params)
@@ -263,9 +264,9 @@ class ReplicaSet:
                 replica.waiting.pop(request_id, None)
                 stream.put(output)
         except asyncio.CancelledError:
-            replica.actor.abort.remote(request_id)
+            pass  # by abort(), which has told the replica
         except self._ray.exceptions.RayActorError as exc:
-            stream.put(EngineDeadError(self._lose(replica, f"its actor died: {_first_line(exc)}")))
+            stream.put(EngineDeadError(self._lose(replica, f"its actor died: {first_line(exc)}")))
         except self._ray.exceptions.RayTaskError as exc:
             stream.put(self._request_error(replica, exc))
         except Exception as exc:  # the relay itself broke: this request fails, the replica goes on
@@ -284,7 +285,7 @@ class ReplicaSet:
             return EngineDeadError(self._lose(replica, str(cause)))
         if isinstance(cause, (RequestFailedError, QueueFullError)):
             return cause
-        return RequestFailedError(f"{replica.name}: {_first_line(cause or exc)}")
+        return RequestFailedError(f"{replica.name}: {first_line(cause or exc)}")
 
     def _lose(self, replica: Replica, why: str) -> str:
         """Take `replica` out of the rotation; once none is left the server is dead."""
@@ -306,16 +307,11 @@ class ReplicaSet:
                 try:
                     why = self._ray.get(replica.actor.dead_reason.remote(), timeout=HEALTH_TIMEOUT_S)
                 except self._ray.exceptions.RayActorError as exc:
-                    why = f"its actor died: {_first_line(exc)}"
+                    why = f"its actor died: {first_line(exc)}"
                 except self._ray.exceptions.GetTimeoutError:
                     continue  # busy, not dead
                 if why is not None and not self._stop.is_set():
                     self._lose(replica, why)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def replica_set(config: EngineConfig, model_name: str, bounds: QueueBounds, num_replicas: int, routing: str,
@@ -331,22 +327,12 @@ def replica_set(config: EngineConfig, model_name: str, bounds: QueueBounds, num_
         raise ConfigError(f"--data-parallel-size {num_replicas} does not combine with --tensor-parallel-size or "
                           "--pipeline-parallel-size yet: use one of them")
     chosen = create_routing(routing)
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        if parallel.ray_address:
-            ray.init(address=parallel.ray_address, include_dashboard=False, configure_logging=False)
-        else:
-            ray.init(num_cpus=max(len(host_cores()), num_replicas), include_dashboard=False, configure_logging=False)
+    num_gpus = 1 if device_kind(config.device) == "cuda" else 0
+    started_ray = start_ray(ray, parallel.ray_address, num_replicas, num_gpus == 1,
+                            f"--data-parallel-size {num_replicas}")
     one_host = parallel.ray_address is None
     core_sets = rank_core_sets(host_cores(), num_replicas) if one_host else [()] * num_replicas
     actor = ray.remote(ReplicaWorker)
-    num_gpus = 1 if device_kind(config.device) == "cuda" else 0
-    try:
-        require_resources(ray, num_replicas, num_gpus == 1, f"--data-parallel-size {num_replicas}")
-    except ConfigError:
-        if started_ray:
-            ray.shutdown()
-        raise
     actors = [actor.options(num_cpus=max(1, len(cores)), num_gpus=num_gpus).remote(
         index, config, model_name, cores, _replica_bounds(bounds), logging.getLogger().getEffectiveLevel())
         for index, cores in enumerate(core_sets)]

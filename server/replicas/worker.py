@@ -30,6 +30,7 @@ class ReplicaInfo:
     dtype: str  # the compute dtype it chose
     num_cached_blocks: int  # blocks its prefix cache can hold at most (both pools)
     block_size: int
+    eos_token_ids: tuple[int, ...]  # the tokenizer's and the model's, as its engine stops on them
 
 
 class ReplicaWorker:
@@ -53,7 +54,7 @@ class ReplicaWorker:
         pool = engine.scheduler.block_pool
         return ReplicaInfo(self.index, os.getpid(), ray.util.get_node_ip_address(), self.cores, engine.max_model_len,
                            str(engine.dtype).removeprefix("torch."), pool.num_blocks + engine.plan.num_cpu_blocks,
-                           engine.config.cache.block_size)
+                           engine.config.cache.block_size, engine.eos_token_ids)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:

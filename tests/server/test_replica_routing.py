@@ -9,12 +9,13 @@ from engine.model_config import ConfigError
 from server.metrics import Metrics
 from server.replicas.metrics import merged_exposition
 from server.replicas.router import (PrefixIndex, PrefixRouting, Replica, ReplicaSet, RoundRobinRouting, block_hashes,
-                                    create_routing, max_load, replica_set)
+                                    ROUTING_TYPES, create_routing, max_load, replica_set)
+from server.replicas import ROUTINGS
 from server.replicas.worker import ReplicaInfo
 
 
 def replica(index: int, in_flight: int = 0, capacity: int = 100) -> Replica:
-    info = ReplicaInfo(index, 1000 + index, "10.0.0.1", (index,), 2048, "bfloat16", capacity, 16)
+    info = ReplicaInfo(index, 1000 + index, "10.0.0.1", (index,), 2048, "bfloat16", capacity, 16, (2,))
     return Replica(info, actor=None, prefixes=PrefixIndex(capacity), num_in_flight=in_flight)
 
 
@@ -85,6 +86,7 @@ def test_round_robin_takes_replicas_in_turn_whatever_they_hold():
 
 def test_an_unknown_routing_is_refused_by_its_flag():
     assert isinstance(create_routing("prefix"), PrefixRouting)
+    assert set(ROUTING_TYPES) == set(ROUTINGS)  # the flag's choices are the routings built
     with pytest.raises(ConfigError, match="--data-parallel-routing"):
         create_routing("random")
 

@@ -14,6 +14,7 @@ only computes faster would change the model's numbers for speed alone.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -192,6 +193,7 @@ def fit(request: FitRequest) -> Fit:
     a TTFT target is missed at the chunk budget and no flag fixes it, the budget doubles (up to
     max_model_len) until a plan meets the target: a prompt in fewer, larger forwards (streamed
     layers load once a forward)."""
+    request = replace(request, measure=functools.cache(request.measure))  # measured once however often fitted
     result = _fit(request)
     work = request.workload
     if request.meets_ttft(result.chosen) or request.fixed.max_num_batched_tokens:
